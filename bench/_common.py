@@ -1,0 +1,124 @@
+"""Shared pieces of the benchmarks: timing, peak memory, records.
+
+Every comparison is one `Record`: fastpo's figure and the baseline's, measured in the same
+run, and their ratio expressed so that > 1 always means fastpo is better.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+
+@dataclasses.dataclass
+class BenchContext:
+    """What every part's `run(ctx)` receives from `bench/throughput.py`."""
+
+    quick: bool = False
+    device: str = "cpu"
+    model: str = "smollm2-135m-instruct"
+    repeats: int = 3
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Record:
+    """One side-by-side comparison.
+
+    `higher_is_better` tells how `ratio` is formed: fastpo/baseline for rates (tokens/s),
+    baseline/fastpo for costs (seconds, bytes), so that ratio > 1 means fastpo wins.
+    `target` is the ratio the issue asks for (None where it sets none).
+    """
+
+    part: str
+    name: str
+    unit: str
+    fastpo: float
+    baseline: float | None
+    higher_is_better: bool
+    fastpo_spread: float = 0.0
+    baseline_spread: float = 0.0
+    baseline_name: str = ""
+    target: float | None = None
+    notes: str = ""
+    ratio: float | None = None
+    met: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.ratio is None and self.baseline not in (None, 0) and self.fastpo:
+            self.ratio = (self.fastpo / self.baseline) if self.higher_is_better else (self.baseline / self.fastpo)
+        if self.met is None and self.target is not None and self.ratio is not None:
+            self.met = self.ratio >= self.target
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Callable[[], None] | None = None) -> tuple[float, float]:
+    """Run `fn` `warmup` times untimed, then `repeats` times.
+
+    Returns (median seconds, spread seconds) where spread is max - min of the timed runs.
+    `sync` (e.g. torch.cuda.synchronize) is called before each clock read.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), max(times) - min(times)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_memory(fn: Callable[[], Any], device: str = "cpu", interval_s: float = 0.0005) -> tuple[int, Any]:
+    """Peak memory that `fn()` adds above what was in use when it started, in bytes.
+
+    On CUDA: torch.cuda.max_memory_allocated (exact). On the CPU: the process's resident
+    set sampled every `interval_s` seconds by a thread (large tensors are mmap'd and
+    touched when written, so they show; very short spikes can be missed). Returns
+    (peak bytes, fn's result).
+    """
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start, out
+    import gc
+
+    gc.collect()
+    start = _rss_bytes()
+    peak = [start]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(interval_s)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    try:
+        out = fn()
+        peak[0] = max(peak[0], _rss_bytes())
+    finally:
+        stop.set()
+        th.join()
+    return peak[0] - start, out

@@ -1,0 +1,1 @@
+"""Numba-compiled batched text-game environments: Bandit, Sokoban, FrozenLake."""

@@ -1,0 +1,1 @@
+"""Fused log-prob, entropy and clipped PPO/GRPO loss from hidden states (Triton + PyTorch)."""
