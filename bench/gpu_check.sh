@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU check: the CUDA tests, then every benchmark part with --device cuda at the paper's
+# scale on random:qwen2.5-0.5b. Installs nothing from the network; finishes in < 8 minutes on
+# one H100/H200. Figures land as JSON in $OUT (default bench/results/gpu-DATE).
+#
+# Carried in, in the ignored folder $FASTPO_GPU_CARRY (default .gpucarry), prepared on a
+# machine with network by `bash bench/gpu_check.sh --prepare`:
+#   whl/    wheels the GPU image lacks (gguf, liger-kernel), installed with --no-index
+#   cache/  fastpo's model cache holding the embedded tokenizer (the GGUF is too large to carry)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+CARRY=${FASTPO_GPU_CARRY:-.gpucarry}
+
+if [ "${1:-}" = "--prepare" ]; then
+    mkdir -p "$CARRY/whl" "$CARRY/cache"
+    grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
+    plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
+        -d "$CARRY/whl" gguf liger-kernel || exit 1
+    FASTPO_CACHE="$CARRY/cache" .venv/bin/python -c \
+        "from fastpo.models import cache_tokenizer_only; cache_tokenizer_only()" || exit 1
+    du -sh "$CARRY"
+    exit 0
+fi
+
+OUT=${OUT:-bench/results/gpu-$(date -u +%Y%m%d)}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/fastpo-site "$CARRY"/whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/fastpo-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# fastpo without pip: the package layout rebuilt from symlinks (kernels/ -> fastpo.kernels).
+SHIM=/tmp/fastpo-shim
+rm -rf "$SHIM" && mkdir -p "$SHIM/fastpo"
+for f in fastpo/*; do ln -s "$PWD/$f" "$SHIM/fastpo/"; done
+ln -s "$PWD/kernels" "$SHIM/fastpo/kernels"
+ln -s "$PWD/envs_native" "$SHIM/fastpo/envs_native"
+export PYTHONPATH=$SHIM:$PYTHONPATH
+[ -d "$CARRY/cache" ] && export FASTPO_CACHE=$PWD/$CARRY/cache
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
+echo "== GPU tests"
+timeout 150 $PY -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+tests_rc=${PIPESTATUS[0]}
+echo "== benchmarks (cuda, random:qwen2.5-0.5b, paper scale)"
+timeout 330 $PY bench/throughput.py --device cuda --model random:qwen2.5-0.5b --repeats 2 \
+    --json "$OUT/throughput_cuda.json" 2>&1 | tee "$OUT/throughput_cuda.log"
+bench_rc=${PIPESTATUS[0]}
+echo "gpu tests rc=$tests_rc bench rc=$bench_rc; results in $OUT"
+[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
