@@ -1,0 +1,157 @@
+"""Advantages for StarPO: GAE over model tokens (PPO) and group-normalized scores (GRPO, Dr.GRPO).
+
+All per-token tensors are [B, T] (B trajectories, right-padded to T tokens) and aligned with
+the trajectory's input ids; `loss_mask` [B, T] bool is True on the tokens the model sampled.
+Observation and chat-template tokens (loss mask False) carry no reward, no value and no
+advantage: GAE runs over the sequence of model tokens only, as RAGEN's trajectory-level PPO
+does (arXiv 2504.20073, Sec. 3.2, Eq. 4-6 with the critic's value on every model token).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _check_bt(name: str, x: torch.Tensor, shape: torch.Size) -> None:
+    if x.shape != shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(shape)} (same as loss_mask)")
+
+
+def place_rewards(loss_mask: torch.Tensor, scores: torch.Tensor, mode: str = "last_token",
+                  turn_index: Optional[torch.Tensor] = None,
+                  turn_rewards: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Token-level rewards [B, T] fp32 from trajectory-level results.
+
+    mode "last_token" (the paper's default): trajectory b's score `scores[b]` on its last
+    model token. mode "turn": `turn_rewards[b, k]` on the last model token of turn k
+    (tokens with `turn_index == k`), so returns seen from turn k include only later rewards.
+    A trajectory without any model token gets no reward (nothing to credit).
+
+    Args: loss_mask [B, T] bool; scores [B] float; turn_index [B, T] int (-1 off responses);
+    turn_rewards [B, K] float. Raises ValueError on an unknown mode or missing inputs.
+    """
+    mask = loss_mask.bool()
+    B, T = mask.shape
+    out = torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    pos = torch.arange(T, device=mask.device).expand(B, T)
+    if mode == "last_token":
+        if scores.shape != (B,):
+            raise ValueError(f"scores has shape {tuple(scores.shape)}, expected ({B},)")
+        last = torch.where(mask, pos, torch.full_like(pos, -1)).max(dim=1).values
+        has = last >= 0
+        rows = torch.arange(B, device=mask.device)[has]
+        out[rows, last[has]] = scores.to(torch.float32)[has]
+        return out
+    if mode == "turn":
+        if turn_index is None or turn_rewards is None:
+            raise ValueError("reward mode 'turn' needs turn_index [B, T] and turn_rewards [B, K]")
+        _check_bt("turn_index", turn_index, mask.shape)
+        if turn_rewards.shape[0] != B:
+            raise ValueError(f"turn_rewards has {turn_rewards.shape[0]} rows, expected {B}")
+        for k in range(turn_rewards.shape[1]):
+            sel = mask & (turn_index == k)
+            last = torch.where(sel, pos, torch.full_like(pos, -1)).max(dim=1).values
+            has = last >= 0
+            rows = torch.arange(B, device=mask.device)[has]
+            out[rows, last[has]] += turn_rewards[has, k].to(torch.float32)
+        return out
+    raise ValueError(f"unknown reward mode {mode!r}; use 'last_token' or 'turn'")
+
+
+@torch.no_grad()
+def compute_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
+                gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation over the model tokens of each trajectory.
+
+    With model-token positions t_1 < ... < t_M of a row (loss mask True), and V(t_{M+1}) = 0:
+        delta_i = r(t_i) + gamma * V(t_{i+1}) - V(t_i)
+        A(t_i)  = delta_i + gamma * lam * A(t_{i+1}),   return(t_i) = A(t_i) + V(t_i)
+    Observation tokens between turns are skipped (they are not actions), so with
+    gamma = lam = 1 (the paper's setting) A(t_i) = sum of rewards from t_i on - V(t_i).
+
+    Args: rewards, values [B, T] float (any dtype; computed in fp32); loss_mask [B, T] bool.
+    Returns (advantages, returns), each [B, T] fp32, zero where loss_mask is False.
+    Raises ValueError on shape mismatch or gamma/lam outside [0, 1].
+    """
+    mask = loss_mask.bool()
+    _check_bt("rewards", rewards, mask.shape)
+    _check_bt("values", values, mask.shape)
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma={gamma} and lam={lam} must be in [0, 1]")
+    B, T = mask.shape
+    counts = mask.sum(dim=1)
+    M = int(counts.max().item()) if B else 0
+    adv = torch.zeros(B, T, dtype=torch.float32, device=mask.device)
+    if M == 0:
+        return adv, adv.clone()
+    # Compress each row's model tokens to the left: [B, M] with a validity mask.
+    order = torch.argsort((~mask).to(torch.int32), dim=1, stable=True)[:, :M]
+    valid = torch.arange(M, device=mask.device).expand(B, M) < counts[:, None]
+    r = torch.gather(rewards.to(torch.float32), 1, order) * valid
+    v = torch.gather(values.to(torch.float32), 1, order) * valid
+    a = torch.zeros(B, M, dtype=torch.float32, device=mask.device)
+    next_v = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    next_a = torch.zeros(B, dtype=torch.float32, device=mask.device)
+    for i in range(M - 1, -1, -1):
+        ok = valid[:, i]
+        delta = r[:, i] + gamma * next_v - v[:, i]
+        cur = delta + gamma * lam * next_a
+        a[:, i] = torch.where(ok, cur, torch.zeros_like(cur))
+        next_v = torch.where(ok, v[:, i], next_v)
+        next_a = torch.where(ok, cur, next_a)
+    adv.scatter_(1, order, a * valid)
+    adv = adv * mask
+    ret = (adv + values.to(torch.float32)) * mask
+    return adv, ret
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the entries where `mask` is True; zero elsewhere.
+
+    Mean and (biased) variance are taken over all masked tokens of the batch. With
+    `shift_mean=False` the mean is added back (scale only). Returns fp32, same shape as x.
+    Raises ValueError on shape mismatch.
+    """
+    m = mask.bool()
+    _check_bt("x", x, m.shape)
+    n = m.sum()
+    if n == 0:
+        return torch.zeros_like(x, dtype=torch.float32)
+    xf = x.to(torch.float32)
+    mean = (xf * m).sum() / n
+    var = (((xf - mean) ** 2) * m).sum() / n
+    out = (xf - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std: bool = True,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalized trajectory advantages (GRPO; Dr.GRPO with scale_by_std=False).
+
+    For trajectory b in env group g: A_b = (R_b - mean_g) / (std_g + eps), std_g the
+    unbiased (n - 1) standard deviation of the group's scores, as verl/RAGEN compute it.
+    The RAGEN paper prints the max in place of the mean; the code and the field use the mean,
+    and so does fastpo. Dr.GRPO (arXiv 2503.20783) drops the std division: A_b = R_b - mean_g.
+    A group of one trajectory gets advantage 0.
+
+    Args: scores [B] float; group_ids [B] int. Returns [B] fp32.
+    Broadcast over model tokens with `adv[:, None] * loss_mask`.
+    Raises ValueError on shape mismatch.
+    """
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
+    s = scores.to(torch.float32)
+    out = torch.zeros_like(s)
+    for g in torch.unique(group_ids):
+        sel = group_ids == g
+        x = s[sel]
+        if x.numel() < 2:
+            continue
+        a = x - x.mean()
+        if scale_by_std:
+            a = a / (x.std(unbiased=True) + eps)
+        out[sel] = a
+    return out

@@ -1,0 +1,468 @@
+"""Training configuration: dataclasses with the paper's defaults, presets, YAML and dotted overrides.
+
+The schema is a tree of dataclasses (`TrainConfig` at the root). Defaults are the RAGEN
+paper's (arXiv 2504.20073, Sec. 5 and App. B; DESIGN.md "The paper in numbers"): 8 env
+groups x 16 trajectories, 5 turns, 10 actions, PPO mini-batch 32, GAE gamma = lambda = 1,
+entropy coefficient 0.001, actor lr 1e-6, critic lr 1e-5, grad clip 1.0, 200 iterations,
+eval on 256 fixed seeds at temperature 0.5 every 10 iterations, StarPO-S (top-25% reward-std
+filtering, no KL, clip-higher 0.2 / 0.28).
+
+A configuration is built in layers, each validated before any model loads:
+
+    defaults -> named preset (paper | cpu | starpo | grpo ...) -> environment preset
+             -> YAML file -> dotted command-line overrides (``algorithm.adv_estimator=grpo``)
+
+`load_config` does all of it; errors are `ConfigError` (a `ValueError`) naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, has the wrong type or an impossible value."""
+
+
+@dataclass
+class ModelConfig:
+    """Which policy model to train and how.
+
+    `name`: "smollm2-135m-instruct" (embedded), an HF id or local path, or "random:<shape>".
+    `dtype`: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
+    `lora_rank` > 0 trains LoRA adapters through peft instead of the full weights.
+    """
+
+    name: str = "smollm2-135m-instruct"
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class EnvConfig:
+    """The environment: `name` in {bandit, sokoban, frozenlake}; `options` go to `make_env`."""
+
+    name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
+    options: dict = field(default_factory=dict)
+
+
+@dataclass
+class RolloutSection:
+    """Rollout shape and sampling (paper: P=8 env groups x N=16, 5 turns, 10 actions)."""
+
+    env_groups: int = 8
+    group_size: int = 16
+    max_turns: int = 5
+    max_actions_per_turn: int = 5
+    max_actions_per_traj: int = 10
+    max_new_tokens: int = 400
+    max_context: int = 3600
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    think: bool = True
+    format_penalty: float = -0.1
+
+
+@dataclass
+class AlgorithmConfig:
+    """StarPO / StarPO-S algorithm settings.
+
+    `adv_estimator`: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env group)
+    or "drgrpo" (R - mean, no std division; Dr.GRPO).
+    `reward_position`: where a trajectory's reward sits for GAE: "last_token" (the last model
+    token of the trajectory, the paper's default) or "turn" (each turn's reward on that
+    turn's last model token).
+    `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
+    with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
+    `kl_coef` > 0 adds KL to a frozen reference model (plain StarPO), estimator k1 or k3.
+    """
+
+    adv_estimator: Literal["gae", "grpo", "drgrpo"] = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    reward_position: Literal["last_token", "turn"] = "last_token"
+    whiten_advantages: bool = True
+    filter_mode: Literal["top", "bottom", "none"] = "top"
+    filter_ratio: float = 0.25
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip: Optional[float] = 3.0
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    # critic (PPO only)
+    critic: Literal["separate", "shared"] = "separate"
+    value_clip: float = 0.5
+    value_coef: float = 0.5
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and update schedule. `mini_batch_size` counts trajectories; `micro_token_budget` tokens."""
+
+    actor_lr: float = 1e-6
+    critic_lr: float = 1e-5
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    ppo_epochs: int = 1
+    mini_batch_size: int = 32
+    micro_token_budget: int = 8192
+
+
+@dataclass
+class TrainerSection:
+    """Loop length, evaluation, logging, checkpoints, Echo-Trap warning."""
+
+    iterations: int = 200
+    seed: int = 0
+    device: str = "auto"
+    output_dir: str = ""
+    eval_every: int = 10
+    eval_seeds: int = 256
+    eval_seed_offset: int = 1_000_000
+    eval_temperature: float = 0.5
+    eval_group_size: int = 1
+    eval_before_training: bool = False
+    save_every: int = 10
+    keep_checkpoints: int = 2
+    num_samples: int = 4
+    ema_decay: float = 0.9
+    tensorboard: bool = False
+    wandb: bool = False
+    plots: bool = True
+    echo_trap_drop: float = 0.5
+    echo_trap_window: int = 5
+    kernel_impl: str = "auto"
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """The root of the configuration tree."""
+
+    preset: str = "paper"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def kept_groups(self) -> int:
+        """Env groups left after StarPO-S filtering (at least 1)."""
+        return kept_group_count(self.rollout.env_groups, self.algorithm.filter_mode, self.algorithm.filter_ratio)
+
+    @property
+    def train_batch_size(self) -> int:
+        """Trajectories per iteration after filtering."""
+        return self.kept_groups * self.rollout.group_size
+
+
+def kept_group_count(groups: int, mode: str, ratio: float) -> int:
+    """Number of env groups StarPO-S keeps: all for mode "none", else max(1, round(ratio * groups))."""
+    if mode == "none":
+        return groups
+    return max(1, min(groups, int(math.floor(ratio * groups + 0.5))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------
+
+#: Per-environment settings (what the game itself fixes), applied after the named preset.
+ENV_PRESETS: dict[str, dict] = {
+    "bandit": {"rollout": {"max_turns": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1}},
+    "sokoban": {"rollout": {"max_turns": 5, "max_actions_per_turn": 5, "max_actions_per_traj": 10}},
+    "frozenlake": {"rollout": {"max_turns": 5, "max_actions_per_turn": 5, "max_actions_per_traj": 10}},
+}
+
+#: Named presets. "paper" is the defaults; "cpu" is sized to finish `fastpo train --env
+#: frozenlake` on 2 cores in under 10 minutes.
+PRESETS: dict[str, dict] = {
+    "paper": {},
+    "cpu": {
+        "rollout": {"env_groups": 2, "group_size": 4, "max_turns": 3, "max_new_tokens": 48, "max_context": 1536},
+        "algorithm": {"filter_mode": "none", "critic": "shared"},
+        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 8, "micro_token_budget": 2048},
+        "trainer": {"iterations": 3, "eval_every": 3, "eval_seeds": 8, "save_every": 3, "num_samples": 2,
+                    "echo_trap_window": 1},
+    },
+    # StarPO (no -S): KL to a frozen reference, symmetric clipping, no filtering.
+    "starpo": {"algorithm": {"filter_mode": "none", "kl_coef": 0.001, "kl_estimator": "k3",
+                             "clip_low": 0.2, "clip_high": 0.2}},
+    "grpo": {"algorithm": {"adv_estimator": "grpo"}},
+    # tiny: what the end-to-end tests use (1 group x 2 trajectories, 1-2 turns, 16 new tokens).
+    "tiny": {
+        "rollout": {"env_groups": 1, "group_size": 2, "max_turns": 2, "max_new_tokens": 16, "max_context": 1024},
+        "algorithm": {"filter_mode": "none", "critic": "shared"},
+        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 2, "micro_token_budget": 1024},
+        "trainer": {"iterations": 2, "eval_every": 2, "eval_seeds": 2, "save_every": 1, "num_samples": 1,
+                    "echo_trap_window": 1, "plots": True, "progress": False},
+    },
+}
+
+#: What the CPU preset changes, said at start.
+CPU_PRESET_NOTE = (
+    "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
+    "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
+    "-> 2 groups x 4 trajectories, 3 turns, 48 new tokens/turn, 3 iterations, no filtering, critic sharing the "
+    "policy trunk, lr 1e-5, eval on 8 seeds. For the paper's scale use `--preset paper` on a GPU "
+    "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
+)
+
+
+def default_preset() -> str:
+    """"paper" when CUDA is available, else "cpu"."""
+    try:
+        import torch
+
+        return "paper" if torch.cuda.is_available() else "cpu"
+    except Exception:  # torch missing or broken: the CPU preset is the safe choice
+        return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# Merging and type checking
+# ---------------------------------------------------------------------------------------------
+
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check (and lightly coerce: int -> float) `value` against annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin is Literal:
+        return (value in typing.get_args(tp)), value
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return True, None
+                continue
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return (isinstance(value, int) and not isinstance(value, bool)), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is list or origin is list:
+        return isinstance(value, (list, tuple)), list(value) if isinstance(value, (list, tuple)) else value
+    if tp is dict or origin is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, tp), value
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
+    """Merge a nested dict into the dataclass tree `obj` in place.
+
+    Raises ConfigError naming the dotted key for an unknown key or a wrong type.
+    """
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(updates).__name__}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in updates.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {dotted!r}; valid keys here: {', '.join(sorted(names))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            apply_dict(current, value, dotted + ".")
+            continue
+        ok, coerced = _type_ok(value, hints[key])
+        if not ok:
+            raise ConfigError(f"config key {dotted!r}: expected {_describe(hints[key])}, got {value!r} "
+                              f"({type(value).__name__})")
+        if isinstance(current, dict) and isinstance(coerced, dict):
+            coerced = {**current, **coerced}
+        setattr(obj, key, coerced)
+
+
+def parse_override(text: str) -> dict:
+    """Turn ``"algorithm.clip_high=0.3"`` into ``{"algorithm": {"clip_high": 0.3}}``.
+
+    The value is read as YAML (numbers, true/false, null, [lists] work). Raises ConfigError
+    when there is no ``=`` or the key is empty.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Refuse impossible values with a ConfigError naming the key; returns `cfg`."""
+    r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
+
+    def need(cond: bool, key: str, value: Any, why: str) -> None:
+        if not cond:
+            raise ConfigError(f"config key {key!r} = {value!r}: {why}")
+
+    for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
+                "max_new_tokens", "max_context"):
+        need(getattr(r, key) >= 1, f"rollout.{key}", getattr(r, key), "must be >= 1")
+    need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
+         f"must be below rollout.max_context ({r.max_context})")
+    need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
+    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    need(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 = off)")
+    need(r.format_penalty <= 0, "rollout.format_penalty", r.format_penalty, "must be <= 0")
+    need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
+    need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
+    need(0 < a.filter_ratio <= 1, "algorithm.filter_ratio", a.filter_ratio, "must be in (0, 1]")
+    need(a.clip_low > 0, "algorithm.clip_low", a.clip_low, "must be > 0")
+    need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
+         f"must be >= algorithm.clip_low ({a.clip_low})")
+    need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 or null")
+    need(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "must be >= 0")
+    need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    need(a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0")
+    need(a.value_coef >= 0, "algorithm.value_coef", a.value_coef, "must be >= 0")
+    if a.adv_estimator in ("grpo", "drgrpo"):
+        need(r.group_size >= 2, "rollout.group_size", r.group_size,
+             f"must be >= 2 for adv_estimator={a.adv_estimator!r} (group-normalized advantages)")
+    need(o.actor_lr > 0, "optim.actor_lr", o.actor_lr, "must be > 0")
+    need(o.critic_lr > 0, "optim.critic_lr", o.critic_lr, "must be > 0")
+    need(o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0")
+    need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
+         "optim.betas", o.betas, "must be two numbers in [0, 1)")
+    need(o.ppo_epochs >= 1, "optim.ppo_epochs", o.ppo_epochs, "must be >= 1")
+    need(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "must be >= 1")
+    need(o.mini_batch_size <= cfg.train_batch_size, "optim.mini_batch_size", o.mini_batch_size,
+         f"is larger than the training batch ({cfg.kept_groups} kept env groups x {r.group_size} "
+         f"trajectories = {cfg.train_batch_size})")
+    need(o.micro_token_budget >= 16, "optim.micro_token_budget", o.micro_token_budget, "must be >= 16 tokens")
+    need(t.iterations >= 1, "trainer.iterations", t.iterations, "must be >= 1")
+    need(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
+    need(t.eval_seeds >= 1, "trainer.eval_seeds", t.eval_seeds, "must be >= 1")
+    need(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
+    need(t.eval_group_size >= 1, "trainer.eval_group_size", t.eval_group_size, "must be >= 1")
+    need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)")
+    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
+    need(0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in (0, 1)")
+    need(0 < t.echo_trap_drop < 1, "trainer.echo_trap_drop", t.echo_trap_drop, "must be in (0, 1)")
+    need(t.echo_trap_window >= 1, "trainer.echo_trap_window", t.echo_trap_window, "must be >= 1")
+    need(t.kernel_impl in ("auto", "reference", "chunked", "triton"), "trainer.kernel_impl", t.kernel_impl,
+         "must be auto, reference, chunked or triton")
+    need(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), "trainer.device", t.device,
+         "must be auto, cpu or cuda[:N]")
+    m = cfg.model
+    need(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0 = full fine-tuning)")
+    need(bool(m.name), "model.name", m.name, "must not be empty")
+    return cfg
+
+
+def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
+                overrides: Optional[list[str]] = None) -> TrainConfig:
+    """Build and validate a TrainConfig: defaults -> named presets -> env preset -> YAML -> overrides.
+
+    `preset` may be several comma-separated names applied in order (e.g. "cpu,grpo"); None
+    means `default_preset()`. A YAML file may itself name `env` and `preset`; the command
+    line's win. Raises ConfigError (ValueError) naming the bad key or value; FileNotFoundError
+    for a missing file.
+    """
+    file_dict: dict = {}
+    if file:
+        with open(file) as f:
+            try:
+                file_dict = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{file}: not valid YAML ({e})") from None
+        if not isinstance(file_dict, dict):
+            raise ConfigError(f"{file}: the top level must be a mapping")
+        file_dict = dict(file_dict)
+    override_dicts = [parse_override(o) for o in (overrides or [])]
+    env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
+    if env_name not in ENV_PRESETS:
+        raise ConfigError(f"unknown env {env_name!r}; choose from {', '.join(ENV_PRESETS)}")
+    preset_names = preset or file_dict.pop("preset", None) or default_preset()
+    file_dict.pop("preset", None)
+    cfg = TrainConfig()
+    cfg.env.name = env_name
+    names = [p.strip() for p in str(preset_names).split(",") if p.strip()]
+    for name in names:
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        apply_dict(cfg, PRESETS[name])
+    apply_dict(cfg, ENV_PRESETS[env_name])
+    cfg.preset = ",".join(names)
+    apply_dict(cfg, file_dict)
+    for d in override_dicts:
+        apply_dict(cfg, d)
+    if env and cfg.env.name != env:
+        cfg.env.name = env
+    if not cfg.trainer.output_dir:
+        cfg.trainer.output_dir = f"runs/{cfg.env.name}"
+    return validate(cfg)
+
+
+def config_from_dict(d: dict) -> TrainConfig:
+    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume)."""
+    cfg = TrainConfig()
+    apply_dict(cfg, d)
+    return validate(cfg)
+
+
+def _dig(dicts: list[dict], path: tuple[str, ...]) -> Any:
+    found = None
+    for d in dicts:
+        node: Any = d
+        for p in path:
+            node = node.get(p) if isinstance(node, dict) else None
+        if node is not None:
+            found = node
+    return found
+
+
+def dump_yaml(cfg: TrainConfig) -> str:
+    """The configuration as YAML text (what `OUT/config.yaml` holds)."""
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,105 @@
+"""Advantages, filtering, aggregation and the value loss against values computed by hand."""
+import math
+
+import pytest
+import torch
+
+from fastpo.algorithms import (aggregate_loss, clipped_value_loss, compute_gae, filter_groups, grpo_advantages,
+                               masked_whiten, place_rewards)
+
+
+def test_gae_skips_observation_tokens_hand_values():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 0]], dtype=torch.bool)
+    values = torch.tensor([[9.0, 0.5, 0.2, 9.0, 0.1, 9.0]])  # 9.0 off the mask must be ignored
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
+    adv, ret = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # i=2: 1 - 0.1 = 0.9; i=1: (0.09 - 0.2) + 0.72*0.9 = 0.538; i=0: (0.18 - 0.5) + 0.72*0.538 = 0.06736
+    expect = torch.tensor([[0.0, 0.06736, 0.538, 0.0, 0.9, 0.0]])
+    torch.testing.assert_close(adv, expect, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ret, (expect + values) * mask, atol=1e-6, rtol=0)
+
+
+def test_gae_gamma_lambda_one_is_reward_to_go_minus_value():
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+    values = torch.tensor([[0.1, 0.2, 0.0, 0.3, 0.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    scores = torch.tensor([2.0, -1.0])
+    rewards = place_rewards(mask, scores, "last_token")
+    assert rewards[0, 3] == 2.0 and rewards[1, 4] == -1.0 and rewards.sum() == 1.0
+    adv, ret = compute_gae(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(adv[0], torch.tensor([1.9, 1.8, 0.0, 1.7, 0.0]))
+    torch.testing.assert_close(adv[1], torch.tensor([0.0, -2.0, -3.0, -4.0, -5.0]))
+    torch.testing.assert_close(ret, scores[:, None].expand(2, 5) * mask)
+
+
+def test_turn_rewards_placement():
+    mask = torch.tensor([[0, 1, 1, 0, 1, 1, 0]], dtype=torch.bool)
+    turn = torch.tensor([[-1, 0, 0, -1, 1, 1, -1]])
+    r = place_rewards(mask, torch.tensor([0.0]), "turn", turn, torch.tensor([[0.5, -0.1, 7.0]]))
+    assert r.tolist() == [[0.0, 0.0, 0.5, 0.0, 0.0, pytest.approx(-0.1), 0.0]]
+    with pytest.raises(ValueError, match="turn"):
+        place_rewards(mask, torch.tensor([0.0]), "turn")
+    with pytest.raises(ValueError, match="unknown reward mode"):
+        place_rewards(mask, torch.tensor([0.0]), "first")
+
+
+def test_whiten():
+    x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 0.0, 0.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    w = masked_whiten(x, m)
+    sd = math.sqrt(2 / 3)  # values 1, 2, 3: mean 2, biased var 2/3
+    torch.testing.assert_close(w, torch.tensor([[-1 / sd, 0.0, 0.0], [1 / sd, 0.0, 0.0]]), atol=1e-5, rtol=0)
+
+
+def test_grpo_and_drgrpo_hand_values():
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.5])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1])
+    a = grpo_advantages(scores, groups)
+    # group 0: mean 0.25, unbiased std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5; group 1: all equal -> 0
+    torch.testing.assert_close(a, torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0]) / (0.5 + 1e-6))
+    d = grpo_advantages(scores, groups, scale_by_std=False)
+    torch.testing.assert_close(d, torch.tensor([0.75, -0.25, -0.25, -0.25, 0, 0]))
+    with pytest.raises(ValueError):
+        grpo_advantages(scores, groups[:3])
+
+
+def test_filter_top_bottom_none():
+    # group std: g0 = 0, g1 = std(0, 1) = 0.7071, g2 = std(0, 2) = 1.414, g3 = std(1, 1.5) = 0.3536
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 1.0, 1.5])
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    top = filter_groups(scores, groups, 0.25, "top")
+    assert top.kept_groups == [2] and top.indices.tolist() == [4, 5] and top.kept_ratio == 0.25
+    assert top.std_after == pytest.approx(math.sqrt(2))
+    top2 = filter_groups(scores, groups, 0.5, "top")
+    assert top2.kept_groups == [1, 2] and top2.indices.tolist() == [2, 3, 4, 5]
+    bottom = filter_groups(scores, groups, 0.5, "bottom")
+    assert bottom.kept_groups == [0, 3] and bottom.indices.tolist() == [0, 1, 6, 7]
+    none = filter_groups(scores, groups, 0.25, "none")
+    assert none.indices.tolist() == list(range(8)) and none.kept_ratio == 1.0
+    with pytest.raises(ValueError, match="filter mode"):
+        filter_groups(scores, groups, 0.25, "middle")
+
+
+def test_aggregation_modes_hand_values():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [5.0, 5.0, 5.0]])
+    m = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    assert aggregate_loss(x, m, "token-mean").item() == pytest.approx(7 / 3)
+    assert aggregate_loss(x, m, "seq-mean-token-sum").item() == pytest.approx(3.5)
+    assert aggregate_loss(x, m, "seq-mean-token-mean").item() == pytest.approx(2.75)
+    flat = x.flatten()
+    ids = torch.arange(3).repeat_interleave(3)
+    assert aggregate_loss(flat, m.flatten(), "seq-mean-token-mean", ids).item() == pytest.approx(2.75)
+    with pytest.raises(ValueError):
+        aggregate_loss(x, m, "sum")
+
+
+def test_clipped_value_loss_hand_values():
+    v = torch.tensor([1.0, 0.1], requires_grad=True)
+    old = torch.tensor([0.0, 0.0])
+    ret = torch.tensor([2.0, 0.0])
+    m = torch.tensor([True, True])
+    loss, met = clipped_value_loss(v, old, ret, m, clip=0.5)
+    # tok0: unclipped (1-2)^2=1, clipped (0.5-2)^2=2.25 -> 2.25; tok1: 0.01 both -> 0.01
+    assert loss.item() == pytest.approx(0.5 * (2.25 + 0.01) / 2)
+    assert met["value_clipfrac"] == 0.5
+    loss.backward()
+    assert v.grad[0].item() == 0.0  # the clipped branch has no gradient wrt V

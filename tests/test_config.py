@@ -1,0 +1,82 @@
+"""Config: paper defaults, presets, YAML + dotted overrides, validation errors naming the key."""
+import pytest
+
+from fastpo.config import ConfigError, TrainConfig, config_from_dict, dump_yaml, load_config, parse_override
+
+
+def test_paper_defaults():
+    c = load_config(env="sokoban", preset="paper")
+    r, a, o, t = c.rollout, c.algorithm, c.optim, c.trainer
+    assert (r.env_groups, r.group_size, r.max_turns, r.max_actions_per_traj) == (8, 16, 5, 10)
+    assert (a.gamma, a.lam, a.entropy_coef, a.clip_low, a.clip_high) == (1.0, 1.0, 0.001, 0.2, 0.28)
+    assert (a.filter_mode, a.filter_ratio, a.kl_coef) == ("top", 0.25, 0.0)
+    assert (o.actor_lr, o.critic_lr, o.grad_clip, o.mini_batch_size) == (1e-6, 1e-5, 1.0, 32)
+    assert (t.iterations, t.eval_seeds, t.eval_temperature, t.eval_every) == (200, 256, 0.5, 10)
+    assert c.train_batch_size == 32  # 2 of 8 groups kept x 16
+
+
+def test_env_and_named_presets_layer():
+    c = load_config(env="bandit", preset="cpu,grpo")
+    assert c.rollout.max_turns == 1 and c.rollout.env_groups == 2
+    assert c.algorithm.adv_estimator == "grpo"
+    s = load_config(env="frozenlake", preset="paper,starpo")
+    assert s.algorithm.kl_coef > 0 and s.algorithm.clip_high == s.algorithm.clip_low
+    assert s.algorithm.filter_mode == "none"
+
+
+def test_yaml_file_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("preset: cpu\nenv: {name: bandit}\nalgorithm:\n  adv_estimator: drgrpo\n  clip_high: 0.3\n")
+    c = load_config(file=str(p), overrides=["algorithm.clip_high=0.35", "trainer.iterations=7",
+                                            "algorithm.dual_clip=null"])
+    assert c.env.name == "bandit" and c.preset == "cpu"
+    assert c.algorithm.adv_estimator == "drgrpo" and c.algorithm.clip_high == 0.35
+    assert c.trainer.iterations == 7 and c.algorithm.dual_clip is None
+    # int given for a float field is accepted
+    assert load_config(env="bandit", preset="cpu", overrides=["optim.actor_lr=1"]).optim.actor_lr == 1.0
+    # round trip through a dict (resume path)
+    assert config_from_dict(c.to_dict()) == c
+    assert "adv_estimator: drgrpo" in dump_yaml(c)
+
+
+@pytest.mark.parametrize("override, words", [
+    ("algorithm.adv_estimatr=grpo", ["algorithm.adv_estimatr", "unknown"]),
+    ("nosection.x=1", ["nosection", "unknown"]),
+    ("rollout.group_size=0", ["rollout.group_size", ">= 1"]),
+    ("rollout.group_size=two", ["rollout.group_size", "expected int"]),
+    ("rollout.group_size=2.5", ["rollout.group_size", "expected int"]),
+    ("algorithm.clip_high=0.1", ["algorithm.clip_high", "clip_low"]),
+    ("optim.mini_batch_size=64", ["optim.mini_batch_size", "larger than the training batch"]),
+    ("algorithm.adv_estimator=ppo", ["algorithm.adv_estimator", "one of"]),
+    ("trainer.eval_temperature=0", ["trainer.eval_temperature", "> 0"]),
+    ("algorithm.filter_ratio=1.5", ["algorithm.filter_ratio"]),
+    ("algorithm.whiten_advantages=1", ["algorithm.whiten_advantages", "expected bool"]),
+    ("rollout=3", ["rollout", "mapping"]),
+    ("noequals", ["section.key=value"]),
+])
+def test_validation_names_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(env="frozenlake", preset="paper", overrides=[override])
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_grpo_needs_groups_and_bad_file(tmp_path):
+    with pytest.raises(ConfigError, match="group_size"):
+        load_config(env="bandit", preset="cpu", overrides=["algorithm.adv_estimator=grpo", "rollout.group_size=1",
+                                                           "optim.mini_batch_size=1"])
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config(env="bandit", preset="fast")
+    with pytest.raises(ConfigError, match="unknown env"):
+        load_config(env="chess", preset="cpu")
+    p = tmp_path / "bad.yaml"
+    p.write_text("algorithm: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(file=str(p))
+
+
+def test_parse_override_types():
+    assert parse_override("a.b=0.5") == {"a": {"b": 0.5}}
+    assert parse_override("a.b=true") == {"a": {"b": True}}
+    assert parse_override("a.b=[1, 2]") == {"a": {"b": [1, 2]}}
+    assert isinstance(TrainConfig().to_dict(), dict)
