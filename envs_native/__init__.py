@@ -1,1 +1,44 @@
-"""Numba-compiled batched text-game environments: Bandit, Sokoban, FrozenLake."""
+"""Numba-compiled batched text-game environments: Bandit, Sokoban, FrozenLake.
+
+    from fastpo.envs_native import make_env
+    env = make_env("frozenlake", 128, size=4, p=0.8)
+    obs = env.reset(range(128))                      # B observation texts
+    parsed = env.parse_actions(answers, max_actions=5)
+    result = env.step(parsed.actions)                # StepResult: reward, done, success, ...
+
+Every environment holds B instances as NumPy arrays and steps them in one compiled call
+(``@njit(cache=True)``, so only the first process on a machine pays the compile time).
+Importing this package loads NumPy and Numba only.
+"""
+from __future__ import annotations
+
+from ._core import BatchedTextEnv, ParsedActions, StepResult
+
+ENV_NAMES = ("bandit", "sokoban", "frozenlake")
+
+__all__ = ["ENV_NAMES", "BatchedTextEnv", "ParsedActions", "StepResult", "make_env"]
+
+
+def make_env(name: str, batch_size: int, **config) -> BatchedTextEnv:
+    """Build B instances of environment `name` (one of ENV_NAMES) with its config.
+
+    Config keys per environment are the keyword arguments of BanditEnv, SokobanEnv and
+    FrozenLakeEnv. Raises ValueError naming an unknown environment, an unknown config key
+    or a bad config value.
+    """
+    if name == "bandit":
+        from .bandit import BanditEnv as cls
+    elif name == "frozenlake":
+        from .frozenlake import FrozenLakeEnv as cls
+    elif name == "sokoban":
+        from .sokoban import SokobanEnv as cls
+    else:
+        raise ValueError(f"unknown environment {name!r}; choose one of {ENV_NAMES}")
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters
+    unknown = [k for k in config if k not in params or k in ("self", "batch_size")]
+    if unknown:
+        known = [k for k in params if k not in ("self", "batch_size")]
+        raise ValueError(f"unknown config key(s) {unknown} for {name!r}; known: {known}")
+    return cls(batch_size, **config)

@@ -1,0 +1,397 @@
+"""Pieces shared by the batched environments: per-instance RNG, answer parsing, text
+rendering, the result records and the base class with the public batched API.
+
+Design notes (why it looks like this):
+- Every instance owns a 64-bit SplitMix64 state derived from its seed only, so the
+  instance reset from seed s is identical whatever the batch size, its position in the
+  batch, or PYTHONHASHSEED.
+- Parsing and rendering run inside Numba too. Answers go in as one UCS-4 code point array
+  (``np.array(answers)`` is one C call) and rendered grids come out as one code point array
+  that NumPy views as B strings, so a whole turn costs a handful of Python calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+from numba import njit
+
+# ---------------------------------------------------------------------------------------
+# Random numbers: SplitMix64 (Steele, Lea, Flood 2014), one uint64 state per instance.
+# ---------------------------------------------------------------------------------------
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+_S11 = np.uint64(11)
+_INV53 = 1.0 / 9007199254740992.0  # 2**-53
+
+
+@njit(cache=True)
+def rng_next(state, i):
+    """Advance state[i] (uint64 array) and return the next 64-bit output (uint64)."""
+    state[i] = state[i] + _GOLDEN
+    z = state[i]
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+@njit(cache=True)
+def rng_uniform(state, i):
+    """A float64 uniform in [0, 1) from instance i's stream (53 random bits)."""
+    return np.float64(rng_next(state, i) >> _S11) * _INV53
+
+
+@njit(cache=True)
+def rng_below(state, i, n):
+    """An int64 uniform in [0, n) from instance i's stream (n >= 1; bias < 2**-40 for n < 2**13)."""
+    return np.int64((rng_next(state, i) >> _S11) % np.uint64(n))
+
+
+@njit(cache=True)
+def rng_seed_all(seeds, salt, out):
+    """out[b] = a well-mixed state from (seeds[b], salt); seeds, out: uint64 [B]."""
+    for b in range(seeds.shape[0]):
+        out[b] = seeds[b] * _GOLDEN + np.uint64(salt)
+        rng_next(out, b)  # decorrelate nearby seeds
+
+
+def seeds_to_array(seeds, batch_size: int) -> np.ndarray:
+    """Validate seeds (B non-negative integers) and return them as uint64 [B].
+
+    Raises TypeError for non-integer seeds, ValueError for a wrong count or negative seeds.
+    """
+    arr = np.asarray(seeds)
+    if arr.dtype == object:
+        try:
+            arr = np.asarray([int(s) for s in arr.ravel()]).reshape(arr.shape)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"seeds must be integers, got {seeds!r}") from e
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"seeds must be integers, got dtype {arr.dtype} ({seeds!r:.80})")
+    if arr.shape != (batch_size,):
+        raise ValueError(f"expected {batch_size} seeds (one per instance), got shape {arr.shape}")
+    if arr.dtype.kind == "i" and (arr < 0).any():
+        raise ValueError(f"seeds must be non-negative, got {int(arr.min())}")
+    return arr.astype(np.uint64)
+
+
+# ---------------------------------------------------------------------------------------
+# Results
+# ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class ParsedActions:
+    """Actions parsed from the answer texts of one turn.
+
+    actions: np.int64 [B, max_actions], action ids in order, padded with -1.
+    num_actions: np.int64 [B], number of recognised actions.
+    invalid: list of B lists of str, the unrecognised pieces (stripped) per instance.
+    all_valid: np.bool_ [B], True iff at least one action and no invalid piece
+        (the format check behind RAGEN's per-turn format penalty).
+    """
+
+    actions: np.ndarray
+    num_actions: np.ndarray
+    invalid: list
+    all_valid: np.ndarray
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one turn did to each instance.
+
+    reward: np.float32 [B], summed over the turn's executed actions.
+    done: np.bool_ [B], episode over (after this turn).
+    success: np.bool_ [B], episode solved.
+    num_executed: np.int32 [B], actions executed this turn.
+    valid: np.bool_ [B, A], action j was a legal id for instance b and was reached.
+    effective: np.bool_ [B, A], action j changed the state.
+    """
+
+    reward: np.ndarray
+    done: np.ndarray
+    success: np.ndarray
+    num_executed: np.ndarray
+    valid: np.ndarray
+    effective: np.ndarray
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing: "Up || left||RIGHT" -> action ids, case-insensitive (ASCII), cut to max_actions.
+# ---------------------------------------------------------------------------------------
+# Every code point for which Python's str.isspace() is True (what str.strip() removes);
+# tests/test_envs_parse.py checks this list against Python.
+WHITESPACE = tuple([9, 10, 11, 12, 13, 28, 29, 30, 31, 32, 0x85, 0xA0, 0x1680] + list(range(0x2000, 0x200B))
+                   + [0x2028, 0x2029, 0x202F, 0x205F, 0x3000])
+
+
+@njit(cache=True, inline="always")
+def _is_space(c):
+    if c <= 32:
+        return (9 <= c <= 13) or (28 <= c <= 32)
+    if c < 0x85:
+        return False
+    return (c == 0x85 or c == 0xA0 or c == 0x1680 or (0x2000 <= c <= 0x200A) or c == 0x2028
+            or c == 0x2029 or c == 0x202F or c == 0x205F or c == 0x3000)
+
+
+@njit(cache=True)
+def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions,
+                  actions, num_actions, inv_start, inv_end, num_invalid):
+    """Split each answer on '||', strip, match names (ASCII case-insensitive).
+
+    text: uint32 [B, L] code points; lengths: int64 [B]; name_codes: uint32 [N, K] lower-case
+    names; name_lens: int64 [N]; name_action: int64 [B, N] action id of name n for instance
+    b (-1: not an action of b). Outputs (preallocated): actions int64 [B, M] (-1 filled),
+    num_actions int64 [B], inv_start/inv_end int64 [B, M] spans of invalid pieces,
+    num_invalid int64 [B].
+    """
+    B = text.shape[0]
+    N = name_codes.shape[0]
+    for b in range(B):
+        n = lengths[b]
+        pieces = 0
+        na = 0
+        ni = 0
+        s = 0
+        while s <= n and pieces < max_actions:
+            # find the end of this piece: the next "||" or the end of the text
+            e = s
+            while e < n and not (text[b, e] == 124 and e + 1 < n and text[b, e + 1] == 124):
+                e += 1
+            a = s
+            z = e
+            while a < z and _is_space(text[b, a]):
+                a += 1
+            while z > a and _is_space(text[b, z - 1]):
+                z -= 1
+            if z > a:
+                pieces += 1
+                found = -1
+                ln = z - a
+                for k in range(N):
+                    if name_lens[k] != ln:
+                        continue
+                    same = True
+                    for j in range(ln):
+                        c = text[b, a + j]
+                        if 65 <= c <= 90:
+                            c += 32
+                        if c != name_codes[k, j]:
+                            same = False
+                            break
+                    if same:
+                        found = name_action[b, k]
+                        break
+                if found >= 0:
+                    actions[b, na] = found
+                    na += 1
+                else:
+                    inv_start[b, ni] = a
+                    inv_end[b, ni] = z
+                    ni += 1
+            s = e + 2
+        num_actions[b] = na
+        num_invalid[b] = ni
+
+
+class NameTable:
+    """All action names of an environment, lower-cased, with a per-instance id map.
+
+    names: the distinct action names (ASCII, no '||', no surrounding whitespace).
+    """
+
+    def __init__(self, names: Sequence[str]):
+        for n in names:
+            if not n or not n.isascii() or "||" in n or n != n.strip():
+                raise ValueError(f"action name {n!r} must be non-empty ASCII without '||' or surrounding spaces")
+        lowered = [n.lower() for n in names]
+        if len(set(lowered)) != len(lowered):
+            raise ValueError(f"action names must be distinct ignoring case, got {list(names)}")
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(lowered)}
+        width = max(len(n) for n in lowered)
+        self.codes = np.zeros((len(lowered), width), dtype=np.uint32)
+        for i, n in enumerate(lowered):
+            self.codes[i, : len(n)] = [ord(c) for c in n]
+        self.lens = np.array([len(n) for n in lowered], dtype=np.int64)
+
+
+def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, name_action: np.ndarray) -> ParsedActions:
+    """Parse B answer texts (the text inside <answer>...</answer>) into action ids.
+
+    answers: B strings (None or non-strings count as empty answers); max_actions >= 1.
+    table/name_action: the env's names and int64 [B, N] per-instance id map.
+    Never raises on any text. Raises ValueError only for a bad max_actions or count.
+    """
+    B = name_action.shape[0]
+    if isinstance(max_actions, bool) or not isinstance(max_actions, (int, np.integer)) or max_actions < 1:
+        raise ValueError(f"max_actions must be a positive integer, got {max_actions!r}")
+    if isinstance(answers, str) or len(answers) != B:
+        raise ValueError(f"expected {B} answers (one per instance), got {answers!r:.80}")
+    answers = [a if isinstance(a, str) else "" for a in answers]
+    M = int(max_actions)
+    actions = np.full((B, M), -1, dtype=np.int64)
+    num_actions = np.zeros(B, dtype=np.int64)
+    inv_start = np.zeros((B, M), dtype=np.int64)
+    inv_end = np.zeros((B, M), dtype=np.int64)
+    num_invalid = np.zeros(B, dtype=np.int64)
+    lengths = np.fromiter((len(a) for a in answers), dtype=np.int64, count=B)
+    try:
+        arr = np.array(answers, dtype=np.str_) if B else np.zeros((0,), dtype="<U1")
+        width = max(arr.dtype.itemsize // 4, 1)
+        text = np.ascontiguousarray(arr).view(np.uint32).reshape(B, width)
+    except Exception:  # e.g. lone surrogates NumPy cannot store: fall back to Python
+        from .reference import parse_answer
+
+        inv = []
+        for b, a in enumerate(answers):
+            names = {n: int(name_action[b, i]) for n, i in table.index.items() if name_action[b, i] >= 0}
+            acts, bad = parse_answer(a, names, M)
+            actions[b, : len(acts)] = acts
+            num_actions[b] = len(acts)
+            inv.append(bad)
+        return ParsedActions(actions, num_actions, inv, (num_actions > 0) & np.array([not x for x in inv], dtype=bool))
+    _parse_kernel(text, lengths, table.codes, table.lens, name_action, M, actions, num_actions, inv_start, inv_end, num_invalid)
+    invalid = [[] for _ in range(B)]
+    for b in np.flatnonzero(num_invalid):
+        invalid[b] = [answers[b][inv_start[b, j]:inv_end[b, j]] for j in range(num_invalid[b])]
+    all_valid = (num_actions > 0) & (num_invalid == 0)
+    return ParsedActions(actions, num_actions, invalid, all_valid)
+
+
+# ---------------------------------------------------------------------------------------
+# Rendering: code point arrays -> B Python strings in one NumPy view.
+# ---------------------------------------------------------------------------------------
+def codes_to_strings(codes: np.ndarray) -> list[str]:
+    """uint32 [B, L] code points (0-padded at the end) -> B str (trailing NULs dropped)."""
+    B, L = codes.shape
+    if L == 0:
+        return [""] * B
+    return np.ascontiguousarray(codes).view(np.dtype(("U", L))).reshape(B).tolist()
+
+
+def symbol_table(defaults: dict, overrides: dict | None) -> dict:
+    """Merge symbol overrides into defaults; each symbol must be one character.
+
+    Raises ValueError naming an unknown key or a bad symbol.
+    """
+    sym = dict(defaults)
+    for k, v in (overrides or {}).items():
+        if k not in defaults:
+            raise ValueError(f"unknown symbol key {k!r}; known: {sorted(defaults)}")
+        if not isinstance(v, str) or len(v) != 1 or v == "\n":
+            raise ValueError(f"symbol for {k!r} must be one character (not newline), got {v!r}")
+        sym[k] = v
+    return sym
+
+
+# ---------------------------------------------------------------------------------------
+# Base class
+# ---------------------------------------------------------------------------------------
+class BatchedTextEnv:
+    """B instances of a text game stepped together. Subclasses fill the state arrays.
+
+    Public API (all environments): reset(seeds), render(), instructions(),
+    action_names(i), parse_actions(answers, max_actions), step(actions, active),
+    and the arrays done, success, truncated (np.bool_ [B]).
+    """
+
+    name = "base"
+
+    def __init__(self, batch_size: int):
+        if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        self._B = int(batch_size)
+        self.done = np.ones(self._B, dtype=np.bool_)
+        self.success = np.zeros(self._B, dtype=np.bool_)
+        self.truncated = np.zeros(self._B, dtype=np.bool_)
+        self._was_reset = False
+
+    @property
+    def batch_size(self) -> int:
+        """Number of instances B."""
+        return self._B
+
+    # -- subclasses implement these -----------------------------------------------------
+    def reset(self, seeds) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def render(self) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def instructions(self) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def action_names(self, i: int) -> list[str]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _name_table(self) -> tuple[NameTable, np.ndarray]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _step_kernel(self, actions, active, out) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    # -- shared -------------------------------------------------------------------------
+    def _check_index(self, i) -> int:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self._B:
+            raise ValueError(f"instance index must be in [0, {self._B}), got {i!r}")
+        return int(i)
+
+    def _require_reset(self) -> None:
+        if not self._was_reset:
+            raise RuntimeError(f"{self.name}: call reset(seeds) before this")
+
+    def parse_actions(self, answers: Sequence[str], max_actions: int) -> ParsedActions:
+        """Parse the B answer texts of one turn; see `ParsedActions`.
+
+        Action names are matched ASCII case-insensitively after stripping whitespace;
+        pieces are separated by '||'; empty pieces are skipped; only the first
+        `max_actions` non-empty pieces are looked at. Never raises on any answer text.
+        """
+        self._require_reset()
+        table, name_action = self._name_table()
+        return parse_answers(answers, max_actions, table, name_action)
+
+    def step(self, actions, active=None) -> StepResult:
+        """Apply one turn: each instance's actions in order, stopping at the episode's end.
+
+        actions: integer array [B, A] of action ids, -1 = no action (padding). Ids outside
+        the instance's action range are skipped and reported as not valid.
+        active: optional bool [B]; inactive or already-done instances are not stepped
+        (reward 0, nothing changes). Returns a `StepResult`.
+        Raises ValueError for a wrong shape, TypeError for a non-integer array.
+        """
+        self._require_reset()
+        acts = np.asarray(actions)
+        if acts.dtype.kind not in "iu":
+            raise TypeError(f"actions must be an integer array, got dtype {acts.dtype}")
+        if acts.ndim == 1:
+            acts = acts[:, None]
+        if acts.ndim != 2 or acts.shape[0] != self._B:
+            raise ValueError(f"actions must have shape [{self._B}, A], got {np.shape(actions)}")
+        acts = np.ascontiguousarray(acts, dtype=np.int64)
+        if active is None:
+            act = np.ones(self._B, dtype=np.bool_)
+        else:
+            act = np.asarray(active)
+            if act.shape != (self._B,):
+                raise ValueError(f"active must have shape [{self._B}], got {act.shape}")
+            act = np.ascontiguousarray(act, dtype=np.bool_)
+        A = acts.shape[1]
+        out = StepResult(
+            reward=np.zeros(self._B, dtype=np.float32),
+            done=self.done,
+            success=self.success,
+            num_executed=np.zeros(self._B, dtype=np.int32),
+            valid=np.zeros((self._B, A), dtype=np.bool_),
+            effective=np.zeros((self._B, A), dtype=np.bool_),
+        )
+        self._step_kernel(acts, act, out)
+        out.done = self.done.copy()
+        out.success = self.success.copy()
+        return out

@@ -1,0 +1,310 @@
+"""Batched FrozenLake (RAGEN's multi-turn stochastic grid game), compiled with Numba.
+
+Dynamics follow gymnasium's ``FrozenLake-v1``: actions Left=0, Down=1, Right=2, Up=3;
+on slippery ice the agent moves in the intended direction with probability
+``success_prob`` (1/3 by default, as gymnasium) and in each perpendicular direction with
+probability (1 - success_prob) / 2; moves off the grid leave it in place. Reward 1 on
+reaching the goal; the episode ends in a hole or on the goal, or after ``max_steps``.
+Random maps are drawn like gymnasium's ``generate_random_map`` (each cell frozen with
+probability p, start top-left, goal bottom-right, redrawn until a path exists), but from the
+instance's own seeded stream, so they do not match gymnasium's maps for the same seed.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ._core import BatchedTextEnv, NameTable, codes_to_strings, rng_below, rng_seed_all, rng_uniform, seeds_to_array, symbol_table
+
+ACTIONS = ("Left", "Down", "Right", "Up")
+DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X", "player_on_goal": "√"}
+# gymnasium's named maps
+MAPS = {
+    "4x4": ["SFFF", "FHFH", "FFFH", "HFFG"],
+    "8x8": ["SFFFFFFF", "FFFFFFFF", "FFFHFFFF", "FFFFFHFF", "FFFHFFFF", "FHHFFFHF", "FHFFHFHF", "FFFHFFFG"],
+}
+_FROZEN, _HOLE, _GOAL = 0, 1, 2
+_SALT = 0xF20
+_MAX_MAP_TRIES = 100_000
+
+
+@njit(cache=True)
+def _has_path(grid, start, queue, seen):
+    """Breadth-first search over non-hole cells from start to any goal (grid int8 [R, C])."""
+    R, C = grid.shape
+    seen[:] = False
+    head = 0
+    tail = 1
+    queue[0] = start
+    seen[start] = True
+    while head < tail:
+        s = queue[head]
+        head += 1
+        r = s // C
+        c = s % C
+        if grid[r, c] == _GOAL:
+            return True
+        for d in range(4):
+            rr = r + (d == 1) - (d == 3)
+            cc = c + (d == 2) - (d == 0)
+            if 0 <= rr < R and 0 <= cc < C:
+                t = rr * C + cc
+                if not seen[t] and grid[rr, cc] != _HOLE:
+                    seen[t] = True
+                    queue[tail] = t
+                    tail += 1
+    return False
+
+
+@njit(cache=True)
+def _fl_reset(seeds, p, fixed, fixed_start, maps, pos, rng, steps):
+    """Reset every instance: seed its stream, draw (or copy) its map, place the player.
+
+    seeds uint64 [B]; fixed int8 [R, C] (used when fixed_start >= 0); maps int8 [B, R, C];
+    pos/steps int64 [B]; rng uint64 [B]. Returns -1, or the index of an instance for
+    which no solvable map was found.
+    """
+    B, R, C = maps.shape
+    rng_seed_all(seeds, _SALT, rng)
+    queue = np.empty(R * C, dtype=np.int64)
+    seen = np.empty(R * C, dtype=np.bool_)
+    for b in range(B):
+        steps[b] = 0
+        if fixed_start >= 0:
+            maps[b] = fixed
+            pos[b] = fixed_start
+            continue
+        ok = False
+        for _ in range(_MAX_MAP_TRIES):
+            for r in range(R):
+                for c in range(C):
+                    maps[b, r, c] = _FROZEN if rng_uniform(rng, b) < p else _HOLE
+            maps[b, 0, 0] = _FROZEN
+            maps[b, R - 1, C - 1] = _GOAL
+            if _has_path(maps[b], 0, queue, seen):
+                ok = True
+                break
+        if not ok:
+            return b
+        pos[b] = 0
+    return -1
+
+
+@njit(cache=True)
+def _fl_step(maps, pos, rng, steps, done, success, truncated, actions, active, slippery, p_intended, max_steps,
+             reward, num_exec, valid, effective):
+    """One turn for every active, not-done instance (see module docstring for dynamics)."""
+    B, R, C = maps.shape
+    A = actions.shape[1]
+    p_side = (1.0 - p_intended) / 2.0
+    for b in range(B):
+        if not active[b] or done[b]:
+            continue
+        for j in range(A):
+            a = actions[b, j]
+            if a < 0 or a > 3:
+                continue
+            valid[b, j] = True
+            num_exec[b] += 1
+            d = a
+            if slippery:
+                u = rng_uniform(rng, b)
+                if u < p_intended:
+                    d = a
+                elif u < p_intended + p_side:
+                    d = (a + 3) % 4
+                else:
+                    d = (a + 1) % 4
+            r = pos[b] // C
+            c = pos[b] % C
+            if d == 0:
+                c = max(c - 1, 0)
+            elif d == 1:
+                r = min(r + 1, R - 1)
+            elif d == 2:
+                c = min(c + 1, C - 1)
+            else:
+                r = max(r - 1, 0)
+            new = r * C + c
+            effective[b, j] = new != pos[b]
+            pos[b] = new
+            steps[b] += 1
+            t = maps[b, r, c]
+            if t == _GOAL:
+                reward[b] += 1.0
+                done[b] = True
+                success[b] = True
+            elif t == _HOLE:
+                done[b] = True
+            elif max_steps > 0 and steps[b] >= max_steps:
+                done[b] = True
+                truncated[b] = True
+            if done[b]:
+                break
+
+
+@njit(cache=True)
+def _fl_render(maps, pos, sym, out):
+    """Write each grid as code points into out uint32 [B, R*(C+1)-1].
+
+    sym uint32 [6]: player, frozen, hole, goal, player_in_hole, player_on_goal.
+    """
+    B, R, C = maps.shape
+    for b in range(B):
+        k = 0
+        for r in range(R):
+            if r > 0:
+                out[b, k] = 10
+                k += 1
+            for c in range(C):
+                t = maps[b, r, c]
+                if r * C + c == pos[b]:
+                    out[b, k] = sym[0] if t == _FROZEN else (sym[4] if t == _HOLE else sym[5])
+                else:
+                    out[b, k] = sym[1] if t == _FROZEN else (sym[2] if t == _HOLE else sym[3])
+                k += 1
+
+
+def parse_map(desc) -> tuple[np.ndarray, int]:
+    """Parse a gymnasium-notation map: a name ("4x4", "8x8"), a list of rows, or rows joined
+    by "/" or newlines, with S start, F frozen, H hole, G goal.
+
+    Returns (int8 [R, C] tiles, start cell index). Raises ValueError naming the bad row or
+    character, a missing/duplicate start, or a missing goal.
+    """
+    if isinstance(desc, str):
+        rows = MAPS[desc] if desc in MAPS else [r for r in desc.replace("\n", "/").split("/") if r.strip()]
+    else:
+        rows = ["".join(r) if not isinstance(r, str) else r for r in desc]
+    rows = [r.strip() for r in rows]
+    if not rows or not rows[0]:
+        raise ValueError(f"empty FrozenLake map {desc!r}")
+    C = len(rows[0])
+    grid = np.zeros((len(rows), C), dtype=np.int8)
+    start = []
+    goals = 0
+    for i, row in enumerate(rows):
+        if len(row) != C:
+            raise ValueError(f"FrozenLake map row {i} {row!r} has length {len(row)}, expected {C}")
+        for j, ch in enumerate(row.upper()):
+            if ch == "S":
+                start.append(i * C + j)
+            elif ch == "H":
+                grid[i, j] = _HOLE
+            elif ch == "G":
+                grid[i, j] = _GOAL
+                goals += 1
+            elif ch != "F":
+                raise ValueError(f"FrozenLake map row {i}, column {j}: unknown tile {ch!r} (use S, F, H, G)")
+    if len(start) != 1:
+        raise ValueError(f"FrozenLake map needs exactly one start 'S', found {len(start)}")
+    if goals == 0:
+        raise ValueError("FrozenLake map needs at least one goal 'G'")
+    return grid, start[0]
+
+
+class FrozenLakeEnv(BatchedTextEnv):
+    """B FrozenLake instances stepped together.
+
+    Config: size (int >= 2, default 4), p (frozen probability in (0, 1], default 0.8),
+    is_slippery (default True), success_prob (probability of the intended direction when
+    slippery, default 1/3 as gymnasium), desc (a fixed map in gymnasium notation; then
+    size and p are unused and every seed gives that map), max_steps (default 100, 0 = no
+    cap; hitting it ends the episode as truncated), symbols (overrides of DEFAULT_SYMBOLS).
+    Raises ValueError naming a bad config value.
+    """
+
+    name = "frozenlake"
+
+    def __init__(self, batch_size: int, size: int = 4, p: float = 0.8, is_slippery: bool = True,
+                 success_prob: float = 1.0 / 3.0, desc=None, max_steps: int = 100, symbols: dict | None = None):
+        super().__init__(batch_size)
+        if desc is not None:
+            self._fixed, self._fixed_start = parse_map(desc)
+        else:
+            if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 2:
+                raise ValueError(f"size must be an integer >= 2, got {size!r}")
+            if not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
+                raise ValueError(f"p (frozen probability) must be in (0, 1], got {p!r}")
+            self._fixed, self._fixed_start = np.zeros((int(size), int(size)), dtype=np.int8), -1
+        if not (isinstance(success_prob, (int, float)) and 0.0 <= success_prob <= 1.0):
+            raise ValueError(f"success_prob must be in [0, 1], got {success_prob!r}")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 0:
+            raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")
+        self.size = self._fixed.shape
+        self.p = float(p)
+        self.is_slippery = bool(is_slippery)
+        self.success_prob = float(success_prob)
+        self.max_steps = int(max_steps)
+        self.symbols = symbol_table(DEFAULT_SYMBOLS, symbols)
+        self._sym = np.array([ord(self.symbols[k]) for k in DEFAULT_SYMBOLS], dtype=np.uint32)
+        R, C = self.size
+        B = self._B
+        self._maps = np.zeros((B, R, C), dtype=np.int8)
+        self._pos = np.zeros(B, dtype=np.int64)
+        self._rng = np.zeros(B, dtype=np.uint64)
+        self._steps = np.zeros(B, dtype=np.int64)
+        self._table = NameTable(ACTIONS)
+        self._name_action = np.tile(np.arange(4, dtype=np.int64), (B, 1))
+        self._render_buf = np.zeros((B, R * (C + 1) - 1), dtype=np.uint32)
+
+    def reset(self, seeds) -> list[str]:
+        """Reset all B instances from B non-negative integer seeds; returns the B grid texts."""
+        s = seeds_to_array(seeds, self._B)
+        bad = _fl_reset(s, self.p, self._fixed, self._fixed_start, self._maps, self._pos, self._rng, self._steps)
+        if bad >= 0:
+            raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
+        self.done[:] = False
+        self.success[:] = False
+        self.truncated[:] = False
+        self._was_reset = True
+        return self.render()
+
+    def render(self) -> list[str]:
+        """The B current grids as text, rows separated by newlines."""
+        self._require_reset()
+        _fl_render(self._maps, self._pos, self._sym, self._render_buf)
+        return codes_to_strings(self._render_buf)
+
+    def instructions(self) -> list[str]:
+        """The game description for the prompt (the same for every instance)."""
+        s = self.symbols
+        slip = (f"The ice is slippery: you move in the intended direction only with probability "
+                f"{self.success_prob:.2g}, otherwise to one of the two perpendicular directions. "
+                if self.is_slippery else "")
+        text = (
+            "You are walking on a frozen lake and must reach the goal without falling into a hole.\n"
+            f"Symbols: {s['player']} you, {s['frozen']} frozen ice, {s['hole']} hole, {s['goal']} goal, "
+            f"{s['player_in_hole']} you in a hole, {s['player_on_goal']} you on the goal.\n"
+            f"{slip}Reaching the goal gives reward 1; falling into a hole ends the game.\n"
+            f"Valid actions: {', '.join(ACTIONS)}. Separate several actions with ' || '."
+        )
+        return [text] * self._B
+
+    def action_names(self, i: int) -> list[str]:
+        """Action names of instance i, in id order: Left, Down, Right, Up (gymnasium's ids)."""
+        self._check_index(i)
+        return list(ACTIONS)
+
+    def _name_table(self):
+        return self._table, self._name_action
+
+    def _step_kernel(self, acts, active, out) -> None:
+        _fl_step(self._maps, self._pos, self._rng, self._steps, self.done, self.success, self.truncated, acts, active,
+                 self.is_slippery, self.success_prob, self.max_steps, out.reward, out.num_executed, out.valid, out.effective)
+
+    # helpers for tests and users
+    def tiles(self, i: int) -> list[str]:
+        """Instance i's map in gymnasium notation (rows of S/F/H/G; S marks the start cell)."""
+        i = self._check_index(i)
+        self._require_reset()
+        R, C = self.size
+        start = self._fixed_start if self._fixed_start >= 0 else 0
+        rows = []
+        for r in range(R):
+            row = ""
+            for c in range(C):
+                t = self._maps[i, r, c]
+                row += "S" if r * C + c == start else "FHG"[t]
+            rows.append(row)
+        return rows
