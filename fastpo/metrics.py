@@ -1,0 +1,244 @@
+"""What the user sees and keeps: JSONL metrics with EMA copies, TensorBoard/W&B, PNG curves,
+the Echo-Trap early warning, sample trajectories and the end-of-run summary table.
+
+Metric names follow the field's conventions; units are in the name where they are not obvious
+(`time/rollout_s` seconds, `perf/train_tokens_per_s`). Every logged scalar `k` also gets an
+exponentially smoothed copy `ema/k` (x_ema <- d * x_ema + (1 - d) * x, d = `ema_decay`,
+started at the first value), as the RAGEN paper's curves are smoothed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Iterable, Optional
+
+#: Curves the RAGEN paper plots (Fig. 3-5), drawn to OUT/plots/<name>.png.
+PLOT_KEYS: dict[str, str] = {
+    "success_rate": "train/success_rate",
+    "eval_success_rate": "eval/success_rate",
+    "entropy": "train/rollout_entropy",
+    "reward_std": "train/in_group_reward_std",
+    "response_length": "train/response_length",
+    "grad_norm": "actor/grad_norm",
+    "score": "train/score_mean",
+}
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+class MetricsLogger:
+    """Appends one JSON object per iteration to `OUT/metrics.jsonl`, with EMA copies.
+
+    `resume_from` (an iteration number) keeps the file's records up to that iteration,
+    drops later ones (they belong to the interrupted run) and replays them to rebuild the
+    EMA state, so a resumed run writes exactly what an uninterrupted one would have.
+    TensorBoard (`tensorboard=True`, torch.utils.tensorboard) and Weights & Biases
+    (`wandb=True`, offline unless WANDB_MODE says otherwise) mirror the scalars.
+    """
+
+    def __init__(self, out_dir: str, ema_decay: float = 0.9, tensorboard: bool = False, wandb: bool = False,
+                 resume_from: Optional[int] = None, run_name: str = "fastpo", config: Optional[dict] = None):
+        if not 0 < ema_decay < 1:
+            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
+        os.makedirs(out_dir, exist_ok=True)
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.decay = ema_decay
+        self.ema: dict[str, float] = {}
+        self.records: list[dict] = []
+        if resume_from is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    line = line.strip()
+                    if not line:
+                        continue
+                    rec = json.loads(line)
+                    if rec.get("iteration", 0) <= resume_from:
+                        self.records.append(rec)
+                        self._update_ema(rec)
+            self._rewrite()
+        elif os.path.exists(self.path):
+            os.remove(self.path)
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        if wandb:
+            import wandb as _wandb  # optional dependency
+
+            os.environ.setdefault("WANDB_MODE", "offline")
+            self._wandb = _wandb.init(project="fastpo", name=run_name, dir=out_dir, config=config or {},
+                                      resume="allow")
+
+    def _update_ema(self, rec: dict) -> None:
+        for k, v in rec.items():
+            if k.startswith("ema/") or k == "iteration" or not _is_number(v):
+                continue
+            prev = self.ema.get(k)
+            self.ema[k] = float(v) if prev is None else self.decay * prev + (1 - self.decay) * float(v)
+
+    def _rewrite(self) -> None:
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            for rec in self.records:
+                f.write(json.dumps(rec) + "\n")
+        os.replace(tmp, self.path)
+
+    def log(self, iteration: int, metrics: dict) -> dict:
+        """Record one iteration's scalars (non-finite values are kept as null); returns the record with EMA copies."""
+        rec: dict[str, Any] = {"iteration": int(iteration)}
+        for k, v in metrics.items():
+            if isinstance(v, bool):
+                v = int(v)
+            if isinstance(v, (int, float)):
+                rec[k] = v if math.isfinite(float(v)) else None
+            elif isinstance(v, str):
+                rec[k] = v
+        self._update_ema(rec)
+        for k in list(rec):
+            if k in self.ema:
+                rec[f"ema/{k}"] = self.ema[k]
+        self.records.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self._tb is not None:
+            for k, v in rec.items():
+                if _is_number(v) and k != "iteration":
+                    self._tb.add_scalar(k, float(v), iteration)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in rec.items() if _is_number(v)}, step=iteration)
+        return rec
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+class EchoTrapDetector:
+    """Early warning of the "Echo Trap" (RAGEN Sec. 4.1): the policy collapses onto repetitive
+    reasoning, which shows first as in-group reward std and rollout entropy falling, before
+    the reward does.
+
+    The early values are the means over the first `window` iterations. From then on, at each
+    iteration the warning is raised when the EMA of in-group reward std AND of entropy have
+    both fallen to at most (1 - drop) x their early values while the EMA of success has not
+    risen above its early value. `update` returns the warning text (or None) and the state is
+    rebuilt by replaying records, so resume reproduces it.
+    """
+
+    STD_KEY = "train/in_group_reward_std"
+    ENT_KEY = "train/rollout_entropy"
+    SUCCESS_KEY = "train/success_rate"
+
+    def __init__(self, drop: float = 0.5, window: int = 5):
+        if not 0 < drop < 1:
+            raise ValueError(f"echo-trap drop must be in (0, 1), got {drop}")
+        if window < 1:
+            raise ValueError(f"echo-trap window must be >= 1, got {window}")
+        self.drop, self.window = drop, window
+        self.early: list[dict] = []
+        self.warned = False
+
+    def update(self, rec: dict) -> Optional[str]:
+        """Feed one logged record (with its `ema/` copies); returns a warning string or None."""
+        vals = {k: rec.get(k) for k in (self.STD_KEY, self.ENT_KEY, self.SUCCESS_KEY)}
+        if any(not _is_number(v) for v in vals.values()):
+            return None
+        if len(self.early) < self.window:
+            self.early.append(vals)
+            return None
+        base = {k: sum(e[k] for e in self.early) / len(self.early) for k in vals}
+        cur = {k: rec.get(f"ema/{k}", vals[k]) for k in vals}
+        limit = 1.0 - self.drop
+        collapsed = (base[self.STD_KEY] > 0 and cur[self.STD_KEY] <= limit * base[self.STD_KEY]
+                     and base[self.ENT_KEY] > 0 and cur[self.ENT_KEY] <= limit * base[self.ENT_KEY]
+                     and cur[self.SUCCESS_KEY] <= base[self.SUCCESS_KEY] + 1e-9)
+        if not collapsed:
+            return None
+        return (f"Echo Trap warning: in-group reward std {cur[self.STD_KEY]:.3g} (early {base[self.STD_KEY]:.3g}) "
+                f"and entropy {cur[self.ENT_KEY]:.3g} (early {base[self.ENT_KEY]:.3g}) fell by >= {self.drop:.0%} "
+                f"while success {cur[self.SUCCESS_KEY]:.3g} did not rise (early {base[self.SUCCESS_KEY]:.3g}). "
+                "Consider StarPO-S filtering (algorithm.filter_mode=top), a higher entropy_coef or a lower lr.")
+
+
+def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]] = None) -> list[str]:
+    """Draw each curve (raw and EMA) against iteration to `out_dir/<name>.png` with matplotlib (Agg).
+
+    Returns the paths written; a curve with no finite values is skipped.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for name, key in (keys or PLOT_KEYS).items():
+        pts = [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
+        if not pts:
+            continue
+        ema = [(r["iteration"], r[f"ema/{key}"]) for r in records if _is_number(r.get(f"ema/{key}"))]
+        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+        ax.plot(*zip(*pts), marker="o", ms=3, lw=1, alpha=0.6, label=key)
+        if len(ema) > 1:
+            ax.plot(*zip(*ema), lw=2, label="EMA")
+        ax.set_xlabel("iteration")
+        ax.set_title(name.replace("_", " "))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"{name}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "") -> str:
+    """Write sample trajectories as text to `out_dir/iter_XXXXXX.txt`; returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"iter_{iteration:06d}.txt")
+    with open(path, "w") as f:
+        if header:
+            f.write(header.rstrip() + "\n\n")
+        for i, t in enumerate(texts):
+            f.write(f"===== trajectory {i} =====\n{t.rstrip()}\n\n")
+    return path
+
+
+SUMMARY_KEYS = [
+    ("train/success_rate", "train success rate"),
+    ("eval/success_rate", "eval success rate"),
+    ("train/score_mean", "train score mean"),
+    ("train/in_group_reward_std", "in-group reward std"),
+    ("train/rollout_entropy", "rollout entropy (nats)"),
+    ("train/response_length", "response length (tokens)"),
+    ("actor/grad_norm", "actor grad norm"),
+    ("actor/approx_kl", "approx KL"),
+    ("time/iteration_s", "seconds / iteration"),
+]
+
+
+def summary_table(records: list[dict], title: str = "fastpo run summary"):
+    """A rich Table: first, last and best value of the main metrics over the run."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("metric", "first", "last", "best", "iteration of best"):
+        table.add_column(col)
+    for key, label in SUMMARY_KEYS:
+        pts = [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
+        if not pts:
+            continue
+        lower_better = key.startswith("time/")
+        best = (min if lower_better else max)(pts, key=lambda p: p[1])
+        table.add_row(label, f"{pts[0][1]:.4g}", f"{pts[-1][1]:.4g}", f"{best[1]:.4g}", str(best[0]))
+    return table
