@@ -1,1 +1,24 @@
-"""Fused log-prob, entropy and clipped PPO/GRPO loss from hidden states (Triton + PyTorch)."""
+"""Fused log-prob, entropy and clipped PPO/GRPO loss from hidden states (Triton + PyTorch).
+
+Usable on its own inside other trainers: it imports torch only (Triton lazily, on first
+use of the Triton path), nothing else from fastpo.
+
+    from fastpo.kernels import linear_logprob_entropy, linear_policy_loss
+    logprob, entropy = linear_logprob_entropy(hidden, lm_head.weight, targets)
+    out = linear_policy_loss(hidden, lm_head.weight, targets, old_logprob, advantages, loss_mask)
+    out.loss.backward()
+
+`causal_lm_*` run a transformers causal LM's decoder body and apply the same functions to
+its LM head with the one-token shift.
+"""
+from .api import (IMPLS, PolicyLossOutput, linear_logprob_entropy, linear_policy_loss, resolve_impl,
+                  triton_available)
+from .hf import causal_lm_hidden_states, causal_lm_logprob_entropy, causal_lm_policy_loss
+from .reference import (aggregation_weights, policy_loss_terms, reference_logprob_entropy,
+                        reference_policy_loss)
+
+__all__ = [
+    "IMPLS", "PolicyLossOutput", "linear_logprob_entropy", "linear_policy_loss", "resolve_impl",
+    "triton_available", "causal_lm_hidden_states", "causal_lm_logprob_entropy", "causal_lm_policy_loss",
+    "aggregation_weights", "policy_loss_terms", "reference_logprob_entropy", "reference_policy_loss",
+]

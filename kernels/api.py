@@ -1,0 +1,332 @@
+"""Public functions of `fastpo.kernels` and the dispatcher between implementations.
+
+impl="reference": materialized fp32 logits (`fastpo.kernels.reference`), for tests.
+impl="chunked":   bounded-memory PyTorch (`fastpo.kernels.chunked`), any device.
+impl="triton":    fused Triton kernels (`fastpo.kernels._triton`), CUDA tensors (or CPU
+                  tensors under TRITON_INTERPRET=1, set before the first Triton call).
+impl="auto":      triton on CUDA tensors when Triton imports, chunked elsewhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import torch
+
+from . import chunked as _chunked
+from .reference import (KL_ESTIMATORS, LOSS_AGGS, aggregation_weights, policy_loss_terms, policy_metrics,
+                        reference_logprob_entropy, reference_policy_loss)
+
+IMPLS = ("auto", "triton", "chunked", "reference")
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_triton_error: str | None = None
+
+
+def _triton_module():
+    """The Triton implementation, imported on first use (triton is optional)."""
+    from . import _triton
+
+    return _triton
+
+
+def triton_available() -> bool:
+    """True when `triton` imports (it does not say that a GPU is present)."""
+    global _triton_error
+    try:
+        _triton_module()
+        return True
+    except Exception as e:  # ImportError, or a broken triton install
+        _triton_error = f"{type(e).__name__}: {e}"
+        return False
+
+
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The implementation `impl` means for tensors on `device`; ValueError on a bad name.
+
+    "auto" -> "triton" on CUDA when Triton imports, else "chunked". "triton" on a CPU tensor
+    is allowed only under TRITON_INTERPRET=1 (the Triton interpreter, for tests).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "chunked"
+    if impl == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError(f"impl='triton' needs CUDA tensors (got device {device}) or TRITON_INTERPRET=1 "
+                             "set before triton is imported")
+        if not triton_available():
+            raise ValueError(f"impl='triton' but triton cannot be imported ({_triton_error})")
+    return impl
+
+
+def _check_linear(hidden, weight, targets, temperature) -> None:
+    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise TypeError(f"hidden and weight must be tensors, got {type(hidden).__name__} and {type(weight).__name__}")
+    if not isinstance(targets, torch.Tensor):
+        raise TypeError(f"targets must be a tensor, got {type(targets).__name__}")
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"hidden must be [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden {tuple(hidden.shape)} vs weight {tuple(weight.shape)}")
+    if hidden.dtype not in _FLOATS or weight.dtype not in _FLOATS:
+        raise TypeError(f"hidden and weight must be floating point, got {hidden.dtype} and {weight.dtype}")
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"targets must have shape [N]={hidden.shape[0]}, got {tuple(targets.shape)}")
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"targets must be an integer tensor, got {targets.dtype}")
+    if hidden.device != weight.device or hidden.device != targets.device:
+        raise ValueError(f"hidden, weight and targets must share a device, got {hidden.device}, {weight.device}, "
+                         f"{targets.device}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if targets.numel() and bool(((targets < 0) | (targets >= weight.shape[0])).any()):
+        bad = targets[(targets < 0) | (targets >= weight.shape[0])][0].item()
+        raise ValueError(f"targets must lie in [0, V={weight.shape[0]}), found {bad}")
+
+
+def _stats(impl, hidden, weight, targets, temperature, chunk_size):
+    if impl == "triton":
+        return _triton_module().triton_stats(hidden, weight, targets, temperature)
+    return _chunked.chunked_stats(hidden, weight, targets, temperature, chunk_size)
+
+
+def _grads(impl, hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size, need_h, need_w):
+    if impl == "triton":
+        return _triton_module().triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature,
+                                             need_h, need_w)
+    return _chunked.chunked_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size,
+                                  need_h, need_w)
+
+
+class _LogprobEntropyFunction(torch.autograd.Function):
+    """Forward: log-prob, entropy (and log-sum-exp, saved). Backward: recompute logits per tile."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, impl, chunk_size):
+        lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
+        ctx.save_for_backward(hidden, weight, targets, lse, ent)
+        ctx.temperature, ctx.impl, ctx.chunk_size = temperature, impl, chunk_size
+        return lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dh, dw = _grads(ctx.impl, hidden, weight, targets, lse, ent, g_lp.to(lse.dtype), g_ent.to(lse.dtype),
+                        ctx.temperature, ctx.chunk_size, need_h, need_w)
+        dh = dh.to(hidden.dtype) if need_h else None
+        dw = dw.to(weight.dtype) if need_w else None
+        return dh, dw, None, None, None, None
+
+
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    impl: str = "auto",
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-prob and entropy of softmax(hidden @ weight.T / temperature), fused.
+
+    hidden [N, H] bf16/fp16/fp32 (fp64 on the chunked and reference paths), weight [V, H]
+    (the LM head), targets [N] int64 in [0, V). Returns (logprob [N], entropy [N]) in fp32
+    (fp64 for fp64 inputs), in nats, without materializing the [N, V] logits (except
+    impl="reference"). Both outputs are differentiable with respect to hidden and weight;
+    the backward recomputes the logits tile by tile (no logits are kept).
+    `chunk_size`: tokens per chunk on the chunked path (default from a 64 MiB budget).
+    Raises ValueError/TypeError naming a bad shape, dtype, device, target, temperature or
+    impl.
+    """
+    _check_linear(hidden, weight, targets, temperature)
+    impl = resolve_impl(impl, hidden.device)
+    if impl == "reference":
+        return reference_logprob_entropy(hidden, weight, targets, temperature)
+    return _LogprobEntropyFunction.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
+                                         float(temperature), impl, chunk_size)
+
+
+@dataclasses.dataclass
+class PolicyLossOutput:
+    """Result of `linear_policy_loss` / `causal_lm_policy_loss`.
+
+    loss: scalar fp32, differentiable with respect to hidden and weight (the model).
+    logprob, entropy: per-token fp32, detached ([N], or [B, T] from the causal-LM adapter
+    with 0 where not computed). metrics: detached floats (see `policy_metrics`).
+    """
+
+    loss: torch.Tensor
+    logprob: torch.Tensor
+    entropy: torch.Tensor
+    metrics: dict[str, float]
+
+
+class _PolicyLossFunction(torch.autograd.Function):
+    """Forward computes the loss and, when a gradient is needed, d hidden and d weight too
+    (the loss's gradient with respect to log-prob and entropy is elementwise, so it is known
+    as soon as a token's log-prob and entropy are); backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, run, box):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, lp, ent, dh, dw, box["metrics"] = run(need_h, need_w)
+        # saved tensors (not ctx attributes) so that autograd frees them after backward
+        ctx.save_for_backward(dh.to(hidden.dtype) if need_h else None, dw.to(weight.dtype) if need_w else None)
+        ctx.mark_non_differentiable(lp, ent)
+        return loss, lp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g_loss, _g_lp, _g_ent):
+        dh, dw = ctx.saved_tensors
+        dh = None if dh is None else dh * g_loss.to(dh.dtype)
+        dw = None if dw is None else dw * g_loss.to(dw.dtype)
+        return dh, dw, None, None
+
+
+def _check_vec(name, x, n, device, allow_none=False):
+    if x is None:
+        if allow_none:
+            return
+        raise ValueError(f"{name} is required, got None")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    if x.shape != (n,):
+        raise ValueError(f"{name} must have shape [N]={n}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, hidden on {device}")
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ref_logprob: torch.Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    temperature: float = 1.0,
+    loss_agg: str = "token-mean",
+    seq_ids: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    denominator: float | None = None,
+    impl: str = "auto",
+    chunk_size: int | None = None,
+) -> PolicyLossOutput:
+    """Clipped PPO / GRPO policy loss straight from hidden states, fused with the LM head.
+
+    hidden [N, H] bf16/fp16/fp32, weight [V, H], targets [N] int64; old_logprob,
+    advantages, ref_logprob [N] float (nats); loss_mask [N] bool/float (1 = token trained
+    on). The per-token objective is `reference.policy_loss_terms` (PPO clipped surrogate
+    with clip_low / clip_high as in DAPO's clip-higher, optional dual clip c > 1 for
+    negative advantages, minus entropy_coef * entropy, plus kl_coef * KL estimator "k1" or
+    "k3" against ref_logprob), aggregated by `loss_agg` in {"token-mean",
+    "seq-mean-token-sum", "seq-mean-token-mean"} over sequences given by seq_ids [N] int64
+    or cu_seqlens [S+1] (offsets into N); `denominator` overrides the normalizer (see
+    `reference.aggregation_weights`). Log-prob and entropy use softmax(logits / temperature).
+
+    Returns PolicyLossOutput(loss scalar fp32 differentiable wrt hidden and weight,
+    logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats). Masked-out tokens
+    contribute nothing and get exactly zero gradient. The [N, V] logits are never held
+    (impl != "reference"): on the chunked/Triton paths the gradient is formed in the same
+    pass that recomputes each logits tile and is stored for backward.
+    Raises ValueError/TypeError naming a bad argument.
+    """
+    _check_linear(hidden, weight, targets, temperature)
+    n, dev = hidden.shape[0], hidden.device
+    _check_vec("old_logprob", old_logprob, n, dev)
+    _check_vec("advantages", advantages, n, dev)
+    _check_vec("loss_mask", loss_mask, n, dev)
+    _check_vec("ref_logprob", ref_logprob, n, dev, allow_none=True)
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+    for name, v in (("clip_low", clip_low), ("clip_high", clip_high), ("entropy_coef", entropy_coef),
+                    ("kl_coef", kl_coef)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    if clip_low >= 1.0:
+        raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {clip_low}")
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
+        raise ValueError(f"dual_clip must be None or a constant > 1, got {dual_clip!r}")
+    if kl_coef > 0 and ref_logprob is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprob, got None")
+    if cu_seqlens is not None:
+        if seq_ids is not None:
+            raise ValueError("give seq_ids or cu_seqlens, not both")
+        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(f"cu_seqlens must be non-decreasing offsets from 0 to N={n}, got {cu_seqlens.tolist()}")
+        seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
+    if seq_ids is not None:
+        _check_vec("seq_ids", seq_ids, n, dev)
+    if loss_agg != "token-mean" and seq_ids is None:
+        raise ValueError(f"loss_agg={loss_agg!r} needs seq_ids or cu_seqlens")
+    if denominator is not None and not (isinstance(denominator, (int, float)) and denominator > 0):
+        raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
+    impl = resolve_impl(impl, dev)
+    opts = dict(clip_low=float(clip_low), clip_high=float(clip_high), dual_clip=dual_clip,
+                entropy_coef=float(entropy_coef), kl_coef=float(kl_coef), kl_estimator=kl_estimator)
+    if impl == "reference":
+        loss, lp, ent, metrics = reference_policy_loss(
+            hidden, weight, targets, old_logprob, advantages, loss_mask, ref_logprob, temperature=temperature,
+            loss_agg=loss_agg, seq_ids=seq_ids, denominator=denominator, **opts)
+        return PolicyLossOutput(loss, lp, ent, metrics)
+
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.long().contiguous()
+    cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    sel = loss_mask.to(torch.float32) > 0
+    zero = torch.zeros((), dtype=cd, device=dev)
+    # Masked-out tokens may hold anything (padding, -inf); zero them so that nothing leaks.
+    old = torch.where(sel, old_logprob.to(cd), zero)
+    adv = torch.where(sel, advantages.to(cd), zero)
+    ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(cd), zero)
+    w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(cd)
+
+    def terms_of(sl, lp, ent):
+        return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl], **opts)
+
+    def coef_fn(sl, lp, ent):
+        """Elementwise d loss / d logprob and d loss / d entropy for tokens `sl`."""
+        with torch.enable_grad():
+            lp_ = lp.detach().to(cd).requires_grad_(True)
+            ent_ = ent.detach().to(cd).requires_grad_(True)
+            per_tok = terms_of(sl, lp_, ent_)["loss"] * w[sl]
+            g_lp, g_ent = torch.autograd.grad(per_tok.sum(), (lp_, ent_))
+        return torch.where(sel[sl], g_lp, zero), torch.where(sel[sl], g_ent, zero)
+
+    def run(need_h, need_w):
+        need = need_h or need_w
+        if impl == "triton":
+            tri = _triton_module()
+            lp, ent, lse = tri.triton_stats(hidden, weight, targets, temperature)
+            dh = dw = None
+            if need:
+                g_lp, g_ent = coef_fn(slice(None), lp, ent)
+                dh, dw = tri.triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature,
+                                          need_h, need_w)
+        else:
+            lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
+                                                     coef_fn if need else None, chunk_size, need_h, need_w)
+        terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
+        loss = torch.where(sel, terms["loss"] * w, zero).sum()
+        metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)
+        return loss, lp, ent, dh, dw, metrics
+
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        loss, lp, ent, _, _, metrics = run(False, False)
+        return PolicyLossOutput(loss, lp, ent, metrics)
+    box: dict = {}
+    loss, lp, ent = _PolicyLossFunction.apply(hidden, weight, run, box)
+    return PolicyLossOutput(loss, lp, ent, box["metrics"])

@@ -1,0 +1,191 @@
+"""Chunked PyTorch path: bounded memory, no Triton; what runs on the CPU.
+
+Tokens are processed in chunks of C rows, so at most a few [C, V] buffers exist at a time
+(C is chosen from a byte budget). Logits are computed in fp32 (fp64 for fp64 inputs).
+
+Three entry points, shared by the autograd functions in `fastpo.kernels.api`:
+* `chunked_stats`: log-prob, entropy and log-sum-exp per token (forward, no graph);
+* `chunked_grads`: given per-token upstream gradients of log-prob and entropy, recompute
+  each chunk's logits and return d hidden and d weight (backward of the generic function);
+* `chunked_fused`: one pass that, per chunk, computes the logits once, the log-prob and
+  entropy, asks `coef_fn` for the loss's per-token gradient (it is elementwise) and forms
+  d hidden and d weight right away (the policy loss: three matmuls, like naive autograd,
+  but with chunk-sized buffers).
+
+Gradient of one token with respect to its scaled logits z = logits / T, p = softmax(z):
+  d logprob / dz_v = 1[v = target] - p_v
+  d entropy / dz_v = -p_v (log p_v + entropy)          (the "z - E[z]" form: no log(0))
+and d / d logits = (1/T) d / dz.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+CoefFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def _lowp_gpu(weight: torch.Tensor) -> bool:
+    return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+
+
+def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result; bf16/fp16 GEMM with fp32 output where torch has it."""
+    if a.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return torch.mm(a.float(), b.float())
+    return torch.mm(a, b)
+
+
+def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4) -> int:
+    """Tokens per chunk: `chunk_size` if given, else what fits DEFAULT_CHUNK_BYTES."""
+    if chunk_size is not None:
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    rows = DEFAULT_CHUNK_BYTES // max(1, n_vocab * itemsize)
+    return max(16, rows // 16 * 16)
+
+
+class _Prepared:
+    """Weight in the compute dtype (once per call) and the GEMMs of one chunk."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+        self.cd = _compute_dtype(hidden)
+        self.lowp = _lowp_gpu(weight) and hidden.dtype == weight.dtype
+        self.w = weight if self.lowp else weight.to(self.cd)
+
+    def h(self, h_c: torch.Tensor) -> torch.Tensor:
+        return h_c if self.lowp else h_c.to(self.cd)
+
+    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+        return _mm_f32(h_c, self.w.T) if self.lowp else torch.mm(h_c, self.w.T)
+
+    def grads(self, dz: torch.Tensor, h_c: torch.Tensor, need_h: bool, need_w: bool):
+        """(dz @ W, dz.T @ h) for one chunk; the second in the compute dtype for accumulation."""
+        if self.lowp:
+            d = dz.to(self.w.dtype)
+            dh = torch.mm(d, self.w) if need_h else None
+            dw = _mm_f32(d.T, h_c) if need_w else None
+        else:
+            dh = torch.mm(dz, self.w) if need_h else None
+            dw = torch.mm(dz.T, h_c) if need_w else None
+        return dh, dw
+
+
+def _softmax_stats(z: torch.Tensor, t: torch.Tensor):
+    """In place: z (scaled logits [C, V]) becomes log p. Returns (logp, p, lse, entropy, logprob)."""
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.sub_(lse.unsqueeze(-1))
+    p = logp.exp()
+    entropy = -(p * logp).sum(-1)
+    logprob = logp.gather(1, t.unsqueeze(-1)).squeeze(-1)
+    return logp, p, lse, entropy, logprob
+
+
+def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor,
+         g_lp: torch.Tensor, g_ent: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """In place on p: d loss / d logits of a chunk, from per-token upstream gradients."""
+    # -p * (g_lp + g_ent * (log p + H)), then + g_lp at the target, then / T
+    dz = p.mul_(logp.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_lp.unsqueeze(-1))).neg_()
+    dz.scatter_add_(1, t.unsqueeze(-1), g_lp.unsqueeze(-1))
+    if inv_t != 1.0:
+        dz.mul_(inv_t)
+    return dz
+
+
+@torch.no_grad()
+def chunked_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprob [N], entropy [N], lse [N]) in the compute dtype; lse is of the scaled logits."""
+    n = hidden.shape[0]
+    prep = _Prepared(hidden, weight)
+    out = torch.empty(3, n, dtype=prep.cd, device=hidden.device)
+    inv_t = 1.0 / temperature
+    c = chunk_rows(weight.shape[0], chunk_size)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        z = prep.logits(prep.h(hidden[s:e]))
+        if inv_t != 1.0:
+            z.mul_(inv_t)
+        _, _, lse, ent, lp = _softmax_stats(z, targets[s:e])
+        out[0, s:e], out[1, s:e], out[2, s:e] = lp, ent, lse
+    return out[0], out[1], out[2]
+
+
+@torch.no_grad()
+def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature: float = 1.0,
+                  chunk_size: int | None = None, need_hidden: bool = True, need_weight: bool = True):
+    """d hidden [N, H] (hidden's dtype) and d weight [V, H] (fp32/fp64 accumulator), or None.
+
+    g_lp, g_ent [N]: upstream gradients of log-prob and entropy; lse, entropy [N] from
+    `chunked_stats`. Recomputes each chunk's logits.
+    """
+    n = hidden.shape[0]
+    prep = _Prepared(hidden, weight)
+    inv_t = 1.0 / temperature
+    c = chunk_rows(weight.shape[0], chunk_size)
+    dh = torch.empty_like(hidden) if need_hidden else None
+    dw = torch.zeros(weight.shape, dtype=prep.cd, device=weight.device) if need_weight else None
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        h_c = prep.h(hidden[s:e])
+        z = prep.logits(h_c)
+        if inv_t != 1.0:
+            z.mul_(inv_t)
+        logp = z.sub_(lse[s:e].to(z.dtype).unsqueeze(-1))
+        p = logp.exp()
+        dz = _dz_(p, logp, targets[s:e], entropy[s:e].to(z.dtype), g_lp[s:e].to(z.dtype),
+                  g_ent[s:e].to(z.dtype), inv_t)
+        dh_c, dw_c = prep.grads(dz, h_c, need_hidden, need_weight)
+        if need_hidden:
+            dh[s:e] = dh_c
+        if need_weight:
+            dw += dw_c
+    return dh, dw
+
+
+@torch.no_grad()
+def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn | None,
+                  chunk_size: int | None = None, need_hidden: bool = True, need_weight: bool = True):
+    """One pass: (logprob [N], entropy [N], d hidden or None, d weight or None).
+
+    coef_fn(rows: slice, logprob_chunk, entropy_chunk) -> (g_lp, g_ent) gives the upstream
+    gradient of the loss for those tokens; it must be elementwise in the tokens. With
+    coef_fn None only the forward is done.
+    """
+    n = hidden.shape[0]
+    prep = _Prepared(hidden, weight)
+    inv_t = 1.0 / temperature
+    c = chunk_rows(weight.shape[0], chunk_size)
+    stats = torch.empty(2, n, dtype=prep.cd, device=hidden.device)
+    grad = coef_fn is not None and (need_hidden or need_weight)
+    dh = torch.empty_like(hidden) if grad and need_hidden else None
+    dw = torch.zeros(weight.shape, dtype=prep.cd, device=weight.device) if grad and need_weight else None
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        h_c = prep.h(hidden[s:e])
+        z = prep.logits(h_c)
+        if inv_t != 1.0:
+            z.mul_(inv_t)
+        logp, p, _, ent, lp = _softmax_stats(z, targets[s:e])
+        stats[0, s:e], stats[1, s:e] = lp, ent
+        if not grad:
+            continue
+        g_lp, g_ent = coef_fn(slice(s, e), lp, ent)
+        dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t)
+        dh_c, dw_c = prep.grads(dz, h_c, need_hidden, need_weight)
+        if need_hidden:
+            dh[s:e] = dh_c
+        if need_weight:
+            dw += dw_c
+    return stats[0], stats[1], dh, dw

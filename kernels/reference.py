@@ -1,0 +1,218 @@
+"""The specification: plain PyTorch on materialized fp32 logits, written to be read.
+
+Everything fast in `fastpo.kernels` (the chunked PyTorch path and the Triton kernels) is
+tested against the functions here. Two layers:
+
+* `reference_logprob_entropy` materializes the [N, V] logits, so it is only for tests and
+  small shapes.
+* `policy_loss_terms`, `aggregation_weights` and `policy_metrics` are the per-token PPO /
+  GRPO loss on [N] vectors. They are elementwise (or cheap reductions over N), so the fused
+  paths reuse them as is: the per-token gradient of the loss with respect to log-prob and
+  entropy comes from autograd on these [N] vectors and is then folded into the kernel that
+  recomputes the logits.
+
+Notation (one token i of N): z = hidden_i @ weight.T / temperature (nats), p = softmax(z),
+logprob_i = log p[target_i], entropy_i = -sum_v p_v log p_v.
+"""
+from __future__ import annotations
+
+import torch
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATORS = ("k1", "k3")
+# Log-ratios are clamped to this range before exp(): a token whose probability moved by
+# more than e^20 would otherwise overflow the ratio (and its gradient) to inf.
+LOG_RATIO_CLAMP = 20.0
+
+
+def reference_logprob_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of `targets` and entropy of softmax(hidden @ weight.T / temperature).
+
+    hidden [N, H] and weight [V, H] (any float dtype, upcast to fp32, or kept in fp64),
+    targets [N] int64 in [0, V). Returns (logprob [N], entropy [N]) in fp32 (fp64 for fp64
+    inputs), in nats; differentiable through autograd. Materializes [N, V] logits.
+    """
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    logits = (hidden.to(dtype) @ weight.to(dtype).T) / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    logprob = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logprob, entropy
+
+
+def policy_loss_terms(
+    logprob: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    ref_logprob: torch.Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+) -> dict[str, torch.Tensor]:
+    """Per-token clipped PPO / GRPO objective (a loss: lower is better), all tensors [N].
+
+    ratio r = exp(logprob - old_logprob) (log-ratio clamped to +-20),
+    pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017,
+         eq. 7, with separate low/high epsilons: "clip-higher", DAPO arXiv 2503.14476),
+    dual clip (Ye et al. 2020, arXiv 1912.09729): for A < 0, pg = min(pg, -A c), c > 1,
+    kl = logprob - ref_logprob (k1) or exp(ref - lp) - (ref - lp) - 1 (k3, Schulman's
+         unbiased low-variance estimator of KL(pi || pi_ref)),
+    loss = pg - entropy_coef * entropy + kl_coef * kl.
+
+    Returns a dict with "loss", "pg", "kl" (zeros when no ref_logprob), "ratio", and boolean
+    "clip_low" (A < 0 and the lower clip is active), "clip_high" (A > 0 and the upper clip is
+    active), "dual_clip" (the dual clip is active). Differentiable with respect to logprob
+    and entropy.
+    """
+    log_ratio = (logprob - old_logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    clipped = pg_clipped > pg_unclipped
+    is_clip_high = clipped & (ratio > 1.0)
+    is_clip_low = clipped & (ratio < 1.0)
+    if dual_clip is not None:
+        pg_dual = -advantages * dual_clip
+        is_dual = (advantages < 0) & (pg > pg_dual)
+        pg = torch.where(is_dual, pg_dual, pg)
+    else:
+        is_dual = torch.zeros_like(clipped)
+    if ref_logprob is not None:
+        if kl_estimator == "k1":
+            kl = logprob - ref_logprob
+        else:
+            d = (ref_logprob - logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+            kl = torch.exp(d) - d - 1.0
+    else:
+        kl = torch.zeros_like(logprob)
+    loss = pg - entropy_coef * entropy + kl_coef * kl
+    return {"loss": loss, "pg": pg, "kl": kl, "ratio": ratio,
+            "clip_low": is_clip_low, "clip_high": is_clip_high, "dual_clip": is_dual}
+
+
+def aggregation_weights(
+    loss_mask: torch.Tensor,
+    loss_agg: str = "token-mean",
+    seq_ids: torch.Tensor | None = None,
+    denominator: float | None = None,
+) -> torch.Tensor:
+    """Weights w [N] fp32 such that the aggregated loss is sum_i w_i * loss_i.
+
+    loss_mask [N] bool or float (a float mask weights tokens). seq_ids [N] int (any values;
+    tokens with equal ids form one sequence), needed by the seq-mean-* modes. Modes
+    (verl's names): "token-mean" = sum(m l) / sum(m); "seq-mean-token-sum" = mean over
+    sequences of sum(m l); "seq-mean-token-mean" = mean over sequences of sum(m l) / sum(m).
+    Sequences are those with at least one masked-in token. `denominator`, when given,
+    replaces sum(m) (token-mean) or the number of sequences (seq-mean-*), e.g. the global
+    count over all micro-batches for gradient accumulation. With no masked-in token every
+    weight is 0. Raises ValueError on an unknown mode or missing seq_ids.
+    """
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    m = loss_mask.to(torch.float32)
+    if loss_agg == "token-mean":
+        denom = m.sum() if denominator is None else torch.tensor(float(denominator), device=m.device)
+        return m / denom.clamp(min=1e-12)
+    if seq_ids is None:
+        raise ValueError(f"loss_agg={loss_agg!r} needs seq_ids (one id per token), got None")
+    _, inv = torch.unique(seq_ids, return_inverse=True)
+    n_ids = int(inv.max().item()) + 1 if inv.numel() else 0
+    per_seq = torch.zeros(n_ids, dtype=torch.float32, device=m.device).index_add_(0, inv, m)
+    if denominator is None:
+        n_seqs = (per_seq > 0).sum().to(torch.float32).clamp(min=1.0)
+    else:
+        n_seqs = torch.tensor(float(denominator), device=m.device).clamp(min=1e-12)
+    if loss_agg == "seq-mean-token-sum":
+        return m / n_seqs
+    return m / per_seq.clamp(min=1e-12)[inv] / n_seqs
+
+
+def policy_metrics(
+    terms: dict[str, torch.Tensor],
+    entropy: torch.Tensor,
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    loss_mask: torch.Tensor,
+    weights: torch.Tensor,
+    with_kl: bool,
+) -> dict[str, float]:
+    """Detached scalar metrics over the masked-in tokens (one device sync).
+
+    clipfrac_low / clipfrac_high / clipfrac / clipfrac_dual: fraction of tokens where that
+    clip is active; approx_kl: mean k3 estimate of KL(pi_old || pi) = (r - 1) - log r;
+    ratio_mean / max / min; entropy: mean token entropy (nats); pg_loss: the aggregated
+    policy-gradient term (same weights as the loss); kl: mean KL to the reference (when
+    used). All 0.0 when no token is masked in.
+    """
+    sel = loss_mask.to(torch.float32) > 0
+    n = sel.sum().to(torch.float32).clamp(min=1.0)
+    f = sel.to(torch.float32)
+    ratio = terms["ratio"].detach()
+    log_ratio = (logprob.detach() - old_logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    any_sel = sel.any()
+    vals = {
+        "clipfrac_low": (terms["clip_low"].float() * f).sum() / n,
+        "clipfrac_high": (terms["clip_high"].float() * f).sum() / n,
+        "clipfrac": ((terms["clip_low"] | terms["clip_high"]).float() * f).sum() / n,
+        "clipfrac_dual": (terms["dual_clip"].float() * f).sum() / n,
+        "approx_kl": (((ratio - 1.0) - log_ratio) * f).sum() / n,
+        "ratio_mean": (ratio * f).sum() / n,
+        "ratio_max": torch.where(any_sel, torch.where(sel, ratio, -torch.inf).max(), 0.0),
+        "ratio_min": torch.where(any_sel, torch.where(sel, ratio, torch.inf).min(), 0.0),
+        "entropy": (entropy.detach() * f).sum() / n,
+        "pg_loss": (terms["pg"].detach() * weights).sum(),
+    }
+    if with_kl:
+        vals["kl"] = (terms["kl"].detach() * f).sum() / n
+    keys = list(vals)
+    out = torch.stack([vals[k].to(torch.float64).reshape(()) for k in keys]).tolist()
+    return dict(zip(keys, out))
+
+
+def reference_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ref_logprob: torch.Tensor | None = None,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    entropy_coef: float = 0.0,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    temperature: float = 1.0,
+    loss_agg: str = "token-mean",
+    seq_ids: torch.Tensor | None = None,
+    denominator: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The whole policy loss on materialized logits: (loss, logprob, entropy, metrics).
+
+    Same arguments and meaning as `fastpo.kernels.linear_policy_loss` (no validation here).
+    loss is a differentiable scalar; masked-out tokens are removed with torch.where so that
+    their gradient is exactly zero whatever their inputs hold.
+    """
+    logprob, entropy = reference_logprob_entropy(hidden, weight, targets, temperature)
+    sel = loss_mask.to(torch.float32) > 0
+    zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
+    old = torch.where(sel, old_logprob.to(logprob.dtype), zero)
+    adv = torch.where(sel, advantages.to(logprob.dtype), zero)
+    ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(logprob.dtype), zero)
+    terms = policy_loss_terms(logprob, entropy, old, adv, ref, clip_low=clip_low, clip_high=clip_high,
+                              dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
+                              kl_estimator=kl_estimator)
+    w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(logprob.dtype)
+    loss = torch.where(sel, terms["loss"] * w, zero).sum()
+    metrics = policy_metrics(terms, entropy, logprob, old, loss_mask, w, ref_logprob is not None)
+    return loss, logprob.detach(), entropy.detach(), metrics

@@ -1,0 +1,274 @@
+"""fastpo.kernels: the specification (reference) and the chunked PyTorch path.
+
+The reference materializes fp32 logits; the per-token loss terms are checked against
+hand-computed values, and both the reference and the chunked path against
+torch.autograd.gradcheck in float64.
+"""
+import math
+
+import pytest
+import torch
+
+from fastpo.kernels import (aggregation_weights, linear_logprob_entropy, linear_policy_loss, policy_loss_terms,
+                            reference_logprob_entropy)
+
+
+def _data(n, h, v, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g, dtype=torch.float64) * scale).to(dtype)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / math.sqrt(h)).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, targets
+
+
+# ---- the per-token loss formula against hand-computed numbers ----
+
+def test_policy_terms_clip_higher_by_hand():
+    lp = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
+    old = torch.log(torch.tensor([1 / 1.5, 1 / 1.1, 1 / 0.5, 1 / 0.9, 1.0]))  # ratios 1.5, 1.1, 0.5, 0.9, 1
+    adv = torch.tensor([2.0, 2.0, -1.0, -1.0, 3.0])
+    t = policy_loss_terms(lp, torch.zeros(5), old, adv, clip_low=0.2, clip_high=0.28)
+    r = torch.tensor([1.5, 1.1, 0.5, 0.9, 1.0])
+    torch.testing.assert_close(t["ratio"], r)
+    # A>0, r=1.5 > 1.28: clipped to 1.28; A<0, r=0.5 < 0.8: clipped to 0.8
+    expected = torch.tensor([-2 * 1.28, -2 * 1.1, 1 * 0.8, 1 * 0.9, -3.0])
+    torch.testing.assert_close(t["pg"], expected)
+    assert t["clip_high"].tolist() == [True, False, False, False, False]
+    assert t["clip_low"].tolist() == [False, False, True, False, False]
+    # A<0 with a large ratio is not clipped by PPO (pessimistic max), only by the dual clip
+    lp2, old2, adv2 = torch.tensor([0.0]), torch.log(torch.tensor([1 / 5.0])), torch.tensor([-1.0])
+    assert policy_loss_terms(lp2, torch.zeros(1), old2, adv2)["pg"].item() == pytest.approx(5.0)
+    t2 = policy_loss_terms(lp2, torch.zeros(1), old2, adv2, dual_clip=3.0)
+    assert t2["pg"].item() == pytest.approx(3.0) and t2["dual_clip"].item()
+
+
+def test_policy_terms_kl_and_entropy_by_hand():
+    lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    ent = torch.tensor([2.0, 3.0])
+    k1 = policy_loss_terms(lp, ent, lp, torch.zeros(2), ref, kl_coef=1.0, kl_estimator="k1")
+    torch.testing.assert_close(k1["kl"], lp - ref)
+    k3 = policy_loss_terms(lp, ent, lp, torch.zeros(2), ref, kl_coef=0.5, entropy_coef=0.1, kl_estimator="k3")
+    d = ref - lp
+    torch.testing.assert_close(k3["kl"], torch.exp(d) - d - 1)
+    torch.testing.assert_close(k3["loss"], -0.1 * ent + 0.5 * (torch.exp(d) - d - 1))
+    assert bool((k3["kl"] >= 0).all())
+
+
+def test_aggregation_weights_by_hand():
+    m = torch.tensor([1, 1, 0, 1, 1, 1, 0])
+    sid = torch.tensor([7, 7, 7, 3, 3, 3, 9])  # seq 9 has no masked-in token: not counted
+    torch.testing.assert_close(aggregation_weights(m, "token-mean"), m / 5.0)
+    torch.testing.assert_close(aggregation_weights(m, "seq-mean-token-sum", sid), m / 2.0)
+    torch.testing.assert_close(aggregation_weights(m, "seq-mean-token-mean", sid),
+                               torch.tensor([1 / 4, 1 / 4, 0, 1 / 6, 1 / 6, 1 / 6, 0]))
+    torch.testing.assert_close(aggregation_weights(m, "token-mean", denominator=10), m / 10.0)
+    assert aggregation_weights(torch.zeros(4), "token-mean").abs().sum() == 0
+    with pytest.raises(ValueError, match="seq_ids"):
+        aggregation_weights(m, "seq-mean-token-mean")
+
+
+# ---- numerics of the reference and the chunked path ----
+
+@pytest.mark.parametrize("v", [1000, 997, 33])
+def test_logprob_nonpositive_and_matches_log_softmax(v):
+    hidden, weight, targets = _data(48, 40, v, scale=3.0)
+    for impl in ("reference", "chunked"):
+        lp, ent = linear_logprob_entropy(hidden, weight, targets, impl=impl, chunk_size=13)
+        logits = hidden.double() @ weight.double().T
+        ref = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+        assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+        assert bool((lp <= 0).all()), impl
+        torch.testing.assert_close(lp.double(), ref, atol=2e-5, rtol=1e-5)
+        assert bool((ent >= 0).all()) and bool((ent <= math.log(v) + 1e-4).all())
+
+
+def _with_bias(hidden, weight, bias):
+    """Append a constant-1 feature so that logits = hidden @ weight.T + bias."""
+    h = torch.cat([hidden, torch.ones(hidden.shape[0], 1, dtype=hidden.dtype)], 1)
+    w = torch.cat([weight, torch.full((weight.shape[0], 1), bias, dtype=weight.dtype)], 1)
+    return h, w
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_all_negative_logits_and_temperature(temperature):
+    hidden, weight, targets = _data(32, 24, 517)
+    h, w = _with_bias(hidden, weight, -50.0)
+    lp_shift, ent_shift = linear_logprob_entropy(h, w, targets, temperature, impl="chunked", chunk_size=8)
+    lp, ent = reference_logprob_entropy(hidden.double(), weight.double(), targets, temperature)
+    # a constant shift of all logits changes neither log-probs nor entropy
+    torch.testing.assert_close(lp_shift.double(), lp, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent_shift.double(), ent, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_gradcheck_logprob_entropy(temperature):
+    hidden, weight, targets = _data(6, 5, 11, dtype=torch.float64)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    for impl in ("reference", "chunked"):
+        def f(h, w):
+            lp, ent = linear_logprob_entropy(h, w, targets, temperature, impl=impl, chunk_size=4)
+            return lp, ent
+        assert torch.autograd.gradcheck(f, (hidden, weight), eps=1e-6, atol=1e-6), impl
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"])
+def test_gradcheck_policy_loss(loss_agg):
+    n = 9
+    hidden, weight, targets = _data(n, 5, 13, dtype=torch.float64, seed=1)
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        lp, _ = reference_logprob_entropy(hidden, weight, targets, 0.5)
+    # old log-probs away from the clip kinks so that finite differences are valid
+    old = lp + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    ref = lp + 0.3 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    mask = torch.tensor([0, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    sid = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2])
+    kw = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01, kl_coef=0.1, temperature=0.5, loss_agg=loss_agg,
+              seq_ids=sid)
+    for impl in ("reference", "chunked"):
+        def f(h, w):
+            return linear_policy_loss(h, w, targets, old, adv, mask, ref, impl=impl, chunk_size=4, **kw).loss
+        assert torch.autograd.gradcheck(f, (hidden, weight), eps=1e-6, atol=1e-6), impl
+
+
+def test_chunked_matches_reference_mid_size():
+    n, h, v = 512, 64, 3001
+    hidden, weight, targets = _data(n, h, v, seed=3, scale=2.0)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        lp, _ = reference_logprob_entropy(hidden, weight, targets, 0.7)
+    old = lp + 0.3 * torch.randn(n, generator=g)
+    adv = torch.randn(n, generator=g)
+    ref = lp + 0.3 * torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.25
+    sid = torch.arange(n) // 37
+    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.001, kl_coef=0.05, kl_estimator="k1",
+              temperature=0.7, loss_agg="seq-mean-token-mean", seq_ids=sid)
+    outs, grads = {}, {}
+    for impl in ("reference", "chunked"):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        outs[impl] = linear_policy_loss(hh, ww, targets, old, adv, mask, ref, impl=impl, chunk_size=100, **kw)
+        outs[impl].loss.backward()
+        grads[impl] = (hh.grad, ww.grad)
+    a, b = outs["chunked"], outs["reference"]
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(a.logprob, b.logprob, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=1e-5)
+    for x, y in zip(grads["chunked"], grads["reference"]):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-4)
+    for k, val in b.metrics.items():
+        assert a.metrics[k] == pytest.approx(val, abs=1e-5, rel=1e-4), k
+    assert a.metrics["clipfrac"] > 0 and a.metrics["clipfrac_high"] > 0 and a.metrics["clipfrac_low"] > 0
+
+
+def test_bf16_inputs_fp32_outputs():
+    hidden, weight, targets = _data(64, 48, 1000, dtype=torch.bfloat16, seed=5, scale=2.0)
+    g_lp, g_ent = torch.randn(64), torch.randn(64)
+    res = {}
+    for impl in ("reference", "chunked"):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = linear_logprob_entropy(hh, ww, targets, 0.5, impl=impl, chunk_size=16)
+        assert lp.dtype == ent.dtype == torch.float32
+        (lp * g_lp + ent * g_ent).sum().backward()
+        assert hh.grad.dtype == ww.grad.dtype == torch.bfloat16
+        res[impl] = (lp, ent, hh.grad.float(), ww.grad.float())
+    for x, y in zip(res["chunked"][:2], res["reference"][:2]):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    for x, y in zip(res["chunked"][2:], res["reference"][2:]):
+        torch.testing.assert_close(x, y, atol=1e-2, rtol=1e-2)
+
+
+def test_masked_tokens_get_exactly_zero_gradient():
+    n = 40
+    hidden, weight, targets = _data(n, 16, 300, seed=6)
+    mask = torch.arange(n) % 3 == 0
+    # masked-out entries hold garbage that must not leak
+    old = torch.where(mask, -torch.rand(n), torch.full((n,), -torch.inf))
+    adv = torch.where(mask, torch.randn(n), torch.full((n,), torch.nan))
+    for impl in ("reference", "chunked"):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = linear_policy_loss(hh, ww, targets, old, adv, mask, entropy_coef=0.01, impl=impl, chunk_size=7)
+        out.loss.backward()
+        assert torch.isfinite(out.loss)
+        assert bool((hh.grad[~mask] == 0).all()), impl
+        assert bool(hh.grad[mask].abs().sum() > 0) and torch.isfinite(ww.grad).all()
+        # the weight gradient equals the one from only the masked-in rows
+        h2, w2 = hidden[mask].clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out2 = linear_policy_loss(h2, w2, targets[mask], old[mask], adv[mask], torch.ones(int(mask.sum())),
+                                  entropy_coef=0.01, impl=impl)
+        out2.loss.backward()
+        torch.testing.assert_close(ww.grad, w2.grad, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(out.loss, out2.loss)
+
+
+def test_on_policy_ratio_exactly_one():
+    hidden, weight, targets = _data(100, 32, 777, seed=7)
+    mask = torch.ones(100, dtype=torch.bool)
+    for impl in ("reference", "chunked"):
+        with torch.no_grad():
+            old, _ = linear_logprob_entropy(hidden, weight, targets, 0.5, impl=impl)
+        out = linear_policy_loss(hidden.requires_grad_(True), weight, targets, old, torch.randn(100), mask,
+                                 temperature=0.5, impl=impl)
+        hidden.requires_grad_(False)
+        m = out.metrics
+        assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0 and m["clipfrac"] == 0.0, (impl, m)
+        assert m["approx_kl"] == 0.0
+
+
+def test_entropy_gradient_finite_with_underflowing_probabilities():
+    # huge logits: most probabilities underflow to exactly 0 in fp32
+    hidden, weight, targets = _data(16, 8, 500, seed=8, scale=400.0)
+    for impl in ("reference", "chunked"):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        lp, ent = linear_logprob_entropy(hh, ww, targets, impl=impl)
+        ent.sum().backward()
+        assert torch.isfinite(hh.grad).all() and torch.isfinite(ww.grad).all(), impl
+        assert torch.isfinite(lp).all() and bool((ent >= 0).all())
+
+
+def test_bad_inputs_raise_clear_errors():
+    hidden, weight, targets = _data(4, 8, 10)
+    z = torch.zeros(4)
+    with pytest.raises(ValueError, match="'cuda-magic'"):
+        linear_logprob_entropy(hidden, weight, targets, impl="cuda-magic")
+    with pytest.raises(ValueError, match="found 10"):
+        linear_logprob_entropy(hidden, weight, torch.tensor([0, 1, 2, 10]))
+    with pytest.raises(ValueError, match="temperature"):
+        linear_logprob_entropy(hidden, weight, targets, 0.0)
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        linear_logprob_entropy(hidden, weight[:, :5], targets)
+    with pytest.raises(TypeError, match="integer"):
+        linear_logprob_entropy(hidden, weight, targets.float())
+    with pytest.raises(ValueError, match="'token-sum'"):
+        linear_policy_loss(hidden, weight, targets, z, z, z, loss_agg="token-sum")
+    with pytest.raises(ValueError, match="'k2'"):
+        linear_policy_loss(hidden, weight, targets, z, z, z, kl_estimator="k2")
+    with pytest.raises(ValueError, match="dual_clip"):
+        linear_policy_loss(hidden, weight, targets, z, z, z, dual_clip=0.5)
+    with pytest.raises(ValueError, match="ref_logprob"):
+        linear_policy_loss(hidden, weight, targets, z, z, z, kl_coef=0.1)
+    with pytest.raises(ValueError, match="seq_ids"):
+        linear_policy_loss(hidden, weight, targets, z, z, z, loss_agg="seq-mean-token-sum")
+    with pytest.raises(ValueError, match="advantages"):
+        linear_policy_loss(hidden, weight, targets, z, torch.zeros(5), z)
+    if not torch.cuda.is_available():
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            with pytest.raises(ValueError, match="CUDA"):
+                linear_logprob_entropy(hidden, weight, targets, impl="triton")
+
+
+def test_cu_seqlens_equals_seq_ids():
+    hidden, weight, targets = _data(10, 8, 50, seed=9)
+    old, adv, mask = -torch.rand(10), torch.randn(10), torch.ones(10)
+    a = linear_policy_loss(hidden, weight, targets, old, adv, mask, loss_agg="seq-mean-token-mean",
+                           cu_seqlens=torch.tensor([0, 3, 3, 10]))
+    b = linear_policy_loss(hidden, weight, targets, old, adv, mask, loss_agg="seq-mean-token-mean",
+                           seq_ids=torch.tensor([0, 0, 0, 2, 2, 2, 2, 2, 2, 2]))
+    torch.testing.assert_close(a.loss, b.loss)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        linear_policy_loss(hidden, weight, targets, old, adv, mask, cu_seqlens=torch.tensor([0, 3, 9]))
