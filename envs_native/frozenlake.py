@@ -246,7 +246,7 @@ class FrozenLakeEnv(BatchedTextEnv):
         self._steps = np.zeros(B, dtype=np.int64)
         self._table = NameTable(ACTIONS)
         self._name_action = np.tile(np.arange(4, dtype=np.int64), (B, 1))
-        self._render_buf = np.zeros((B, R * (C + 1) - 1), dtype=np.uint32)
+        self._render_buf = None  # allocated on first render
 
     def reset(self, seeds) -> list[str]:
         """Reset all B instances from B non-negative integer seeds; returns the B grid texts."""
@@ -263,6 +263,9 @@ class FrozenLakeEnv(BatchedTextEnv):
     def render(self) -> list[str]:
         """The B current grids as text, rows separated by newlines."""
         self._require_reset()
+        if self._render_buf is None:
+            R, C = self.size
+            self._render_buf = np.zeros((self._B, R * (C + 1) - 1), dtype=np.uint32)
         _fl_render(self._maps, self._pos, self._sym, self._render_buf)
         return codes_to_strings(self._render_buf)
 

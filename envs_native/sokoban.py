@@ -688,7 +688,7 @@ class SokobanEnv(BatchedTextEnv):
         self._rng = np.zeros(B, dtype=np.uint64)
         self._table = NameTable(ACTIONS)
         self._name_action = np.tile(np.arange(4, dtype=np.int64), (B, 1))
-        self._render_buf = np.zeros((B, R * (C + 1) - 1), dtype=np.uint32)
+        self._render_buf = None  # allocated on first render
 
     def reset(self, seeds) -> list[str]:
         """Reset all B instances from B non-negative seeds (generate, or pick level s % n)."""
@@ -728,6 +728,9 @@ class SokobanEnv(BatchedTextEnv):
     def render(self) -> list[str]:
         """The B current grids as text, rows separated by newlines."""
         self._require_reset()
+        if self._render_buf is None:
+            R, C = self.size
+            self._render_buf = np.zeros((self._B, R * (C + 1) - 1), dtype=np.uint32)
         _sokoban_render(self._tiles, self._boxes, self._player, self._rows, self._cols, self._sym, self._render_buf)
         return codes_to_strings(self._render_buf)
 
