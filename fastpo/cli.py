@@ -1,15 +1,134 @@
-"""The `fastpo` command line."""
+"""The `fastpo` command line: `fastpo train` and `fastpo eval`.
+
+    fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
+                 [--out DIR] [--resume DIR] [section.key=value ...]
+    fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T]
+
+The configuration (defaults, presets, file, dotted overrides) is validated before any model
+loads; a bad key or value exits with status 2 and a message naming it.
+"""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", choices=["bandit", "sokoban", "frozenlake"], default=None,
+                   help="environment (default: frozenlake, or the config file's)")
+    p.add_argument("--preset", default=None,
+                   help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
+                        "(default: paper with a GPU, cpu without)")
+    p.add_argument("--config", default=None, help="YAML config file")
+    p.add_argument("--model", default=None, help="smollm2-135m-instruct (embedded), an HF id or folder, random:<shape>")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
+
+
+def _build_config(args, extra: list[str]):
+    from fastpo.config import load_config
+
+    ov = list(extra)
+    if args.model:
+        ov.append(f"model.name={args.model}")
+    if args.device:
+        ov.append(f"trainer.device={args.device}")
+    if args.seed is not None:
+        ov.append(f"trainer.seed={args.seed}")
+    ov += args.overrides
+    return load_config(env=args.env, preset=args.preset, file=args.config, overrides=ov)
+
+
+def cmd_train(args) -> int:
+    from rich.console import Console
+
+    from fastpo.config import ConfigError, apply_dict, parse_override, validate
+
+    console = Console()
+    try:
+        if args.resume:
+            from fastpo.trainer import load_run_config
+
+            cfg = load_run_config(args.resume)
+            for o in args.overrides:
+                apply_dict(cfg, parse_override(o))
+            cfg.trainer.output_dir = args.resume
+            validate(cfg)
+        else:
+            extra = [f"trainer.output_dir={args.out}"] if args.out else []
+            if args.iterations is not None:
+                extra.append(f"trainer.iterations={args.iterations}")
+            cfg = _build_config(args, extra)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"fastpo train: error: {e}", file=sys.stderr)
+        return 2
+    from fastpo.trainer import train
+
+    console.print(f"[bold]fastpo train[/] env={cfg.env.name} preset={cfg.preset} "
+                  f"algorithm={'PPO (GAE, critic ' + cfg.algorithm.critic + ')' if cfg.algorithm.adv_estimator == 'gae' else cfg.algorithm.adv_estimator.upper()} "
+                  f"filter={cfg.algorithm.filter_mode}:{cfg.algorithm.filter_ratio} "
+                  f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turns, "
+                  f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
+    try:
+        train(cfg, resume=bool(args.resume), console=console)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from fastpo.config import ConfigError
+
+    console = Console()
+    extra = []
+    if args.seeds is not None:
+        extra.append(f"trainer.eval_seeds={args.seeds}")
+    if args.k is not None:
+        extra.append(f"trainer.eval_group_size={args.k}")
+    if args.temperature is not None:
+        extra.append(f"trainer.eval_temperature={args.temperature}")
+    try:
+        cfg = _build_config(args, extra)
+    except ConfigError as e:
+        print(f"fastpo eval: error: {e}", file=sys.stderr)
+        return 2
+    from fastpo.evaluate import run_eval
+
+    res = run_eval(cfg, console=console, samples_dir=args.samples)
+    table = Table(title=f"fastpo eval: {cfg.env.name}, {res['model']}")
+    table.add_column("metric")
+    table.add_column("value")
+    for k in sorted(res):
+        if k.startswith("eval/"):
+            table.add_row(k[5:], f"{res[k]:.4g}")
+    console.print(table)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
-    ap.add_subparsers(dest="command", required=True)
-    ap.parse_args(argv)
-    return 0
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train with StarPO / StarPO-S")
+    _add_common(tr)
+    tr.add_argument("--out", default=None, help="output folder (default runs/<env>)")
+    tr.add_argument("--iterations", type=int, default=None)
+    tr.add_argument("--resume", default=None, metavar="OUT", help="continue the run in folder OUT from its latest checkpoint")
+    ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
+    _add_common(ev)
+    ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
+    ev.add_argument("--k", type=int, default=None, help="samples per seed (pass@k)")
+    ev.add_argument("--temperature", type=float, default=None)
+    ev.add_argument("--samples", default=None, help="folder to write sample trajectories to")
+    args = ap.parse_args(argv)
+    if args.command == "train":
+        return cmd_train(args)
+    return cmd_eval(args)
 
 
 if __name__ == "__main__":

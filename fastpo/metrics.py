@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import math
 import os
+
+import numpy as np
+import torch
 from typing import Any, Iterable, Optional
 
 #: Curves the RAGEN paper plots (Fig. 3-5), drawn to OUT/plots/<name>.png.
@@ -114,6 +117,17 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in rec.items() if _is_number(v)}, step=iteration)
         return rec
+
+    def amend_last(self, values: dict) -> None:
+        """Add or change keys of the last record (e.g. a warning decided after its EMA is known)."""
+        if not self.records:
+            raise ValueError("no record to amend")
+        self.records[-1].update(values)
+        self._rewrite()
+        if self._tb is not None:
+            for k, v in values.items():
+                if _is_number(v):
+                    self._tb.add_scalar(k, float(v), self.records[-1]["iteration"])
 
     def close(self) -> None:
         if self._tb is not None:
@@ -242,3 +256,30 @@ def summary_table(records: list[dict], title: str = "fastpo run summary"):
         best = (min if lower_better else max)(pts, key=lambda p: p[1])
         table.add_row(label, f"{pts[0][1]:.4g}", f"{pts[-1][1]:.4g}", f"{best[1]:.4g}", str(best[0]))
     return table
+
+
+def rollout_metrics(batch, prefix: str = "train") -> dict:
+    """Scalars describing a TrajectoryBatch: success rate, score mean/std, in-group reward std,
+    response length (model tokens per trajectory), tokens per trajectory, turns, format-penalty
+    rate and the engine's own rates (valid / effective actions, truncation)."""
+    from fastpo.algorithms.filtering import group_reward_std
+
+    scores = batch.scores.float()
+    out = {
+        f"{prefix}/success_rate": float(batch.success.float().mean()),
+        f"{prefix}/score_mean": float(scores.mean()),
+        f"{prefix}/score_std": float(scores.std()) if scores.numel() > 1 else 0.0,
+        f"{prefix}/in_group_reward_std": float(np.mean(list(group_reward_std(scores, batch.group_ids).values()))),
+        f"{prefix}/response_length": float(np.mean([int(torch.as_tensor(m).sum()) for m in batch.loss_mask])),
+        f"{prefix}/tokens_per_trajectory": float(np.mean([len(x) for x in batch.input_ids])),
+        f"{prefix}/num_turns": float(batch.num_turns.float().mean()),
+        f"{prefix}/num_actions": float(batch.num_actions.float().mean()),
+        f"{prefix}/truncated_rate": float(batch.truncated.float().mean()),
+    }
+    fp = batch.format_penalty
+    turns = batch.num_turns.clamp_min(1).float()
+    out[f"{prefix}/format_penalty_rate"] = float(((fp != 0).float().sum(dim=1) / turns).mean())
+    for k, v in (batch.metrics or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}/{k}"] = float(v)
+    return out

@@ -1,0 +1,30 @@
+"""CLI: bad configuration is refused with a message naming the key, before any model loads."""
+import subprocess
+import sys
+
+import pytest
+
+CHECK = """
+import sys
+from fastpo.cli import main
+rc = main(sys.argv[1:])
+assert 'fastpo.models' not in sys.modules and 'fastpo.rollout' not in sys.modules, 'a model module was imported'
+sys.exit(rc)
+"""
+
+
+@pytest.mark.parametrize("args, words", [
+    (["train", "--env", "frozenlake", "rollout.group_size=0"], ["rollout.group_size", ">= 1"]),
+    (["train", "--env", "bandit", "--preset", "paper", "algorithm.clip_high=0.1"], ["algorithm.clip_high"]),
+    (["train", "--env", "sokoban", "--preset", "cpu", "optim.mini_batch_size=9"], ["optim.mini_batch_size", "larger"]),
+    (["train", "--env", "frozenlake", "algorithm.adv_estimatorr=grpo"], ["unknown config key", "adv_estimatorr"]),
+    (["train", "--env", "frozenlake", "rollout.max_turns=many"], ["rollout.max_turns", "expected int"]),
+    (["train", "--preset", "turbo"], ["unknown preset", "turbo"]),
+    (["eval", "--env", "bandit", "--model", "x", "--k", "0"], ["trainer.eval_group_size"]),
+    (["train", "--resume", "/nonexistent/run"], ["config.yaml", "not found"]),
+])
+def test_cli_refuses_bad_config_before_loading(args, words):
+    p = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    for w in words:
+        assert w in p.stderr
