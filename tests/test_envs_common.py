@@ -1,0 +1,137 @@
+"""What every environment shares: determinism across batch sizes, positions and
+PYTHONHASHSEED, the step API's shapes and masks, make_env errors, the gymnasium wrapper,
+and a cheap import."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fastpo.envs_native import ENV_NAMES, make_env
+
+CONFIGS = {"bandit": {}, "sokoban": {"size": 7, "num_boxes": 2}, "frozenlake": {"size": 5}}
+
+
+def _trajectory(name, seeds, turns=4):
+    """Observations and rewards of a fixed action schedule, per instance."""
+    env = make_env(name, len(seeds), **CONFIGS[name])
+    obs = [env.reset(seeds)]
+    rewards = []
+    B = len(seeds)
+    for t in range(turns):
+        acts = (np.arange(3)[None, :] + t + np.asarray(seeds)[:, None]) % 2 if name == "bandit" else \
+            (np.arange(3)[None, :] * (t + 1) + np.asarray(seeds)[:, None]) % 4
+        res = env.step(acts.astype(np.int64))
+        obs.append(env.render())
+        rewards.append(res.reward.tolist())
+    return [[o[i] for o in obs] for i in range(B)], [[r[i] for r in rewards] for i in range(B)]
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_same_seed_same_instance_whatever_batch_size_or_position(name):
+    seeds = [11, 3, 2**40 + 5, 0, 7, 3, 99]
+    obs, rew = _trajectory(name, seeds)
+    for pos, s in enumerate(seeds):
+        alone_obs, alone_rew = _trajectory(name, [s])
+        assert obs[pos] == alone_obs[0] and rew[pos] == alone_rew[0]
+    assert obs[1] == obs[5]  # the same seed twice in one batch
+    rev_obs, rev_rew = _trajectory(name, seeds[::-1])
+    assert rev_obs[::-1] == obs and rev_rew[::-1] == rew
+
+
+_SCRIPT = """
+import json, sys
+from fastpo.envs_native import make_env
+out = {}
+for name, cfg in json.loads(sys.argv[1]).items():
+    env = make_env(name, 6, **cfg)
+    out[name] = env.reset([0, 1, 2, 3, 4, 5])
+print(json.dumps(out))
+"""
+
+
+def test_same_instances_whatever_pythonhashseed():
+    outs = []
+    for hs in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=hs)
+        r = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(CONFIGS)], env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0] == outs[1]
+    for name in ENV_NAMES:
+        env = make_env(name, 6, **CONFIGS[name])
+        assert env.reset(range(6)) == outs[0][name]
+
+
+def test_import_is_cheap():
+    code = "import sys, fastpo.envs_native; print(sorted(m for m in ('torch', 'transformers', 'gymnasium') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_step_api_shapes_and_masks(name):
+    env = make_env(name, 3, **CONFIGS[name])
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step(np.zeros((3, 1), dtype=np.int64))
+    env.reset([1, 2, 3])
+    res = env.step(np.array([[-1, 0, 9], [-1, -1, -1], [0, -1, 1]]), active=np.array([True, True, False]))
+    assert res.reward.dtype == np.float32 and res.reward.shape == (3,)
+    assert res.done.dtype == np.bool_ and res.success.dtype == np.bool_ and res.num_executed.dtype == np.int32
+    assert res.valid.shape == res.effective.shape == (3, 3)
+    assert res.valid.tolist() == [[False, True, False], [False, False, False], [False, False, False]]
+    assert res.num_executed.tolist() == [1, 0, 0] and res.reward[1] == res.reward[2] == 0
+    with pytest.raises(ValueError, match="shape"):
+        env.step(np.zeros((2, 1), dtype=np.int64))
+    with pytest.raises(TypeError, match="integer"):
+        env.step(np.zeros((3, 1)))
+    with pytest.raises(ValueError, match="active"):
+        env.step(np.zeros((3, 1), dtype=np.int64), active=np.ones(2, dtype=bool))
+    with pytest.raises(ValueError, match="seeds"):
+        env.reset([1, 2])
+    with pytest.raises(ValueError, match="non-negative"):
+        env.reset([1, -2, 3])
+    with pytest.raises(TypeError, match="integers"):
+        env.reset([1.5, 2, 3])
+    with pytest.raises(ValueError, match="instance index"):
+        env.action_names(3)
+    assert len(env.instructions()) == 3 and all(isinstance(t, str) and t for t in env.instructions())
+    for i in range(3):
+        for a in env.action_names(i):
+            assert a in env.instructions()[i]
+    assert env.batch_size == 3
+
+
+def test_make_env_errors():
+    with pytest.raises(ValueError, match="'chess'"):
+        make_env("chess", 2)
+    with pytest.raises(ValueError, match="'sizee'"):
+        make_env("sokoban", 2, sizee=6)
+    with pytest.raises(ValueError, match="batch_size"):
+        make_env("bandit", 0)
+
+
+@pytest.mark.parametrize("name", ENV_NAMES)
+def test_gymnasium_wrapper(name):
+    gym = pytest.importorskip("gymnasium")
+    from gymnasium.utils.env_checker import check_env
+
+    from fastpo.envs_native.gym_env import GYM_IDS
+
+    env = gym.make(GYM_IDS[name], **CONFIGS[name])
+    check_env(env.unwrapped, skip_render_check=True)
+    obs, info = env.reset(seed=4)
+    batched = make_env(name, 5, **CONFIGS[name])
+    assert batched.reset([0, 1, 2, 3, 4])[4] == obs
+    assert info["action_names"] == batched.action_names(4)
+    assert env.observation_space.contains(obs)
+    obs2, reward, terminated, truncated, info = env.step(1)
+    res = batched.step(np.array([[0], [0], [0], [0], [1]]))
+    assert obs2 == batched.render()[4] and reward == pytest.approx(float(res.reward[4]))
+    assert env.observation_space.contains(obs2) and isinstance(info["success"], bool)
+    with pytest.raises(ValueError):
+        env.step(7)
