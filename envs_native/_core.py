@@ -140,34 +140,42 @@ def _is_space(c):
 
 
 @njit(cache=True)
-def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions,
-                  actions, num_actions, inv_start, inv_end, num_invalid):
+def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions):
     """Split each answer on '||', strip, match names (ASCII case-insensitive).
 
-    text: uint32 [B, L] code points; lengths: int64 [B]; name_codes: uint32 [N, K] lower-case
-    names; name_lens: int64 [N]; name_action: int64 [B, N] action id of name n for instance
-    b (-1: not an action of b). Outputs (preallocated): actions int64 [B, M] (-1 filled),
-    num_actions int64 [B], inv_start/inv_end int64 [B, M] spans of invalid pieces,
-    num_invalid int64 [B].
+    text: uint32 [T] code points of all answers, each followed by one separator code point;
+    lengths: int64 [B] code points per answer. name_codes: uint32 [N, K] lower-case names; name_lens: int64 [N];
+    name_action: int64 [B, N] action id of name n for instance b (-1: not an action of b).
+    Returns actions int64 [B, M] (-1 padded), num_actions int64 [B], inv_start/inv_end
+    int64 [B, M] spans (relative to the answer) of invalid pieces, num_invalid int64 [B],
+    all_valid bool [B].
     """
-    B = text.shape[0]
+    B = lengths.shape[0]
     N = name_codes.shape[0]
+    M = max_actions
+    actions = np.full((B, M), -1, dtype=np.int64)
+    num_actions = np.zeros(B, dtype=np.int64)
+    inv_start = np.zeros((B, M), dtype=np.int64)
+    inv_end = np.zeros((B, M), dtype=np.int64)
+    num_invalid = np.zeros(B, dtype=np.int64)
+    all_valid = np.zeros(B, dtype=np.bool_)
+    o = 0
     for b in range(B):
         n = lengths[b]
         pieces = 0
         na = 0
         ni = 0
         s = 0
-        while s <= n and pieces < max_actions:
+        while s <= n and pieces < M:
             # find the end of this piece: the next "||" or the end of the text
             e = s
-            while e < n and not (text[b, e] == 124 and e + 1 < n and text[b, e + 1] == 124):
+            while e < n and not (text[o + e] == 124 and e + 1 < n and text[o + e + 1] == 124):
                 e += 1
             a = s
             z = e
-            while a < z and _is_space(text[b, a]):
+            while a < z and _is_space(text[o + a]):
                 a += 1
-            while z > a and _is_space(text[b, z - 1]):
+            while z > a and _is_space(text[o + z - 1]):
                 z -= 1
             if z > a:
                 pieces += 1
@@ -178,7 +186,7 @@ def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions
                         continue
                     same = True
                     for j in range(ln):
-                        c = text[b, a + j]
+                        c = text[o + a + j]
                         if 65 <= c <= 90:
                             c += 32
                         if c != name_codes[k, j]:
@@ -197,6 +205,9 @@ def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions
             s = e + 2
         num_actions[b] = na
         num_invalid[b] = ni
+        all_valid[b] = na > 0 and ni == 0
+        o += n + 1
+    return actions, num_actions, inv_start, inv_end, num_invalid, all_valid
 
 
 class NameTable:
@@ -233,34 +244,21 @@ def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, na
         raise ValueError(f"max_actions must be a positive integer, got {max_actions!r}")
     if isinstance(answers, str) or len(answers) != B:
         raise ValueError(f"expected {B} answers (one per instance), got {answers!r:.80}")
-    answers = [a if isinstance(a, str) else "" for a in answers]
-    M = int(max_actions)
-    actions = np.full((B, M), -1, dtype=np.int64)
-    num_actions = np.zeros(B, dtype=np.int64)
-    inv_start = np.zeros((B, M), dtype=np.int64)
-    inv_end = np.zeros((B, M), dtype=np.int64)
-    num_invalid = np.zeros(B, dtype=np.int64)
-    lengths = np.fromiter((len(a) for a in answers), dtype=np.int64, count=B)
     try:
-        arr = np.array(answers, dtype=np.str_) if B else np.zeros((0,), dtype="<U1")
-        width = max(arr.dtype.itemsize // 4, 1)
-        text = np.ascontiguousarray(arr).view(np.uint32).reshape(B, width)
-    except Exception:  # e.g. lone surrogates NumPy cannot store: fall back to Python
-        from .reference import parse_answer
-
-        inv = []
-        for b, a in enumerate(answers):
-            names = {n: int(name_action[b, i]) for n, i in table.index.items() if name_action[b, i] >= 0}
-            acts, bad = parse_answer(a, names, M)
-            actions[b, : len(acts)] = acts
-            num_actions[b] = len(acts)
-            inv.append(bad)
-        return ParsedActions(actions, num_actions, inv, (num_actions > 0) & np.array([not x for x in inv], dtype=bool))
-    _parse_kernel(text, lengths, table.codes, table.lens, name_action, M, actions, num_actions, inv_start, inv_end, num_invalid)
+        joined = "\x00".join(answers)  # one C call; raises TypeError on a non-str answer
+    except TypeError:
+        answers = [a if isinstance(a, str) else "" for a in answers]
+        joined = "\x00".join(answers)
+    lengths = np.fromiter(map(len, answers), np.int64, B)
+    # every answer's code points, NUL-separated (the separators are never read);
+    # surrogatepass keeps lone surrogates as code points that simply match no name
+    text = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+    text = text.astype(np.uint32, copy=False)  # no copy on little-endian machines
+    actions, num_actions, inv_start, inv_end, num_invalid, all_valid = _parse_kernel(
+        text, lengths, table.codes, table.lens, name_action, int(max_actions))
     invalid = [[] for _ in range(B)]
     for b in np.flatnonzero(num_invalid):
         invalid[b] = [answers[b][inv_start[b, j]:inv_end[b, j]] for j in range(num_invalid[b])]
-    all_valid = (num_actions > 0) & (num_invalid == 0)
     return ParsedActions(actions, num_actions, invalid, all_valid)
 
 

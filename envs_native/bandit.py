@@ -36,8 +36,9 @@ def _bandit_reset(seeds, n_pairs, rng, pair, swapped):
 
 
 @njit(cache=True)
-def _bandit_step(rng, swapped, done, success, chosen, actions, active, low_reward, high_reward, high_prob, high_better,
-                 reward, num_exec, valid, effective):
+def _bandit_step(rng, swapped, done, success, chosen, outcome, actions, active, low_reward, high_reward, high_prob,
+                 high_better, reward, num_exec, valid, effective):
+    """One pull per active, not-done instance; outcome[b] = 1 low arm, 2 high arm paid, 3 high arm not paid."""
     B = actions.shape[0]
     A = actions.shape[1]
     for b in range(B):
@@ -54,8 +55,12 @@ def _bandit_step(rng, swapped, done, success, chosen, actions, active, low_rewar
             if high:
                 if rng_uniform(rng, b) < high_prob:
                     reward[b] += high_reward
+                    outcome[b] = 2
+                else:
+                    outcome[b] = 3
             else:
                 reward[b] += low_reward
+                outcome[b] = 1
             chosen[b] = a
             success[b] = high == high_better
             done[b] = True
@@ -105,6 +110,17 @@ class BanditEnv(BatchedTextEnv):
         self._pair = np.zeros(B, dtype=np.int64)
         self._swapped = np.zeros(B, dtype=np.bool_)
         self._chosen = np.full(B, -1, dtype=np.int64)
+        self._outcome = np.zeros(B, dtype=np.int64)
+        # every observation text there can be, indexed [pair, swapped, outcome]
+        texts = np.empty((len(pairs), 2, 4), dtype=object)
+        for k, (lo, hi) in enumerate(pairs):
+            for sw in (0, 1):
+                a, b = (hi, lo) if sw else (lo, hi)
+                texts[k, sw, 0] = f"Two arms: {a} and {b}. Which arm do you pull?"
+                texts[k, sw, 1] = f"You pulled {lo} and received reward {self.low_reward:g}."
+                texts[k, sw, 2] = f"You pulled {hi} and received reward {self.high_reward:g}."
+                texts[k, sw, 3] = f"You pulled {hi} and received reward 0."
+        self._texts = texts
         self._reward = np.zeros(B, dtype=np.float32)
         self._name_action = np.full((B, len(names)), -1, dtype=np.int64)
 
@@ -123,6 +139,7 @@ class BanditEnv(BatchedTextEnv):
         self._name_action[rows, lo] = self._swapped.astype(np.int64)
         self._name_action[rows, hi] = 1 - self._swapped.astype(np.int64)
         self._chosen[:] = -1
+        self._outcome[:] = 0
         self._reward[:] = 0
         self.done[:] = False
         self.success[:] = False
@@ -133,14 +150,7 @@ class BanditEnv(BatchedTextEnv):
     def render(self) -> list[str]:
         """Before the pull: which arms there are; after it: which arm was pulled and its reward."""
         self._require_reset()
-        out = []
-        for i in range(self._B):
-            a, b = self._arms(i)
-            if self._chosen[i] < 0:
-                out.append(f"Two arms: {a} and {b}. Which arm do you pull?")
-            else:
-                out.append(f"You pulled {(a, b)[self._chosen[i]]} and received reward {self._reward[i]:g}.")
-        return out
+        return self._texts[self._pair, self._swapped.astype(np.int64), self._outcome].tolist()
 
     def instructions(self) -> list[str]:
         """Per-instance rules: the two arm names (in shown order) and how to answer."""
@@ -171,7 +181,7 @@ class BanditEnv(BatchedTextEnv):
         return self._table, self._name_action
 
     def _step_kernel(self, acts, active, out) -> None:
-        _bandit_step(self._rng, self._swapped, self.done, self.success, self._chosen, acts, active, self.low_reward,
-                     self.high_reward, self.high_prob, self.high_better, out.reward, out.num_executed, out.valid,
-                     out.effective)
+        _bandit_step(self._rng, self._swapped, self.done, self.success, self._chosen, self._outcome, acts, active,
+                     self.low_reward, self.high_reward, self.high_prob, self.high_better, out.reward,
+                     out.num_executed, out.valid, out.effective)
         self._reward += out.reward
