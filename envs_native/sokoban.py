@@ -553,7 +553,8 @@ def _level_from_rows(rows: list[str], first_line: int) -> SokobanLevel:
 
 def parse_xsb(text: str, first_line: int = 1) -> list[SokobanLevel]:
     """Parse XSB text holding one or more levels, separated by blank lines or `;` comment
-    lines. Every other line is a level row. Raises ValueError naming the line and column of
+    lines. Lines holding no `#` (titles such as "Title: ...", as in public collections)
+    also separate levels; every other line is a level row. Raises ValueError naming the line and column of
     an unexpected character, or the first line of a level without exactly one player or
     with unequal box and goal counts."""
     if not isinstance(text, str):
@@ -561,7 +562,9 @@ def parse_xsb(text: str, first_line: int = 1) -> list[SokobanLevel]:
     levels, rows, start = [], [], first_line
     for n, line in enumerate(text.splitlines(), start=first_line):
         line = line.rstrip("\r\n")
-        if not line.strip() or line.lstrip().startswith(";"):
+        # a level row always holds a wall; other lines (blank, "; comment", "Title: ...")
+        # separate levels
+        if "#" not in line or line.lstrip().startswith(";"):
             if rows:
                 levels.append(_level_from_rows(rows, start))
                 rows = []

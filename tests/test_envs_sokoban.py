@@ -129,7 +129,7 @@ ORIGINALS = [
     "######\n#+ $ #\n#  $.#\n#    #\n######",
 ]
 # comment lines, a blank line, a bare ";" and trailing spaces separate and pad the levels
-XSB = ("; first level\n" + ORIGINALS[0] + "\n\n; a non-rectangular one\n" + ORIGINALS[1].replace("##\n#@", "##   \n#@")
+XSB = ("; first level\n" + ORIGINALS[0] + "\nTitle: two\n; a non-rectangular one\n" + ORIGINALS[1].replace("##\n#@", "##   \n#@")
        + "\n;\n" + ORIGINALS[2] + "\n")
 
 
@@ -161,6 +161,7 @@ def test_levels_file(tmp_path):
 
 @pytest.mark.parametrize("text,match", [
     ("#####\n#@$.#\n##x##\n", "line 3, column 3: unexpected character 'x'"),
+    ("Title\n\n  #####\n  #@$.#\n  ###%#\n", "line 5, column 6: unexpected character '%'"),
     ("\n\n#####\n#@$.#\n#####\n\n####\n#$.#\n####", "level starting at line 7: expected one player"),
     ("#####\n#@$ #\n#####", "1 boxes and 0 goals"),
     ("#####\n#@$.#\n#  ##\n", "not enclosed"),
