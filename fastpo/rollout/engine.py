@@ -1,0 +1,436 @@
+"""fastpo's native generation engine: a transformers model driven by its own batched sampler.
+
+What it does that ``model.generate`` in a per-turn loop does not:
+
+- Sessions. ``start(prompts, group_size)`` opens ``P * group_size`` sessions; session ``s``
+  belongs to env group ``s // group_size``. Each group's prompt is prefilled once and its KV
+  cache is copied to the group's sessions (group prefix sharing).
+- KV cache kept across turns. ``generate(sessions, append, params)`` feeds only the tokens
+  appended since the session's last forward (the end of the previous response and the
+  between-turn template tokens), then decodes. Nothing is re-prefilled.
+- Batched decoding with per-sequence stop: a row that samples a stop token, completes a
+  stop string, hits ``max_new_tokens`` or the context limit leaves the batch at once, so
+  later steps do not compute for it.
+
+KV layout. Per layer one buffer ``[R, H_kv, capacity, D]`` with a validity mask
+``[R, capacity]``. Rows are left-padded, and holes (masked columns) appear where rows of one
+chunk had different lengths; every position id is the token's true position, so attention
+over the masked buffer equals attention over the unpadded sequence. At the start of each
+``generate`` call the rows of the continuing sessions are compacted (holes removed,
+right-aligned) into a fresh buffer sized for the turn, so buffers never grow mid-turn.
+Within the decode loop the live rows are kept as a prefix ``[:live]`` of the buffer: a row
+that stops is swapped with the last live row (two row copies), never a whole-batch copy.
+
+Weights are the caller's module (no copy): a trainer that updates the model in place
+is immediately sampled from. Generation runs under ``torch.no_grad()`` in eval mode and
+restores the module's training flag afterwards.
+
+Supports decoder-only transformers models with full attention in every layer (Llama,
+Qwen2, Mistral without sliding window, ...).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import time
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .sampling import SamplingParams, sample_tokens
+
+STOP_EOT = "eot"
+STOP_STRING = "stop_string"
+STOP_LENGTH = "length"
+STOP_CONTEXT = "context"
+
+
+@dataclasses.dataclass
+class TurnOutput:
+    """One session's response in one turn.
+
+    token_ids: the sampled ids, exactly as sampled (a stop token or the token completing a
+    stop string included). logprobs: fp32 log-prob of each at the sampling temperature.
+    stop_reason: "eot" (a stop token), "stop_string", "length" (max_new_tokens) or
+    "context" (the session reached max_context; possibly with no tokens).
+    """
+
+    token_ids: list
+    logprobs: list
+    stop_reason: str
+
+
+class _BufferLayer(DynamicLayer):
+    """A KV cache layer writing into a preallocated buffer; the batch is rows [:rows]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kbuf = self.vbuf = None
+        self.rows = 0
+        self.length = 0
+        self.capacity = 0
+        self.is_initialized = True
+
+    def bind(self, kbuf, vbuf, rows: int, length: int, capacity: int) -> None:
+        self.kbuf, self.vbuf, self.rows, self.length, self.capacity = kbuf, vbuf, rows, length, capacity
+        if kbuf is not None:
+            self.device = kbuf.device
+            self.keys = kbuf[:rows, :, :length]
+            self.values = vbuf[:rows, :, :length]
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers come from bind()
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = key_states.shape[-2]
+        if self.kbuf is None:  # first forward of a session set: allocate now that H and D are known
+            R, H, _, D = key_states.shape
+            self.kbuf = key_states.new_zeros((R, H, self.capacity, D))
+            self.vbuf = value_states.new_zeros((R, H, self.capacity, D))
+            self.device = key_states.device
+        end = self.length + n
+        if end > self.capacity:
+            raise RuntimeError(f"KV buffer overflow: {end} > capacity {self.capacity} (fastpo engine bug)")
+        self.kbuf[: self.rows, :, self.length:end] = key_states
+        self.vbuf[: self.rows, :, self.length:end] = value_states
+        self.length = end
+        self.keys = self.kbuf[: self.rows, :, :end]
+        self.values = self.vbuf[: self.rows, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.length
+
+
+def _cache_kwarg(model) -> str:
+    """'cache' (transformers >= 5.2x) or 'past_key_values' (older), for the model's forward."""
+    base = model
+    for attr in ("get_base_model",):  # peft wrappers
+        if hasattr(base, attr):
+            base = getattr(base, attr)()
+    try:
+        params = inspect.signature(base.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class NativeEngine:
+    """Session-based batched generation on a transformers causal LM (see module docstring).
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (or a peft wrapper of one), shared, not copied.
+        tokenizer: its tokenizer (used for the pad id and for stop-string checks).
+
+    Counters (cumulative, reset with ``reset_stats()``): ``stats["prefilled_tokens"]``
+    (real tokens fed in prefill forwards), ``stats["generated_tokens"]`` (sampled tokens),
+    ``stats["forward_passes"]``, ``stats["seconds"]``.
+    """
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+        self._cache_kw = _cache_kwarg(model)
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.num_layers = int(cfg.num_hidden_layers)
+        self._stop_char_masks: dict = {}
+        self.reset_stats()
+        self._clear()
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Zero the token and time counters."""
+        self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0}
+
+    def _clear(self) -> None:
+        self._layers = [_BufferLayer() for _ in range(self.num_layers)]
+        self._mask = None  # bool [R, capacity]
+        self._L = 0
+        self._rows = 0
+        self._row_of: dict = {}
+        self._cached: dict = {}  # session -> tokens in the KV cache
+        self._pending: dict = {}  # session -> tokens not yet fed (the last sampled token)
+        self._start_logits: dict = {}  # session -> logits [V] after the shared prompt prefill
+        self._num_sessions = 0
+
+    def finish(self) -> None:
+        """Release every session and its KV cache."""
+        self._clear()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def session_length(self, session: int) -> int:
+        """Tokens in `session` so far (prompt + all responses and appended tokens)."""
+        return self._cached[session] + len(self._pending[session])
+
+    @contextlib.contextmanager
+    def _inference(self):
+        was_training = self.model.training
+        self.model.eval()
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model.train(was_training)
+            self.stats["seconds"] += time.perf_counter() - t0
+
+    def _forward(self, ids, attn, pos, rows: int, length: int):
+        """One forward of `rows` rows; writes K/V at columns [length, length + n). Returns logits [rows, V]."""
+        for layer in self._layers:
+            layer.bind(layer.kbuf, layer.vbuf, rows, length, layer.capacity)
+        cache = DynamicCache()
+        cache.layers = self._layers
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **{self._cache_kw: cache})
+        self.stats["forward_passes"] += 1
+        return out.logits[:, -1, :]
+
+    def _alloc(self, rows: int, capacity: int, like=None) -> None:
+        for layer in self._layers:
+            if like is None:
+                layer.kbuf = layer.vbuf = None
+            layer.capacity = capacity
+            layer.rows = rows
+
+    # -- public API ------------------------------------------------------------------------
+    def start(self, prompts: list, group_size: int = 1) -> None:
+        """Open ``len(prompts) * group_size`` sessions and prefill each prompt once.
+
+        prompts: P lists of token ids (the common prompt of each env group, non-empty).
+        Session s continues prompt s // group_size. Previous sessions are released.
+        Raises ValueError for empty prompts or a group_size < 1.
+        """
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("prompts must be a non-empty list of non-empty token id lists")
+        self._clear()
+        P = len(prompts)
+        Lp = max(len(p) for p in prompts)
+        dev = self.device
+        ids = torch.full((P, Lp), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((P, Lp), dtype=torch.bool)
+        pos = torch.zeros((P, Lp), dtype=torch.long)
+        for g, p in enumerate(prompts):
+            n = len(p)
+            ids[g, Lp - n:] = torch.tensor(p, dtype=torch.long)
+            mask[g, Lp - n:] = True
+            pos[g, Lp - n:] = torch.arange(n)
+        with self._inference():
+            self._alloc(P, Lp)
+            self._mask = mask.to(dev)
+            logits = self._forward(ids.to(dev), self._mask.long(), pos.to(dev), P, 0)
+        self._L, self._rows = Lp, P
+        self.stats["prefilled_tokens"] += sum(len(p) for p in prompts)
+        self._num_sessions = P * group_size
+        for s in range(self._num_sessions):
+            g = s // group_size
+            self._row_of[s] = g
+            self._cached[s] = len(prompts[g])
+            self._pending[s] = []
+            self._start_logits[s] = logits[g]
+
+    def _compact(self, sessions: list, capacity: int) -> int:
+        """Move the sessions' KV rows, holes removed and right-aligned, into fresh buffers of
+        `capacity` columns (row i = sessions[i]). Returns the aligned length T."""
+        dev = self.device
+        R = len(sessions)
+        src = torch.tensor([self._row_of[s] for s in sessions], dtype=torch.long, device=dev)
+        L = self._L
+        m = self._mask[src, :L]
+        t = m.sum(1)
+        T = int(t.max()) if R else 0
+        rank = m.long().cumsum(1) - 1
+        target = torch.where(m, (T - t)[:, None] + rank, torch.full_like(rank, T))
+        col = torch.zeros((R, T + 1), dtype=torch.long, device=dev)
+        col.scatter_(1, target, torch.arange(L, device=dev).expand(R, L).contiguous())
+        col = col[:, :T]
+        new_mask = torch.zeros((R, capacity), dtype=torch.bool, device=dev)
+        new_mask[:, :T] = torch.arange(T, device=dev)[None, :] >= (T - t)[:, None]
+        for layer in self._layers:
+            kb, vb = layer.kbuf, layer.vbuf
+            H, D = kb.shape[1], kb.shape[3]
+            nk = kb.new_zeros((R, H, capacity, D))
+            nv = vb.new_zeros((R, H, capacity, D))
+            if T:
+                hi = torch.arange(H, device=dev)[None, :, None]
+                nk[:, :, :T] = kb[src[:, None, None], hi, col[:, None, :]]
+                nv[:, :, :T] = vb[src[:, None, None], hi, col[:, None, :]]
+            layer.kbuf, layer.vbuf, layer.capacity = nk, nv, capacity
+        self._mask = new_mask
+        self._rows = R
+        return T
+
+    def _stop_char_mask(self, chars: str):
+        """bool [V]: tokens whose text contains one of `chars` (cheap pre-check for stop strings)."""
+        if chars not in self._stop_char_masks:
+            toks = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+            self._stop_char_masks[chars] = [t is None or any(c in t for c in chars) for t in toks]
+        return self._stop_char_masks[chars]
+
+    def generate(self, sessions: list, append: list | None, params: SamplingParams,
+                 generator: torch.Generator | None = None) -> list:
+        """Continue `sessions`: append tokens, then sample one response each, batched.
+
+        sessions: distinct open session ids. Sessions not listed are released (their KV
+        cache is freed and they cannot be continued). append: one token-id list per session
+        (the between-turn template tokens and next observation; may be empty), or None.
+        params: SamplingParams. generator: torch.Generator on the model's device (seeded
+        for reproducible sampling), or None for the global RNG.
+
+        Returns one TurnOutput per session, in order. A session whose length would pass
+        params.max_context gets stop_reason "context" (and its appended tokens are kept
+        pending, unfed). Raises ValueError for unknown or repeated sessions or a length
+        mismatch.
+        """
+        if len(set(sessions)) != len(sessions) or any(s not in self._cached for s in sessions):
+            raise ValueError(f"sessions must be distinct open session ids, got {sessions!r:.200}")
+        if append is None:
+            append = [[] for _ in sessions]
+        if len(append) != len(sessions):
+            raise ValueError(f"append has {len(append)} entries for {len(sessions)} sessions")
+        outputs = [TurnOutput([], [], STOP_CONTEXT) for _ in sessions]
+        # Sessions that cannot take one more token are answered without computing.
+        run = []
+        for i, s in enumerate(sessions):
+            if self.session_length(s) + len(append[i]) + 1 > params.max_context:
+                self._pending[s] = self._pending[s] + list(append[i])
+            else:
+                run.append(i)
+        keep = [sessions[i] for i in run]
+        if not run:
+            self._keep_only(sessions)
+            return outputs
+        with self._inference():
+            self._generate(run, sessions, append, params, generator, outputs)
+        # Sessions in `sessions` but not run keep their bookkeeping (no KV rows needed for
+        # pending tokens); the rest are released.
+        self._keep_only(sessions, rows_for=keep)
+        return outputs
+
+    def _keep_only(self, sessions, rows_for=None) -> None:
+        keep = set(sessions)
+        for d in (self._cached, self._pending, self._start_logits):
+            for s in [s for s in d if s not in keep]:
+                del d[s]
+        if rows_for is not None:
+            for s in list(self._row_of):
+                if s not in rows_for:
+                    self._row_of.pop(s, None)
+
+    def _generate(self, run, sessions, append, params, generator, outputs) -> None:
+        dev = self.device
+        sess = [sessions[i] for i in run]
+        chunks = [self._pending[s] + list(append[i]) for i, s in zip(run, sess)]
+        R = len(sess)
+        n = [len(c) for c in chunks]
+        n_max = max(n)
+        # The turn's longest possible row, so the buffer never grows inside the turn.
+        T = max(self._cached[s] for s in sess)  # >= the aligned length (holes removed)
+        capacity = T + n_max + params.max_new_tokens
+        T = self._compact(sess, capacity)
+        cached = [self._cached[s] for s in sess]
+        if any(nb == 0 for nb in n) and any(s not in self._start_logits for s, nb in zip(sess, n) if nb == 0):
+            raise RuntimeError("a session with nothing to feed has no logits (fastpo engine bug)")
+        logits = None
+        if n_max > 0:
+            ids = torch.full((R, n_max), self.pad_id, dtype=torch.long)
+            pos = torch.zeros((R, n_max), dtype=torch.long)
+            for r, c in enumerate(chunks):
+                if c:
+                    ids[r, n_max - len(c):] = torch.tensor(c, dtype=torch.long)
+                    pos[r, n_max - len(c):] = torch.arange(cached[r], cached[r] + len(c))
+            cm = torch.arange(n_max)[None, :] >= (n_max - torch.tensor(n))[:, None]
+            self._mask[:, T:T + n_max] = cm.to(dev)
+            logits = self._forward(ids.to(dev), self._mask[:, :T + n_max].long(), pos.to(dev), R, T).float()
+            self.stats["prefilled_tokens"] += sum(n)
+        L = T + n_max
+        for r, s in enumerate(sess):
+            if n[r] == 0:
+                row = self._start_logits[s].float()[None]
+                logits = row.expand(R, -1).clone() if logits is None else logits
+                logits[r] = row[0]
+            cached[r] += n[r]
+            self._pending[s] = []
+            self._start_logits.pop(s, None)
+
+        # Per output row limits: max_new_tokens and the context.
+        limit = [min(params.max_new_tokens, params.max_context - cached[r]) for r in range(R)]
+        stop_ids = set(params.stop_token_ids)
+        stop_strs = params.stop_strings
+        check = self._stop_char_mask("".join(sorted({s[-1] for s in stop_strs}))) if stop_strs else None
+        window = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stop_strs), default=0) + 2
+        resp = [[] for _ in range(R)]
+        lps = [[] for _ in range(R)]
+        row_out = list(range(R))  # buffer row -> output row
+        live = R
+        pos_t = torch.tensor(cached, dtype=torch.long, device=dev)  # next position per buffer row
+        while live > 0:
+            tok, lp = sample_tokens(logits[:live], params, generator)
+            tl, ll = tok.tolist(), lp.tolist()
+            stopped = []
+            for r in range(live):
+                o = row_out[r]
+                t = tl[r]
+                resp[o].append(t)
+                lps[o].append(ll[r])
+                reason = None
+                if t in stop_ids:
+                    reason = STOP_EOT
+                elif check is not None and (t >= len(check) or check[t]):
+                    tail = self.tokenizer.decode(resp[o][-window:])
+                    if any(s in tail for s in stop_strs):
+                        reason = STOP_STRING
+                if reason is None and len(resp[o]) >= limit[o]:
+                    reason = STOP_LENGTH if limit[o] == params.max_new_tokens else STOP_CONTEXT
+                if reason is not None:
+                    outputs[run[o]].stop_reason = reason
+                    self._pending[sess[o]] = [t]
+                    stopped.append(r)
+            self.stats["generated_tokens"] += live
+            if stopped:
+                live, tok = self._evict(stopped, live, L, row_out, pos_t, tok)
+            if live == 0:
+                break
+            self._mask[:live, L] = True
+            logits = self._forward(tok[:live, None], self._mask[:live, :L + 1].long(), pos_t[:live, None], live, L).float()
+            pos_t[:live] += 1
+            L += 1
+        for r in range(R):
+            o = row_out[r]
+            s = sess[o]
+            self._row_of[s] = r
+            self._cached[s] = int(pos_t[r])
+            outputs[run[o]].token_ids = resp[o]
+            outputs[run[o]].logprobs = lps[o]
+        self._L = L
+        self._rows = R
+
+    def _evict(self, stopped, live, L, row_out, pos_t, tok):
+        """Swap stopped rows behind the live prefix; returns (new live count, reordered tok)."""
+        st = set(stopped)
+        new_live = live - len(stopped)
+        holes = [r for r in stopped if r < new_live]
+        movers = [r for r in range(new_live, live) if r not in st]
+        if holes:
+            a = holes + movers
+            b = movers + holes
+            ia = torch.tensor(a, dtype=torch.long, device=pos_t.device)
+            ib = torch.tensor(b, dtype=torch.long, device=pos_t.device)
+            for layer in self._layers:
+                layer.kbuf[ia, :, :L] = layer.kbuf[ib, :, :L]
+                layer.vbuf[ia, :, :L] = layer.vbuf[ib, :, :L]
+            self._mask[ia, :L] = self._mask[ib, :L]
+            pos_t[ia] = pos_t[ib]
+            tok = tok.clone()
+            tok[ia] = tok[ib]
+            ro = list(row_out)
+            for x, y in zip(a, b):
+                row_out[x] = ro[y]
+        return new_live, tok

@@ -1,0 +1,90 @@
+"""Token sampling with temperature, top-k and top-p, and the log-probs the trainer checks.
+
+The log-prob recorded for a sampled token is log softmax(logits / T) of the *full*
+vocabulary at the sampling temperature T, the quantity the trainer recomputes (design
+convention: temperature scales logits before softmax everywhere). Top-k / top-p only
+restrict which tokens can be drawn; they do not renormalise the recorded log-prob (as
+verl / RAGEN do), so the on-policy ratio at the first step is exactly 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-turn generation settings.
+
+    temperature: > 0 samples from softmax(logits / temperature); 0 means greedy (then the
+        recorded log-probs are at temperature 1). top_p in (0, 1]; top_k >= 0 (0 = off).
+    max_new_tokens: cap on the response tokens of one turn (>= 1).
+    stop_token_ids: a sampled token from this set ends the turn (it is kept in the response).
+    stop_strings: the turn ends as soon as the decoded response contains one of these
+        (e.g. "</answer>"); the token completing it is kept.
+    max_context: a session never grows past this many tokens (prompt + all turns).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple = ()
+    stop_strings: tuple = ()
+    max_context: int = 4096
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 2:
+            raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.stop_strings = tuple(s for s in self.stop_strings if s)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Set logits outside the top-k / top-p (nucleus) set to -inf.
+
+    logits: float [R, V] (already divided by the temperature). Returns a new float [R, V].
+    The most likely token always survives.
+    """
+    out = logits
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(out, top_k, dim=-1).values[:, -1:]
+        out = out.masked_fill(out < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(out, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass before it already reaches top_p
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        out = out.masked_fill(drop, float("-inf"))
+    return out
+
+
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+    """Draw one token per row and return its fp32 log-prob at the sampling temperature.
+
+    logits: [R, V] any float dtype. Returns (tokens int64 [R], logprobs float32 [R]), both on
+    logits' device. Deterministic for a given generator state (CPU and CUDA).
+    """
+    x = logits.float()
+    if params.temperature == 0:
+        logp = torch.log_softmax(x, dim=-1)
+        tok = torch.argmax(x, dim=-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0]
+    x = x / params.temperature
+    logp = torch.log_softmax(x, dim=-1)
+    if params.top_k or params.top_p < 1.0:
+        probs = torch.softmax(filter_logits(x, params.top_k, params.top_p), dim=-1)
+    else:
+        probs = logp.exp()
+    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tok, logp.gather(1, tok[:, None])[:, 0]
