@@ -141,6 +141,9 @@ def test_xsb_round_trip_and_env_import_export():
     for a, b in zip(levels, again):
         assert np.array_equal(a.tiles, b.tiles) and np.array_equal(a.boxes, b.boxes) and a.player == b.player
     originals = ORIGINALS
+    assert SokobanLevel.from_xsb(originals[1]).to_xsb() == originals[1]
+    with pytest.raises(ValueError, match="expected one XSB level"):
+        SokobanLevel.from_xsb(XSB)
     assert [lv.to_xsb() for lv in levels] == originals
     # the env picks level seed % 3 and exports it unchanged
     env = make_env("sokoban", 4, levels=XSB)
