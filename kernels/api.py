@@ -85,6 +85,28 @@ def _check_linear(hidden, weight, targets, temperature) -> None:
         raise ValueError(f"targets must lie in [0, V={weight.shape[0]}), found {bad}")
 
 
+def _harmonize(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One dtype for both (autograd-tracked casts): autocast's dtype inside an autocast region
+    (what the LM head's matmul would use there), else the wider of the two."""
+    dev = hidden.device.type
+    try:
+        auto = torch.is_autocast_enabled(dev)
+    except TypeError:  # torch without the device argument
+        auto = dev == "cuda" and torch.is_autocast_enabled()
+    if auto and hidden.dtype != torch.float64 and weight.dtype != torch.float64:
+        dt = torch.get_autocast_dtype(dev)
+    elif hidden.dtype != weight.dtype:
+        dt = torch.promote_types(hidden.dtype, weight.dtype)
+    else:
+        return hidden, weight
+    return hidden.to(dt), weight.to(dt)
+
+
+def _no_autocast(device: torch.device):
+    """The kernels choose their own precision (fp32 logits); autocast must not recast their GEMMs."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _stats(impl, hidden, weight, targets, temperature, chunk_size):
     if impl == "triton":
         return _triton_module().triton_stats(hidden, weight, targets, temperature)
@@ -104,7 +126,8 @@ class _LogprobEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, impl, chunk_size):
-        lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
+        with _no_autocast(hidden.device):
+            lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
         ctx.save_for_backward(hidden, weight, targets, lse, ent)
         ctx.temperature, ctx.impl, ctx.chunk_size = temperature, impl, chunk_size
         return lp, ent
@@ -114,8 +137,9 @@ class _LogprobEntropyFunction(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent):
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dh, dw = _grads(ctx.impl, hidden, weight, targets, lse, ent, g_lp.to(lse.dtype), g_ent.to(lse.dtype),
-                        ctx.temperature, ctx.chunk_size, need_h, need_w)
+        with _no_autocast(hidden.device):
+            dh, dw = _grads(ctx.impl, hidden, weight, targets, lse, ent, g_lp.to(lse.dtype), g_ent.to(lse.dtype),
+                            ctx.temperature, ctx.chunk_size, need_h, need_w)
         dh = dh.to(hidden.dtype) if need_h else None
         dw = dw.to(weight.dtype) if need_w else None
         return dh, dw, None, None, None, None
@@ -137,12 +161,13 @@ def linear_logprob_entropy(
     (fp64 for fp64 inputs), in nats, without materializing the [N, V] logits (except
     impl="reference"). Both outputs are differentiable with respect to hidden and weight;
     the backward recomputes the logits tile by tile (no logits are kept).
-    `chunk_size`: tokens per chunk on the chunked path (default from a 64 MiB budget).
+    `chunk_size`: tokens per chunk on the chunked path (default from a 32 MiB budget per [chunk, V] buffer).
     Raises ValueError/TypeError naming a bad shape, dtype, device, target, temperature or
     impl.
     """
     _check_linear(hidden, weight, targets, temperature)
     impl = resolve_impl(impl, hidden.device)
+    hidden, weight = _harmonize(hidden, weight)
     if impl == "reference":
         return reference_logprob_entropy(hidden, weight, targets, temperature)
     return _LogprobEntropyFunction.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
@@ -172,7 +197,8 @@ class _PolicyLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, run, box):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, lp, ent, dh, dw, box["metrics"] = run(need_h, need_w)
+        with _no_autocast(hidden.device):
+            loss, lp, ent, dh, dw, box["metrics"] = run(need_h, need_w)
         # saved tensors (not ctx attributes) so that autograd frees them after backward
         ctx.save_for_backward(dh.to(hidden.dtype) if need_h else None, dw.to(weight.dtype) if need_w else None)
         ctx.mark_non_differentiable(lp, ent)
@@ -182,8 +208,10 @@ class _PolicyLossFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, _g_lp, _g_ent):
         dh, dw = ctx.saved_tensors
-        dh = None if dh is None else dh * g_loss.to(dh.dtype)
-        dw = None if dw is None else dw * g_loss.to(dw.dtype)
+        # on the CPU the check is free and saves a [V, H] copy; on CUDA it would be a sync
+        if not (g_loss.device.type == "cpu" and g_loss.item() == 1.0):
+            dh = None if dh is None else dh * g_loss.to(dh.dtype)
+            dw = None if dw is None else dw * g_loss.to(dw.dtype)
         return dh, dw, None, None
 
 
@@ -276,6 +304,7 @@ def linear_policy_loss(
     if denominator is not None and not (isinstance(denominator, (int, float)) and denominator > 0):
         raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
     impl = resolve_impl(impl, dev)
+    hidden, weight = _harmonize(hidden, weight)
     opts = dict(clip_low=float(clip_low), clip_high=float(clip_high), dual_clip=dual_clip,
                 entropy_coef=float(entropy_coef), kl_coef=float(kl_coef), kl_estimator=kl_estimator)
     if impl == "reference":
@@ -325,7 +354,8 @@ def linear_policy_loss(
         return loss, lp, ent, dh, dw, metrics
 
     if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
-        loss, lp, ent, _, _, metrics = run(False, False)
+        with _no_autocast(dev):
+            loss, lp, ent, _, _, metrics = run(False, False)
         return PolicyLossOutput(loss, lp, ent, metrics)
     box: dict = {}
     loss, lp, ent = _PolicyLossFunction.apply(hidden, weight, run, box)

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
 
 CoefFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -59,37 +59,63 @@ def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4) -> int:
 class _Prepared:
     """Weight in the compute dtype (once per call) and the GEMMs of one chunk."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, rows: int):
         self.cd = _compute_dtype(hidden)
         self.lowp = _lowp_gpu(weight) and hidden.dtype == weight.dtype
         self.w = weight if self.lowp else weight.to(self.cd)
+        # two [C, V] buffers reused by every chunk (logits / log p, and p / dlogits)
+        shape = (max(1, min(rows, hidden.shape[0])), weight.shape[0])
+        self.zbuf = torch.empty(shape, dtype=self.cd, device=hidden.device)
+        self.pbuf = torch.empty(shape, dtype=self.cd, device=hidden.device)
 
     def h(self, h_c: torch.Tensor) -> torch.Tensor:
         return h_c if self.lowp else h_c.to(self.cd)
 
     def logits(self, h_c: torch.Tensor) -> torch.Tensor:
-        return _mm_f32(h_c, self.w.T) if self.lowp else torch.mm(h_c, self.w.T)
+        out = self.zbuf[: h_c.shape[0]]
+        if not self.lowp:
+            return torch.mm(h_c, self.w.T, out=out)
+        try:
+            return torch.mm(h_c, self.w.T, out_dtype=torch.float32, out=out)
+        except (RuntimeError, TypeError, NotImplementedError):
+            return out.copy_(_mm_f32(h_c, self.w.T))
 
-    def grads(self, dz: torch.Tensor, h_c: torch.Tensor, need_h: bool, need_w: bool):
-        """(dz @ W, dz.T @ h) for one chunk; the second in the compute dtype for accumulation."""
+    def p(self, rows: int) -> torch.Tensor:
+        return self.pbuf[:rows]
+
+    def grads(self, dz: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, need_h: bool):
+        """dz @ W for one chunk (None unless need_h); adds dz.T @ h into the accumulator dw in place."""
         if self.lowp:
             d = dz.to(self.w.dtype)
             dh = torch.mm(d, self.w) if need_h else None
-            dw = _mm_f32(d.T, h_c) if need_w else None
+            if dw is not None:
+                dw += _mm_f32(d.T, h_c)
         else:
             dh = torch.mm(dz, self.w) if need_h else None
-            dw = torch.mm(dz.T, h_c) if need_w else None
-        return dh, dw
+            if dw is not None:
+                dw.addmm_(dz.T, h_c)
+        return dh
 
 
-def _softmax_stats(z: torch.Tensor, t: torch.Tensor):
-    """In place: z (scaled logits [C, V]) becomes log p. Returns (logp, p, lse, entropy, logprob)."""
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.sub_(lse.unsqueeze(-1))
-    p = logp.exp()
-    entropy = -(p * logp).sum(-1)
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum(a * b, -1) for [C, V] tensors without a [C, V] temporary."""
+    return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
+
+
+def _softmax_stats(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
+    """In place: z (scaled logits [C, V]) becomes log p, p (a buffer) becomes softmax.
+    Returns (logp, p, lse, entropy, logprob); no [C, V] temporaries.
+    """
+    m = z.amax(dim=-1, keepdim=True)
+    z.sub_(m)
+    torch.exp(z, out=p)
+    s = p.sum(-1, keepdim=True)
+    log_s = s.log()
+    logp = z.sub_(log_s)
+    p.div_(s)
+    entropy = -_rowdot(p, logp)
     logprob = logp.gather(1, t.unsqueeze(-1)).squeeze(-1)
-    return logp, p, lse, entropy, logprob
+    return logp, p, (m + log_s).squeeze(-1), entropy, logprob
 
 
 def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor,
@@ -108,16 +134,16 @@ def chunked_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
                   chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob [N], entropy [N], lse [N]) in the compute dtype; lse is of the scaled logits."""
     n = hidden.shape[0]
-    prep = _Prepared(hidden, weight)
+    c = chunk_rows(weight.shape[0], chunk_size)
+    prep = _Prepared(hidden, weight, c)
     out = torch.empty(3, n, dtype=prep.cd, device=hidden.device)
     inv_t = 1.0 / temperature
-    c = chunk_rows(weight.shape[0], chunk_size)
     for s in range(0, n, c):
         e = min(n, s + c)
         z = prep.logits(prep.h(hidden[s:e]))
         if inv_t != 1.0:
             z.mul_(inv_t)
-        _, _, lse, ent, lp = _softmax_stats(z, targets[s:e])
+        _, _, lse, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
         out[0, s:e], out[1, s:e], out[2, s:e] = lp, ent, lse
     return out[0], out[1], out[2]
 
@@ -131,9 +157,9 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
     `chunked_stats`. Recomputes each chunk's logits.
     """
     n = hidden.shape[0]
-    prep = _Prepared(hidden, weight)
-    inv_t = 1.0 / temperature
     c = chunk_rows(weight.shape[0], chunk_size)
+    prep = _Prepared(hidden, weight, c)
+    inv_t = 1.0 / temperature
     dh = torch.empty_like(hidden) if need_hidden else None
     dw = torch.zeros(weight.shape, dtype=prep.cd, device=weight.device) if need_weight else None
     for s in range(0, n, c):
@@ -143,14 +169,12 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
         if inv_t != 1.0:
             z.mul_(inv_t)
         logp = z.sub_(lse[s:e].to(z.dtype).unsqueeze(-1))
-        p = logp.exp()
+        p = torch.exp(logp, out=prep.p(e - s))
         dz = _dz_(p, logp, targets[s:e], entropy[s:e].to(z.dtype), g_lp[s:e].to(z.dtype),
                   g_ent[s:e].to(z.dtype), inv_t)
-        dh_c, dw_c = prep.grads(dz, h_c, need_hidden, need_weight)
+        dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c
-        if need_weight:
-            dw += dw_c
     return dh, dw
 
 
@@ -164,9 +188,9 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
     coef_fn None only the forward is done.
     """
     n = hidden.shape[0]
-    prep = _Prepared(hidden, weight)
-    inv_t = 1.0 / temperature
     c = chunk_rows(weight.shape[0], chunk_size)
+    prep = _Prepared(hidden, weight, c)
+    inv_t = 1.0 / temperature
     stats = torch.empty(2, n, dtype=prep.cd, device=hidden.device)
     grad = coef_fn is not None and (need_hidden or need_weight)
     dh = torch.empty_like(hidden) if grad and need_hidden else None
@@ -177,15 +201,13 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
         z = prep.logits(h_c)
         if inv_t != 1.0:
             z.mul_(inv_t)
-        logp, p, _, ent, lp = _softmax_stats(z, targets[s:e])
+        logp, p, _, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
         stats[0, s:e], stats[1, s:e] = lp, ent
         if not grad:
             continue
         g_lp, g_ent = coef_fn(slice(s, e), lp, ent)
         dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t)
-        dh_c, dw_c = prep.grads(dz, h_c, need_hidden, need_weight)
+        dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c
-        if need_weight:
-            dw += dw_c
     return stats[0], stats[1], dh, dw

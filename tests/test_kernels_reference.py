@@ -272,3 +272,25 @@ def test_cu_seqlens_equals_seq_ids():
     torch.testing.assert_close(a.loss, b.loss)
     with pytest.raises(ValueError, match="cu_seqlens"):
         linear_policy_loss(hidden, weight, targets, old, adv, mask, cu_seqlens=torch.tensor([0, 3, 9]))
+
+
+def test_mixed_dtypes_and_autocast():
+    hidden, weight, targets = _data(24, 16, 200, seed=10)
+    z, adv, mask = torch.zeros(24), torch.randn(24), torch.ones(24)
+    # bf16 hidden with an fp32 head: computed in fp32, gradients in each input's dtype
+    hb = hidden.bfloat16().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    out = linear_policy_loss(hb, w, targets, z, adv, mask, impl="chunked")
+    out.loss.backward()
+    assert hb.grad.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    ref = linear_policy_loss(hb.detach().float(), weight, targets, z, adv, mask, impl="reference")
+    torch.testing.assert_close(out.loss, ref.loss)
+    # inside autocast the head runs in autocast's dtype, the logits stay fp32
+    w2 = weight.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = linear_logprob_entropy(hidden, w2, targets, impl="chunked")
+    lr, er = reference_logprob_entropy(hidden.bfloat16(), weight.bfloat16(), targets)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, lr, atol=1e-5, rtol=1e-5)
+    lp.sum().backward()
+    assert w2.grad.dtype == torch.float32 and torch.isfinite(w2.grad).all()

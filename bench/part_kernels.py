@@ -1,0 +1,203 @@
+"""Kernel benchmarks: the fused policy loss from hidden states vs materialized logits.
+
+Every figure is forward + backward of the clipped policy loss (clip-higher, entropy bonus)
+on [N, H] hidden states and a [V, H] LM head, measured side by side in one run:
+
+* naive PyTorch: logits = hidden @ W.T, fp32 log_softmax, gather, entropy, the same
+  per-token loss (`policy_loss_terms`), autograd backward. This is what holds the [N, V]
+  logits several times over.
+* fastpo chunked (the CPU path) and fastpo Triton (the CUDA path): `linear_policy_loss`.
+* Liger-Kernel's `LigerFusedLinearGRPOLoss` (chunked PyTorch, torch.compile'd), only when
+  `liger_kernel` imports (GPU runs).
+* On CUDA, four plain `torch.matmul`s of the same shapes (forward, recompute and the two
+  backward products, 8 N H V FLOPs): the fused loss's time against them, and its share of
+  the bf16 matmul throughput.
+
+Shapes: CPU H=576, V=49152, N=2048 fp32 (--quick: N=512); CUDA H=896, V=151936 (Qwen2.5),
+N in {4096, 16384} bf16 (--quick: 4096). Peak memory is what a call adds above what was
+allocated before it, minus the gradients it returns (d hidden, d weight), which every
+method produces alike ("beyond inputs, outputs and gradients").
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import BenchContext, Record, measure, peak_memory  # noqa: E402
+
+PART = "kernels"
+OPTS = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.001)
+
+
+def _inputs(n, h, v, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)
+    weight = (torch.randn(v, h, generator=g) * h ** -0.5).to(device=device, dtype=dtype)
+    targets = torch.randint(0, v, (n,), generator=g).to(device)
+    old = (-3.0 - torch.rand(n, generator=g)).to(device)
+    adv = torch.randn(n, generator=g).to(device)
+    mask = (torch.rand(n, generator=g) > 0.1).to(device)
+    return hidden, weight, targets, old, adv, mask
+
+
+def _naive(hidden, weight, targets, old, adv, mask):
+    from fastpo.kernels import policy_loss_terms
+
+    logits = (hidden @ weight.T).float()
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    terms = policy_loss_terms(lp, ent, old, adv, **OPTS)
+    m = mask.float()
+    return (terms["loss"] * m).sum() / m.sum()
+
+
+def _step(fn, hidden, weight):
+    """One forward + backward from fresh leaves; returns the leaves (their .grad set)."""
+    h = hidden.detach().requires_grad_(True)
+    w = weight.detach().requires_grad_(True)
+    fn(h, w).backward()
+    return h, w
+
+
+def _extra_peak(fn, hidden, weight, device) -> int:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    peak, (h, w) = peak_memory(lambda: _step(fn, hidden, weight), device=device)
+    grads = h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size()
+    del h, w
+    return max(1, peak - grads)
+
+
+def _methods(data, device):
+    from fastpo.kernels import linear_policy_loss
+
+    hidden, weight, targets, old, adv, mask = data
+    impl = "triton" if device == "cuda" else "chunked"
+    methods = {
+        "naive": lambda h, w: _naive(h, w, targets, old, adv, mask),
+        f"fastpo-{impl}": lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl=impl, **OPTS).loss,
+    }
+    if device == "cuda":
+        methods["fastpo-chunked"] = lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl="chunked",
+                                                                    **OPTS).loss
+    liger = _liger_fn(data)
+    if liger is not None:
+        methods["liger-fused-linear-grpo"] = liger
+    return impl, methods
+
+
+def _liger_fn(data):
+    try:
+        from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    except Exception:  # not installed (CPU machines): the comparison is skipped
+        return None
+    hidden, weight, targets, old, adv, mask = data
+    n = hidden.shape[0]
+    seq = 512 if n % 512 == 0 else n
+    b = n // seq
+    loss_mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=OPTS["clip_low"],
+                                        epsilon_high=OPTS["clip_high"], loss_type="bnpo")
+    adv_seq = adv.view(b, seq)[:, 0].contiguous()  # Liger takes one advantage per sequence
+
+    def fn(h, w):
+        out = loss_mod(h.view(b, seq, -1), w, targets.view(b, seq), mask.view(b, seq).long(), adv_seq,
+                       old_per_token_logps=old.view(b, seq))
+        return out[0] if isinstance(out, tuple) else out
+
+    return fn
+
+
+def _time(fn, hidden, weight, ctx, sync, warmup=1):
+    return measure(lambda: _step(fn, hidden, weight), repeats=ctx.repeats, warmup=warmup, sync=sync)
+
+
+def _cpu(ctx: BenchContext) -> list[Record]:
+    n, h, v = (512 if ctx.quick else 2048), 576, 49152
+    data = _inputs(n, h, v, torch.float32, "cpu", ctx.seed)
+    impl, methods = _methods(data, "cpu")
+    shape = f"N={n} H={h} V={v} fp32"
+    # the memory run comes first and doubles as the warm-up of the timed runs
+    m_naive = _extra_peak(methods["naive"], data[0], data[1], "cpu")
+    m_fast = _extra_peak(methods[f"fastpo-{impl}"], data[0], data[1], "cpu")
+    t_naive, s_naive = _time(methods["naive"], data[0], data[1], ctx, None, warmup=0)
+    t_fast, s_fast = _time(methods[f"fastpo-{impl}"], data[0], data[1], ctx, None, warmup=0)
+    return [
+        Record(PART, f"policy loss fwd+bwd time, {impl} ({shape})", "s", t_fast, t_naive, False, s_fast, s_naive,
+               "naive PyTorch (materialized logits)", target=1 / 1.2),
+        Record(PART, f"policy loss peak memory, {impl} ({shape})", "MiB", m_fast / 2**20, m_naive / 2**20, False,
+               baseline_name="naive PyTorch (materialized logits)", target=4.0,
+               notes="process RSS sampled every 0.5 ms, above the start, minus the returned gradients"),
+    ]
+
+
+def _four_matmuls(n, h, v, dtype, ctx):
+    g = torch.Generator(device="cuda").manual_seed(ctx.seed)
+    a = torch.randn(n, h, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(v, h, device="cuda", dtype=dtype, generator=g)
+    d = torch.randn(n, v, device="cuda", dtype=dtype, generator=g)
+
+    def run():
+        torch.matmul(a, w.T)
+        torch.matmul(a, w.T)  # the backward's recompute
+        torch.matmul(d, w)
+        torch.matmul(d.T, a)
+
+    t, s = measure(run, repeats=ctx.repeats, warmup=1, sync=torch.cuda.synchronize)
+    del a, w, d
+    torch.cuda.empty_cache()
+    return t, s
+
+
+def _cuda(ctx: BenchContext) -> list[Record]:
+    h, v, dtype = 896, 151936, torch.bfloat16
+    sync = torch.cuda.synchronize
+    records = []
+    for n in ([4096] if ctx.quick else [4096, 16384]):
+        shape = f"N={n} H={h} V={v} bf16"
+        data = _inputs(n, h, v, dtype, "cuda", ctx.seed)
+        impl, methods = _methods(data, "cuda")
+        times, mems = {}, {}
+        for name, fn in methods.items():
+            try:
+                times[name] = _time(fn, data[0], data[1], ctx, sync)
+                mems[name] = _extra_peak(fn, data[0], data[1], "cuda")
+            except Exception as e:  # e.g. a Liger version with another signature: report, keep going
+                print(f"part kernels: {name} at {shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            torch.cuda.empty_cache()
+        fast = f"fastpo-{impl}"
+        t_mm, s_mm = _four_matmuls(n, h, v, dtype, ctx)
+        flops = 8.0 * n * h * v
+        if fast in times:
+            tf, sf = times[fast]
+            records.append(Record(PART, f"fused fwd+bwd vs four plain matmuls ({shape})", "TFLOP/s",
+                                  flops / tf / 1e12, flops / t_mm / 1e12, True, baseline_name="torch.matmul x4",
+                                  target=1 / 1.5, notes=f"8NHV FLOPs; fused {tf * 1e3:.1f} ms, matmuls "
+                                  f"{t_mm * 1e3:.1f} ms"))
+            for base in ("naive", "fastpo-chunked", "liger-fused-linear-grpo"):
+                if base not in times:
+                    continue
+                tb, sb = times[base]
+                target = {"naive": None, "fastpo-chunked": None, "liger-fused-linear-grpo": 2.0}[base]
+                records.append(Record(PART, f"policy loss fwd+bwd time ({shape})", "ms", tf * 1e3, tb * 1e3, False,
+                                      sf * 1e3, sb * 1e3, base, target=target))
+                if base in mems and fast in mems:
+                    records.append(Record(PART, f"policy loss peak memory beyond inputs/grads ({shape})", "MiB",
+                                          mems[fast] / 2**20, mems[base] / 2**20, False, baseline_name=base,
+                                          target=20.0 if base == "naive" else None))
+        del data, methods
+        gc.collect()
+        torch.cuda.empty_cache()
+    return records
+
+
+def run(ctx: BenchContext) -> list[Record]:
+    """Side-by-side records for `python bench/throughput.py --part kernels`."""
+    if ctx.device == "cuda":
+        return _cuda(ctx)
+    return _cpu(ctx)
