@@ -285,8 +285,8 @@ class NativeEngine:
         for reproducible sampling), or None for the global RNG.
 
         Returns one TurnOutput per session, in order. A session whose length would pass
-        params.max_context gets stop_reason "context" (and its appended tokens are kept
-        pending, unfed). Raises ValueError for unknown or repeated sessions or a length
+        params.max_context gets stop_reason "context", no tokens, and its append is not
+        added (the session is unchanged). Raises ValueError for unknown or repeated sessions or a length
         mismatch.
         """
         if len(set(sessions)) != len(sessions) or any(s not in self._cached for s in sessions):
@@ -300,7 +300,7 @@ class NativeEngine:
         run = []
         for i, s in enumerate(sessions):
             if self.session_length(s) + len(append[i]) + 1 > params.max_context:
-                self._pending[s] = self._pending[s] + list(append[i])
+                pass  # the append is refused; the session is unchanged
             else:
                 run.append(i)
         keep = [sessions[i] for i in run]

@@ -1,0 +1,181 @@
+"""The native engine: KV cache across turns, group prefix sharing, per-row stop, context limit.
+
+The mechanics run on a small random Llama (fast); exactness against plain forward passes
+and ``model.generate`` runs on the embedded SmolLM2 model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpo.models import load_model_and_tokenizer
+from fastpo.rollout import NativeEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+    return model, tok
+
+
+def _full_logprobs(model, ids, temperature):
+    """Log-probs of ids[1:] from one plain forward over the whole sequence (fp32)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)
+    return lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def _run_turns(engine, prompts, group_size, appends, params, seed=0):
+    """Drive the engine for len(appends) + 1 turns; returns per-session token lists and logprob lists."""
+    B = len(prompts) * group_size
+    seqs = {s: list(prompts[s // group_size]) for s in range(B)}
+    lps = {s: [None] * len(seqs[s]) for s in range(B)}
+    gen = torch.Generator().manual_seed(seed)
+    engine.start(prompts, group_size)
+    sessions, app = list(range(B)), None
+    outs_all = []
+    for turn in range(len(appends) + 1):
+        outs = engine.generate(sessions, app, params, gen)
+        outs_all.append(outs)
+        for s, o in zip(sessions, outs):
+            seqs[s] += o.token_ids
+            lps[s] += o.logprobs
+        if turn == len(appends):
+            break
+        app = [appends[turn][s % len(appends[turn])] for s in sessions]
+        for s, a in zip(sessions, app):
+            seqs[s] += a
+            lps[s] += [None] * len(a)
+    engine.finish()
+    return seqs, lps, outs_all
+
+
+def _check_logprobs(model, seqs, lps, temperature, atol):
+    for s, ids in seqs.items():
+        ref = _full_logprobs(model, ids, temperature)
+        idx = [t for t in range(1, len(ids)) if lps[s][t] is not None]
+        assert idx, "no sampled tokens"
+        got = torch.tensor([lps[s][t] for t in idx])
+        torch.testing.assert_close(got, ref[torch.tensor(idx) - 1], atol=atol, rtol=0)
+
+
+def test_logprobs_match_full_forward_across_turns_and_ragged_stops(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    prompts = [tok("Hello world, a first prompt")["input_ids"], tok("A second, longer prompt for group two!")["input_ids"]]
+    # Half the vocabulary stops a row: rows end at different steps, leaving the batch one by one.
+    params = SamplingParams(temperature=0.8, max_new_tokens=12, stop_token_ids=tuple(range(0, 49152, 2)), max_context=512)
+    appends = [[[11, 12, 13], [14], [15, 16, 17, 18, 19]], [[20], [21, 22]]]
+    seqs, lps, outs = _run_turns(eng, prompts, 3, appends, params)
+    reasons = {o.stop_reason for turn in outs for o in turn}
+    assert reasons <= {"eot", "length"} and "eot" in reasons
+    lengths = {len(o.token_ids) for turn in outs for o in turn}
+    assert len(lengths) > 1  # ragged stops were exercised
+    _check_logprobs(model, seqs, lps, 0.8, atol=2e-5)
+
+
+def test_group_prefix_shared_and_only_new_tokens_prefilled(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    prompts = [list(range(100, 140)), list(range(200, 230))]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, max_context=512)
+    eng.start(prompts, 4)
+    assert eng.stats["prefilled_tokens"] == 70  # each group prompt once, not 4 times
+    eng.generate(list(range(8)), None, params, torch.Generator().manual_seed(0))
+    assert eng.stats["prefilled_tokens"] == 70 and eng.stats["generated_tokens"] == 32
+    eng.generate(list(range(8)), [[1, 2, 3]] * 8, params, torch.Generator().manual_seed(1))
+    # each session: its last sampled token (not yet fed) + the 3 appended tokens
+    assert eng.stats["prefilled_tokens"] == 70 + 8 * 4
+    assert all(eng.session_length(s) == len(prompts[s // 4]) + 4 + 3 + 4 for s in range(8))
+    eng.finish()
+
+
+def test_finished_rows_leave_the_batch(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    sizes = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape), with_kwargs=True)
+    try:
+        eng.start([list(range(100, 120))], 6)
+        params = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=tuple(range(0, 49152, 3)), max_context=512)
+        outs = eng.generate(list(range(6)), None, params, torch.Generator().manual_seed(0))
+    finally:
+        hook.remove()
+    lens = [len(o.token_ids) for o in outs]
+    assert len(set(lens)) > 1
+    assert sizes[0][0] == 1  # the shared prompt, prefilled once
+    # decode forward k feeds exactly the rows that sampled k+1 tokens without stopping
+    decode_rows = [s[0] for s in sizes[1:]]
+    assert decode_rows == [sum(1 for n in lens if n > k + 1) for k in range(max(lens) - 1)]
+
+
+def test_reproducible_and_seed_dependent(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, max_new_tokens=8, max_context=512)
+    prompts = [list(range(300, 320)), list(range(400, 410))]
+    a = _run_turns(eng, prompts, 2, [[[5, 6]]], params, seed=7)[0]
+    b = _run_turns(eng, prompts, 2, [[[5, 6]]], params, seed=7)[0]
+    c = _run_turns(eng, prompts, 2, [[[5, 6]]], params, seed=8)[0]
+    assert a == b and a != c
+
+
+def test_context_limit_truncates_without_crashing(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    params = SamplingParams(temperature=1.0, max_new_tokens=50, max_context=40)
+    eng.start([list(range(100, 130)), list(range(100, 105))], 1)
+    outs = eng.generate([0, 1], None, params, torch.Generator().manual_seed(0))
+    assert outs[0].stop_reason == "context" and len(outs[0].token_ids) == 10
+    assert outs[1].stop_reason == "context" and len(outs[1].token_ids) == 35
+    assert eng.session_length(0) == 40
+    outs2 = eng.generate([0, 1], [[1, 2], [3]], params, torch.Generator().manual_seed(0))
+    assert outs2[0].stop_reason == "context" and outs2[0].token_ids == []
+    assert eng.session_length(1) <= 40
+    with pytest.raises(ValueError, match="sessions"):
+        eng.generate([5], None, params)
+
+
+def test_training_flag_restored_and_no_grad(tiny):
+    model, tok = tiny
+    model.train()
+    eng = NativeEngine(model, tok)
+    eng.start([list(range(100, 110))], 2)
+    outs = eng.generate([0, 1], None, SamplingParams(max_new_tokens=3, max_context=64))
+    assert model.training
+    assert all(isinstance(x, float) for o in outs for x in o.logprobs)
+    model.eval()
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_generate_and_logprobs_on_embedded_model(smol):
+    model, tok = smol
+    eng = NativeEngine(model, tok)
+    msgs = [[{"role": "user", "content": "Name three colours."}], [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]]
+    prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False) for m in msgs]
+    params = SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=(tok.eos_token_id,), max_context=1024)
+    eng.start(prompts, 2)
+    outs = eng.generate([0, 1, 2, 3], None, params)
+    for s, o in enumerate(outs):
+        p = prompts[s // 2]
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        assert o.token_ids == ref[0, len(p):].tolist()
+    # a second turn appended to ragged sequences still matches a plain forward
+    follow = tok("<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=10, stop_token_ids=(tok.eos_token_id,), max_context=1024)
+    outs2 = eng.generate([0, 1, 2, 3], [follow[1:] if o.stop_reason == "eot" else follow for o in outs], sampled,
+                         torch.Generator().manual_seed(0))
+    for s in range(4):
+        o1, o2 = outs[s], outs2[s]
+        ids = prompts[s // 2] + o1.token_ids + (follow[1:] if o1.stop_reason == "eot" else follow) + o2.token_ids
+        ref = _full_logprobs(model, ids, 1.0)[-len(o2.token_ids):]
+        torch.testing.assert_close(torch.tensor(o2.logprobs), ref, atol=1e-4, rtol=0)
+    eng.finish()

@@ -1,0 +1,132 @@
+"""Response parsing, prompt/template pieces, sampling filters and rollout config checks."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastpo.rollout import RolloutConfig, SamplingParams, parse_response, sample_tokens
+from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
+from fastpo.rollout.sampling import filter_logits
+
+
+# -- parsing ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("text,think,answer,ok", [
+    ("<think>go down</think> <answer>Down || Right</answer>", True, "Down || Right", True),
+    ("<think>\nhmm\n</think>\n<answer> Up </answer>\n", True, "Up", True),
+    ("<think>x</think><answer></answer>", True, "", True),  # empty answer: no action, caught by the env check
+    ("<think>x</think>", True, None, False),
+    ("<think>x</think> <answer>Up", True, None, False),
+    ("<think>x <answer>Up</answer>", True, "Up", False),  # answer readable, structure broken
+    ("<think>x</think> <answer>Up</answer> and more", True, "Up", False),
+    ("<think>a</think><think>b</think><answer>Up</answer>", True, "Up", False),
+    ("<think>x</think> <answer><answer>Up</answer>", True, "<answer>Up", False),
+    ("<answer>Left</answer>", False, "Left", True),
+    ("<think>x</think><answer>Left</answer>", False, "Left", False),
+    ("", True, None, False),
+])
+def test_parse_response(text, think, answer, ok):
+    p = parse_response(text, think=think)
+    assert p.answer == answer
+    assert p.format_ok is ok
+    if ok and think:
+        assert p.think is not None
+
+
+def test_parse_response_non_string():
+    p = parse_response(None)  # type: ignore[arg-type]
+    assert p.answer is None and not p.format_ok
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("<>/thinkanswer |\nUpDown")), max_size=80), st.booleans())
+def test_parse_response_never_raises(text, think):
+    p = parse_response(text, think=think)
+    if p.format_ok:
+        assert p.answer is not None and "<answer>" not in p.answer
+
+
+# -- prompts ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from fastpo.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+def test_chat_format_pieces_match_template(tokenizer):
+    chat = ChatFormat(tokenizer, think=True, system_prompt="SYS")
+    assert chat.prime == "<think>"
+    assert chat.template_eot_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+    user0 = first_user_message("Rules.", "P_\n_G", 10, 5, True, 32)
+    assert "at most" not in user0 and "up to 5 action(s)" in user0 and "10 actions left" in user0
+    assert "<think> [your thoughts] </think> <answer> [your answer] </answer>" in user0
+    ids = chat.prompt_ids(user0)
+    expect = tokenizer.apply_chat_template(chat.messages(user0), tokenize=False, add_generation_prompt=True) + "<think>"
+    assert tokenizer.decode(ids) == expect
+    user1 = next_user_message(2, -0.1, "P_\n_G", 9, True, 32, note="Invalid actions: Jump.")
+    assert user1.startswith("Reward: -0.1\nInvalid actions: Jump.\nTurn 2:")
+    full = tokenizer.apply_chat_template(
+        chat.messages(user0) + [{"role": "assistant", "content": "<think>A</think><answer>Up</answer>"},
+                                {"role": "user", "content": user1}], tokenize=False, add_generation_prompt=True)
+    between = full.split("<answer>Up</answer>", 1)[1] + "<think>"
+    assert chat.between_turn_text(user1, model_emitted_eot=False) == between
+    assert chat.between_turn_text(user1, model_emitted_eot=True) == between[len("<|im_end|>"):]
+    assert chat.between_turn_ids(user1, False) == tokenizer(between, add_special_tokens=False)["input_ids"]
+    assert ChatFormat(tokenizer, think=False).prime == "<answer>"
+    assert "<think>" not in first_user_message("R", "S", 3, 1, False)
+
+
+# -- sampling --------------------------------------------------------------------------------
+def test_filter_logits_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, top_k=2)).tolist() == [[False, False, True, True]]
+    # nucleus 0.8: 0.5 + 0.3 reaches it, the rest goes
+    assert torch.isinf(filter_logits(logits, top_p=0.8)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.81)).tolist() == [[False, False, False, True]]
+    assert torch.isinf(filter_logits(logits, top_p=0.1)).tolist() == [[False, True, True, True]]
+
+
+def test_sample_tokens_logprobs_and_reproducibility():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 100, generator=g)
+    p = SamplingParams(temperature=0.7, top_k=10, top_p=0.9)
+    t1, lp1 = sample_tokens(logits, p, torch.Generator().manual_seed(5))
+    t2, lp2 = sample_tokens(logits, p, torch.Generator().manual_seed(5))
+    assert torch.equal(t1, t2) and torch.equal(lp1, lp2)
+    assert lp1.dtype == torch.float32
+    ref = torch.log_softmax(logits / 0.7, -1).gather(1, t1[:, None])[:, 0]
+    torch.testing.assert_close(lp1, ref)
+    allowed = torch.topk(logits, 10, dim=-1).indices
+    assert (allowed == t1[:, None]).any(1).all()
+    tg, lpg = sample_tokens(logits, SamplingParams(temperature=0))
+    assert torch.equal(tg, logits.argmax(-1))
+    assert math.isclose(float(lpg[0]), float(torch.log_softmax(logits[0], -1).max()), rel_tol=1e-6)
+
+
+def test_sampling_distribution_matches_temperature():
+    logits = torch.tensor([[0.0, 1.0, 2.0]]).expand(20000, 3)
+    tok, _ = sample_tokens(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(1))
+    freq = torch.bincount(tok, minlength=3).float() / tok.numel()
+    torch.testing.assert_close(freq, torch.softmax(torch.tensor([0.0, 0.5, 1.0]), 0), atol=0.02, rtol=0)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-1), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_context=1), "max_context"),
+])
+def test_sampling_params_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_turns=0), "max_turns"), (dict(max_new_tokens=1.5), "max_new_tokens"), (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"), (dict(format_penalty="x"), "format_penalty"),
+])
+def test_rollout_config_validation(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RolloutConfig(**kw)
