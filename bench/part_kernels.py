@@ -83,7 +83,7 @@ def _methods(data, device):
         "naive": lambda h, w: _naive(h, w, targets, old, adv, mask),
         f"fastpo-{impl}": lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl=impl, **OPTS).loss,
     }
-    if device == "cuda":
+    if device == "cuda" and hidden.shape[0] <= 4096:  # the CPU path on the GPU, for reference
         methods["fastpo-chunked"] = lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl="chunked",
                                                                     **OPTS).loss
     liger = _liger_fn(data)

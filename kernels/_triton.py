@@ -6,7 +6,7 @@ accumulation) and folds it into a running max m (started at -inf), a running sum
 s = sum exp(z - m) and t = sum exp(z - m) (z - m) (so entropy = log s - t / s needs no
 large-magnitude subtraction), and picks the target logit when it lies in the tile. Padded
 vocabulary columns are -inf (they add 0 to s and t). The splits' partial (m, s, t) are
-merged in PyTorch ([splits, N] floats). The split size is fixed in vocabulary tiles, not
+merged by a small kernel in a fixed order. The split size is fixed in vocabulary tiles, not
 derived from N, so a token's log-prob does not depend on the batch it came in (ratio
 exactly 1 on policy).
 
@@ -120,6 +120,34 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, 
     tl.store(out, dz.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
+@triton.jit
+def _combine_kernel(part_ptr, lp_ptr, ent_ptr, lse_ptr, N, n_splits, BLOCK: tl.constexpr):
+    # merge the splits' (m, s, t, z_target) in a fixed order, so a token's result never
+    # depends on how many tokens share its batch
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < N
+    stride = n_splits * N
+    m = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for k in range(0, n_splits):
+        m = tl.maximum(m, tl.load(part_ptr + k * N + rows, mask=rmask, other=0.0))
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    t = tl.zeros([BLOCK], dtype=tl.float32)
+    zt = tl.zeros([BLOCK], dtype=tl.float32)
+    for k in range(0, n_splits):
+        mk = tl.load(part_ptr + k * N + rows, mask=rmask, other=0.0)
+        sk = tl.load(part_ptr + stride + k * N + rows, mask=rmask, other=1.0)
+        tk = tl.load(part_ptr + 2 * stride + k * N + rows, mask=rmask, other=0.0)
+        zt += tl.load(part_ptr + 3 * stride + k * N + rows, mask=rmask, other=0.0)
+        scale = tl.exp(mk - m)  # every split covers >= 1 real column: mk finite, sk >= 1
+        s += scale * sk
+        t += scale * (tk + (mk - m) * sk)
+    log_s = tl.log(s)
+    lse = m + log_s
+    tl.store(lse_ptr + rows, lse, mask=rmask)
+    tl.store(ent_ptr + rows, log_s - t / s, mask=rmask)
+    tl.store(lp_ptr + rows, zt - lse, mask=rmask)
+
+
 def _config(dtype: torch.dtype) -> dict:
     """Tile sizes and launch options; small tiles under the interpreter (speed of tests)."""
     ieee = dtype in (torch.float32, torch.float64)
@@ -161,17 +189,10 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
         grid = (triton.cdiv(n, cfg["BLOCK_N"]), n_splits)
         _fwd_kernel[grid](hidden, weight, targets, part, n, v, d, hidden.stride(0), weight.stride(0),
                           1.0 / temperature, tps, **_launch_opts(cfg))
-    m, s, t, zt = part.unbind(0)
-    # merge the splits: every split has at least one tile, so s > 0 and m is finite
-    m_all = m.max(0).values
-    scale = torch.exp(m - m_all)
-    s_all = (s * scale).sum(0)
-    t_all = (scale * (t + (m - m_all) * s)).sum(0)
-    log_s = torch.log(s_all)
-    lse = m_all + log_s
-    entropy = log_s - t_all / s_all
-    logprob = zt.sum(0) - lse
-    return logprob, entropy, lse
+    out = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
+    if n:
+        _combine_kernel[(triton.cdiv(n, 128),)](part, out[0], out[1], out[2], n, n_splits, BLOCK=128)
+    return out[0], out[1], out[2]
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

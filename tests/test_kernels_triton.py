@@ -124,6 +124,42 @@ def test_on_policy_ratio_exactly_one():
     assert out.metrics["ratio_min"] == 1.0 and out.metrics["ratio_max"] == 1.0 and out.metrics["clipfrac"] == 0.0
 
 
+def test_entropy_gradient_finite_with_underflowing_probabilities():
+    hidden, weight, targets = _data(16, 24, 100, torch.float32, seed=10, scale=300.0)
+    hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lp, ent = linear_logprob_entropy(hh, ww, targets, impl="triton")
+    (ent.sum() + lp.sum()).backward()
+    assert torch.isfinite(hh.grad).all() and torch.isfinite(ww.grad).all()
+    assert bool((lp <= 0).all()) and bool((ent >= 0).all())
+
+
+def test_causal_lm_adapter_on_the_triton_path():
+    import transformers
+
+    from fastpo.kernels import causal_lm_policy_loss
+
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=203, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().to(DEV)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 203, (2, 12), generator=g).to(DEV)
+    mask = torch.ones(2, 12, device=DEV)
+    mask[:, :4] = 0
+    old = -5.0 + 0.1 * torch.randn(2, 12, generator=g).to(DEV)
+    adv = torch.randn(2, 12, generator=g).to(DEV)
+    grads = {}
+    for impl in ("triton", "chunked"):
+        model.zero_grad()
+        out = causal_lm_policy_loss(model, ids, old, adv, mask, impl=impl, entropy_coef=0.01, temperature=0.5)
+        out.loss.backward()
+        grads[impl] = (out.loss.detach(), out.logprob, [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(grads["triton"][0], grads["chunked"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads["triton"][1], grads["chunked"][1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads["triton"][2], grads["chunked"][2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_dispatcher():
     dev = torch.device(DEV)
     assert resolve_impl("auto", torch.device("cpu")) == "chunked"
