@@ -140,25 +140,19 @@ def _is_space(c):
 
 
 @njit(cache=True)
-def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions):
+def _parse_kernel(text, lengths, name_codes, name_lens, name_action, out):
     """Split each answer on '||', strip, match names (ASCII case-insensitive).
 
     text: uint32 [T] code points of all answers, each followed by one separator code point;
     lengths: int64 [B] code points per answer. name_codes: uint32 [N, K] lower-case names; name_lens: int64 [N];
     name_action: int64 [B, N] action id of name n for instance b (-1: not an action of b).
-    Returns actions int64 [B, M] (-1 padded), num_actions int64 [B], inv_start/inv_end
-    int64 [B, M] spans (relative to the answer) of invalid pieces, num_invalid int64 [B],
-    all_valid bool [B].
+    Fills out int64 [B, 2 + 3M] (one array: returning several costs more than parsing):
+    column 0 the number of actions, 1 the number of invalid pieces, then M action ids
+    (-1 padded), M starts and M ends (relative to the answer) of the invalid pieces.
     """
     B = lengths.shape[0]
     N = name_codes.shape[0]
-    M = max_actions
-    actions = np.full((B, M), -1, dtype=np.int64)
-    num_actions = np.zeros(B, dtype=np.int64)
-    inv_start = np.zeros((B, M), dtype=np.int64)
-    inv_end = np.zeros((B, M), dtype=np.int64)
-    num_invalid = np.zeros(B, dtype=np.int64)
-    all_valid = np.zeros(B, dtype=np.bool_)
+    M = (out.shape[1] - 2) // 3
     o = 0
     for b in range(B):
         n = lengths[b]
@@ -196,18 +190,18 @@ def _parse_kernel(text, lengths, name_codes, name_lens, name_action, max_actions
                         found = name_action[b, k]
                         break
                 if found >= 0:
-                    actions[b, na] = found
+                    out[b, 2 + na] = found
                     na += 1
                 else:
-                    inv_start[b, ni] = a
-                    inv_end[b, ni] = z
+                    out[b, 2 + M + ni] = a
+                    out[b, 2 + 2 * M + ni] = z
                     ni += 1
             s = e + 2
-        num_actions[b] = na
-        num_invalid[b] = ni
-        all_valid[b] = na > 0 and ni == 0
+        for j in range(na, M):
+            out[b, 2 + j] = -1
+        out[b, 0] = na
+        out[b, 1] = ni
         o += n + 1
-    return actions, num_actions, inv_start, inv_end, num_invalid, all_valid
 
 
 class NameTable:
@@ -254,12 +248,15 @@ def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, na
     # surrogatepass keeps lone surrogates as code points that simply match no name
     text = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
     text = text.astype(np.uint32, copy=False)  # no copy on little-endian machines
-    actions, num_actions, inv_start, inv_end, num_invalid, all_valid = _parse_kernel(
-        text, lengths, table.codes, table.lens, name_action, int(max_actions))
+    M = int(max_actions)
+    out = np.zeros((B, 2 + 3 * M), dtype=np.int64)
+    _parse_kernel(text, lengths, table.codes, table.lens, name_action, out)
+    num_actions = out[:, 0].copy()
+    num_invalid = out[:, 1]
     invalid = [[] for _ in range(B)]
     for b in np.flatnonzero(num_invalid):
-        invalid[b] = [answers[b][inv_start[b, j]:inv_end[b, j]] for j in range(num_invalid[b])]
-    return ParsedActions(actions, num_actions, invalid, all_valid)
+        invalid[b] = [answers[b][out[b, 2 + M + j]:out[b, 2 + 2 * M + j]] for j in range(num_invalid[b])]
+    return ParsedActions(out[:, 2:2 + M].copy(), num_actions, invalid, (num_actions > 0) & (num_invalid == 0))
 
 
 # ---------------------------------------------------------------------------------------
