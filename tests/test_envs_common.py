@@ -66,6 +66,36 @@ def test_same_instances_whatever_pythonhashseed():
         assert env.reset(range(6)) == outs[0][name]
 
 
+_CACHE_SCRIPT = """
+import json
+from numba.core.dispatcher import Dispatcher
+from fastpo.envs_native import make_env, _core, bandit, frozenlake, sokoban
+for name in ("bandit", "frozenlake", "sokoban"):
+    env = make_env(name, 2)
+    env.reset([0, 1])
+    env.step(env.parse_actions(["Up || Left", "x"], 2).actions)
+    env.render()
+misses, hits = [], 0
+for mod in (_core, bandit, frozenlake, sokoban):
+    for k, v in vars(mod).items():
+        if isinstance(v, Dispatcher) and v.signatures:
+            misses += [k] * sum(v.stats.cache_misses.values())
+            hits += sum(v.stats.cache_hits.values())
+print(json.dumps([misses, hits]))
+"""
+
+
+def test_compiled_functions_come_from_the_cache_in_a_second_process():
+    # the first process (compiling, writing the cache) may be this one or an earlier one
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        misses, hits = json.loads(r.stdout.strip().splitlines()[-1])
+        if not misses:
+            break
+    assert misses == [] and hits >= 8
+
+
 def test_import_is_cheap():
     code = "import sys, fastpo.envs_native; print(sorted(m for m in ('torch', 'transformers', 'gymnasium') if m in sys.modules))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
