@@ -1,0 +1,239 @@
+"""The multi-turn loop: token-in-token-out on the embedded model, rewards and format
+penalties, action budget, truncation, reproducibility."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastpo.models import load_model_and_tokenizer
+from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig, TurnOutput
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tok, _ = load_model_and_tokenizer("smollm2-135m-instruct")
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    return model, tok
+
+
+def _runs(mask: torch.Tensor):
+    """(start, end, is_model) runs of equal loss-mask values."""
+    out, s = [], 0
+    m = mask.tolist()
+    for t in range(1, len(m) + 1):
+        if t == len(m) or m[t] != m[s]:
+            out.append((s, t, m[s]))
+            s = t
+    return out
+
+
+@pytest.fixture(scope="module")
+def smol_batch(smol):
+    model, tok = smol
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=16, max_context=2048, temperature=1.0)
+    ro = MultiTurnRollout(NativeEngine(model, tok), tok, "frozenlake", {"size": 4}, cfg)
+    return ro, ro.generate([0, 1], group_size=2, seed=0)
+
+
+@pytest.mark.slow
+def test_token_in_token_out_matches_chat_template(smol, smol_batch):
+    model, tok = smol
+    ro, batch = smol_batch
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert len(batch) == 4 and batch.group_ids.tolist() == [0, 0, 1, 1] and batch.seeds.tolist() == [0, 0, 1, 1]
+    for i in range(len(batch)):
+        ids, mask, tix = batch.input_ids[i], batch.loss_mask[i], batch.turn_index[i]
+        runs = _runs(mask)
+        model_runs = [r for r in runs if r[2]]
+        other_runs = [r for r in runs if not r[2]]
+        # the sampled ids, exactly, one run per turn
+        assert len(model_runs) == int(batch.num_turns[i]) == len(batch.responses[i])
+        for k, (a, b, _) in enumerate(model_runs):
+            assert torch.equal(ids[a:b], batch.responses[i][k])
+            assert (tix[a:b] == k).all()
+        assert (tix[~mask] == -1).all()
+        assert (batch.sample_logprobs[i][~mask] == 0).all()
+        # the non-model tokens are what the chat template renders for the same messages
+        msgs = ro.chat.messages(batch.user_messages[i][0])
+        rendered = [tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + "<think>"]
+        bodies, eots = [], []
+        for k, resp in enumerate(batch.responses[i]):
+            r = resp.tolist()
+            eots.append(r[-1] == im_end)
+            bodies.append(tok.decode(r[:-1] if eots[-1] else r))
+            if k + 1 < len(batch.user_messages[i]):
+                msgs = msgs + [{"role": "assistant", "content": "<think>" + bodies[-1]},
+                               {"role": "user", "content": batch.user_messages[i][k + 1]}]
+                rendered.append(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + "<think>")
+        a0, b0, _ = other_runs[0]
+        assert ids[a0:b0].tolist() == tok(rendered[0], add_special_tokens=False)["input_ids"]
+        for k in range(1, len(rendered)):
+            assert rendered[k].startswith(rendered[k - 1] + bodies[k - 1])
+            between = rendered[k][len(rendered[k - 1]) + len(bodies[k - 1]):]
+            a, b, _ = other_runs[k]
+            expect = tok(between, add_special_tokens=False)["input_ids"]
+            assert ([im_end] if eots[k - 1] else []) + ids[a:b].tolist() == expect
+        assert len(other_runs) == len(rendered)  # nothing after the last response
+        assert tok.decode(ids) == rendered[-1] + bodies[-1] + ("<|im_end|>" if eots[-1] else "")
+
+
+@pytest.mark.slow
+def test_sampling_logprobs_match_a_plain_forward(smol, smol_batch):
+    model, tok = smol
+    _, batch = smol_batch
+    for i in range(len(batch)):
+        ids = batch.input_ids[i]
+        with torch.no_grad():
+            logits = model(ids[None]).logits[0].float()
+        lp = torch.log_softmax(logits / 1.0, -1)[:-1].gather(1, ids[1:, None])[:, 0]
+        m = batch.loss_mask[i]
+        assert not m[0]
+        torch.testing.assert_close(batch.sample_logprobs[i][1:][m[1:]], lp[m[1:]], atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_batch_fields_metrics_select(smol_batch):
+    _, batch = smol_batch
+    B, T = len(batch), 3
+    assert batch.turn_rewards.shape == (B, T) and batch.turn_rewards.dtype == torch.float32
+    torch.testing.assert_close(batch.scores, batch.turn_rewards.sum(1))
+    for i in range(B):
+        n = int(batch.num_turns[i])
+        assert (batch.turn_rewards[i, n:] == 0).all() and (batch.format_penalty[i, n:] == 0).all()
+        assert all(p in (0.0, pytest.approx(-0.1)) for p in batch.format_penalty[i, :n].tolist())
+    for key in ("seconds", "prefilled_tokens", "generated_tokens", "tokens_per_s", "response_length",
+                "valid_action_rate", "effective_action_rate", "format_penalty_rate", "success_rate"):
+        assert key in batch.metrics
+    assert batch.metrics["generated_tokens"] == sum(int(m.sum()) for m in batch.loss_mask)
+    sub = batch.select([3, 0])
+    assert len(sub) == 2 and torch.equal(sub.input_ids[0], batch.input_ids[3]) and sub.group_ids.tolist() == [1, 0]
+    assert len(batch.select(torch.tensor([True, False, False, True]))) == 2
+    with pytest.raises(IndexError):
+        batch.select([4])
+    texts = batch.texts()
+    assert texts[0].startswith("<|im_start|>system") and "Turn 1:" in texts[0]
+
+
+# -- the loop's reward logic with scripted responses (the env and tokenizer are real) --------
+class ScriptedEngine:
+    """Replays fixed response texts through the engine's session interface."""
+
+    def __init__(self, tokenizer, scripts):
+        self.tok = tokenizer
+        self.scripts = scripts  # scripts[session][turn] -> response text (without the prime)
+        self.turn = {}
+        self.device = torch.device("cpu")
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
+
+    def start(self, prompts, group_size):
+        self.len = {s: len(prompts[s // group_size]) for s in range(len(prompts) * group_size)}
+        self.turn = {s: 0 for s in self.len}
+
+    def session_length(self, s):
+        return self.len[s]
+
+    def generate(self, sessions, append, params, generator=None):
+        outs = []
+        for j, s in enumerate(sessions):
+            self.len[s] += len(append[j]) if append else 0
+            ids = self.tok(self.scripts[s][self.turn[s]], add_special_tokens=False)["input_ids"] + [params.stop_token_ids[0]]
+            self.turn[s] += 1
+            self.len[s] += len(ids)
+            outs.append(TurnOutput(ids, [-0.5] * len(ids), "eot"))
+        return outs
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("run_valid", [True, False])
+def test_rewards_penalties_budget_with_scripted_responses(tiny, run_valid):
+    _, tok = tiny
+    ok = "x</think> <answer>{}</answer>"
+    scripts = [
+        [ok.format("Right || Right"), ok.format("Down || Down")],  # reaches the goal in turn 2
+        ["x</think> <answer>Right || Jump</answer>", ok.format("Left")],  # invalid action, then valid
+        [ok.format("Right || Left || Right || Left || Right"), ok.format("Down")],  # spends the budget of 4
+        ["I will go right.", "no tags again"],  # no answer at all, twice
+    ]
+    cfg = RolloutConfig(max_turns=2, max_actions_per_traj=4, max_actions_per_turn=5,
+                        run_valid_actions_on_format_error=run_valid, format_penalty=-0.25)
+    env_cfg = {"desc": ["SFF", "FHF", "FFG"], "is_slippery": False}
+    ro = MultiTurnRollout(ScriptedEngine(tok, scripts), tok, "frozenlake", env_cfg, cfg)
+    batch = ro.generate([7], group_size=4)
+    assert batch.stop_reason[0] == "env_done" and bool(batch.success[0])
+    assert batch.turn_rewards[0].tolist() == [0.0, 1.0] and batch.num_actions[0] == 4
+    # traj 1: penalty in turn 1; Right runs only when run_valid is on
+    assert batch.format_penalty[1].tolist() == [-0.25, 0.0]
+    assert batch.num_actions[1] == (2 if run_valid else 1)
+    assert batch.stop_reason[1] == "max_turns"
+    assert "Invalid actions: Jump." in batch.user_messages[1][1]
+    # traj 2: 4 of 5 actions run (budget), then the trajectory ends
+    assert batch.num_actions[2] == 4 and batch.stop_reason[2] == "action_budget" and batch.num_turns[2] == 1
+    assert batch.turn_rewards[2].tolist() == [0.0, 0.0]
+    # traj 3: penalised every turn, nothing runs
+    assert batch.turn_rewards[3].tolist() == [-0.25, -0.25] and batch.num_actions[3] == 0
+    assert batch.metrics["format_penalty_rate"] == pytest.approx(3 / 7)
+    torch.testing.assert_close(batch.scores, batch.turn_rewards.sum(1))
+    for i in range(4):  # recorded logprobs sit exactly on the model tokens
+        assert (batch.sample_logprobs[i][batch.loss_mask[i]] == -0.5).all()
+
+
+def test_context_truncation_and_answer_only_mode(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    probe = MultiTurnRollout(eng, tok, "frozenlake", {}, RolloutConfig(think=False, max_new_tokens=8))
+    b0 = probe.generate([3], group_size=2, seed=1)
+    prompt_len = int((~b0.loss_mask[0]).nonzero()[-1]) if int(b0.num_turns[0]) == 1 else None
+    assert tok.decode(b0.input_ids[0][:20].tolist()).startswith("<|im_start|>system")
+    first_model = int(b0.loss_mask[0].nonzero()[0])
+    assert tok.decode(b0.input_ids[0][:first_model]).endswith("<|im_start|>assistant\n<answer>")
+    # room for the prompt and one short response, not for the next observation
+    limit = first_model + 10
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=8, max_context=limit, think=False)
+    batch = MultiTurnRollout(eng, tok, "frozenlake", {}, cfg).generate([3], group_size=2, seed=1)
+    assert batch.truncated.all() and batch.stop_reason == ["context", "context"]
+    assert (batch.num_turns == 1).all() and all(len(x) <= limit for x in batch.input_ids)
+    # a prompt longer than the context: no turn at all, still no crash
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=8, max_context=first_model - 5)
+    batch = MultiTurnRollout(eng, tok, "frozenlake", {}, cfg).generate([3], group_size=2)
+    assert batch.truncated.all() and (batch.num_turns == 0).all() and not any(m.any() for m in batch.loss_mask)
+    del prompt_len
+
+
+def test_reproducible_bandit_single_turn(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    # the bandit is a single-turn game (the env ends only once an arm is pulled)
+    ro = MultiTurnRollout(eng, tok, "bandit", {}, RolloutConfig(max_turns=1, max_new_tokens=6))
+    a = ro.generate([0, 1, 2], group_size=2, seed=5)
+    b = ro.generate([0, 1, 2], group_size=2, seed=5)
+    c = ro.generate([0, 1, 2], group_size=2, seed=6)
+    assert all(torch.equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
+    assert any(not torch.equal(x, y) for x, y in zip(a.input_ids, c.input_ids))
+    assert (a.num_turns == 1).all() and set(a.stop_reason) <= {"env_done", "max_turns"}
+    # prefill: 3 group prompts once each (not 6), nothing else in a single-turn game
+    prompt_lens = [int((~m).sum()) for m in a.loss_mask[::2]]
+    assert a.metrics["prefilled_tokens"] == sum(prompt_lens)
+
+
+def test_bad_arguments(tiny):
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    with pytest.raises(ValueError, match="unknown environment"):
+        MultiTurnRollout(eng, tok, "chess", {}, RolloutConfig())
+    ro = MultiTurnRollout(eng, tok, "bandit", {}, RolloutConfig(max_new_tokens=4))
+    with pytest.raises(ValueError, match="group_size"):
+        ro.generate([0], group_size=0)
+    with pytest.raises(ValueError, match="seeds"):
+        ro.generate([-1], group_size=1)
+    with pytest.raises(TypeError, match="RolloutConfig"):
+        MultiTurnRollout(eng, tok, "bandit", {}, {"max_turns": 2})
