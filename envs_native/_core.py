@@ -144,18 +144,25 @@ def _parse_kernel(text, lengths, name_codes, name_lens, name_action, out):
     """Split each answer on '||', strip, match names (ASCII case-insensitive).
 
     text: uint32 [T] code points of all answers, each followed by one separator code point;
-    lengths: int64 [B] code points per answer. name_codes: uint32 [N, K] lower-case names; name_lens: int64 [N];
+    lengths: int64 [B] code points per answer, or empty when no answer holds a NUL (then
+    each answer ends at the next NUL). name_codes: uint32 [N, K] lower-case names; name_lens: int64 [N];
     name_action: int64 [B, N] action id of name n for instance b (-1: not an action of b).
     Fills out int64 [B, 2 + 3M] (one array: returning several costs more than parsing):
     column 0 the number of actions, 1 the number of invalid pieces, then M action ids
     (-1 padded), M starts and M ends (relative to the answer) of the invalid pieces.
     """
-    B = lengths.shape[0]
+    B = out.shape[0]
     N = name_codes.shape[0]
     M = (out.shape[1] - 2) // 3
+    T = text.shape[0]
     o = 0
     for b in range(B):
-        n = lengths[b]
+        if lengths.shape[0] == B:
+            n = lengths[b]
+        else:
+            n = 0
+            while o + n < T and text[o + n] != 0:
+                n += 1
         pieces = 0
         na = 0
         ni = 0
@@ -226,6 +233,9 @@ class NameTable:
         self.lens = np.array([len(n) for n in lowered], dtype=np.int64)
 
 
+_NO_LENGTHS = np.zeros(0, dtype=np.int64)
+
+
 def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, name_action: np.ndarray) -> ParsedActions:
     """Parse B answer texts (the text inside <answer>...</answer>) into action ids.
 
@@ -243,7 +253,8 @@ def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, na
     except TypeError:
         answers = [a if isinstance(a, str) else "" for a in answers]
         joined = "\x00".join(answers)
-    lengths = np.fromiter(map(len, answers), np.int64, B)
+    # answers without NUL characters: the kernel finds the boundaries itself
+    lengths = np.fromiter(map(len, answers), np.int64, B) if joined.count("\x00") != B - 1 else _NO_LENGTHS
     # every answer's code points, NUL-separated (the separators are never read);
     # surrogatepass keeps lone surrogates as code points that simply match no name
     text = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
@@ -254,8 +265,12 @@ def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, na
     num_actions = out[:, 0].copy()
     num_invalid = out[:, 1]
     invalid = [[] for _ in range(B)]
-    for b in np.flatnonzero(num_invalid):
-        invalid[b] = [answers[b][out[b, 2 + M + j]:out[b, 2 + 2 * M + j]] for j in range(num_invalid[b])]
+    bad = np.flatnonzero(num_invalid)
+    if bad.size:
+        # plain ints: indexing NumPy scalars one by one costs more than the parse itself
+        for b, row in zip(bad.tolist(), out[bad].tolist()):
+            text_b = answers[b]
+            invalid[b] = [text_b[row[2 + M + j]:row[2 + 2 * M + j]] for j in range(row[1])]
     return ParsedActions(out[:, 2:2 + M].copy(), num_actions, invalid, (num_actions > 0) & (num_invalid == 0))
 
 
@@ -305,6 +320,7 @@ class BatchedTextEnv:
         self.done = np.ones(self._B, dtype=np.bool_)
         self.success = np.zeros(self._B, dtype=np.bool_)
         self.truncated = np.zeros(self._B, dtype=np.bool_)
+        self._all_active = np.ones(self._B, dtype=np.bool_)  # read-only use by the step kernels
         self._was_reset = False
 
     @property
@@ -371,7 +387,7 @@ class BatchedTextEnv:
             raise ValueError(f"actions must have shape [{self._B}, A], got {np.shape(actions)}")
         acts = np.ascontiguousarray(acts, dtype=np.int64)
         if active is None:
-            act = np.ones(self._B, dtype=np.bool_)
+            act = self._all_active
         else:
             act = np.asarray(active)
             if act.shape != (self._B,):

@@ -84,6 +84,8 @@ def test_odd_inputs_never_raise():
     assert p.num_actions.tolist() == [0, 0, 0, 1]
     assert p.invalid[0] == ["\ud800 Up"] and p.invalid[3] == ["\udfff"]
     assert not p.all_valid.any()
+    p = env.parse_actions(["Up\x00 || Left", "\x00", "", "down||\x00||up"], 3)  # NUL is not whitespace
+    assert p.num_actions.tolist() == [1, 0, 0, 2] and p.invalid == [["Up\x00"], ["\x00"], [], ["\x00"]]
     long = " || ".join(["Left"] * 10_000)
     assert env.parse_actions([long] * 4, 5).num_actions.tolist() == [5] * 4
 
