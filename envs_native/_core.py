@@ -145,8 +145,8 @@ def _parse_kernel(text, lengths, name_codes, name_lens, name_action, out):
 
     text: uint32 [T] code points of all answers, each followed by one separator code point;
     lengths: int64 [B] code points per answer, or empty when no answer holds a NUL (then
-    each answer ends at the next NUL). name_codes: uint32 [N, K] lower-case names; name_lens: int64 [N];
-    name_action: int64 [B, N] action id of name n for instance b (-1: not an action of b).
+    each answer ends at the next NUL). name_codes: uint32 [N, K] lower-case names;
+    name_lens: int64 [N]; name_action: int64 [B, N] action id of name n for instance b (-1: not an action of b).
     Fills out int64 [B, 2 + 3M] (one array: returning several costs more than parsing):
     column 0 the number of actions, 1 the number of invalid pieces, then M action ids
     (-1 padded), M starts and M ends (relative to the answer) of the invalid pieces.

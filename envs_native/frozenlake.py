@@ -17,7 +17,8 @@ from numba import njit
 from ._core import BatchedTextEnv, NameTable, codes_to_strings, rng_seed_all, rng_uniform, seeds_to_array, symbol_table
 
 ACTIONS = ("Left", "Down", "Right", "Up")
-DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X", "player_on_goal": "√"}
+DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X",
+                   "player_on_goal": "√"}
 # gymnasium's named maps
 MAPS = {
     "4x4": ["SFFF", "FHFH", "FFFH", "HFFG"],

@@ -28,7 +28,8 @@ import os
 import numpy as np
 from numba import njit
 
-from ._core import BatchedTextEnv, NameTable, codes_to_strings, rng_below, rng_seed_all, rng_uniform, seeds_to_array, symbol_table
+from ._core import (BatchedTextEnv, NameTable, codes_to_strings, rng_below, rng_seed_all, rng_uniform,
+                    seeds_to_array, symbol_table)
 
 ACTIONS = ("Up", "Down", "Left", "Right")
 DEFAULT_SYMBOLS = {"wall": "#", "floor": "_", "target": "O", "box": "X", "box_on_target": "√",
