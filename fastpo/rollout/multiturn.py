@@ -18,6 +18,7 @@ an answer are still executed; with False the turn executes nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -28,6 +29,103 @@ from .engine import STOP_CONTEXT
 from .parsing import parse_response
 from .prompts import ChatFormat, first_user_message, next_user_message
 from .sampling import SamplingParams
+
+
+@dataclasses.dataclass
+class TurnCounters:
+    """Action and format tallies over a rollout (for the rate metrics)."""
+
+    pieces: int = 0  # answer pieces (recognised + unrecognised)
+    valid: int = 0  # recognised action names
+    executed: int = 0
+    effective: int = 0  # executed actions that changed the state
+    penalised: int = 0  # turns with a format penalty
+    turns: int = 0
+
+    def rates(self) -> dict:
+        return {
+            "valid_action_rate": self.valid / max(1, self.pieces),
+            "effective_action_rate": self.effective / max(1, self.executed),
+            "format_penalty_rate": self.penalised / max(1, self.turns),
+        }
+
+
+@dataclasses.dataclass
+class EnvTurn:
+    """What one turn did to the B trajectories (zeros for those not stepped).
+
+    reward: float32 [B], env reward + format penalty. penalty: float32 [B]. ok: bool [B],
+    the answer was well formed with only valid actions. done: bool [B], the env ended.
+    executed: int64 [B]. notes: B feedback strings for the next user message.
+    """
+
+    reward: np.ndarray
+    penalty: np.ndarray
+    ok: np.ndarray
+    done: np.ndarray
+    executed: np.ndarray
+    notes: list
+
+
+def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, counters: TurnCounters | None = None) -> EnvTurn:
+    """Parse B response texts, run their actions in `env` and score the turn (RAGEN's rules).
+
+    texts: B response texts including the generation prime, or None for trajectories that
+    take no turn now. actions_left: int64 [B] action budget, decreased in place by the
+    executed actions. A turn whose answer is missing or malformed, or holds an invalid
+    action, gets cfg.format_penalty; its valid actions still run when
+    cfg.run_valid_actions_on_format_error. Actions past min(max_actions_per_turn,
+    actions_left) are ignored (not penalised). Never raises on any text.
+    """
+    B = len(texts)
+    answers = [""] * B
+    fmt_ok = np.zeros(B, dtype=bool)
+    has_answer = np.zeros(B, dtype=bool)
+    stepped = np.array([t is not None for t in texts], dtype=bool)
+    for b, text in enumerate(texts):
+        if text is None:
+            continue
+        parsed = parse_response(text, think=cfg.think)
+        answers[b] = parsed.answer or ""
+        has_answer[b] = parsed.answer is not None
+        fmt_ok[b] = parsed.format_ok
+    k_turn = cfg.max_actions_per_turn
+    pa = env.parse_actions(answers, k_turn)
+    acts = pa.actions.copy()
+    limit = np.minimum(k_turn, actions_left)
+    acts[np.arange(k_turn)[None, :] >= limit[:, None]] = -1
+    ok = fmt_ok & pa.all_valid & has_answer & stepped
+    run_actions = ok | (has_answer & bool(cfg.run_valid_actions_on_format_error))
+    acts[~run_actions] = -1
+    res = env.step(acts, active=stepped)
+    penalty = np.where(stepped & ~ok, np.float32(cfg.format_penalty), np.float32(0)).astype(np.float32)
+    reward = np.where(stepped, res.reward + penalty, 0).astype(np.float32)
+    executed = res.num_executed.astype(np.int64)
+    actions_left -= executed
+    notes = [""] * B
+    for b in np.flatnonzero(stepped):
+        if cfg.feedback_invalid and not ok[b]:
+            notes[b] = ("Invalid actions: " + ", ".join(pa.invalid[b]) + ".") if pa.invalid[b] else \
+                "Your answer was not in the required format."
+        if counters is not None:
+            counters.pieces += int(pa.num_actions[b]) + len(pa.invalid[b])
+            counters.valid += int(pa.num_actions[b])
+            counters.executed += int(executed[b])
+            counters.effective += int(res.effective[b].sum())
+            counters.penalised += int(not ok[b])
+            counters.turns += 1
+    return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes)
+
+
+def end_reason(turn_result: EnvTurn, b: int, actions_left: np.ndarray, turn: int, max_turns: int) -> str:
+    """Why trajectory b stops after this turn ("env_done", "action_budget", "max_turns"), or ""."""
+    if turn_result.done[b]:
+        return "env_done"
+    if actions_left[b] <= 0:
+        return "action_budget"
+    if turn == max_turns - 1:
+        return "max_turns"
+    return ""
 
 
 class MultiTurnRollout:
@@ -123,7 +221,7 @@ class MultiTurnRollout:
         actions_left = np.full(B, cfg.max_actions_per_traj, dtype=np.int64)
         truncated = np.zeros(B, dtype=bool)
         stop_reason = [""] * B
-        n_pieces = n_valid = n_exec = n_effective = n_penalised = n_turns_total = n_resp_tokens = 0
+        counters = TurnCounters()
 
         engine = self.engine
         engine.reset_stats()
@@ -143,10 +241,7 @@ class MultiTurnRollout:
             if not active:
                 break
             outs = engine.generate(active, append, params, gen)
-            answers = [""] * B
-            run_mask = np.zeros(B, dtype=bool)
-            fmt_ok = np.zeros(B, dtype=bool)
-            has_answer = np.zeros(B, dtype=bool)
+            texts = [None] * B
             emitted_eot = {}
             ended = set()
             for b, out in zip(active, outs):
@@ -161,67 +256,31 @@ class MultiTurnRollout:
                 lps[b].extend(float(x) for x in out.logprobs)
                 tix[b].extend([turn] * len(r))
                 responses[b].append(torch.tensor(r, dtype=torch.long))
-                text, eot = self._response_text(r)
-                emitted_eot[b] = eot
-                resp_texts[b].append(text)
-                parsed = parse_response(text, think=think)
-                answers[b] = parsed.answer or ""
-                has_answer[b] = parsed.answer is not None
-                fmt_ok[b] = parsed.format_ok
-                run_mask[b] = True
+                texts[b], emitted_eot[b] = self._response_text(r)
+                resp_texts[b].append(texts[b])
                 num_turns[b] += 1
-                n_resp_tokens += len(r)
                 if out.stop_reason == STOP_CONTEXT:
                     truncated[b] = True
                     stop_reason[b] = STOP_CONTEXT
-            stepped = [b for b in active if run_mask[b]]
-            if not stepped:
+            if all(t is None for t in texts):
                 active = [b for b in active if b not in ended]
                 continue
-            pa = env.parse_actions(answers, k_turn)
-            acts = pa.actions.copy()
-            for b in range(B):
-                lim = int(min(k_turn, actions_left[b]))
-                acts[b, lim:] = -1
-            ok = fmt_ok & pa.all_valid & has_answer
-            run_actions = ok | (has_answer & bool(cfg.run_valid_actions_on_format_error))
-            acts[~run_actions] = -1
-            res = env.step(acts, active=run_mask)
-            for b in stepped:
-                pen = 0.0 if ok[b] else float(cfg.format_penalty)
-                penalties[b, turn] = pen
-                turn_rewards[b, turn] = float(res.reward[b]) + pen
-                actions_left[b] -= int(res.num_executed[b])
-                n_pieces += int(pa.num_actions[b]) + len(pa.invalid[b])
-                n_valid += int(pa.num_actions[b])
-                n_exec += int(res.num_executed[b])
-                n_effective += int(res.effective[b].sum())
-                n_penalised += int(not ok[b])
-                n_turns_total += 1
+            res = env_turn(env, cfg, texts, actions_left, counters)
+            turn_rewards[:, turn] += res.reward
+            penalties[:, turn] += res.penalty
             obs_now = None
             new_active, new_append = [], []
             for b in active:
-                if b in ended:
+                if b in ended or truncated[b]:
                     continue
-                if truncated[b]:
-                    continue
-                if bool(res.done[b]):
-                    stop_reason[b] = "env_done"
-                    continue
-                if actions_left[b] <= 0:
-                    stop_reason[b] = "action_budget"
-                    continue
-                if turn == T - 1:
-                    stop_reason[b] = "max_turns"
+                reason = end_reason(res, b, actions_left, turn, T)
+                if reason:
+                    stop_reason[b] = reason
                     continue
                 if obs_now is None:
                     obs_now = env.render()
-                note = ""
-                if cfg.feedback_invalid and not ok[b]:
-                    note = ("Invalid actions: " + ", ".join(pa.invalid[b]) + ".") if pa.invalid[b] else \
-                        "Your answer was not in the required format."
                 msg = next_user_message(turn + 2, float(turn_rewards[b, turn]), obs_now[b], int(actions_left[b]),
-                                        think, cfg.max_new_tokens, note=note)
+                                        think, cfg.max_new_tokens, note=res.notes[b])
                 between = self.chat.between_turn_ids(msg, emitted_eot.get(b, False))
                 if len(ids[b]) + len(between) + 1 > cfg.max_context:
                     truncated[b] = True
@@ -248,13 +307,11 @@ class MultiTurnRollout:
             "prefilled_tokens": float(stats["prefilled_tokens"]),
             "generated_tokens": float(stats["generated_tokens"]),
             "tokens_per_s": float(stats["generated_tokens"]) / max(seconds, 1e-9),
-            "response_length": n_resp_tokens / max(1, n_turns_total),
+            "response_length": float(stats["generated_tokens"]) / max(1, counters.turns),
             "num_turns": float(num_turns.mean()),
             "success_rate": float(env.success.mean()),
             "score": float(scores.mean()),
-            "valid_action_rate": n_valid / max(1, n_pieces),
-            "effective_action_rate": n_effective / max(1, n_exec),
-            "format_penalty_rate": n_penalised / max(1, n_turns_total),
+            **counters.rates(),
             "truncated_rate": float(truncated.mean()),
             "num_actions": float((cfg.max_actions_per_traj - actions_left).mean()),
         }
