@@ -12,6 +12,7 @@ Design notes (why it looks like this):
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Sequence
 
 import numpy as np
@@ -58,6 +59,11 @@ def rng_seed_all(seeds, salt, out):
     for b in range(seeds.shape[0]):
         out[b] = seeds[b] * _GOLDEN + np.uint64(salt)
         rng_next(out, b)  # decorrelate nearby seeds
+
+
+def _is_real(v) -> bool:
+    """A real number (Python or NumPy), not a bool."""
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
 def seeds_to_array(seeds, batch_size: int) -> np.ndarray:

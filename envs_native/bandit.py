@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._core import BatchedTextEnv, NameTable, rng_below, rng_seed_all, rng_uniform, seeds_to_array
+from ._core import BatchedTextEnv, NameTable, _is_real, rng_below, rng_seed_all, rng_uniform, seeds_to_array
 
 # (low-risk, high-risk) pairs. Training pairs and a held-out list for the generalization
 # test (the paper's Phoenix/Dragon style: the model must infer risk from the names).
@@ -90,9 +90,9 @@ class BanditEnv(BatchedTextEnv):
         if any(p[0].lower() == p[1].lower() for p in pairs):
             raise ValueError(f"the two arms of a pair need different names, got {pairs!r}")
         for k, v in (("low_reward", low_reward), ("high_reward", high_reward)):
-            if not isinstance(v, (int, float)) or not np.isfinite(v):
+            if not _is_real(v) or not np.isfinite(v):
                 raise ValueError(f"{k} must be a finite number, got {v!r}")
-        if not (isinstance(high_prob, (int, float)) and 0.0 <= high_prob <= 1.0):
+        if not (_is_real(high_prob) and 0.0 <= high_prob <= 1.0):
             raise ValueError(f"high_prob must be in [0, 1], got {high_prob!r}")
         self.pairs = pairs
         self.low_reward, self.high_reward, self.high_prob = float(low_reward), float(high_reward), float(high_prob)

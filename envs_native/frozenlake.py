@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._core import BatchedTextEnv, NameTable, codes_to_strings, rng_seed_all, rng_uniform, seeds_to_array, symbol_table
+from ._core import (BatchedTextEnv, NameTable, _is_real, codes_to_strings, rng_seed_all, rng_uniform, seeds_to_array,
+                    symbol_table)
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X",
@@ -225,10 +226,10 @@ class FrozenLakeEnv(BatchedTextEnv):
         else:
             if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 2:
                 raise ValueError(f"size must be an integer >= 2, got {size!r}")
-            if not (isinstance(p, (int, float)) and 0.0 < p <= 1.0):
+            if not (_is_real(p) and 0.0 < p <= 1.0):
                 raise ValueError(f"p (frozen probability) must be in (0, 1], got {p!r}")
             self._fixed, self._fixed_start = np.zeros((int(size), int(size)), dtype=np.int8), -1
-        if not (isinstance(success_prob, (int, float)) and 0.0 <= success_prob <= 1.0):
+        if not (_is_real(success_prob) and 0.0 <= success_prob <= 1.0):
             raise ValueError(f"success_prob must be in [0, 1], got {success_prob!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 0:
             raise ValueError(f"max_steps must be an integer >= 0, got {max_steps!r}")

@@ -28,7 +28,7 @@ import os
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, codes_to_strings, rng_below, rng_seed_all, rng_uniform,
+from ._core import (BatchedTextEnv, NameTable, _is_real, codes_to_strings, rng_below, rng_seed_all, rng_uniform,
                     seeds_to_array, symbol_table)
 
 ACTIONS = ("Up", "Down", "Left", "Right")
@@ -667,14 +667,14 @@ class SokobanEnv(BatchedTextEnv):
         self.search_depth = pos_int("search_depth", search_depth)
         self.max_steps = pos_int("max_steps", max_steps, 0)
         self.num_gen_steps = int(1.7 * (R + C)) if num_gen_steps is None else pos_int("num_gen_steps", num_gen_steps)
-        if not (isinstance(p_change_directions, (int, float)) and 0.0 <= p_change_directions <= 1.0):
+        if not (_is_real(p_change_directions) and 0.0 <= p_change_directions <= 1.0):
             raise ValueError(f"p_change_directions must be in [0, 1], got {p_change_directions!r}")
         self.p_change_directions = float(p_change_directions)
         self.max_states = pos_int("max_states", max_states)
         self.max_tries = pos_int("max_tries", max_tries)
         for k, v in (("step_penalty", step_penalty), ("box_on_reward", box_on_reward),
                      ("box_off_penalty", box_off_penalty), ("finish_reward", finish_reward)):
-            if not isinstance(v, (int, float)) or not np.isfinite(v):
+            if not _is_real(v) or not np.isfinite(v):
                 raise ValueError(f"{k} must be a finite number, got {v!r}")
         self.rewards = (float(step_penalty), float(box_on_reward), float(box_off_penalty), float(finish_reward))
         self.size = (R, C)
