@@ -50,12 +50,14 @@ class TextGameEnv(gym.Env):
         self.observation_space = spaces.Text(max_length=max_len, min_length=1, charset=charset)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        """Reset from `seed` (or one drawn from self.np_random); returns (text, info)."""
         super().reset(seed=seed)
         s = seed if seed is not None else int(self.np_random.integers(0, 2**62))
         obs = self._env.reset([s])[0]
         return obs, {"instructions": self._env.instructions()[0], "action_names": self._env.action_names(0)}
 
     def step(self, action):
+        """One action id; returns (text, reward, terminated, truncated, info)."""
         if not self.action_space.contains(action):
             raise ValueError(f"action {action!r} is not in {self.action_space}")
         res = self._env.step(np.array([[int(action)]], dtype=np.int64))
@@ -65,6 +67,7 @@ class TextGameEnv(gym.Env):
         return self._env.render()[0], float(res.reward[0]), terminated, truncated, info
 
     def render(self):
+        """The current text for render_mode "ansi", else None."""
         if self.render_mode == "ansi":
             return self._env.render()[0]
         return None

@@ -39,6 +39,7 @@ class SplitMix64:
         self.next()
 
     def next(self) -> int:
+        """The next 64-bit output (int in [0, 2**64))."""
         self.state = (self.state + _GOLDEN) & _M64
         z = self.state
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -46,9 +47,11 @@ class SplitMix64:
         return z ^ (z >> 31)
 
     def uniform(self) -> float:
+        """A float in [0, 1) from the top 53 bits."""
         return (self.next() >> 11) * 2.0 ** -53
 
     def below(self, n: int) -> int:
+        """An int in [0, n)."""
         return (self.next() >> 11) % n
 
 
@@ -94,6 +97,7 @@ class RefFrozenLake:
         return False
 
     def step(self, a: int) -> float:
+        """Apply action a (0 Left, 1 Down, 2 Right, 3 Up); returns the reward."""
         if self.slippery:
             u = self.rng.uniform()
             side = (1 - self.success_prob) / 2
@@ -115,6 +119,7 @@ class RefFrozenLake:
         return 0.0
 
     def render(self) -> str:
+        """The grid text, rows joined by newlines."""
         s = self.sym
         lines = []
         for r, row in enumerate(self.rows):
@@ -144,6 +149,7 @@ class RefSokoban:
         self.names = {a.lower(): i for i, a in enumerate(self.actions)}
 
     def step(self, a: int) -> float:
+        """Apply action a (0 Up, 1 Down, 2 Left, 3 Right); returns the reward."""
         step, on, off, fin = self.rewards
         reward = step
         dr, dc = ((-1, 0), (1, 0), (0, -1), (0, 1))[a]
@@ -168,6 +174,7 @@ class RefSokoban:
         return reward
 
     def render(self) -> str:
+        """The grid text, rows joined by newlines."""
         s = self.sym
         lines = []
         for r in range(self.shape[0]):
@@ -197,6 +204,7 @@ class RefBandit:
         self.names = {a.lower(): i for i, a in enumerate(self.arms)}
 
     def step(self, a: int) -> float:
+        """Pull arm a (0 shown first, 1 shown second); returns the reward."""
         if a == self.high_index:
             reward = self.high_reward if self.rng.uniform() < self.high_prob else 0.0
         else:
@@ -207,6 +215,7 @@ class RefBandit:
         return reward
 
     def render(self) -> str:
+        """The situation before the pull, or the pull's result."""
         a, b = self.arms
         if self.chosen is None:
             return f"Two arms: {a} and {b}. Which arm do you pull?"

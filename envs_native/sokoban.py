@@ -467,10 +467,12 @@ class SokobanLevel:
 
     @property
     def shape(self) -> tuple[int, int]:
+        """(rows, cols)."""
         return self.tiles.shape
 
     @property
     def num_boxes(self) -> int:
+        """Number of boxes."""
         return int(self.boxes.sum())
 
     def to_xsb(self) -> str:
