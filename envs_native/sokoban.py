@@ -612,7 +612,7 @@ def solve_level(level: SokobanLevel, max_states: int = 2_000_000) -> list[str] |
 class SokobanEnv(BatchedTextEnv):
     """B Sokoban instances.
 
-    Config: size (int or (rows, cols), default 6 -> 6x6, at least 4x4 with room for the
+    Config: size (int or (rows, cols), default 6 -> 6x6, at least 5x5 with room for the
     boxes), num_boxes (1), search_depth (300, depth bound of the reverse-play search),
     max_steps (100; 0 = no cap), num_gen_steps (random-walk length, default
     int(1.7 * (rows + cols))), p_change_directions (0.35), max_states (300_000, cap on the
@@ -660,8 +660,9 @@ class SokobanEnv(BatchedTextEnv):
                 size = (size, size)
             if (not isinstance(size, (tuple, list)) or len(size) != 2
                     or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in size)
-                    or min(size) < 4):
-                raise ValueError(f"size must be an int or (rows, cols) with each >= 4, got {size!r}")
+                    or min(size) < 5):
+                # 5 is the smallest room with three floor cells in a line, which a pull needs
+                raise ValueError(f"size must be an int or (rows, cols) with each >= 5, got {size!r}")
             R, C = int(size[0]), int(size[1])
             self.num_boxes = pos_int("num_boxes", num_boxes)
             if self.num_boxes + 2 > (R - 2) * (C - 2):

@@ -195,7 +195,7 @@ def test_dynamics_match_reference():
 
 
 @pytest.mark.parametrize("kwargs,word", [
-    ({"size": 3}, "size"), ({"size": (6, "a")}, "size"), ({"num_boxes": 0}, "num_boxes"),
+    ({"size": 4}, "size"), ({"size": (6, "a")}, "size"), ({"num_boxes": 0}, "num_boxes"),
     ({"num_boxes": 20}, "num_boxes"), ({"search_depth": 0}, "search_depth"), ({"max_steps": -2}, "max_steps"),
     ({"p_change_directions": 2.0}, "p_change_directions"), ({"levels_file": "/nonexistent.xsb"}, "nonexistent"),
     ({"symbols": {"box": ""}}, "box"), ({"finish_reward": float("nan")}, "finish_reward"),
