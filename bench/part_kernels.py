@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import sys
 
 import torch
@@ -74,14 +75,15 @@ def _extra_peak(fn, hidden, weight, device) -> int:
     return max(1, peak - grads)
 
 
-def _methods(data, device):
+def _methods(data, device, chunk_size=None):
     from fastpo.kernels import linear_policy_loss
 
     hidden, weight, targets, old, adv, mask = data
     impl = "triton" if device == "cuda" else "chunked"
     methods = {
         "naive": lambda h, w: _naive(h, w, targets, old, adv, mask),
-        f"fastpo-{impl}": lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl=impl, **OPTS).loss,
+        f"fastpo-{impl}": lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl=impl,
+                                                          chunk_size=chunk_size, **OPTS).loss,
     }
     if device == "cuda" and hidden.shape[0] <= 4096:  # the CPU path on the GPU, for reference
         methods["fastpo-chunked"] = lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl="chunked",
@@ -117,19 +119,34 @@ def _time(fn, hidden, weight, ctx, sync, warmup=1):
     return measure(lambda: _step(fn, hidden, weight), repeats=ctx.repeats, warmup=warmup, sync=sync)
 
 
+def _time_interleaved(fns: dict, hidden, weight, ctx, sync) -> dict:
+    """Median and spread (s) per method, runs alternating A B A B ... so that a change of
+    machine load (other jobs on a shared CPU) hits every method alike."""
+    runs = {k: [] for k in fns}
+    for _ in range(ctx.repeats):
+        for k, fn in fns.items():
+            runs[k].append(measure(lambda: _step(fn, hidden, weight), repeats=1, warmup=0, sync=sync)[0])
+    return {k: (statistics.median(v), max(v) - min(v)) for k, v in runs.items()}
+
+
 def _cpu(ctx: BenchContext) -> list[Record]:
+    # --quick: a quarter of the tokens, so chunks of the default size (>= 256 rows) would be
+    # half the batch; 128-token chunks keep the comparison's proportions
     n, h, v = (512 if ctx.quick else 2048), 576, 49152
+    chunk = 128 if ctx.quick else None
     data = _inputs(n, h, v, torch.float32, "cpu", ctx.seed)
-    impl, methods = _methods(data, "cpu")
-    shape = f"N={n} H={h} V={v} fp32"
+    impl, methods = _methods(data, "cpu", chunk)
+    shape = f"N={n} H={h} V={v} fp32" + (f", chunk_size={chunk}" if chunk else "")
     # the memory run comes first and doubles as the warm-up of the timed runs
     m_naive = _extra_peak(methods["naive"], data[0], data[1], "cpu")
     m_fast = _extra_peak(methods[f"fastpo-{impl}"], data[0], data[1], "cpu")
-    t_naive, s_naive = _time(methods["naive"], data[0], data[1], ctx, None, warmup=0)
-    t_fast, s_fast = _time(methods[f"fastpo-{impl}"], data[0], data[1], ctx, None, warmup=0)
+    timed = _time_interleaved({"naive": methods["naive"], "fastpo": methods[f"fastpo-{impl}"]}, data[0], data[1],
+                              ctx, None)
+    (t_naive, s_naive), (t_fast, s_fast) = timed["naive"], timed["fastpo"]
     return [
         Record(PART, f"policy loss fwd+bwd time, {impl} ({shape})", "s", t_fast, t_naive, False, s_fast, s_naive,
-               "naive PyTorch (materialized logits)", target=1 / 1.2),
+               "naive PyTorch (materialized logits)", target=1 / 1.2,
+               notes=f"median of {ctx.repeats} runs, alternating with the baseline's"),
         Record(PART, f"policy loss peak memory, {impl} ({shape})", "MiB", m_fast / 2**20, m_naive / 2**20, False,
                baseline_name="naive PyTorch (materialized logits)", target=4.0,
                notes="process RSS sampled every 0.5 ms, above the start, minus the returned gradients"),

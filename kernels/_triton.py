@@ -94,9 +94,10 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, D, stride_h, stride_w, in
 
 @triton.jit
 def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, glp_ptr, gent_ptr, out_ptr,
-                    N, V, D, v_start, v_len, stride_h, stride_w, stride_o, inv_temp, n_row_blocks,
+                    N, V, D, v_start, v_len, stride_h, stride_w, stride_o, inv_temp,
                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     # row blocks vary fastest, so programs running together share the same weight tile
+    n_row_blocks = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
     pid_n = pid % n_row_blocks
     pid_v = pid // n_row_blocks
@@ -160,8 +161,34 @@ def _config(dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=128, BLOCK_V=128, BLOCK_D=64, IEEE=False, num_warps=8, num_stages=3, tiles_per_split=16)
 
 
+# On the GPU the row-block size, warps and pipeline depth are autotuned per (V, D, dtype)
+# (FASTPO_TRITON_AUTOTUNE=0 turns it off). BLOCK_V and BLOCK_D stay fixed: they set the
+# summation order over the hidden size and the vocabulary splits, which must not change
+# between the old-log-prob pass and the update (ratio exactly 1 on policy).
+AUTOTUNE = not INTERPRET and os.environ.get("FASTPO_TRITON_AUTOTUNE", "1") != "0"
+_TUNE_CONFIGS = {
+    False: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (64, 8, 3))],
+    True: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+           for bn, w, st in ((64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 8, 2))],
+}
+_tuned: dict = {}
+
+
+def _kernel(name: str, ieee: bool):
+    """The plain kernel, or its autotuned wrapper on the GPU."""
+    base = {"fwd": _fwd_kernel, "dlogits": _dlogits_kernel}[name]
+    if not AUTOTUNE:
+        return base
+    if (name, ieee) not in _tuned:
+        _tuned[name, ieee] = triton.autotune(configs=_TUNE_CONFIGS[ieee], key=["V", "D"])(base)
+    return _tuned[name, ieee]
+
+
 def _launch_opts(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k != "tiles_per_split"}
+    """Kernel keyword arguments: all of cfg, or what autotuning leaves to the caller."""
+    drop = {"tiles_per_split"} | ({"BLOCK_N", "num_warps", "num_stages"} if AUTOTUNE else set())
+    return {k: v for k, v in cfg.items() if k not in drop}
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor) -> None:
@@ -186,9 +213,11 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     n_splits = triton.cdiv(n_tiles, tps)
     part = torch.empty(4, n_splits, n, dtype=torch.float32, device=hidden.device)
     if n:
-        grid = (triton.cdiv(n, cfg["BLOCK_N"]), n_splits)
-        _fwd_kernel[grid](hidden, weight, targets, part, n, v, d, hidden.stride(0), weight.stride(0),
-                          1.0 / temperature, tps, **_launch_opts(cfg))
+        def grid(meta):
+            return (triton.cdiv(n, meta["BLOCK_N"]), n_splits)
+
+        _kernel("fwd", cfg["IEEE"])[grid](hidden, weight, targets, part, n, v, d, hidden.stride(0),
+                                          weight.stride(0), 1.0 / temperature, tps, **_launch_opts(cfg))
     out = torch.empty(3, n, dtype=torch.float32, device=hidden.device)
     if n:
         _combine_kernel[(triton.cdiv(n, 128),)](part, out[0], out[1], out[2], n, n_splits, BLOCK=128)
@@ -235,13 +264,15 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
     lse, entropy = lse.float().contiguous(), entropy.float().contiguous()
     g_lp, g_ent = g_lp.float().contiguous(), g_ent.float().contiguous()
     buf = torch.empty(n, v_chunk, dtype=buf_dtype, device=hidden.device)
-    n_row_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    kernel = _kernel("dlogits", cfg["IEEE"])
     for v0 in range(0, v, v_chunk):
         vl = min(v_chunk, v - v0)
-        grid = (n_row_blocks * triton.cdiv(vl, bv),)
-        _dlogits_kernel[grid](hidden, weight, targets, lse, entropy, g_lp, g_ent, buf, n, v, d, v0, vl,
-                              hidden.stride(0), weight.stride(0), buf.stride(0), 1.0 / temperature, n_row_blocks,
-                              **_launch_opts(cfg))
+
+        def grid(meta, vl=vl):
+            return (triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(vl, bv),)
+
+        kernel[grid](hidden, weight, targets, lse, entropy, g_lp, g_ent, buf, n, v, d, v0, vl,
+                     hidden.stride(0), weight.stride(0), buf.stride(0), 1.0 / temperature, **_launch_opts(cfg))
         dl = buf[:, :vl]
         w_sl = weight[v0:v0 + vl]
         if need_hidden:

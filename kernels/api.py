@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import torch
 
@@ -41,22 +40,24 @@ def triton_available() -> bool:
         return False
 
 
-def resolve_impl(impl: str, device: torch.device) -> str:
-    """The implementation `impl` means for tensors on `device`; ValueError on a bad name.
+def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The implementation `impl` means for tensors on `device` (of `dtype`); ValueError on a bad name.
 
-    "auto" -> "triton" on CUDA when Triton imports, else "chunked". "triton" on a CPU tensor
-    is allowed only under TRITON_INTERPRET=1 (the Triton interpreter, for tests).
+    "auto" -> "triton" on CUDA when Triton imports (and the dtype is not float64), else
+    "chunked". "triton" on a CPU tensor is allowed only under the Triton interpreter
+    (TRITON_INTERPRET=1 set before fastpo.kernels first used Triton), for tests.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "triton" if device.type == "cuda" and triton_available() else "chunked"
+        ok = device.type == "cuda" and dtype != torch.float64 and triton_available()
+        return "triton" if ok else "chunked"
     if impl == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise ValueError(f"impl='triton' needs CUDA tensors (got device {device}) or TRITON_INTERPRET=1 "
-                             "set before triton is imported")
         if not triton_available():
             raise ValueError(f"impl='triton' but triton cannot be imported ({_triton_error})")
+        if device.type != "cuda" and not _triton_module().INTERPRET:
+            raise ValueError(f"impl='triton' needs CUDA tensors (got device {device}), or the Triton interpreter: "
+                             "TRITON_INTERPRET=1 set before fastpo.kernels first uses Triton")
     return impl
 
 
@@ -161,13 +162,14 @@ def linear_logprob_entropy(
     (fp64 for fp64 inputs), in nats, without materializing the [N, V] logits (except
     impl="reference"). Both outputs are differentiable with respect to hidden and weight;
     the backward recomputes the logits tile by tile (no logits are kept).
-    `chunk_size`: tokens per chunk on the chunked path (default from a 32 MiB budget per [chunk, V] buffer).
+    `chunk_size`: tokens per chunk on the chunked path (default: 64 MiB per [chunk, V] fp32
+    buffer, at least 256 rows).
     Raises ValueError/TypeError naming a bad shape, dtype, device, target, temperature or
     impl.
     """
     _check_linear(hidden, weight, targets, temperature)
-    impl = resolve_impl(impl, hidden.device)
     hidden, weight = _harmonize(hidden, weight)
+    impl = resolve_impl(impl, hidden.device, hidden.dtype)
     if impl == "reference":
         return reference_logprob_entropy(hidden, weight, targets, temperature)
     return _LogprobEntropyFunction.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
@@ -303,8 +305,8 @@ def linear_policy_loss(
         raise ValueError(f"loss_agg={loss_agg!r} needs seq_ids or cu_seqlens")
     if denominator is not None and not (isinstance(denominator, (int, float)) and denominator > 0):
         raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
-    impl = resolve_impl(impl, dev)
     hidden, weight = _harmonize(hidden, weight)
+    impl = resolve_impl(impl, dev, hidden.dtype)
     opts = dict(clip_low=float(clip_low), clip_high=float(clip_high), dual_clip=dual_clip,
                 entropy_coef=float(entropy_coef), kl_coef=float(kl_coef), kl_estimator=kl_estimator)
     if impl == "reference":

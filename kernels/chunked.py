@@ -23,7 +23,9 @@ from typing import Callable
 
 import torch
 
-DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+# GEMMs with fewer rows than this lose much of their speed on CPUs
+MIN_CHUNK_ROWS = 256
 
 CoefFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -47,13 +49,14 @@ def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4) -> int:
-    """Tokens per chunk: `chunk_size` if given, else what fits DEFAULT_CHUNK_BYTES."""
+    """Tokens per chunk: `chunk_size` if given, else what fits DEFAULT_CHUNK_BYTES per [C, V]
+    buffer, but at least MIN_CHUNK_ROWS."""
     if chunk_size is not None:
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         return int(chunk_size)
     rows = DEFAULT_CHUNK_BYTES // max(1, n_vocab * itemsize)
-    return max(16, rows // 16 * 16)
+    return max(MIN_CHUNK_ROWS, rows // 16 * 16)
 
 
 class _Prepared:
@@ -71,14 +74,16 @@ class _Prepared:
     def h(self, h_c: torch.Tensor) -> torch.Tensor:
         return h_c if self.lowp else h_c.to(self.cd)
 
-    def logits(self, h_c: torch.Tensor) -> torch.Tensor:
+    def logits(self, h_c: torch.Tensor, inv_t: float = 1.0) -> torch.Tensor:
+        """(h_c / T) @ W.T into the z buffer (fp32/fp64: the temperature scales the small operand)."""
         out = self.zbuf[: h_c.shape[0]]
         if not self.lowp:
-            return torch.mm(h_c, self.w.T, out=out)
+            return torch.mm(h_c * inv_t if inv_t != 1.0 else h_c, self.w.T, out=out)
         try:
-            return torch.mm(h_c, self.w.T, out_dtype=torch.float32, out=out)
+            torch.mm(h_c, self.w.T, out_dtype=torch.float32, out=out)
         except (RuntimeError, TypeError, NotImplementedError):
-            return out.copy_(_mm_f32(h_c, self.w.T))
+            out.copy_(_mm_f32(h_c, self.w.T))
+        return out.mul_(inv_t) if inv_t != 1.0 else out  # scaling bf16 inputs would round them
 
     def p(self, rows: int) -> torch.Tensor:
         return self.pbuf[:rows]
@@ -103,29 +108,33 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_stats(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
-    """In place: z (scaled logits [C, V]) becomes log p, p (a buffer) becomes softmax.
-    Returns (logp, p, lse, entropy, logprob); no [C, V] temporaries.
+    """In place: z (scaled logits [C, V]) becomes log p; p (a buffer) becomes exp(z - max),
+    the softmax times s (the division by s is folded into later per-row factors).
+    Returns (logp, p, s [C], lse [C], entropy [C], logprob [C]); no [C, V] temporaries.
     """
     m = z.amax(dim=-1, keepdim=True)
     z.sub_(m)
     torch.exp(z, out=p)
-    s = p.sum(-1, keepdim=True)
+    s = p.sum(-1)
     log_s = s.log()
-    logp = z.sub_(log_s)
-    p.div_(s)
-    entropy = -_rowdot(p, logp)
+    logp = z.sub_(log_s.unsqueeze(-1))
+    entropy = -_rowdot(p, logp) / s
     logprob = logp.gather(1, t.unsqueeze(-1)).squeeze(-1)
-    return logp, p, (m + log_s).squeeze(-1), entropy, logprob
+    return logp, p, s, m.squeeze(-1) + log_s, entropy, logprob
 
 
-def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor,
-         g_lp: torch.Tensor, g_ent: torch.Tensor, inv_t: float) -> torch.Tensor:
-    """In place on p: d loss / d logits of a chunk, from per-token upstream gradients."""
-    # -p * (g_lp + g_ent * (log p + H)), then + g_lp at the target, then / T
-    dz = p.mul_(logp.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_lp.unsqueeze(-1))).neg_()
-    dz.scatter_add_(1, t.unsqueeze(-1), g_lp.unsqueeze(-1))
-    if inv_t != 1.0:
-        dz.mul_(inv_t)
+def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor, g_lp: torch.Tensor,
+         g_ent: torch.Tensor, inv_t: float, s: torch.Tensor | None = None) -> torch.Tensor:
+    """In place on p (and logp): d loss / d logits of a chunk from per-token upstream gradients.
+
+    dz = -softmax * (g_lp + g_ent (log p + H)) + g_lp 1[target], times 1/T; with softmax =
+    p / s, that is p * (a log p + b) with per-row a = -g_ent / (s T), b = -(g_lp + g_ent H) / (s T).
+    """
+    scale = inv_t if s is None else inv_t / s
+    a = (-g_ent * scale).unsqueeze(-1)
+    b = (-(g_lp + g_ent * ent) * scale).unsqueeze(-1)
+    dz = p.mul_(logp.mul_(a).add_(b))
+    dz.scatter_add_(1, t.unsqueeze(-1), (g_lp * inv_t).unsqueeze(-1))
     return dz
 
 
@@ -140,10 +149,8 @@ def chunked_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     inv_t = 1.0 / temperature
     for s in range(0, n, c):
         e = min(n, s + c)
-        z = prep.logits(prep.h(hidden[s:e]))
-        if inv_t != 1.0:
-            z.mul_(inv_t)
-        _, _, lse, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
+        z = prep.logits(prep.h(hidden[s:e]), inv_t)
+        _, _, _, lse, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
         out[0, s:e], out[1, s:e], out[2, s:e] = lp, ent, lse
     return out[0], out[1], out[2]
 
@@ -165,9 +172,7 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
     for s in range(0, n, c):
         e = min(n, s + c)
         h_c = prep.h(hidden[s:e])
-        z = prep.logits(h_c)
-        if inv_t != 1.0:
-            z.mul_(inv_t)
+        z = prep.logits(h_c, inv_t)
         logp = z.sub_(lse[s:e].to(z.dtype).unsqueeze(-1))
         p = torch.exp(logp, out=prep.p(e - s))
         dz = _dz_(p, logp, targets[s:e], entropy[s:e].to(z.dtype), g_lp[s:e].to(z.dtype),
@@ -198,15 +203,13 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
     for s in range(0, n, c):
         e = min(n, s + c)
         h_c = prep.h(hidden[s:e])
-        z = prep.logits(h_c)
-        if inv_t != 1.0:
-            z.mul_(inv_t)
-        logp, p, _, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
+        z = prep.logits(h_c, inv_t)
+        logp, p, s_row, _, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
         stats[0, s:e], stats[1, s:e] = lp, ent
         if not grad:
             continue
         g_lp, g_ent = coef_fn(slice(s, e), lp, ent)
-        dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t)
+        dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
         dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c

@@ -47,14 +47,19 @@ def causal_lm_hidden_states(model, input_ids: torch.Tensor, attention_mask: torc
     Raises ValueError when the model has no separate decoder body.
     """
     model = _unwrap(model)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a [B, T] tensor, got {getattr(input_ids, 'shape', type(input_ids))}")
+    _check_ids(input_ids)
     body = getattr(model, "base_model", None)
     if body is None or body is model:
         raise ValueError(f"{type(model).__name__} has no decoder body (base_model) separate from its LM head")
     out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden
+
+
+def _check_ids(input_ids) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError(f"input_ids must be an integer tensor of shape [B, T], got "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
 
 
 def _check_bt(name, x, shape, allow_none=False):
@@ -96,8 +101,7 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
     Returns PolicyLossOutput with logprob / entropy [B, T] fp32 (0 where not scored).
     Raises ValueError on mismatched shapes or a nonzero mask in column 0.
     """
-    _check_bt("input_ids", input_ids, input_ids.shape if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
-              else (-1, -1))
+    _check_ids(input_ids)
     b, t = input_ids.shape
     for name, x in (("old_logprob", old_logprob), ("advantages", advantages), ("loss_mask", loss_mask)):
         _check_bt(name, x, (b, t))
@@ -138,8 +142,7 @@ def causal_lm_logprob_entropy(model, input_ids: torch.Tensor, *, attention_mask:
     be 0); default: every position t >= 1 that a 2D attention_mask keeps (all when
     attention_mask is None or 4D). Others are 0. Logits use softmax(logits / temperature).
     """
-    _check_bt("input_ids", input_ids, input_ids.shape if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
-              else (-1, -1))
+    _check_ids(input_ids)
     b, t = input_ids.shape
     if mask is None:
         if attention_mask is not None and attention_mask.dim() == 2:
