@@ -377,8 +377,9 @@ class BatchedTextEnv:
     def step(self, actions, active=None) -> StepResult:
         """Apply one turn: each instance's actions in order, stopping at the episode's end.
 
-        actions: integer array [B, A] of action ids, -1 = no action (padding). Ids outside
-        the instance's action range are skipped and reported as not valid.
+        actions: integer array [B, A] of action ids, -1 = no action (padding); a 1-D [B]
+        array is one action each. Ids outside the instance's action range are skipped and
+        reported as not valid.
         active: optional bool [B]; inactive or already-done instances are not stepped
         (reward 0, nothing changes). Returns a `StepResult`.
         Raises ValueError for a wrong shape, TypeError for a non-integer array.
