@@ -330,6 +330,12 @@ def parse_override(text: str) -> dict:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-5" (no dot) as a string; a number is what anyone means
+        try:
+            value = float(value) if not value.strip().lower() in ("nan", "inf", "-inf", ".inf") else value
+        except ValueError:
+            pass
     out: dict = {}
     node = out
     parts = key.split(".")

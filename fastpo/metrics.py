@@ -279,7 +279,9 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
     fp = batch.format_penalty
     turns = batch.num_turns.clamp_min(1).float()
     out[f"{prefix}/format_penalty_rate"] = float(((fp != 0).float().sum(dim=1) / turns).mean())
+    mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate"}
     for k, v in (batch.metrics or {}).items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out[f"{prefix}/{k}"] = float(v)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in mine:
+            # the engine's response_length is per turn; ours (above) is per trajectory
+            out[f"{prefix}/{'response_length_per_turn' if k == 'response_length' else k}"] = float(v)
     return out

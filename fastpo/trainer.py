@@ -80,11 +80,13 @@ class Trainer:
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`.
 
     `resume=True` continues the run found in the output folder from its latest checkpoint.
-    `console` is a rich Console (created when None). Public entry point: `run()`, returning
-    the list of metric records.
+    `console` is a rich Console (created when None). `stop_after` (an iteration) stops the
+    run there exactly as a Ctrl-C during that iteration would: checkpoint, then return.
+    Public entry point: `run()`, returning the list of metric records.
     """
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
+                 stop_after: Optional[int] = None):
         from rich.console import Console
 
         self.cfg = cfg
@@ -93,6 +95,7 @@ class Trainer:
         self.resume = resume
         self.device = resolve_device(cfg.trainer.device)
         self._stop_requested = False
+        self.stop_after = stop_after
         self.start_iteration = 1
         self.last_eval: dict = {}
 
@@ -297,9 +300,8 @@ class Trainer:
                 for i, t in enumerate(batch.turn_index):
                     t = torch.as_tensor(t)
                     turn[i, : t.numel()] = t
-            turn_rewards = None
-            if a.reward_position == "turn":
-                turn_rewards = batch.turn_rewards.float() + batch.format_penalty.float()
+            # turn_rewards already hold each turn's env reward plus its format penalty
+            turn_rewards = batch.turn_rewards.float() if a.reward_position == "turn" else None
             R = alg.place_rewards(M, batch.scores.float(), a.reward_position, turn, turn_rewards)
             adv, ret = alg.compute_gae(R, V, M, a.gamma, a.lam)
             metrics["critic/return_mean"] = float(ret[M].mean()) if M.any() else 0.0
@@ -520,6 +522,8 @@ class Trainer:
                 for it in range(self.start_iteration, total + 1):
                     t_it = time.perf_counter()
                     m = self.iteration(it)
+                    if self.stop_after is not None and it >= self.stop_after:
+                        self._stop_requested = True
                     if t.eval_every and (it % t.eval_every == 0 or it == total):
                         ev = self.evaluate(it)
                         self.last_eval = ev

@@ -77,6 +77,7 @@ def test_grpo_needs_groups_and_bad_file(tmp_path):
 
 def test_parse_override_types():
     assert parse_override("a.b=0.5") == {"a": {"b": 0.5}}
+    assert parse_override("optim.actor_lr=2e-4") == {"optim": {"actor_lr": 2e-4}}
     assert parse_override("a.b=true") == {"a": {"b": True}}
     assert parse_override("a.b=[1, 2]") == {"a": {"b": [1, 2]}}
     assert isinstance(TrainConfig().to_dict(), dict)
