@@ -165,8 +165,10 @@ def policy_metrics(
         "clipfrac_dual": (terms["dual_clip"].float() * f).sum() / n,
         "approx_kl": (((ratio - 1.0) - log_ratio) * f).sum() / n,
         "ratio_mean": (ratio * f).sum() / n,
-        "ratio_max": torch.where(any_sel, torch.where(sel, ratio, -torch.inf).max(), 0.0),
-        "ratio_min": torch.where(any_sel, torch.where(sel, ratio, torch.inf).min(), 0.0),
+        "ratio_max": torch.where(any_sel, torch.where(sel, ratio, -torch.inf).amax(dim=0, keepdim=True), 0.0)
+        if ratio.numel() else torch.zeros((), device=ratio.device),
+        "ratio_min": torch.where(any_sel, torch.where(sel, ratio, torch.inf).amin(dim=0, keepdim=True), 0.0)
+        if ratio.numel() else torch.zeros((), device=ratio.device),
         "entropy": (entropy.detach() * f).sum() / n,
         "pg_loss": (terms["pg"].detach() * weights).sum(),
     }

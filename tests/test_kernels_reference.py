@@ -295,3 +295,18 @@ def test_mixed_dtypes_and_autocast():
     torch.testing.assert_close(lp, lr, atol=1e-5, rtol=1e-5)
     lp.sum().backward()
     assert w2.grad.dtype == torch.float32 and torch.isfinite(w2.grad).all()
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_no_scored_tokens(impl):
+    hidden, weight, targets = _data(0, 8, 20)
+    z = torch.zeros(0)
+    h = hidden.requires_grad_(True)
+    out = linear_policy_loss(h, weight, targets, z, z, z, loss_agg="seq-mean-token-mean",
+                             seq_ids=torch.zeros(0, dtype=torch.long), impl=impl)
+    assert out.loss.item() == 0.0 and out.metrics["ratio_max"] == 0.0 and out.metrics["clipfrac"] == 0.0
+    out.loss.backward()
+    assert h.grad.shape == (0, 8)
+    hidden, weight, targets = _data(5, 8, 20)
+    out = linear_policy_loss(hidden, weight, targets, torch.zeros(5), torch.ones(5), torch.zeros(5), impl=impl)
+    assert out.loss.item() == 0.0 and out.metrics["entropy"] == 0.0

@@ -174,8 +174,7 @@ def test_dispatcher():
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,n,h,v", [(torch.bfloat16, 4096, 896, 151936), (torch.float32, 1024, 896, 32000),
-                                         (torch.bfloat16, 1000, 576, 49152)])
+@pytest.mark.parametrize("dtype,n,h,v", [(torch.bfloat16, 4096, 896, 151936), (torch.float32, 1000, 576, 49152)])
 def test_gpu_real_shapes_match_reference(dtype, n, h, v):
     hidden, weight, targets = _data(n, h, v, dtype, seed=7, scale=1.0)
     g = torch.Generator().manual_seed(8)
