@@ -5,9 +5,9 @@ ids restart at 0 for each trajectory, and attention is causal *within* each traj
 
 - on the CPU (and on the GPU without flash-attn) through a block-diagonal causal 4D mask
   [1, 1, N, N]; transformers (>= 5) hands a user-supplied 4D mask to the attention function
-  unchanged (`masking_utils._preprocess_mask_arguments` returns early for 4D masks), and the
-  sdpa and eager paths add it to the scores, so it is an additive mask (0 where attended,
-  dtype-min elsewhere);
+  unchanged (`masking_utils._preprocess_mask_arguments` returns early for 4D masks): sdpa
+  takes it as a boolean mask (True = attend), eager adds it to the scores (additive form,
+  0 where attended, dtype-min elsewhere);
 - with `attn_implementation="flash_attention_2"` no mask is built: transformers derives the
   variable-length boundaries (cu_seqlens) from the restarting position ids.
 
@@ -54,18 +54,22 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
 
 def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype = torch.float32,
                       device: Optional[torch.device | str] = None) -> torch.Tensor:
-    """Additive block-diagonal causal mask [1, 1, N, N] for sequences of `lengths` (N = sum).
+    """Block-diagonal causal mask [1, 1, N, N] for sequences of `lengths` (N = sum).
 
-    Entry (q, k) is 0 when k <= q and both lie in the same sequence, else torch.finfo(dtype).min.
-    Raises ValueError if `dtype` is not floating point.
+    Query q may attend key k when k <= q and both lie in the same sequence. A floating
+    `dtype` gives the additive form (0 allowed, torch.finfo(dtype).min elsewhere; eager and
+    sdpa attention); torch.bool gives True where allowed (sdpa, any query dtype).
+    Raises ValueError for another dtype.
     """
-    if not dtype.is_floating_point:
-        raise ValueError(f"the additive mask needs a floating dtype, got {dtype}")
+    if not (dtype.is_floating_point or dtype == torch.bool):
+        raise ValueError(f"the mask dtype must be floating or torch.bool, got {dtype}")
     seq = torch.repeat_interleave(torch.arange(len(lengths), device=device),
                                   torch.as_tensor(list(lengths), device=device))
     n = seq.numel()
     pos = torch.arange(n, device=device)
     allowed = (seq[:, None] == seq[None, :]) & (pos[None, :] <= pos[:, None])
+    if dtype == torch.bool:
+        return allowed[None, None]
     mask = torch.zeros(n, n, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]

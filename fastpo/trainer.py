@@ -118,7 +118,8 @@ class Trainer:
         t0 = time.perf_counter()
         model, tok, info = load_model_and_tokenizer(cfg.model.name, device=str(self.device), dtype=dtype)
         self.info = info
-        if ckpt is not None:
+        if ckpt is not None and cfg.model.lora_rank == 0:
+            # (with LoRA the base stays frozen; only the adapter is restored, below)
             self._load_weights(model, os.path.join(ckpt, "model"))
         self.load_seconds = time.perf_counter() - t0
         c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
@@ -128,6 +129,16 @@ class Trainer:
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        hidden = model.config.hidden_size
+        a = cfg.algorithm
+        self.critic_body = None
+        self.value_head = None
+        if a.adv_estimator == "gae":
+            self.value_head = ValueHead(hidden).to(self.device)
+            if a.critic == "separate":
+                # A copy of the policy's architecture (initialised from the policy, as RAGEN/verl do).
+                self.critic_body = copy.deepcopy(_body(model)).to(self.device)
+                self.critic_body.requires_grad_(True)
         if cfg.model.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
@@ -142,16 +153,6 @@ class Trainer:
                 set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "model", "adapter",
                                                                         "adapter_model.safetensors")))
         self.model, self.tokenizer = model, tok
-        hidden = model.config.hidden_size
-        a = cfg.algorithm
-        self.critic_body = None
-        self.value_head = None
-        if a.adv_estimator == "gae":
-            self.value_head = ValueHead(hidden).to(self.device)
-            if a.critic == "separate":
-                # A copy of the policy's architecture (initialised from the policy, as RAGEN/verl do).
-                self.critic_body = copy.deepcopy(_body(model)).to(self.device)
-                self.critic_body.requires_grad_(True)
         o = cfg.optim
         actor_params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": actor_params, "lr": o.actor_lr}]
@@ -219,7 +220,9 @@ class Trainer:
         lengths = [int(ids[i].numel()) for i in indices]
         plan = plan_micro_batches(lengths, self.cfg.optim.micro_token_budget)
         varlen = uses_varlen(self.model)
-        mdtype = torch.bfloat16 if (self.device.type == "cuda" and self.cfg.model.dtype != "float32") else torch.float32
+        # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        mdtype = torch.bool if impl == "sdpa" else torch.float32
         for mb in plan:
             yield pack_micro_batch(ids, [indices[j] for j in mb], mask_dtype=mdtype, device=self.device, varlen=varlen)
 
@@ -337,7 +340,7 @@ class Trainer:
         self.model.train()
         for _epoch in range(o.ppo_epochs):
             perm = torch.randperm(n, generator=g).tolist()
-            for start in range(0, n - o.mini_batch_size + 1, o.mini_batch_size):
+            for start in range(0, n, o.mini_batch_size):  # a smaller last mini-batch when n % size != 0
                 mb = perm[start:start + o.mini_batch_size]
                 n_tok = sum(int(masks[i][1:].sum()) for i in mb)
                 denom = float(max(1, n_tok)) if a.loss_agg == "token-mean" else float(

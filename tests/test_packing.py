@@ -24,6 +24,7 @@ def test_plan_respects_budget_and_covers_all():
 def test_block_causal_mask_values():
     m = block_causal_mask([2, 3])[0, 0]
     allowed = (m == 0).int().tolist()
+    assert block_causal_mask([2, 3], torch.bool)[0, 0].int().tolist() == allowed
     assert allowed == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
 
 
@@ -58,7 +59,7 @@ def test_packed_logprobs_equal_one_at_a_time(kind, attn):
         alone = [_token_logprobs(model(s[None]).logits, s[None])[0] for s in seqs]
         seen = set()
         for mb in plan:
-            pb = pack_micro_batch(seqs, mb)
+            pb = pack_micro_batch(seqs, mb, mask_dtype=torch.bool if attn == "sdpa" else torch.float32)
             assert pb.num_tokens == sum(len(seqs[i]) for i in mb)  # no padding tokens
             logits = model(input_ids=pb.input_ids, position_ids=pb.position_ids,
                            attention_mask=pb.attention_mask).logits
