@@ -110,6 +110,11 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
     if "cu_seqlens" in options:
         raise ValueError("causal_lm_policy_loss takes seq_ids [B, T], not cu_seqlens")
     idx = _scored(loss_mask, "loss_mask")
+    if seq_ids is not None:
+        starts = seq_ids[:, 1:] != seq_ids[:, :-1]
+        if bool((loss_mask[:, 1:] != 0)[starts].any()):
+            raise ValueError("loss_mask must be 0 at the first token of every packed sequence (where seq_ids "
+                             "changes): that token's preceding hidden state belongs to another sequence")
     inner = _unwrap(model)
     weight = _lm_head_weight(inner)
     hidden = causal_lm_hidden_states(inner, input_ids, attention_mask, position_ids)

@@ -134,3 +134,7 @@ def test_adapter_errors():
         causal_lm_policy_loss(model, ids, z, z[:, :-1], mask)
     with pytest.raises(ValueError, match="'fast'"):
         causal_lm_policy_loss(model, ids, z, z, mask, impl="fast")
+    packed = torch.zeros_like(ids)
+    packed[:, 9:] = 1  # a second sequence starts at column 9, where mask is 1
+    with pytest.raises(ValueError, match="first token of every packed sequence"):
+        causal_lm_policy_loss(model, ids, z, z, mask, seq_ids=packed)

@@ -310,3 +310,16 @@ def test_no_scored_tokens(impl):
     hidden, weight, targets = _data(5, 8, 20)
     out = linear_policy_loss(hidden, weight, targets, torch.zeros(5), torch.ones(5), torch.zeros(5), impl=impl)
     assert out.loss.item() == 0.0 and out.metrics["entropy"] == 0.0
+
+
+def test_import_is_light():
+    """`import fastpo.kernels` pulls in torch only: no transformers, no triton, nothing else of fastpo."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fastpo.kernels; "
+            "print(sorted(m for m in ('transformers', 'triton', 'fastpo.trainer', 'fastpo.envs_native') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
