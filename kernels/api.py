@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import torch
 
@@ -50,7 +51,7 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None = No
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        ok = device.type == "cuda" and dtype != torch.float64 and triton_available()
+        ok = device.type == "cuda" and dtype != torch.float64 and _triton_failed is None and triton_available()
         return "triton" if ok else "chunked"
     if impl == "triton":
         if not triton_available():
@@ -108,18 +109,42 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
+# "triton-auto": Triton chosen by impl="auto". If a Triton kernel fails to compile or launch
+# there (a Triton/driver combination it was never run on), fastpo warns once and uses the
+# chunked path from then on, rather than stopping a training run. impl="triton" never falls back.
+_triton_failed: str | None = None
+
+
+def _auto_impl(impl_arg: str, impl: str) -> str:
+    return "triton-auto" if impl_arg == "auto" and impl == "triton" else impl
+
+
+def _with_fallback(impl, triton_call, chunked_call):
+    global _triton_failed
+    if impl == "triton" or (impl == "triton-auto" and _triton_failed is None):
+        try:
+            return triton_call()
+        except Exception as e:
+            if impl == "triton":
+                raise
+            _triton_failed = f"{type(e).__name__}: {e}"
+            warnings.warn(f"fastpo.kernels: the Triton kernels failed ({_triton_failed}); impl='auto' uses the "
+                          "chunked PyTorch path from now on", RuntimeWarning, stacklevel=3)
+    return chunked_call()
+
+
 def _stats(impl, hidden, weight, targets, temperature, chunk_size):
-    if impl == "triton":
-        return _triton_module().triton_stats(hidden, weight, targets, temperature)
-    return _chunked.chunked_stats(hidden, weight, targets, temperature, chunk_size)
+    return _with_fallback(
+        impl, lambda: _triton_module().triton_stats(hidden, weight, targets, temperature),
+        lambda: _chunked.chunked_stats(hidden, weight, targets, temperature, chunk_size))
 
 
 def _grads(impl, hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size, need_h, need_w):
-    if impl == "triton":
-        return _triton_module().triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature,
-                                             need_h, need_w)
-    return _chunked.chunked_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size,
-                                  need_h, need_w)
+    return _with_fallback(
+        impl, lambda: _triton_module().triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature,
+                                                    need_h, need_w),
+        lambda: _chunked.chunked_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size,
+                                       need_h, need_w))
 
 
 class _LogprobEntropyFunction(torch.autograd.Function):
@@ -169,7 +194,7 @@ def linear_logprob_entropy(
     """
     _check_linear(hidden, weight, targets, temperature)
     hidden, weight = _harmonize(hidden, weight)
-    impl = resolve_impl(impl, hidden.device, hidden.dtype)
+    impl = _auto_impl(impl, resolve_impl(impl, hidden.device, hidden.dtype))
     if impl == "reference":
         return reference_logprob_entropy(hidden, weight, targets, temperature)
     return _LogprobEntropyFunction.apply(hidden.contiguous(), weight.contiguous(), targets.long().contiguous(),
@@ -306,7 +331,7 @@ def linear_policy_loss(
     if denominator is not None and not (isinstance(denominator, (int, float)) and denominator > 0):
         raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
     hidden, weight = _harmonize(hidden, weight)
-    impl = resolve_impl(impl, dev, hidden.dtype)
+    impl = _auto_impl(impl, resolve_impl(impl, dev, hidden.dtype))
     opts = dict(clip_low=float(clip_low), clip_high=float(clip_high), dual_clip=dual_clip,
                 entropy_coef=float(entropy_coef), kl_coef=float(kl_coef), kl_estimator=kl_estimator)
     if impl == "reference":
@@ -339,14 +364,13 @@ def linear_policy_loss(
 
     def run(need_h, need_w):
         need = need_h or need_w
-        if impl == "triton":
-            tri = _triton_module()
-            lp, ent, lse = tri.triton_stats(hidden, weight, targets, temperature)
+        if impl in ("triton", "triton-auto"):
+            lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
             dh = dw = None
             if need:
                 g_lp, g_ent = coef_fn(slice(None), lp, ent)
-                dh, dw = tri.triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature,
-                                          need_h, need_w)
+                dh, dw = _grads(impl, hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size,
+                                need_h, need_w)
         else:
             lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
                                                      coef_fn if need else None, chunk_size, need_h, need_w)

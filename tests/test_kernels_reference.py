@@ -323,3 +323,26 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_auto_falls_back_to_chunked_when_triton_fails(monkeypatch):
+    from fastpo.kernels import api
+
+    class Broken:
+        INTERPRET = True
+
+        @staticmethod
+        def triton_stats(*a, **k):
+            raise RuntimeError("simulated compile failure")
+
+    monkeypatch.setattr(api, "_triton_module", lambda: Broken)
+    monkeypatch.setattr(api, "_triton_failed", None)
+    hidden, weight, targets = _data(8, 8, 50)
+    with pytest.warns(RuntimeWarning, match="simulated compile failure"):
+        lp, ent, _ = api._stats("triton-auto", hidden, weight, targets, 1.0, None)
+    ref_lp, ref_ent = reference_logprob_entropy(hidden, weight, targets)
+    torch.testing.assert_close(lp, ref_lp)
+    assert api._triton_failed is not None
+    assert api.resolve_impl("auto", torch.device("cuda")) == "chunked"  # never retried
+    with pytest.raises(RuntimeError, match="simulated"):  # an explicit impl="triton" never falls back
+        api._stats("triton", hidden, weight, targets, 1.0, None)
