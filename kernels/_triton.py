@@ -225,6 +225,9 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result (bf16 GEMM with fp32 output where torch has it)."""
+    if a.dtype != b.dtype:
+        return torch.mm(a.float(), b.float())
     if a.dtype in (torch.bfloat16, torch.float16):
         if a.is_cuda:
             try:
@@ -249,8 +252,8 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
     v = weight.shape[0]
     cfg = _config(hidden.dtype)
     bv = cfg["BLOCK_V"]
-    lowp = hidden.dtype in (torch.bfloat16, torch.float16)
-    buf_dtype = hidden.dtype if lowp else torch.float32
+    # bf16 dlogits like bf16 autograd; fp16's narrow range could flush small gradients: fp32
+    buf_dtype = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float32
     budget = BWD_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
     per_col = max(1, n) * torch.tensor([], dtype=buf_dtype).element_size()
     v_chunk = max(bv, budget // per_col // bv * bv)
