@@ -168,9 +168,8 @@ def _config(dtype: torch.dtype) -> dict:
 AUTOTUNE = not INTERPRET and os.environ.get("FASTPO_TRITON_AUTOTUNE", "1") != "0"
 _TUNE_CONFIGS = {
     False: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bn, w, st in ((128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (64, 8, 3))],
-    True: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-           for bn, w, st in ((64, 4, 2), (64, 8, 3), (32, 4, 3), (128, 8, 2))],
+            for bn, w, st in ((128, 8, 3), (128, 8, 4), (64, 4, 4))],
+    True: [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in ((64, 4, 2), (32, 4, 3))],
 }
 _tuned: dict = {}
 
