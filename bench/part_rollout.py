@@ -77,7 +77,9 @@ def run(ctx: BenchContext) -> list:
         # warm-up (allocator, kernels) only where a repeat is cheap
         warm = 1 if ctx.device.startswith("cuda") else 0
         t_ours, s_ours = measure(run_ours, repeats=repeats, warmup=warm, sync=sync)
+        print(f"part rollout: {env_name} native {t_ours:.1f} s", file=sys.stderr, flush=True)
         t_ref, s_ref = measure(run_ref, repeats=repeats, warmup=warm, sync=sync)
+        print(f"part rollout: {env_name} reference {t_ref:.1f} s", file=sys.stderr, flush=True)
         mo, mr = res["ours"].metrics, res["ref"].metrics
         what = (f"{env_name}, {sz['groups']}x{sz['group_size']} trajectories, {sz['turns']} turns, "
                 f"{sz['new_tokens']} new tokens/turn, {info.label}, {ctx.device}")
