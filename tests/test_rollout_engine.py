@@ -137,8 +137,17 @@ def test_context_limit_truncates_without_crashing(tiny):
     assert outs[1].stop_reason == "context" and len(outs[1].token_ids) == 35
     assert eng.session_length(0) == 40
     outs2 = eng.generate([0, 1], [[1, 2], [3]], params, torch.Generator().manual_seed(0))
-    assert outs2[0].stop_reason == "context" and outs2[0].token_ids == []
-    assert eng.session_length(1) <= 40
+    assert [o.stop_reason for o in outs2] == ["context", "context"] and outs2[0].token_ids == []
+    with pytest.raises(ValueError, match="sessions"):  # refused sessions are closed
+        eng.generate([0], None, params)
+    # a session with room left keeps going while a full one is refused in the same call
+    eng.start([list(range(100, 130)), list(range(100, 105))], 1)
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, max_context=40)
+    eng.generate([0, 1], None, params, torch.Generator().manual_seed(0))
+    outs3 = eng.generate([0, 1], [list(range(20)), [7]], params, torch.Generator().manual_seed(0))
+    assert outs3[0].stop_reason == "context" and outs3[0].token_ids == []
+    assert outs3[1].stop_reason == "length" and len(outs3[1].token_ids) == 4
+    assert eng.session_length(1) == 5 + 4 + 1 + 4
     with pytest.raises(ValueError, match="sessions"):
         eng.generate([5], None, params)
 

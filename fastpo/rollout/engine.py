@@ -285,8 +285,8 @@ class NativeEngine:
         for reproducible sampling), or None for the global RNG.
 
         Returns one TurnOutput per session, in order. A session whose length would pass
-        params.max_context gets stop_reason "context", no tokens, and its append is not
-        added (the session is unchanged). Raises ValueError for unknown or repeated sessions or a length
+        params.max_context gets stop_reason "context" and no tokens, and is closed (its
+        append is not added). Raises ValueError for unknown or repeated sessions or a length
         mismatch.
         """
         if len(set(sessions)) != len(sessions) or any(s not in self._cached for s in sessions):
@@ -304,25 +304,18 @@ class NativeEngine:
             else:
                 run.append(i)
         keep = [sessions[i] for i in run]
-        if not run:
-            self._keep_only(sessions)
-            return outputs
-        with self._inference():
-            self._generate(run, sessions, append, params, generator, outputs)
-        # Sessions in `sessions` but not run keep their bookkeeping (no KV rows needed for
-        # pending tokens); the rest are released.
-        self._keep_only(sessions, rows_for=keep)
+        if run:
+            with self._inference():
+                self._generate(run, sessions, append, params, generator, outputs)
+        # Sessions not listed, and refused ones, are closed; their KV rows are gone.
+        self._keep_only(keep)
         return outputs
 
-    def _keep_only(self, sessions, rows_for=None) -> None:
+    def _keep_only(self, sessions) -> None:
         keep = set(sessions)
-        for d in (self._cached, self._pending, self._start_logits):
+        for d in (self._cached, self._pending, self._start_logits, self._row_of):
             for s in [s for s in d if s not in keep]:
                 del d[s]
-        if rows_for is not None:
-            for s in list(self._row_of):
-                if s not in rows_for:
-                    self._row_of.pop(s, None)
 
     def _generate(self, run, sessions, append, params, generator, outputs) -> None:
         dev = self.device
