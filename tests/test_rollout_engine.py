@@ -173,6 +173,9 @@ def test_greedy_matches_hf_generate_and_logprobs_on_embedded_model(smol):
     eng.start(prompts, 2)
     outs = eng.generate([0, 1, 2, 3], None, params)
     for s, o in enumerate(outs):
+        if s % 2:  # greedy: a group's sessions are identical
+            assert o.token_ids == outs[s - 1].token_ids
+            continue
         p = prompts[s // 2]
         ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                              max_new_tokens=12, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
