@@ -189,8 +189,9 @@ def kept_group_count(groups: int, mode: str, ratio: float) -> int:
 #: Per-environment settings (what the game itself fixes), applied after the named preset.
 ENV_PRESETS: dict[str, dict] = {
     "bandit": {"rollout": {"max_turns": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1}},
-    "sokoban": {"rollout": {"max_turns": 5, "max_actions_per_turn": 5, "max_actions_per_traj": 10}},
-    "frozenlake": {"rollout": {"max_turns": 5, "max_actions_per_turn": 5, "max_actions_per_traj": 10}},
+    # multi-turn games: the defaults (5 turns, 5 actions per turn, 10 per trajectory) or the preset's
+    "sokoban": {},
+    "frozenlake": {},
 }
 
 #: Named presets. "paper" is the defaults; "cpu" is sized to finish `fastpo train --env

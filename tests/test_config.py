@@ -19,6 +19,8 @@ def test_env_and_named_presets_layer():
     c = load_config(env="bandit", preset="cpu,grpo")
     assert c.rollout.max_turns == 1 and c.rollout.env_groups == 2
     assert c.algorithm.adv_estimator == "grpo"
+    f = load_config(env="frozenlake", preset="cpu")
+    assert f.rollout.max_turns == 3 and f.rollout.max_new_tokens == 48  # the env preset keeps the CPU scale
     s = load_config(env="frozenlake", preset="paper,starpo")
     assert s.algorithm.kl_coef > 0 and s.algorithm.clip_high == s.algorithm.clip_low
     assert s.algorithm.filter_mode == "none"
