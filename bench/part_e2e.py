@@ -1,0 +1,195 @@
+"""End-to-end benchmark: one StarPO training iteration of fastpo vs a reference-style one.
+
+    python bench/throughput.py --part e2e [--quick] [--device cuda --model random:qwen2.5-0.5b]
+
+Both sides are `fastpo.trainer.Trainer` objects built from the same configuration, model,
+seeds and sampling settings; the baseline is `bench/reference_iteration.ReferenceTrainer`
+(plain-Python environments, history re-rendered / re-tokenized / re-prefilled by
+`model.generate` every turn, materialized logits for log-prob, entropy and loss, padded
+micro-batches of 4 trajectories). One iteration = rollout, old log-probs (and values),
+advantages, update; the weight sync is free on both sides (the generator is the trained
+module). The two sides run iteration 1, 2, ... interleaved (fastpo, reference, fastpo, ...)
+so that load from other processes hits both alike; the first iteration of each is a
+warm-up, the next `repeats` are timed (median and spread reported).
+
+Because the two loops sample through different code paths, their trajectories differ; the
+notes give generated and trained tokens per iteration for both, and one record reports
+trajectory tokens per second of iteration, which normalizes for length.
+
+Sizes: CPU: the `cpu` preset on FrozenLake (2 groups x 4 trajectories, 3 turns, 48 new
+tokens per turn). --quick: the `tiny` preset (1 x 2, 2 turns, 16 tokens). CUDA: the
+`paper` preset (8 x 16, 5 turns, StarPO-S filtering, separate critic) on the given model,
+bf16 autocast, with max new tokens per turn cut to 64 to fit the GPU check's time budget.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import BenchContext, Record, peak_memory  # noqa: E402
+
+PART = "e2e"
+PHASES = ("rollout", "old_logprob", "advantage", "update")
+CUDA_NEW_TOKENS = 64
+
+
+def _fixed_mmap_threshold() -> None:
+    """Make glibc return large blocks to the OS when freed, so that RSS peaks measured one
+    after the other do not depend on which side ran first (the dynamic mmap threshold would
+    otherwise keep the first side's freed blocks in the heap)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD; setting it disables the dynamic adjustment
+    except (OSError, AttributeError):  # not glibc: measure as is
+        pass
+
+
+def _trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def peak_rss(fn, device: str = "cpu"):
+    """(bytes the process's peak resident set rose above its size at the start, fn's result).
+
+    On Linux the kernel's own high-water mark (VmHWM, reset through /proc/self/clear_refs)
+    gives the exact peak with no sampling thread (a sampler competes for the GIL with the
+    Python-heavy loops being timed). Elsewhere, and on CUDA, `_common.peak_memory`.
+    """
+    import gc
+
+    if device.startswith("cuda"):
+        return peak_memory(fn, device)
+    gc.collect()
+    _trim()
+    try:
+        start = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, KeyError):
+        return peak_memory(fn, device)
+    out = fn()
+    return max(0, _status_kib("VmHWM") - start) * 1024, out
+
+
+def sizes(ctx: BenchContext) -> tuple[str, list[str]]:
+    """(preset, overrides) for this context."""
+    common = [f"model.name={ctx.model}", f"trainer.seed={ctx.seed}", "trainer.eval_every=0", "trainer.save_every=0",
+              "trainer.plots=false", "trainer.progress=false", f"trainer.device={ctx.device}"]
+    if ctx.device.startswith("cuda"):
+        return "paper", common + [f"rollout.max_new_tokens={CUDA_NEW_TOKENS}"]
+    if ctx.quick:
+        return "tiny", common
+    return "cpu", common
+
+
+def run(ctx: BenchContext) -> list[Record]:
+    """Seconds per iteration (total and per phase), trajectory tokens/s and peak memory."""
+    import torch
+    from rich.console import Console
+
+    from fastpo.config import load_config
+    from fastpo.trainer import Trainer
+    from reference_iteration import ReferenceTrainer
+
+    cuda = ctx.device.startswith("cuda")
+    if not cuda:
+        _fixed_mmap_threshold()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    timed = 1 if (cuda or ctx.quick) else max(1, min(ctx.repeats, 2))
+    preset, ov = sizes(ctx)
+    quiet = Console(quiet=True)
+    with tempfile.TemporaryDirectory() as d:
+        trainers = {}
+        for side, cls in (("fastpo", Trainer), ("reference", ReferenceTrainer)):
+            cfg = load_config(env="frozenlake", preset=preset,
+                              overrides=ov + [f"trainer.output_dir={os.path.join(d, side)}"])
+            tr = cls(cfg, console=quiet)
+            tr.setup()
+            trainers[side] = tr
+        res = {s: {"total": [], "mem": [], "tokens": [], "generated": [], "trained": [],
+                   **{p: [] for p in PHASES}} for s in trainers}
+        for it in range(1, 2 + timed):
+            for side, tr in trainers.items():
+                box = {}
+
+                def one():
+                    sync()
+                    t0 = time.perf_counter()
+                    box["m"] = tr.iteration(it)
+                    sync()
+                    box["s"] = time.perf_counter() - t0
+
+                mem, _ = peak_rss(one, ctx.device)
+                print(f"e2e: {side} iteration {it}: {box['s']:.1f} s", file=sys.stderr, flush=True)
+                if it == 1:
+                    continue  # warm-up
+                m, r = box["m"], res[side]
+                r["total"].append(box["s"])
+                r["mem"].append(mem)
+                for p in PHASES:
+                    r[p].append(float(m[f"time/{p}_s"]))
+                n_traj = tr.cfg.rollout.env_groups * tr.cfg.rollout.group_size
+                r["tokens"].append(m["train/tokens_per_trajectory"] * n_traj)
+                r["generated"].append(float(m.get("train/generated_tokens", float("nan"))))
+                r["trained"].append(m["train/response_length"] * n_traj)
+        cfg = trainers["fastpo"].cfg
+        label = trainers["fastpo"].info.label
+        for tr in trainers.values():
+            tr.logger.close()
+        del trainers
+
+    def med(side, key):
+        v = res[side][key]
+        return statistics.median(v), (max(v) - min(v))
+
+    rc = cfg.rollout
+    what = (f"{preset} preset, frozenlake, {rc.env_groups}x{rc.group_size} trajectories, {rc.max_turns} turns, "
+            f"{rc.max_new_tokens} new tokens/turn"
+            + (f" (cut from 400 to fit the GPU check)" if cuda else "")
+            + f", {label}, {ctx.device}{', bf16 autocast' if cuda else ''}; 1 warm-up + {timed} timed "
+            f"iteration(s) per side, interleaved")
+    toks = (f"per iteration: generated tokens {med('fastpo', 'generated')[0]:.0f} vs "
+            f"{med('reference', 'generated')[0]:.0f}, trajectory tokens {med('fastpo', 'tokens')[0]:.0f} vs "
+            f"{med('reference', 'tokens')[0]:.0f} (fastpo vs reference; sampling differs between the loops)")
+    base = "reference-style iteration"
+    target = 3.0 if cuda else 2.0
+    tf, sf = med("fastpo", "total")
+    tb, sb = med("reference", "total")
+    recs = [Record(PART, "seconds per training iteration", "s", tf, tb, False, sf, sb, base, target, f"{what}; {toks}")]
+    for p in PHASES:
+        a, sa = med("fastpo", p)
+        b, sb_ = med("reference", p)
+        recs.append(Record(PART, f"  phase {p}", "s", a, b, False, sa, sb_, base, None,
+                           "weight sync: none on either side (generator = trained module)" if p == "update" else ""))
+    kf, kb = med("fastpo", "tokens")[0], med("reference", "tokens")[0]
+    recs.append(Record(PART, "trajectory tokens per second of iteration", "tokens/s", kf / tf, kb / tb, True,
+                       baseline_name=base, notes=toks))
+    mf = max(res["fastpo"]["mem"]) / 2**20
+    mb = max(res["reference"]["mem"]) / 2**20
+    mem_how = "torch.cuda.max_memory_allocated" if cuda else "resident set high-water mark, VmHWM"
+    rec = Record(PART, "peak memory per iteration", "MiB", max(mf, 1e-3), mb, False, baseline_name=base, target=1.0,
+                 notes=f"above the memory in use before the iteration ({mem_how}); target: lower than the baseline")
+    rec.met = rec.ratio is not None and rec.ratio > 1.0
+    recs.append(rec)
+    return recs
+
+
+if __name__ == "__main__":
+    for r in run(BenchContext(quick="--quick" in sys.argv)):
+        print(r)

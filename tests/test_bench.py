@@ -1,0 +1,99 @@
+"""`bench/throughput.py --quick --json` end to end: every part runs, the JSON has the documented
+schema, and `bench/report.py` renders it. Figures are not checked (CI machines are noisy)."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
+PARTS = ("envs", "kernels", "rollout", "train", "e2e")
+MACHINE_KEYS = {"date": str, "cpu": str, "cores": int, "python": str, "device": str, "model": str,
+                "model_weights": str, "torch": str, "transformers": str}
+RECORD_KEYS = {"part": str, "name": str, "unit": str, "fastpo": (int, float), "higher_is_better": bool,
+               "fastpo_spread": (int, float), "baseline_spread": (int, float), "baseline_name": str,
+               "notes": str}
+OPTIONAL_NUM = ("baseline", "target", "ratio")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, BENCH)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(BENCH)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def quick_result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "quick.json"
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "throughput.py"), "--quick", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f), proc
+
+
+@pytest.mark.slow
+def test_quick_json_schema(quick_result):
+    result, proc = quick_result
+    assert set(result) >= {"machine", "args", "records", "errors"}
+    assert result["errors"] == {}, result["errors"]
+    m = result["machine"]
+    for k, t in MACHINE_KEYS.items():
+        assert isinstance(m.get(k), t), (k, m.get(k))
+    assert m["device"] == "cpu" and m["model_weights"] in ("pretrained", "random") and m["cores"] >= 1
+    assert "gpu" in m and "triton" in m
+    assert result["args"]["quick"] is True and result["args"]["part"] == "all"
+    recs = result["records"]
+    assert {r["part"] for r in recs} == set(PARTS)
+    for r in recs:
+        for k, t in RECORD_KEYS.items():
+            assert isinstance(r.get(k), t), (r["part"], r["name"], k, r.get(k))
+        for k in OPTIONAL_NUM:
+            assert r[k] is None or isinstance(r[k], (int, float)), (r["name"], k, r[k])
+        assert r["met"] is None or isinstance(r["met"], bool)
+        assert r["fastpo"] == r["fastpo"] and r["fastpo_spread"] >= 0  # not NaN
+        if r["baseline"] is not None and r["baseline"] > 0 and r["fastpo"] > 0:
+            want = r["fastpo"] / r["baseline"] if r["higher_is_better"] else r["baseline"] / r["fastpo"]
+            assert r["ratio"] == pytest.approx(want, rel=1e-6)
+        if r["target"] is not None and r["ratio"] is not None:
+            assert r["met"] is not None
+    e2e = {r["name"].strip(): r for r in recs if r["part"] == "e2e"}
+    assert {"seconds per training iteration", "phase rollout", "phase old_logprob", "phase advantage",
+            "phase update", "peak memory per iteration"} <= set(e2e)
+    assert e2e["seconds per training iteration"]["target"] == 2.0 and e2e["seconds per training iteration"]["unit"] == "s"
+    # the table went to stdout
+    assert "fastpo benchmarks" in proc.stdout
+
+
+@pytest.mark.slow
+def test_report_renders_quick_result(quick_result, tmp_path):
+    result, _ = quick_result
+    report = _load("report")
+    path = os.path.join(ROOT, "bench", "results", "quick.json")
+    text = report.render(result, path)
+    assert "--quick" in text and result["machine"]["date"][:10] in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| part")]
+    assert len(rows) == len(result["records"])
+    for r in result["records"]:
+        assert r["name"] in text
+    # a README is rewritten between the markers only, and --check then passes; quick runs are not figures
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n")
+    res_dir = tmp_path / "results"
+    res_dir.mkdir()
+    (res_dir / "quick.json").write_text(json.dumps(result))
+    full = dict(result, args=dict(result["args"], quick=False))
+    (res_dir / "full.json").write_text(json.dumps(full))
+    assert report.main(["--readme", str(readme), "--results", str(res_dir)]) == 0
+    new = readme.read_text()
+    assert new.startswith("# x\n\n") and new.endswith("\n\nafter\n") and "old" not in new
+    assert "full.json" in new and "quick.json" not in new
+    assert report.main(["--readme", str(readme), "--results", str(res_dir), "--check"]) == 0
