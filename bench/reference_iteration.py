@@ -13,7 +13,8 @@ that fastpo claims to speed up:
   `fastpo.envs_native.reference`) instead of the Numba-batched kernels;
 - old log-probs (and values): right-padded micro-batches of `micro_batch_size` trajectories
   (the paper's micro-batch 4), the full HF forward with its [B, T, V] logits materialized,
-  log-softmax over the vocabulary for log-prob and entropy;
+  log-softmax over the vocabulary on the response span (from the first model token on, as
+  verl slices its logits) for log-prob and entropy;
 - update: the same padded micro-batches, materialized logits, and the clipped policy loss of
   `fastpo.kernels.reference` (`policy_loss_terms` / `aggregation_weights`, the specification
   the fused kernels are tested against) with gradient accumulation.
@@ -205,9 +206,16 @@ class ReferenceTrainer(Trainer):
         vals = [torch.zeros(int(x.numel())) for x in ids] if self.value_head is not None else None
         self.model.eval()
         for sel, x, att, sc in self._padded(ids, masks, list(range(len(ids)))):
+            cols = torch.nonzero(sc.any(0)).flatten()
+            if cols.numel() == 0:
+                continue
+            s0 = int(cols[0])  # the response span starts here (after the shared prompt)
             with self._autocast():
                 h, logits = self._forward(x, att)
-                lp, e = logprob_entropy_from_logits(logits[:, :-1], x[:, 1:], temp)  # every position, as verl
+                # log-softmax over the response span, as verl slices its [B, T, V] logits
+                lp = torch.zeros(sc.shape, device=self.device)
+                e = torch.zeros(sc.shape, device=self.device)
+                lp[:, s0:], e[:, s0:] = logprob_entropy_from_logits(logits[:, s0:-1], x[:, s0 + 1:], temp)
                 v = None
                 if self.value_head is not None:
                     hv = h if self.critic_body is None else self.critic_body(
@@ -252,13 +260,17 @@ class ReferenceTrainer(Trainer):
                 for sel, x, att, sc in self._padded(ids, masks, mb):
                     T = x.shape[1]
                     train_tokens += x.numel()
-                    old = shifted(old_lp, sel, T)
-                    A = shifted(adv, sel, T)
-                    seq = torch.arange(len(sel), device=self.device)[:, None].expand(-1, T - 1)
+                    cols = torch.nonzero(sc.any(0)).flatten()
+                    if cols.numel() == 0:
+                        continue
+                    s0 = int(cols[0])  # the response span
+                    old = shifted(old_lp, sel, T)[:, s0:]
+                    A = shifted(adv, sel, T)[:, s0:]
+                    seq = torch.arange(len(sel), device=self.device)[:, None].expand(-1, T - 1 - s0)
                     with self._autocast():
                         h, logits = self._forward(x, att)
-                        lp, e = logprob_entropy_from_logits(logits[:, :-1], x[:, 1:], temp)
-                        f = sc.reshape(-1)
+                        lp, e = logprob_entropy_from_logits(logits[:, s0:-1], x[:, s0 + 1:], temp)
+                        f = sc[:, s0:].reshape(-1)
                         zero = torch.zeros((), device=self.device)
                         terms = policy_loss_terms(lp.reshape(-1), e.reshape(-1), torch.where(f, old.reshape(-1), zero),
                                                   torch.where(f, A.reshape(-1), zero), None,
@@ -270,9 +282,10 @@ class ReferenceTrainer(Trainer):
                         if self.value_head is not None:
                             hv = h if self.critic_body is None else self.critic_body(
                                 input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
-                            v = self.value_head(hv[:, :-1]).reshape(-1)[f]
-                            vl, _ = alg.clipped_value_loss(v, shifted(vals, sel, T).reshape(-1)[f],
-                                                           shifted(returns, sel, T).reshape(-1)[f],
+                            fv = sc.reshape(-1)
+                            v = self.value_head(hv[:, :-1]).reshape(-1)[fv]
+                            vl, _ = alg.clipped_value_loss(v, shifted(vals, sel, T).reshape(-1)[fv],
+                                                           shifted(returns, sel, T).reshape(-1)[fv],
                                                            torch.ones_like(v, dtype=torch.bool), clip=a.value_clip)
                             vloss = vl * (int(f.sum()) / max(1, n_tok))
                             total = total + (a.value_coef * vloss if self.critic_body is None else vloss)

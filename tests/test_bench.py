@@ -97,3 +97,31 @@ def test_report_renders_quick_result(quick_result, tmp_path):
     assert new.startswith("# x\n\n") and new.endswith("\n\nafter\n") and "old" not in new
     assert "full.json" in new and "quick.json" not in new
     assert report.main(["--readme", str(readme), "--results", str(res_dir), "--check"]) == 0
+
+
+def test_plain_python_env_matches_batched_env():
+    """The baseline's plain-Python env loop plays exactly the games of the Numba-batched envs."""
+    import numpy as np
+
+    from fastpo.envs_native import make_env
+
+    plain = _load("reference_iteration").PlainPythonEnv
+    rng = np.random.default_rng(0)
+    for name in ("frozenlake", "sokoban", "bandit"):
+        B = 6
+        a, p = make_env(name, B), plain(name, B)
+        seeds = [3 * i + 1 for i in range(B)]
+        assert a.reset(seeds) == p.reset(seeds) and a.instructions() == p.instructions()
+        for _turn in range(4):
+            names = a.action_names(0)
+            answers = [" || ".join(rng.choice(names, size=int(rng.integers(0, 4))).tolist())
+                       + (" || jump" if rng.random() < 0.3 else "") for _ in range(B)]
+            pa, pp = a.parse_actions(answers, 3), p.parse_actions(answers, 3)
+            assert (pa.actions == pp.actions).all() and pa.invalid == pp.invalid
+            assert (pa.all_valid == pp.all_valid).all() and (pa.num_actions == pp.num_actions).all()
+            active = rng.random(B) < 0.8
+            ra, rp = a.step(pa.actions, active), p.step(pp.actions, active)
+            np.testing.assert_allclose(ra.reward, rp.reward, atol=1e-5)
+            assert (ra.done == rp.done).all() and (ra.success == rp.success).all()
+            assert (ra.num_executed == rp.num_executed).all()
+            assert a.render() == p.render()
