@@ -73,3 +73,12 @@ def test_checkpoint_atomic_hf_loadable_and_rng(tmp_path):
     a = torch.rand(3)
     set_rng_state(state["rng"])
     assert torch.equal(a, torch.rand(3))
+
+
+def test_tensorboard_mirror(tmp_path):
+    log = MetricsLogger(str(tmp_path), tensorboard=True)
+    log.log(1, {"train/success_rate": 0.5})
+    log.amend_last({"echo_trap_warning": 1})
+    log.close()
+    events = [f for _, _, fs in os.walk(tmp_path / "tensorboard") for f in fs if "tfevents" in f]
+    assert events and json.loads(open(tmp_path / "metrics.jsonl").read())["echo_trap_warning"] == 1
