@@ -130,3 +130,11 @@ def test_sampling_params_validation(kw, match):
 def test_rollout_config_validation(kw, match):
     with pytest.raises(ValueError, match=match):
         RolloutConfig(**kw)
+
+
+def test_first_message_example_uses_the_games_own_action_names():
+    # Bandit has no "Up": an example naming it is what small models copy.
+    msg = first_user_message("Rules.", "S", 1, 1, True, 32, action_names=["Phoenix", "Dragon"])
+    assert "<answer> Phoenix </answer>" in msg and "Up" not in msg
+    msg = first_user_message("Rules.", "S", 10, 5, True, 32, action_names=["Left", "Down", "Right", "Up"])
+    assert "<answer> Left || Down </answer>" in msg

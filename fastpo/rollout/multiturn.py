@@ -204,7 +204,8 @@ class MultiTurnRollout:
         obs = env.reset(traj_seeds)
         instructions = env.instructions()
         think, k_turn = cfg.think, cfg.max_actions_per_turn
-        users = [[first_user_message(instructions[b], obs[b], cfg.max_actions_per_traj, k_turn, think, cfg.max_new_tokens)]
+        users = [[first_user_message(instructions[b], obs[b], cfg.max_actions_per_traj, k_turn, think, cfg.max_new_tokens,
+                                     env.action_names(b))]
                  for b in range(B)]
         group_prompts = [self.chat.prompt_ids(users[g * N][0]) for g in range(P)]
 

@@ -16,6 +16,8 @@ header and the generation prime) are tokenized.
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 SYSTEM_PROMPT = "You are a helpful assistant that plays text games. You think step by step, then act."
 THINK_PRIME = "<think>"
 ANSWER_PRIME = "<answer>"
@@ -32,12 +34,18 @@ def format_reminder(think: bool, max_new_tokens: int | None = None) -> str:
 
 
 def first_user_message(instructions: str, state: str, actions_left: int, max_actions_per_turn: int,
-                       think: bool, max_new_tokens: int | None = None) -> str:
-    """Turn 1's user message: the game's rules, the action limits, the state and the format."""
+                       think: bool, max_new_tokens: int | None = None,
+                       action_names: Sequence[str] = ("Up", "Left")) -> str:
+    """Turn 1's user message: the game's rules, the action limits, the state and the format.
+
+    action_names: the instance's valid actions; the answer example is built from them (an
+    example naming actions the game lacks, e.g. "Up" in Bandit, is copied by small models).
+    """
+    example = " || ".join(list(action_names)[:max(1, min(2, max_actions_per_turn))])
     return (
         f"{instructions.rstrip()}\n"
         f"You can take up to {max_actions_per_turn} action(s) per turn, separated by ' || ', "
-        f"e.g. <answer> Up || Left </answer>.\n\n"
+        f"e.g. <answer> {example} </answer>.\n\n"
         f"Turn 1:\nState:\n{state}\n"
         f"You have {actions_left} actions left. {format_reminder(think, max_new_tokens)}"
     )

@@ -60,7 +60,8 @@ class ReferenceRollout:
         obs = env.reset(traj_seeds)
         instr = env.instructions()
         msgs = [self.chat.messages(first_user_message(instr[b], obs[b], cfg.max_actions_per_traj, cfg.max_actions_per_turn,
-                                                      cfg.think, cfg.max_new_tokens)) for b in range(B)]
+                                                      cfg.think, cfg.max_new_tokens, env.action_names(b)))
+                for b in range(B)]
         T = cfg.max_turns
         turn_rewards = np.zeros((B, T), dtype=np.float32)
         penalties = np.zeros((B, T), dtype=np.float32)
