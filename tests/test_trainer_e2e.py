@@ -1,0 +1,123 @@
+"""End-to-end training at a tiny scale on the embedded model and real environments.
+
+- Bandit with GRPO: one iteration, outputs (metrics, plots, samples, HF checkpoint) checked.
+- FrozenLake with PPO (GAE, critic on the shared trunk): two iterations uninterrupted, then
+  the same run stopped after one iteration (the Ctrl-C path) and resumed with
+  `fastpo train --resume`: the metrics must match the uninterrupted run's.
+- Bandit with plain StarPO (KL to a frozen reference) and a separate critic: one update.
+"""
+import json
+import math
+import os
+
+import pytest
+import torch
+from rich.console import Console
+
+from fastpo.cli import main as cli_main
+from fastpo.config import load_config
+from fastpo.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+# Timing and throughput figures differ between runs by nature; everything else must not.
+VOLATILE = ("time/", "perf/", "train/seconds", "train/engine_seconds", "train/tokens_per_s", "eval/seconds",
+            "eval/engine_seconds", "eval/tokens_per_s")
+
+
+def _records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _stable(rec):
+    return {k: v for k, v in rec.items() if not any(k.startswith(p) or k.startswith("ema/" + p) for p in VOLATILE)}
+
+
+def _cfg(env, out, *overrides):
+    return load_config(env=env, preset="tiny", overrides=[f"trainer.output_dir={out}", *overrides])
+
+
+def test_bandit_grpo_one_iteration_writes_everything(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    cfg = _cfg("bandit", out, "algorithm.adv_estimator=grpo", "trainer.iterations=1", "trainer.eval_every=1")
+    tr = Trainer(cfg, console=Console(quiet=True))
+    records = tr.run()
+    assert len(records) == 1
+    rec = records[0]
+    for key in ("train/success_rate", "train/score_mean", "train/score_std", "train/in_group_reward_std",
+                "train/rollout_entropy", "train/response_length", "train/tokens_per_trajectory", "actor/grad_norm",
+                "actor/pg_loss", "actor/clipfrac_low", "actor/clipfrac_high", "actor/approx_kl",
+                "train/filter_kept_ratio", "train/format_penalty_rate", "train/valid_action_rate",
+                "train/effective_action_rate", "time/rollout_s", "time/update_s", "perf/train_tokens_per_s",
+                "eval/success_rate", "eval/pass@1", "ema/train/success_rate", "echo_trap_warning"):
+        assert key in rec, key
+    # on-policy first step: the trainer's recomputed log-probs equal the sampler's
+    assert rec["train/logprob_gap_max"] < 1e-3
+    assert rec["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert rec["actor/updates"] == 1 and rec["actor/skipped_updates"] == 0
+    assert math.isfinite(rec["actor/grad_norm"]) and rec["actor/grad_norm"] > 0
+    assert os.path.getsize(os.path.join(out, "plots", "success_rate.png")) > 1000
+    samples = os.listdir(os.path.join(out, "samples"))
+    assert samples and "<|im_start|>assistant" in open(os.path.join(out, "samples", samples[0])).read()
+    from transformers import AutoModelForCausalLM
+
+    ckpt = os.path.join(out, "checkpoints", "iter_000001", "model")
+    loaded = AutoModelForCausalLM.from_pretrained(ckpt)
+    live = tr.model.state_dict()
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, live[k], rtol=0, atol=0)
+
+    # A NaN loss skips the update and leaves the weights untouched.
+    ids = [torch.tensor(tr.tokenizer("You pull the Dragon arm. <answer> Dragon </answer>")["input_ids"])]
+    masks = [torch.zeros(len(ids[0]), dtype=torch.bool)]
+    masks[0][-4:] = True
+    before = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    res = tr.update(2, ids, masks, [torch.zeros(len(ids[0]))], [torch.full((len(ids[0]),), float("nan"))],
+                    None, None, None)
+    assert res["actor/skipped_updates"] == 1 and res["actor/updates"] == 0
+    for k, v in tr.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+    # `fastpo eval` on the checkpoint folder: success rate and pass@k
+    from fastpo.cli import main
+
+    assert main(["eval", "--env", "bandit", "--preset", "tiny", "--model", ckpt, "--seeds", "2", "--k", "2"]) == 0
+    out_text = capsys.readouterr().out
+    assert "success_rate" in out_text and "pass@2" in out_text
+
+
+def test_frozenlake_ppo_resume_reproduces_uninterrupted_run(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = ["trainer.iterations=2", "trainer.eval_every=2", "trainer.save_every=1", "trainer.plots=false"]
+    Trainer(_cfg("frozenlake", a, *common), console=Console(quiet=True)).run()
+    full = _records(a)
+    assert [r["iteration"] for r in full] == [1, 2]
+    assert "critic/value_loss" in full[0] and "eval/success_rate" in full[1]
+    # the interrupted run: stops after iteration 1 exactly as Ctrl-C would (checkpoint, exit)
+    Trainer(_cfg("frozenlake", b, *common), console=Console(quiet=True), stop_after=1).run()
+    assert [r["iteration"] for r in _records(b)] == [1]
+    assert cli_main(["train", "--resume", b]) == 0
+    resumed = _records(b)
+    assert [r["iteration"] for r in resumed] == [1, 2]
+    for ra, rb in zip(full, resumed):
+        sa, sb = _stable(ra), _stable(rb)
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            if isinstance(sa[k], float):
+                assert sb[k] == pytest.approx(sa[k], rel=1e-5, abs=1e-6), k
+            else:
+                assert sb[k] == sa[k], k
+
+
+def test_bandit_starpo_kl_separate_critic(tmp_path):
+    out = str(tmp_path / "run")
+    cfg = _cfg("bandit", out, "algorithm.kl_coef=0.01", "algorithm.kl_estimator=k1", "algorithm.critic=separate",
+               "algorithm.clip_high=0.2", "trainer.iterations=1", "trainer.eval_every=0", "trainer.plots=false")
+    tr = Trainer(cfg, console=Console(quiet=True))
+    rec = tr.run()[0]
+    assert tr.ref_model is not None and tr.critic_body is not None
+    assert "actor/kl" in rec or any(k.startswith("actor/kl") for k in rec), sorted(rec)
+    assert rec["critic/grad_norm"] >= 0 and math.isfinite(rec["critic/value_loss"])
+    assert os.path.exists(os.path.join(out, "checkpoints", "iter_000001", "critic", "value_head.safetensors"))
+    assert os.path.exists(os.path.join(out, "checkpoints", "iter_000001", "critic", "config.json"))
