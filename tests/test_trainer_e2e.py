@@ -89,7 +89,9 @@ def test_bandit_grpo_one_iteration_writes_everything(tmp_path, capsys):
 
 def test_frozenlake_ppo_resume_reproduces_uninterrupted_run(tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
-    common = ["trainer.iterations=2", "trainer.eval_every=2", "trainer.save_every=1", "trainer.plots=false"]
+    # one turn per trajectory keeps the four iterations this test runs inside CI's time budget
+    common = ["trainer.iterations=2", "trainer.eval_every=2", "trainer.save_every=1", "trainer.plots=false",
+              "rollout.max_turns=1"]
     Trainer(_cfg("frozenlake", a, *common), console=Console(quiet=True)).run()
     full = _records(a)
     assert [r["iteration"] for r in full] == [1, 2]
