@@ -115,10 +115,66 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
     else:
         os.replace(tmp, final)
     _atomic_write_text(os.path.join(root, "latest"), name + "\n")
-    kept = sorted(d for d in os.listdir(root) if d.startswith("iter_") and os.path.isdir(os.path.join(root, d)))
-    for d in kept[:-keep]:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    prune_checkpoints(root, keep=keep, protect=name)
     return final
+
+
+def _iteration_of(name: str) -> Optional[int]:
+    """The iteration number of a checkpoint folder name ``iter_000010`` (None for anything else)."""
+    if not name.startswith("iter_"):
+        return None
+    digits = name[len("iter_"):]
+    return int(digits) if digits.isdigit() else None
+
+
+def prune_checkpoints(root: str, keep: int, protect: str) -> list[str]:
+    """Delete all but the `keep` highest-iteration checkpoints in `root`; returns the deleted names.
+
+    Ordered by iteration number (not by name), and `protect` (the checkpoint just written)
+    is never deleted, even if folders with higher iteration numbers exist.
+    """
+    found = []
+    for d in os.listdir(root):
+        n = _iteration_of(d)
+        if n is not None and os.path.isdir(os.path.join(root, d)):
+            found.append((n, d))
+    found.sort()
+    others = [d for _, d in found if d != protect]
+    n_drop = max(0, len(others) - (keep - 1))
+    dropped = others[:n_drop]
+    for d in dropped:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return dropped
+
+
+#: What marks a folder as holding a fastpo run.
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+
+
+def run_folder_in_use(out_dir: str) -> list[str]:
+    """The run markers (config.yaml, metrics.jsonl, checkpoints/) present in `out_dir` (empty: free)."""
+    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
+
+
+def clear_run_folder(out_dir: str) -> None:
+    """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, tensorboard files)."""
+    for m in RUN_MARKERS + ("plots", "samples", "tensorboard"):
+        p = os.path.join(out_dir, m)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.remove(p)
+
+
+def fresh_run_folder(out_dir: str) -> str:
+    """`out_dir` if it holds no run, else the first free `out_dir-2`, `out_dir-3`, ..."""
+    if not run_folder_in_use(out_dir):
+        return out_dir
+    base = out_dir.rstrip("/\\") or out_dir
+    i = 2
+    while run_folder_in_use(f"{base}-{i}"):
+        i += 1
+    return f"{base}-{i}"
 
 
 def latest_checkpoint(out_dir: str) -> Optional[str]:
@@ -131,10 +187,10 @@ def latest_checkpoint(out_dir: str) -> Optional[str]:
         if name and os.path.isdir(os.path.join(root, name)):
             return os.path.join(root, name)
     if os.path.isdir(root):
-        done = sorted(d for d in os.listdir(root) if d.startswith("iter_")
+        done = sorted((_iteration_of(d), d) for d in os.listdir(root) if _iteration_of(d) is not None
                       and os.path.exists(os.path.join(root, d, "state.pt")))
         if done:
-            return os.path.join(root, done[-1])
+            return os.path.join(root, done[-1][1])
     return None
 
 

@@ -45,6 +45,7 @@ def _build_config(args, extra: list[str]):
 def cmd_train(args) -> int:
     from rich.console import Console
 
+    from fastpo.checkpoint import fresh_run_folder, run_folder_in_use
     from fastpo.config import ConfigError, apply_dict, parse_override, validate
 
     console = Console()
@@ -62,6 +63,14 @@ def cmd_train(args) -> int:
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
             cfg = _build_config(args, extra)
+            used = run_folder_in_use(cfg.trainer.output_dir)
+            if used and args.out and not args.overwrite:
+                raise ConfigError(f"--out {args.out} already holds a run ({', '.join(used)}); resume it with "
+                                  f"--resume {args.out}, pick another --out, or pass --overwrite to delete it")
+            if used and not args.out and not args.overwrite:
+                fresh = fresh_run_folder(cfg.trainer.output_dir)
+                console.print(f"[yellow]{cfg.trainer.output_dir} already holds a run; writing this one to {fresh}[/]")
+                cfg.trainer.output_dir = fresh
     except (ConfigError, FileNotFoundError) as e:
         print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
@@ -73,7 +82,7 @@ def cmd_train(args) -> int:
                   f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turns, "
                   f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
     try:
-        train(cfg, resume=bool(args.resume), console=console)
+        train(cfg, resume=bool(args.resume), console=console, overwrite=bool(args.overwrite) and not args.resume)
     except KeyboardInterrupt:
         return 130
     return 0
@@ -117,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="train with StarPO / StarPO-S")
     _add_common(tr)
     tr.add_argument("--out", default=None, help="output folder (default runs/<env>)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="delete the run already in --out (without it such a folder is refused)")
     tr.add_argument("--iterations", type=int, default=None)
     tr.add_argument("--resume", default=None, metavar="OUT", help="continue the run in folder OUT from its latest checkpoint")
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from fastpo import algorithms as alg
-from fastpo.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
+                               set_rng_state)
 from fastpo.config import CPU_PRESET_NOTE, TrainConfig, config_from_dict, dump_yaml
 from fastpo.evaluate import evaluate_policy
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
@@ -86,13 +87,14 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
-                 stop_after: Optional[int] = None):
+                 stop_after: Optional[int] = None, overwrite: bool = False):
         from rich.console import Console
 
         self.cfg = cfg
         self.console = console or Console()
         self.out = cfg.trainer.output_dir
         self.resume = resume
+        self.overwrite = overwrite
         self.device = resolve_device(cfg.trainer.device)
         self._stop_requested = False
         self.stop_after = stop_after
@@ -108,6 +110,14 @@ class Trainer:
         cfg, c = self.cfg, self.console
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
+        if not self.resume:
+            used = run_folder_in_use(self.out)
+            if used and not self.overwrite:
+                # never destroy a previous run by starting a new one on top of it
+                raise FileExistsError(f"{self.out} already holds a run ({', '.join(used)}); resume it, "
+                                      f"choose another output folder or pass overwrite=True (--overwrite)")
+            if used:
+                clear_run_folder(self.out)
         os.makedirs(self.out, exist_ok=True)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         if dtype is None:
@@ -575,14 +585,18 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def train(cfg: TrainConfig, resume: bool = False, console: Any = None) -> list[dict]:
-    """Build a Trainer and run it; prints what the CPU preset scaled down."""
+def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False) -> list[dict]:
+    """Build a Trainer and run it; prints what the CPU preset scaled down.
+
+    A new run (resume=False) refuses an output folder that already holds a run
+    (FileExistsError) unless `overwrite` is true, which clears that run first.
+    """
     from rich.console import Console
 
     console = console or Console()
     if "cpu" in cfg.preset.split(","):
         console.print(f"[cyan]{CPU_PRESET_NOTE}[/]")
-    return Trainer(cfg, resume=resume, console=console).run()
+    return Trainer(cfg, resume=resume, console=console, overwrite=overwrite).run()
 
 
 def load_run_config(out_dir: str) -> TrainConfig:

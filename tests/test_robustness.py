@@ -1,0 +1,88 @@
+"""Robustness of the trainer and CLI: no run is destroyed, bad input exits 2 with one line.
+
+All tests here are cheap: the model load is replaced by a function that raises, which
+asserts that validation (and the run-folder checks) happen before any model loads.
+"""
+import os
+
+import pytest
+
+import fastpo.models
+from fastpo.checkpoint import fresh_run_folder, prune_checkpoints, run_folder_in_use
+from fastpo.cli import main
+
+
+class _ModelLoad(Exception):
+    pass
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load raises _ModelLoad: reaching it means validation passed."""
+    def boom(*a, **k):
+        raise _ModelLoad("model load reached")
+    monkeypatch.setattr(fastpo.models, "load_model_and_tokenizer", boom)
+
+
+def _old_run(folder):
+    os.makedirs(os.path.join(folder, "checkpoints", "iter_000200"))
+    with open(os.path.join(folder, "config.yaml"), "w") as f:
+        f.write("old: run\n")
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.write('{"iteration": 1}\n')
+
+
+def test_named_out_with_a_run_is_refused(tmp_path, no_model, capsys):
+    out = str(tmp_path / "run")
+    _old_run(out)
+    assert main(["train", "--env", "frozenlake", "--preset", "cpu", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite" in err
+    assert open(os.path.join(out, "config.yaml")).read() == "old: run\n"
+    assert os.path.isdir(os.path.join(out, "checkpoints", "iter_000200"))
+
+
+def test_overwrite_clears_the_old_run_deliberately(tmp_path, no_model):
+    out = str(tmp_path / "run")
+    _old_run(out)
+    with pytest.raises(_ModelLoad):
+        main(["train", "--env", "frozenlake", "--preset", "cpu", "--out", out, "--overwrite"])
+    assert run_folder_in_use(out) == []
+
+
+def test_default_folder_with_a_run_picks_a_fresh_one(tmp_path, monkeypatch, no_model, capsys):
+    monkeypatch.chdir(tmp_path)
+    _old_run("runs/frozenlake")
+    _old_run("runs/frozenlake-2")
+    assert fresh_run_folder("runs/frozenlake") == "runs/frozenlake-3"
+    with pytest.raises(_ModelLoad):
+        main(["train", "--env", "frozenlake", "--preset", "cpu"])
+    assert "runs/frozenlake-3" in capsys.readouterr().out
+    assert open("runs/frozenlake/config.yaml").read() == "old: run\n"
+    assert os.path.isdir("runs/frozenlake-3") and not run_folder_in_use("runs/frozenlake-3")
+
+
+def test_trainer_refuses_a_used_folder_without_overwrite(tmp_path, no_model):
+    from fastpo.config import load_config
+    from fastpo.trainer import Trainer
+
+    out = str(tmp_path / "run")
+    _old_run(out)
+    cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}"])
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Trainer(cfg).setup()
+    assert os.path.exists(os.path.join(out, "metrics.jsonl"))
+
+
+def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
+    root = tmp_path / "checkpoints"
+    for n in (200, 300, 3, 1000000):
+        (root / f"iter_{n:06d}").mkdir(parents=True)
+    # the newly written iter_000003 survives although older-run folders have higher numbers
+    dropped = prune_checkpoints(str(root), keep=2, protect="iter_000003")
+    assert sorted(os.listdir(root)) == ["iter_000003", "iter_1000000"]
+    assert sorted(dropped) == ["iter_000200", "iter_000300"]
+    # by iteration number, not by name: iter_1000000 is newer than iter_999999
+    (root / "iter_999999").mkdir()
+    prune_checkpoints(str(root), keep=2, protect="iter_999999")
+    assert sorted(os.listdir(root)) == ["iter_1000000", "iter_999999"]
