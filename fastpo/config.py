@@ -388,6 +388,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
          f"is larger than the training batch ({cfg.kept_groups} kept env groups x {r.group_size} "
          f"trajectories = {cfg.train_batch_size})")
     need(o.micro_token_budget >= 16, "optim.micro_token_budget", o.micro_token_budget, "must be >= 16 tokens")
+    need(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0")
+    need(t.eval_seed_offset >= 0, "trainer.eval_seed_offset", t.eval_seed_offset, "must be >= 0")
     need(t.iterations >= 1, "trainer.iterations", t.iterations, "must be >= 1")
     need(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
     need(t.eval_seeds >= 1, "trainer.eval_seeds", t.eval_seeds, "must be >= 1")

@@ -522,6 +522,7 @@ class Trainer:
         if hasattr(signal, "SIGINT") and _in_main_thread():
             old_handler = signal.signal(signal.SIGINT, self._request_stop)
         last_saved = self.start_iteration - 1
+        updated = last_saved
         it = self.start_iteration - 1
         try:
             if t.eval_before_training and self.start_iteration == 1:
@@ -535,6 +536,7 @@ class Trainer:
                 for it in range(self.start_iteration, total + 1):
                     t_it = time.perf_counter()
                     m = self.iteration(it)
+                    updated = it  # the weights now hold this iteration's update
                     if self.stop_after is not None and it >= self.stop_after:
                         self._stop_requested = True
                     if t.eval_every and (it % t.eval_every == 0 or it == total):
@@ -567,6 +569,16 @@ class Trainer:
         except KeyboardInterrupt:
             # A second Ctrl-C: the current iteration is incomplete; keep the last saved checkpoint.
             self.console.print(f"[yellow]aborted[/]; the last checkpoint is iteration {last_saved}")
+            raise
+        except Exception:
+            # An error after an update (eval, logging, plots, disk): keep the trained iterations.
+            if updated > last_saved:
+                try:
+                    self._save(updated)
+                    self.console.print(f"[red]error after iteration {updated}[/]: emergency checkpoint saved; "
+                                       f"resume with `fastpo train --resume {self.out}`")
+                except Exception as e2:  # the original error matters more than the failed save
+                    self.console.print(f"[red]emergency checkpoint failed[/]: {e2}")
             raise
         finally:
             if old_handler is not None:

@@ -86,3 +86,41 @@ def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     (root / "iter_999999").mkdir()
     prune_checkpoints(str(root), keep=2, protect="iter_999999")
     assert sorted(os.listdir(root)) == ["iter_1000000", "iter_999999"]
+
+
+def test_error_during_eval_saves_the_trained_iteration(tmp_path):
+    """The loop (real run(), real logger) with the model parts replaced: eval of iteration 2 fails."""
+    from rich.console import Console
+
+    from fastpo.config import load_config
+    from fastpo.metrics import EchoTrapDetector, MetricsLogger
+    from fastpo.trainer import Trainer
+
+    cfg = load_config(env="bandit", preset="tiny", overrides=[
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.iterations=3", "trainer.eval_every=2",
+        "trainer.save_every=0", "trainer.plots=false"])
+    saved = []
+
+    class Loop(Trainer):
+        def setup(self):
+            self.logger = MetricsLogger(self.out)
+            self.echo = EchoTrapDetector(0.5, 1)
+
+        def iteration(self, it):
+            return {"train/success_rate": 0.0, "train/score_mean": 0.0, "train/rollout_entropy": 1.0}
+
+        def evaluate(self, it):
+            raise OSError("disk full while writing eval samples")
+
+        def _save(self, it):
+            saved.append(it)
+
+    with pytest.raises(OSError, match="disk full"):
+        Loop(cfg, console=Console(quiet=True)).run()
+    assert saved == [2]
+
+
+@pytest.mark.parametrize("override", ["trainer.seed=-1", "trainer.eval_seed_offset=-5"])
+def test_negative_seeds_refused(override, capsys):
+    assert main(["train", "--env", "bandit", "--preset", "cpu", override]) == 2
+    assert override.split("=")[0] in capsys.readouterr().err
