@@ -45,19 +45,36 @@ def _build_config(args, extra: list[str]):
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.checkpoint import fresh_run_folder, run_folder_in_use
+    from fastpo.checkpoint import fresh_run_folder, latest_checkpoint, run_folder_in_use
     from fastpo.config import ConfigError, apply_dict, parse_override, validate
 
     console = Console()
     try:
-        if args.resume:
+        if args.resume is not None:
             from fastpo.trainer import load_run_config
 
+            if not args.resume.strip():
+                raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
+            fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
+                                          ("--model", args.model), ("--out", args.out), ("--seed", args.seed),
+                                          ("--overwrite", args.overwrite or None)) if v is not None]
+            fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))]
+            if fixed:
+                raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps the "
+                                  f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "
+                                  f"run instead")
             cfg = load_run_config(args.resume)
             for o in args.overrides:
                 apply_dict(cfg, parse_override(o))
+            if args.iterations is not None:
+                cfg.trainer.iterations = args.iterations
+            if args.device is not None:
+                cfg.trainer.device = args.device
             cfg.trainer.output_dir = args.resume
             validate(cfg)
+            if latest_checkpoint(args.resume) is None:
+                raise ConfigError(f"--resume {args.resume}: no checkpoint found under "
+                                  f"{os.path.join(args.resume, 'checkpoints')}")
         else:
             extra = [f"trainer.output_dir={args.out}"] if args.out else []
             if args.iterations is not None:
@@ -82,7 +99,7 @@ def cmd_train(args) -> int:
                   f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turns, "
                   f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
     try:
-        train(cfg, resume=bool(args.resume), console=console, overwrite=bool(args.overwrite) and not args.resume)
+        train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -31,7 +31,7 @@ import torch
 from fastpo import algorithms as alg
 from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
                                set_rng_state)
-from fastpo.config import CPU_PRESET_NOTE, TrainConfig, config_from_dict, dump_yaml
+from fastpo.config import CPU_PRESET_NOTE, ConfigError, TrainConfig, config_from_dict, dump_yaml
 from fastpo.evaluate import evaluate_policy
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
@@ -612,11 +612,20 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
 
 
 def load_run_config(out_dir: str) -> TrainConfig:
-    """The configuration a run was started with (`OUT/config.yaml`). Raises FileNotFoundError."""
+    """The configuration a run was started with (`OUT/config.yaml`).
+
+    Raises FileNotFoundError when it is missing, ConfigError when it is not a valid configuration.
+    """
     import yaml
 
     path = os.path.join(out_dir, "config.yaml")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: is {out_dir} a fastpo run folder?")
-    with open(path) as f:
-        return config_from_dict(yaml.safe_load(f))
+    try:
+        with open(path) as f:
+            d = yaml.safe_load(f)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(d).__name__}")
+    return config_from_dict(d)

@@ -124,3 +124,57 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
 def test_negative_seeds_refused(override, capsys):
     assert main(["train", "--env", "bandit", "--preset", "cpu", override]) == 2
     assert override.split("=")[0] in capsys.readouterr().err
+
+
+def _resumable(tmp_path):
+    """A run folder as `fastpo train` leaves it: config.yaml and a (stand-in) checkpoint."""
+    from fastpo.config import dump_yaml, load_config
+
+    out = tmp_path / "run"
+    cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}"])
+    (out / "checkpoints" / "iter_000002").mkdir(parents=True)
+    (out / "checkpoints" / "iter_000002" / "state.pt").write_bytes(b"")
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    return str(out)
+
+
+def test_resume_applies_iterations_and_device(tmp_path, monkeypatch):
+    import fastpo.trainer
+
+    out = _resumable(tmp_path)
+    seen = {}
+    monkeypatch.setattr(fastpo.trainer, "train", lambda cfg, resume, **k: seen.update(cfg=cfg, resume=resume))
+    assert main(["train", "--resume", out, "--iterations", "7", "--device", "cpu", "trainer.eval_every=7"]) == 0
+    assert seen["resume"] and seen["cfg"].trainer.iterations == 7 and seen["cfg"].trainer.device == "cpu"
+    assert seen["cfg"].trainer.eval_every == 7 and seen["cfg"].trainer.output_dir == out
+
+
+@pytest.mark.parametrize("extra, word", [
+    (["--config", "x.yaml"], "--config"), (["--preset", "grpo"], "--preset"), (["--env", "sokoban"], "--env"),
+    (["--model", "random:tiny"], "--model"), (["--out", "elsewhere"], "--out"), (["--seed", "3"], "--seed"),
+    (["env.options={size: 3}"], "env.options"), (["model.lora_rank=4"], "model.lora_rank"),
+])
+def test_resume_refuses_what_cannot_change(tmp_path, no_model, extra, word, capsys):
+    out = _resumable(tmp_path)
+    assert main(["train", "--resume", out, *extra]) == 2
+    err = capsys.readouterr().err
+    assert word in err and "cannot change on --resume" in err
+
+
+def test_resume_bad_input(tmp_path, no_model, capsys):
+    assert main(["train", "--resume", ""]) == 2
+    assert "--resume needs the run folder" in capsys.readouterr().err
+    out = _resumable(tmp_path)
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write("rollout: [unclosed\n")
+    assert main(["train", "--resume", out]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    with open(os.path.join(out, "config.yaml"), "w") as f:
+        f.write("- a list\n")
+    assert main(["train", "--resume", out]) == 2
+    assert "mapping" in capsys.readouterr().err
+    out2 = _resumable(tmp_path / "b")
+    import shutil
+    shutil.rmtree(os.path.join(out2, "checkpoints"))
+    assert main(["train", "--resume", out2]) == 2
+    assert "no checkpoint found" in capsys.readouterr().err
