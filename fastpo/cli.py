@@ -28,18 +28,19 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
 
 
-def _build_config(args, extra: list[str]):
+def _build_config(args, extra: list[str], values: dict | None = None):
     from fastpo.config import load_config
 
     ov = list(extra)
-    if args.model:
-        ov.append(f"model.name={args.model}")
+    values = dict(values or {})
+    if args.model is not None:
+        values["model.name"] = args.model  # a path or name, taken literally (not YAML)
     if args.device:
         ov.append(f"trainer.device={args.device}")
     if args.seed is not None:
         ov.append(f"trainer.seed={args.seed}")
     ov += args.overrides
-    return load_config(env=args.env, preset=args.preset, file=args.config, overrides=ov)
+    return load_config(env=args.env, preset=args.preset, file=args.config, overrides=ov, values=values)
 
 
 def cmd_train(args) -> int:
@@ -76,10 +77,12 @@ def cmd_train(args) -> int:
                 raise ConfigError(f"--resume {args.resume}: no checkpoint found under "
                                   f"{os.path.join(args.resume, 'checkpoints')}")
         else:
-            extra = [f"trainer.output_dir={args.out}"] if args.out else []
+            if args.out is not None and not args.out.strip():
+                raise ConfigError("--out needs a folder name")
+            extra = []
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
-            cfg = _build_config(args, extra)
+            cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
             used = run_folder_in_use(cfg.trainer.output_dir)
             if used and args.out and not args.overwrite:
                 raise ConfigError(f"--out {args.out} already holds a run ({', '.join(used)}); resume it with "

@@ -411,12 +411,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 
 def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
-                overrides: Optional[list[str]] = None) -> TrainConfig:
+                overrides: Optional[list[str]] = None, values: Optional[dict] = None) -> TrainConfig:
     """Build and validate a TrainConfig: defaults -> named presets -> env preset -> YAML -> overrides.
 
     `preset` may be several comma-separated names applied in order (e.g. "cpu,grpo"); None
     means `default_preset()`. A YAML file may itself name `env` and `preset`; the command
-    line's win. Raises ConfigError (ValueError) naming the bad key or value; FileNotFoundError
+    line's win. `values` maps dotted keys to values taken literally, not parsed as YAML (what
+    --model and --out give: a path may hold '#', ':' or digits only); applied before `overrides`.
+    Raises ConfigError (ValueError) naming the bad key or value; FileNotFoundError
     for a missing file.
     """
     file_dict: dict = {}
@@ -445,6 +447,14 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     apply_dict(cfg, ENV_PRESETS[env_name])
     cfg.preset = ",".join(names)
     apply_dict(cfg, file_dict)
+    for key, value in (values or {}).items():
+        d: dict = {}
+        node = d
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+        apply_dict(cfg, d)
     for d in override_dicts:
         apply_dict(cfg, d)
     if env and cfg.env.name != env:

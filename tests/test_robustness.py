@@ -178,3 +178,19 @@ def test_resume_bad_input(tmp_path, no_model, capsys):
     shutil.rmtree(os.path.join(out2, "checkpoints"))
     assert main(["train", "--resume", out2]) == 2
     assert "no checkpoint found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("out, model", [("runs/exp #1", "./my model #2"), ("2024", "a: b"), ("[x]", "null")])
+def test_out_and_model_are_literal_strings(tmp_path, monkeypatch, out, model):
+    import fastpo.trainer
+
+    monkeypatch.chdir(tmp_path)
+    seen = {}
+    monkeypatch.setattr(fastpo.trainer, "train", lambda cfg, **k: seen.update(cfg=cfg))
+    assert main(["train", "--env", "bandit", "--preset", "cpu", "--out", out, "--model", model]) == 0
+    assert seen["cfg"].trainer.output_dir == out and seen["cfg"].model.name == model
+
+
+def test_empty_out_refused(capsys):
+    assert main(["train", "--env", "bandit", "--out", ""]) == 2
+    assert "--out needs a folder" in capsys.readouterr().err
