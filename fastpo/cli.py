@@ -43,6 +43,22 @@ def _build_config(args, extra: list[str], values: dict | None = None):
     return load_config(env=args.env, preset=args.preset, file=args.config, overrides=ov, values=values)
 
 
+def _check_out_dir(path: str, flag: str = "--out") -> None:
+    """Refuse an output folder that cannot be created or written, before any model loads."""
+    from fastpo.config import ConfigError
+
+    p = os.path.abspath(path)
+    if os.path.exists(p) and not os.path.isdir(p):
+        raise ConfigError(f"{flag} {path}: exists and is not a folder")
+    parent = p
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag} {path}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: {parent} is not writable")
+
+
 def cmd_train(args) -> int:
     from rich.console import Console
 
@@ -91,6 +107,10 @@ def cmd_train(args) -> int:
                 fresh = fresh_run_folder(cfg.trainer.output_dir)
                 console.print(f"[yellow]{cfg.trainer.output_dir} already holds a run; writing this one to {fresh}[/]")
                 cfg.trainer.output_dir = fresh
+        from fastpo.trainer import resolve_device
+
+        resolve_device(cfg.trainer.device)
+        _check_out_dir(cfg.trainer.output_dir)
     except (ConfigError, FileNotFoundError) as e:
         print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
@@ -105,6 +125,9 @@ def cmd_train(args) -> int:
         train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite)
     except KeyboardInterrupt:
         return 130
+    except ConfigError as e:  # bad input found late (the model name or path); not a bug
+        print(f"fastpo train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -124,12 +147,17 @@ def cmd_eval(args) -> int:
         extra.append(f"trainer.eval_temperature={args.temperature}")
     try:
         cfg = _build_config(args, extra)
-    except ConfigError as e:
+        from fastpo.trainer import resolve_device
+
+        resolve_device(cfg.trainer.device)
+        if args.samples is not None:
+            _check_out_dir(args.samples, "--samples")
+        from fastpo.evaluate import run_eval
+
+        res = run_eval(cfg, console=console, samples_dir=args.samples)
+    except (ConfigError, FileNotFoundError) as e:
         print(f"fastpo eval: error: {e}", file=sys.stderr)
         return 2
-    from fastpo.evaluate import run_eval
-
-    res = run_eval(cfg, console=console, samples_dir=args.samples)
     table = Table(title=f"fastpo eval: {cfg.env.name}, {res['model']}")
     table.add_column("metric")
     table.add_column("value")

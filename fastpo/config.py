@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -388,8 +389,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
          f"is larger than the training batch ({cfg.kept_groups} kept env groups x {r.group_size} "
          f"trajectories = {cfg.train_batch_size})")
     need(o.micro_token_budget >= 16, "optim.micro_token_budget", o.micro_token_budget, "must be >= 16 tokens")
-    need(t.seed >= 0, "trainer.seed", t.seed, "must be >= 0")
-    need(t.eval_seed_offset >= 0, "trainer.eval_seed_offset", t.eval_seed_offset, "must be >= 0")
+    need(0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32)")
+    need(0 <= t.eval_seed_offset < 2**32, "trainer.eval_seed_offset", t.eval_seed_offset, "must be in [0, 2**32)")
+    need(t.eval_seed_offset + t.eval_seeds <= 2**32, "trainer.eval_seed_offset", t.eval_seed_offset,
+         f"+ trainer.eval_seeds ({t.eval_seeds}) must be <= 2**32 (env seeds are 32-bit)")
     need(t.iterations >= 1, "trainer.iterations", t.iterations, "must be >= 1")
     need(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
     need(t.eval_seeds >= 1, "trainer.eval_seeds", t.eval_seeds, "must be >= 1")
@@ -402,7 +405,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(t.echo_trap_window >= 1, "trainer.echo_trap_window", t.echo_trap_window, "must be >= 1")
     need(t.kernel_impl in ("auto", "reference", "chunked", "triton"), "trainer.kernel_impl", t.kernel_impl,
          "must be auto, reference, chunked or triton")
-    need(t.device == "auto" or t.device == "cpu" or t.device.startswith("cuda"), "trainer.device", t.device,
+    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device) is not None, "trainer.device", t.device,
          "must be auto, cpu or cuda[:N]")
     m = cfg.model
     need(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0 = full fine-tuning)")
@@ -423,11 +426,15 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     """
     file_dict: dict = {}
     if file:
-        with open(file) as f:
-            try:
+        try:
+            with open(file) as f:
                 file_dict = yaml.safe_load(f) or {}
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{file}: not valid YAML ({e})") from None
+        except FileNotFoundError:
+            raise
+        except OSError as e:  # a folder, no permission, ...
+            raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {file}: not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(file_dict, dict):
             raise ConfigError(f"{file}: the top level must be a mapping")
         file_dict = dict(file_dict)

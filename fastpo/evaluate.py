@@ -68,12 +68,11 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
 
     from fastpo import rollout as ro
     from fastpo.metrics import write_samples
-    from fastpo.models import load_model_and_tokenizer
-    from fastpo.trainer import resolve_device
+    from fastpo.trainer import load_model_checked, resolve_device
 
     t = cfg.trainer
     device = resolve_device(t.device)
-    model, tok, info = load_model_and_tokenizer(cfg.model.name, device=str(device),
+    model, tok, info = load_model_checked(cfg.model.name, device=str(device),
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
     r = cfg.rollout
     rcfg = ro.RolloutConfig(max_turns=r.max_turns, max_actions_per_turn=r.max_actions_per_turn,

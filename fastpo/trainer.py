@@ -39,13 +39,40 @@ from fastpo.packing import pack_micro_batch, plan_micro_batches, uses_varlen
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> cuda when available else cpu. Raises ValueError for cuda on a machine without it."""
+    """"auto" -> cuda when available else cpu.
+
+    Raises ConfigError (a ValueError) for a string torch cannot read, cuda on a machine
+    without it, or a cuda index beyond the devices present.
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(f"trainer.device={name!r} is not a device ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"trainer.device={name!r}: must be auto, cpu or cuda[:N]")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"trainer.device={name!r} but torch.cuda.is_available() is False")
+        raise ConfigError(f"trainer.device={name!r} but torch.cuda.is_available() is False")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"trainer.device={name!r}: only {torch.cuda.device_count()} CUDA device(s)")
     return dev
+
+
+class ModelLoadError(ConfigError):
+    """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
+
+
+def load_model_checked(name: str, **kw):
+    """`fastpo.models.load_model_and_tokenizer(name, **kw)` with its bad-input errors
+    (ValueError, RuntimeError, OSError) raised as ModelLoadError naming `model.name`."""
+    from fastpo import models
+
+    try:
+        return models.load_model_and_tokenizer(name, **kw)
+    except (ValueError, RuntimeError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"model.name={name!r} cannot be loaded: {msg}") from e
 
 
 def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
@@ -104,7 +131,6 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Load the model(s), build the critic, optimizers, engine, rollout and logger; restore a checkpoint."""
-        from fastpo.models import load_model_and_tokenizer
         from fastpo import rollout as ro
 
         cfg, c = self.cfg, self.console
@@ -126,7 +152,7 @@ class Trainer:
         if self.resume and ckpt is None:
             raise FileNotFoundError(f"--resume {self.out}: no checkpoint found under {self.out}/checkpoints")
         t0 = time.perf_counter()
-        model, tok, info = load_model_and_tokenizer(cfg.model.name, device=str(self.device), dtype=dtype)
+        model, tok, info = load_model_checked(cfg.model.name, device=str(self.device), dtype=dtype)
         self.info = info
         if ckpt is not None and cfg.model.lora_rank == 0:
             # (with LoRA the base stays frozen; only the adapter is restored, below)

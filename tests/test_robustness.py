@@ -194,3 +194,58 @@ def test_out_and_model_are_literal_strings(tmp_path, monkeypatch, out, model):
 def test_empty_out_refused(capsys):
     assert main(["train", "--env", "bandit", "--out", ""]) == 2
     assert "--out needs a folder" in capsys.readouterr().err
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe\x00\x81binary")
+    (tmp_path / "broken.yaml").write_text("rollout: {group_size: [\n")
+    (tmp_path / "adir").mkdir()
+    return tmp_path
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval"])
+@pytest.mark.parametrize("name, word", [("list.yaml", "mapping"), ("bin.yaml", "not valid YAML"),
+                                        ("broken.yaml", "not valid YAML"), ("adir", "cannot read"),
+                                        ("missing.yaml", "No such file")])
+def test_bad_config_file_is_one_line_exit_2(bad_files, no_model, capsys, cmd, name, word):
+    assert main([cmd, "--env", "bandit", "--model", "random:tiny", "--config", str(bad_files / name)]) == 2
+    err = capsys.readouterr().err
+    assert word in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval"])
+@pytest.mark.parametrize("model, word", [("/nonexistent/model/folder", "cannot be loaded"),
+                                         ("random:nosuchshape", "cannot be loaded")])
+def test_unknown_model_is_exit_2(tmp_path, capsys, cmd, model, word):
+    extra = ["--out", str(tmp_path / "run")] if cmd == "train" else []
+    assert main([cmd, "--env", "bandit", "--preset", "cpu", "--model", model, *extra]) == 2
+    err = capsys.readouterr().err
+    assert word in err and model in err
+
+
+@pytest.mark.parametrize("cmd", ["train", "eval"])
+@pytest.mark.parametrize("device", ["cuda:x", "gpu", "cpu:0:1", "cuda:99"])
+def test_bad_device_is_exit_2(no_model, capsys, cmd, device):
+    assert main([cmd, "--env", "bandit", "--model", "random:tiny", "--device", device]) == 2
+    assert "trainer.device" in capsys.readouterr().err
+
+
+def test_cuda_without_cuda_is_exit_2(no_model, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["train", "--env", "bandit", "--device", "cuda"]) == 2
+    assert "cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_bad_out_path_and_huge_seed(tmp_path, no_model, capsys):
+    (tmp_path / "afile").write_text("x")
+    assert main(["train", "--env", "bandit", "--out", str(tmp_path / "afile")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["train", "--env", "bandit", "--out", str(tmp_path / "afile" / "sub")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["train", "--env", "bandit", "--seed", str(2**64)]) == 2
+    assert "trainer.seed" in capsys.readouterr().err
