@@ -355,9 +355,19 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if not cond:
             raise ConfigError(f"config key {key!r} = {value!r}: {why}")
 
+    for section in (cfg.model, cfg.env, r, a, o, t):
+        for f in dataclasses.fields(section):
+            v = getattr(section, f.name)
+            vals = v if isinstance(v, list) else [v]
+            if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
+                name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
+                        id(o): "optim", id(t): "trainer"}[id(section)]
+                raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number")
     for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
                 "max_new_tokens", "max_context"):
         need(getattr(r, key) >= 1, f"rollout.{key}", getattr(r, key), "must be >= 1")
+    need(r.max_actions_per_turn <= MAX_ACTIONS_PER_TURN, "rollout.max_actions_per_turn", r.max_actions_per_turn,
+         f"must be <= {MAX_ACTIONS_PER_TURN}")
     need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
          f"must be below rollout.max_context ({r.max_context})")
     need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
@@ -383,6 +393,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0")
     need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
          "optim.betas", o.betas, "must be two numbers in [0, 1)")
+    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
     need(o.ppo_epochs >= 1, "optim.ppo_epochs", o.ppo_epochs, "must be >= 1")
     need(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "must be >= 1")
     need(o.mini_batch_size <= cfg.train_batch_size, "optim.mini_batch_size", o.mini_batch_size,
@@ -399,6 +410,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
     need(t.eval_group_size >= 1, "trainer.eval_group_size", t.eval_group_size, "must be >= 1")
     need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)")
+    need(t.num_samples >= 0, "trainer.num_samples", t.num_samples, "must be >= 0")
     need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
     need(0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in (0, 1)")
     need(0 < t.echo_trap_drop < 1, "trainer.echo_trap_drop", t.echo_trap_drop, "must be in (0, 1)")
@@ -410,7 +422,32 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     m = cfg.model
     need(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0 = full fine-tuning)")
     need(bool(m.name), "model.name", m.name, "must not be empty")
+    need(m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "must be > 0")
+    need(0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout, "must be in [0, 1)")
+    if t.wandb:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None, "trainer.wandb", t.wandb,
+             "wandb is not installed (pip install wandb)")
+    _check_env_options(cfg.env.name, cfg.env.options)
     return cfg
+
+
+#: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
+MAX_ACTIONS_PER_TURN = 64
+
+
+def _check_env_options(name: str, options: dict) -> None:
+    """Dry run: build one instance of env `name` with `options` (no model, no reset; cheap).
+
+    Raises ConfigError naming `env.options` for an unknown key or a bad value.
+    """
+    from fastpo.envs_native import make_env
+
+    try:
+        make_env(name, 1, **options)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
 
 
 def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
@@ -447,6 +484,8 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     cfg = TrainConfig()
     cfg.env.name = env_name
     names = [p.strip() for p in str(preset_names).split(",") if p.strip()]
+    if not names:
+        raise ConfigError(f"preset {preset_names!r} names no preset; choose from {', '.join(PRESETS)}")
     for name in names:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")

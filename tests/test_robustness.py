@@ -249,3 +249,34 @@ def test_bad_out_path_and_huge_seed(tmp_path, no_model, capsys):
     assert "not a folder" in capsys.readouterr().err
     assert main(["train", "--env", "bandit", "--seed", str(2**64)]) == 2
     assert "trainer.seed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.temperature=.inf", "rollout.temperature"), ("algorithm.clip_high=.inf", "algorithm.clip_high"),
+    ("optim.grad_clip=.inf", "optim.grad_clip"), ("rollout.format_penalty=-.inf", "rollout.format_penalty"),
+    ("optim.betas=[0.9, .nan]", "optim.betas"), ("algorithm.dual_clip=.inf", "algorithm.dual_clip"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"), ("trainer.num_samples=-1", "trainer.num_samples"),
+    ("model.lora_alpha=-16", "model.lora_alpha"), ("model.lora_dropout=1.0", "model.lora_dropout"),
+    ("model.lora_dropout=-0.1", "model.lora_dropout"),
+    ("rollout.max_actions_per_turn=1000000", "rollout.max_actions_per_turn"),
+    ("env.options={size: -3}", "env.options"), ("env.options={bogus: 1}", "env.options"),
+    ("env.options={size: abc}", "env.options"),
+])
+def test_values_refused_before_model_load(no_model, capsys, override, key):
+    assert main(["train", "--env", "frozenlake", "--preset", "cpu", override]) == 2
+    assert key in capsys.readouterr().err
+
+
+def test_sokoban_options_checked(no_model, capsys):
+    assert main(["train", "--env", "sokoban", "--preset", "cpu", "env.options={nope: 1}"]) == 2
+    assert "env.options" in capsys.readouterr().err
+
+
+def test_wandb_without_wandb_and_empty_preset(no_model, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        assert main(["train", "--env", "bandit", "trainer.wandb=true"]) == 2
+        assert "pip install wandb" in capsys.readouterr().err
+    assert main(["train", "--env", "bandit", "--preset", ","]) == 2
+    assert "names no preset" in capsys.readouterr().err
