@@ -438,15 +438,19 @@ MAX_ACTIONS_PER_TURN = 64
 
 
 def _check_env_options(name: str, options: dict) -> None:
-    """Dry run: build one instance of env `name` with `options` (no model, no reset; cheap).
+    """Dry run: build one instance of env `name` with `options` (no model; cheap). Sokoban with
+    non-default options also resets it once (under a second), which finds impossible levels
+    such as more boxes than a room holds.
 
     Raises ConfigError naming `env.options` for an unknown key or a bad value.
     """
     from fastpo.envs_native import make_env
 
     try:
-        make_env(name, 1, **options)
-    except (ValueError, TypeError) as e:
+        env = make_env(name, 1, **options)
+        if name == "sokoban" and options:
+            env.reset([0])
+    except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
 
 

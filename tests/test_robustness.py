@@ -270,6 +270,9 @@ def test_values_refused_before_model_load(no_model, capsys, override, key):
 def test_sokoban_options_checked(no_model, capsys):
     assert main(["train", "--env", "sokoban", "--preset", "cpu", "env.options={nope: 1}"]) == 2
     assert "env.options" in capsys.readouterr().err
+    # a room too small for its boxes: found by one reset, before any model loads
+    assert main(["train", "--env", "sokoban", "--preset", "cpu", "env.options={size: 6, num_boxes: 14}"]) == 2
+    assert "env.options" in capsys.readouterr().err
 
 
 def test_wandb_without_wandb_and_empty_preset(no_model, capsys):
