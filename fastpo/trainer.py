@@ -548,7 +548,7 @@ class Trainer:
         if hasattr(signal, "SIGINT") and _in_main_thread():
             old_handler = signal.signal(signal.SIGINT, self._request_stop)
         last_saved = self.start_iteration - 1
-        updated = last_saved
+        updated, consistent = last_saved, True
         it = self.start_iteration - 1
         try:
             if t.eval_before_training and self.start_iteration == 1:
@@ -561,8 +561,9 @@ class Trainer:
                 task = progress.add_task("train", total=total, completed=self.start_iteration - 1, stats="")
                 for it in range(self.start_iteration, total + 1):
                     t_it = time.perf_counter()
+                    consistent = False  # an error inside iteration() may leave a half-applied update
                     m = self.iteration(it)
-                    updated = it  # the weights now hold this iteration's update
+                    updated, consistent = it, True  # the weights now hold this iteration's update
                     if self.stop_after is not None and it >= self.stop_after:
                         self._stop_requested = True
                     if t.eval_every and (it % t.eval_every == 0 or it == total):
@@ -598,7 +599,7 @@ class Trainer:
             raise
         except Exception:
             # An error after an update (eval, logging, plots, disk): keep the trained iterations.
-            if updated > last_saved:
+            if consistent and updated > last_saved:
                 try:
                     self._save(updated)
                     self.console.print(f"[red]error after iteration {updated}[/]: emergency checkpoint saved; "

@@ -119,6 +119,19 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
         Loop(cfg, console=Console(quiet=True)).run()
     assert saved == [2]
 
+    class Mid(Loop):
+        def iteration(self, it):
+            if it == 2:
+                raise RuntimeError("failed half-way through the update")
+            return super().iteration(it)
+
+    # an error inside the update: the weights are half-updated, so no checkpoint is written
+    saved.clear()
+    cfg.trainer.output_dir = str(tmp_path / "run2")
+    with pytest.raises(RuntimeError, match="half-way"):
+        Mid(cfg, console=Console(quiet=True)).run()
+    assert saved == []
+
 
 @pytest.mark.parametrize("override", ["trainer.seed=-1", "trainer.eval_seed_offset=-5"])
 def test_negative_seeds_refused(override, capsys):
