@@ -1,11 +1,17 @@
 """The `fastpo` command line: `fastpo train` and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
-                 [--out DIR] [--resume DIR] [section.key=value ...]
+                 [--out DIR [--overwrite]] [--resume DIR [--iterations N]] [section.key=value ...]
     fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T]
 
 The configuration (defaults, presets, file, dotted overrides) is validated before any model
-loads; a bad key or value exits with status 2 and a message naming it.
+loads; a bad key or value exits with status 2 and a message naming it. Other bad input (an
+unreadable config file, an unknown model, a bad device or output folder) also exits 2 with one
+line; a traceback means a bug.
+
+A new run never destroys an old one: without --out, a folder that already holds a run is
+replaced by the first free `runs/<env>-2`, `-3`, ...; a named --out holding a run is refused
+unless --overwrite. On --resume only --iterations, --device and non-env/model overrides apply.
 """
 from __future__ import annotations
 
