@@ -34,7 +34,7 @@ def _load(name):
 def quick_result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "quick.json"
     proc = subprocess.run([sys.executable, os.path.join(BENCH, "throughput.py"), "--quick", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out) as f:
         return json.load(f), proc
