@@ -233,7 +233,6 @@ class ReferenceTrainer(Trainer):
         from fastpo.kernels.reference import aggregation_weights, policy_loss_terms
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
-        n = len(ids)
         g = torch.Generator().manual_seed(int(np.random.default_rng([cfg.trainer.seed, it, 104729]).integers(2**62)))
         temp = cfg.rollout.temperature
 
@@ -247,12 +246,7 @@ class ReferenceTrainer(Trainer):
         losses, grad_norms = [], []
         self.model.train()
         for _epoch in range(o.ppo_epochs):
-            perm = torch.randperm(n, generator=g).tolist()
-            for start in range(0, n - o.mini_batch_size + 1, o.mini_batch_size):
-                mb = perm[start:start + o.mini_batch_size]
-                n_tok = sum(int(masks[i][1:].sum()) for i in mb)
-                denom = float(max(1, n_tok)) if a.loss_agg == "token-mean" else float(
-                    sum(1 for i in mb if bool(masks[i][1:].any())) or 1)
+            for mb, n_tok, denom in self.epoch_mini_batches(masks, g):  # the trainer's schedule
                 self.actor_opt.zero_grad(set_to_none=True)
                 if self.critic_opt is not None:
                     self.critic_opt.zero_grad(set_to_none=True)

@@ -356,12 +356,24 @@ class Trainer:
         metrics["train/advantage_std"] = float(adv[M].std()) if int(M.sum()) > 1 else 0.0
         return [adv[i, : masks[i].numel()] for i in range(B)], returns, metrics
 
+    def epoch_mini_batches(self, masks: list, generator: torch.Generator):
+        """One PPO epoch's mini-batches: shuffled trajectory indices, the last one smaller when
+        n % mini_batch_size != 0. Yields (indices, scored tokens, loss denominator): the
+        denominator is the scored-token count for token-mean, else the scored-trajectory count."""
+        size = self.cfg.optim.mini_batch_size
+        perm = torch.randperm(len(masks), generator=generator).tolist()
+        for start in range(0, len(masks), size):
+            mb = perm[start:start + size]
+            n_tok = sum(int(masks[i][1:].sum()) for i in mb)
+            denom = float(max(1, n_tok)) if self.cfg.algorithm.loss_agg == "token-mean" else float(
+                sum(1 for i in mb if bool(masks[i][1:].any())) or 1)
+            yield mb, n_tok, denom
+
     def update(self, it: int, ids, masks, old_lp, adv, vals, returns, ref) -> dict:
         """PPO epochs over shuffled mini-batches; returns averaged update metrics."""
         from fastpo.kernels import linear_policy_loss
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
-        n = len(ids)
         g = torch.Generator().manual_seed(int(np.random.default_rng([cfg.trainer.seed, it, 104729]).integers(2**62)))
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -375,12 +387,7 @@ class Trainer:
         train_tokens = 0
         self.model.train()
         for _epoch in range(o.ppo_epochs):
-            perm = torch.randperm(n, generator=g).tolist()
-            for start in range(0, n, o.mini_batch_size):  # a smaller last mini-batch when n % size != 0
-                mb = perm[start:start + o.mini_batch_size]
-                n_tok = sum(int(masks[i][1:].sum()) for i in mb)
-                denom = float(max(1, n_tok)) if a.loss_agg == "token-mean" else float(
-                    sum(1 for i in mb if bool(masks[i][1:].any())) or 1)
+            for mb, n_tok, denom in self.epoch_mini_batches(masks, g):
                 self.actor_opt.zero_grad(set_to_none=True)
                 if self.critic_opt is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
