@@ -86,7 +86,7 @@ def test_report_renders_quick_result(quick_result, tmp_path):
         assert r["name"] in text
     # a README is rewritten between the markers only, and --check then passes; quick runs are not figures
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{report.BEGIN}\nold\n{report.END}\n\nafter\n")
+    readme.write_text(f"# x\n\n{report.BEGIN}\nSTALE-TABLE-TEXT\n{report.END}\n\nafter\n")
     res_dir = tmp_path / "results"
     res_dir.mkdir()
     (res_dir / "quick.json").write_text(json.dumps(result))
@@ -94,7 +94,7 @@ def test_report_renders_quick_result(quick_result, tmp_path):
     (res_dir / "full.json").write_text(json.dumps(full))
     assert report.main(["--readme", str(readme), "--results", str(res_dir)]) == 0
     new = readme.read_text()
-    assert new.startswith("# x\n\n") and new.endswith("\n\nafter\n") and "old" not in new
+    assert new.startswith("# x\n\n") and new.endswith("\n\nafter\n") and "STALE-TABLE-TEXT" not in new
     assert "full.json" in new and "quick.json" not in new
     assert report.main(["--readme", str(readme), "--results", str(res_dir), "--check"]) == 0
 
