@@ -2,7 +2,8 @@
 
 1. Packed vs padded (same model, same trajectories, same fused policy loss, forward + backward
    of one mini-batch with gradient accumulation): fastpo packs trajectories into token-budget
-   micro-batches (one row, restarting position ids, block-diagonal mask); the baseline pads
+   micro-batches (one row, restarting position ids, attention per trajectory through fastpo's
+   segment attention, or a block-diagonal mask on eager models); the baseline pads
    micro-batches of a fixed count of trajectories (the paper's micro-batch 4) to their
    longest member, as the reference implementation does. Trajectory lengths are drawn from a
    spread like a multi-turn rollout's (a shared prompt plus 1-5 turns of varying length).
@@ -32,11 +33,13 @@ def _lengths(n: int, rng: np.random.Generator, prompt: int, per_turn: int, max_t
 def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     from fastpo.kernels import causal_lm_policy_loss, linear_policy_loss
     from fastpo.models import load_model_and_tokenizer
-    from fastpo.packing import pack_micro_batch, pad_micro_batch, plan_micro_batches
+    from fastpo.packing import pack_micro_batch, packing_attention, pad_micro_batch, plan_micro_batches, use_segment_attention
 
     dev = torch.device(ctx.device)
     model, tok, info = load_model_and_tokenizer(ctx.model, device=ctx.device)
     model.train()
+    use_segment_attention(model)  # as the trainer does; padded batches (2D masks) still run plain sdpa
+    attention = packing_attention(model)
     rng = np.random.default_rng(ctx.seed)
     if ctx.device == "cuda":
         n, prompt, per_turn, turns, budget, micro = 32, 300, 500, 5, 16384, 4
@@ -61,14 +64,13 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     def packed():
         model.zero_grad(set_to_none=True)
         for mb in plan_micro_batches(lengths, budget):
-            pb = pack_micro_batch(ids, mb, device=dev,
+            pb = pack_micro_batch(ids, mb, device=dev, attention=attention,
                                   mask_dtype=torch.bfloat16 if ctx.device == "cuda" else torch.float32)
             m = pb.gather(masks, torch.bool)[0]
             m[pb.cu_seqlens[:-1]] = False
             idx = torch.nonzero(m[1:]).flatten()
             with autocast:
-                h = body(input_ids=pb.input_ids, attention_mask=pb.attention_mask, position_ids=pb.position_ids,
-                         use_cache=False).last_hidden_state[0]
+                h = body(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                 tgt = pb.input_ids[0, 1:][idx]
                 z = torch.zeros(idx.numel(), device=dev)
                 out = linear_policy_loss(h[:-1][idx], weight, tgt, z - 1.0, z + 0.5, torch.ones_like(z, dtype=torch.bool),
@@ -98,7 +100,7 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     padded_tokens = sum(max(lengths[i] for i in range(s, min(n, s + micro))) * len(range(s, min(n, s + micro)))
                         for s in range(0, n, micro))
     note = (f"{info.label}; {n} trajectories, {real_tokens} real tokens; padded computes {padded_tokens} "
-            f"(micro-batch {micro}); packed budget {budget} tokens")
+            f"(micro-batch {micro}); packed budget {budget} tokens, {attention} attention")
     return [
         Record("train", "policy fwd+bwd, packed micro-batches", "tokens/s", real_tokens / tp, real_tokens / tb, True,
                fastpo_spread=real_tokens * sp / tp**2, baseline_spread=real_tokens * sb / tb**2,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import os
 import signal
 import time
@@ -35,7 +34,7 @@ from fastpo.config import CPU_PRESET_NOTE, ConfigError, TrainConfig, config_from
 from fastpo.evaluate import evaluate_policy
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
-from fastpo.packing import pack_micro_batch, plan_micro_batches, uses_varlen
+from fastpo.packing import pack_micro_batch, packing_attention, plan_micro_batches, use_segment_attention
 
 
 def resolve_device(name: str) -> torch.device:
@@ -160,6 +159,8 @@ class Trainer:
         self.load_seconds = time.perf_counter() - t0
         c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
                 f"{self.device} (loaded in {self.load_seconds:.1f} s)")
+        # packed rows attend per trajectory (sum of L_i^2, not N^2); generation still runs sdpa
+        use_segment_attention(model)
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.ref_model = None
@@ -255,12 +256,13 @@ class Trainer:
     def _micro_batches(self, ids: list[torch.Tensor], indices: list[int]):
         lengths = [int(ids[i].numel()) for i in indices]
         plan = plan_micro_batches(lengths, self.cfg.optim.micro_token_budget)
-        varlen = uses_varlen(self.model)
+        attention = packing_attention(self.model)
         # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         mdtype = torch.bool if impl == "sdpa" else torch.float32
         for mb in plan:
-            yield pack_micro_batch(ids, [indices[j] for j in mb], mask_dtype=mdtype, device=self.device, varlen=varlen)
+            yield pack_micro_batch(ids, [indices[j] for j in mb], attention=attention, mask_dtype=mdtype,
+                                   device=self.device)
 
     @staticmethod
     def _scored_index(mask_row: torch.Tensor) -> torch.Tensor:
@@ -289,8 +291,7 @@ class Trainer:
             idx = self._scored_index(m)
             tgt = pb.input_ids[0, 1:][idx]
             with self._autocast():
-                h = _body(self.model)(input_ids=pb.input_ids, attention_mask=pb.attention_mask,
-                                      position_ids=pb.position_ids, use_cache=False).last_hidden_state[0]
+                h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                 lp, e = linear_logprob_entropy(h[:-1][idx], _lm_head_weight(self.model), tgt, temp, impl=impl)
                 full_lp = torch.zeros(pb.num_tokens, device=self.device)
                 full_e = torch.zeros(pb.num_tokens, device=self.device)
@@ -299,14 +300,13 @@ class Trainer:
                 full_v = None
                 if self.value_head is not None:
                     hv = h if self.critic_body is None else self.critic_body(
-                        input_ids=pb.input_ids, attention_mask=pb.attention_mask, position_ids=pb.position_ids,
+                        **pb.model_inputs(),
                         use_cache=False).last_hidden_state[0]
                     full_v = torch.zeros(pb.num_tokens, device=self.device)
                     full_v[idx + 1] = self.value_head(hv[:-1][idx])
                 full_r = None
                 if self.ref_model is not None:
-                    hr = _body(self.ref_model)(input_ids=pb.input_ids, attention_mask=pb.attention_mask,
-                                               position_ids=pb.position_ids, use_cache=False).last_hidden_state[0]
+                    hr = _body(self.ref_model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                     rlp, _ = linear_logprob_entropy(hr[:-1][idx], _lm_head_weight(self.ref_model), tgt, temp,
                                                     impl=impl)
                     full_r = torch.zeros(pb.num_tokens, device=self.device)
@@ -406,8 +406,7 @@ class Trainer:
                     sid = pb.seq_ids[sel]
                     train_tokens += pb.num_tokens
                     with self._autocast():
-                        h = _body(self.model)(input_ids=pb.input_ids, attention_mask=pb.attention_mask,
-                                              position_ids=pb.position_ids, use_cache=False).last_hidden_state[0]
+                        h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                         out = linear_policy_loss(
                             h[:-1][idx], _lm_head_weight(self.model), tgt, old, A,
                             torch.ones_like(old, dtype=torch.bool), rl,
@@ -419,8 +418,7 @@ class Trainer:
                         vloss = None
                         if self.value_head is not None:
                             hv = h if self.critic_body is None else self.critic_body(
-                                input_ids=pb.input_ids, attention_mask=pb.attention_mask,
-                                position_ids=pb.position_ids, use_cache=False).last_hidden_state[0]
+                                **pb.model_inputs(), use_cache=False).last_hidden_state[0]
                             v = self.value_head(hv[:-1][idx])
                             ov = pb.gather(vals, torch.float32)[0][sel]
                             R = pb.gather(returns, torch.float32)[0][sel]

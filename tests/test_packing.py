@@ -3,7 +3,8 @@ import pytest
 import torch
 import transformers
 
-from fastpo.packing import block_causal_mask, pack_micro_batch, pad_micro_batch, plan_micro_batches
+from fastpo.packing import (SEGMENT_ATTENTION, block_causal_mask, pack_micro_batch, packing_attention, pad_micro_batch,
+                            plan_micro_batches, use_segment_attention)
 
 
 def test_plan_respects_budget_and_covers_all():
@@ -38,7 +39,13 @@ def _tiny(kind, attn):
         cfg = transformers.Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
         model = transformers.Qwen2ForCausalLM(cfg)
-    model.config._attn_implementation = attn
+    if attn == "segments":
+        model.config._attn_implementation = "sdpa"
+        assert use_segment_attention(model)
+        assert model.config._attn_implementation == SEGMENT_ATTENTION and packing_attention(model) == "segments"
+    else:
+        model.config._attn_implementation = attn
+        assert packing_attention(model) == "mask"
     return model.eval()
 
 
@@ -48,7 +55,7 @@ def _token_logprobs(logits, ids):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "segments"])
 def test_packed_logprobs_equal_one_at_a_time(kind, attn):
     model = _tiny(kind, attn)
     g = torch.Generator().manual_seed(1)
@@ -59,10 +66,11 @@ def test_packed_logprobs_equal_one_at_a_time(kind, attn):
         alone = [_token_logprobs(model(s[None]).logits, s[None])[0] for s in seqs]
         seen = set()
         for mb in plan:
-            pb = pack_micro_batch(seqs, mb, mask_dtype=torch.bool if attn == "sdpa" else torch.float32)
+            pb = pack_micro_batch(seqs, mb, attention=packing_attention(model),
+                                  mask_dtype=torch.bool if attn == "sdpa" else torch.float32)
             assert pb.num_tokens == sum(len(seqs[i]) for i in mb)  # no padding tokens
-            logits = model(input_ids=pb.input_ids, position_ids=pb.position_ids,
-                           attention_mask=pb.attention_mask).logits
+            assert (pb.attention_mask is None) == (attn == "segments")
+            logits = model(**pb.model_inputs()).logits
             lp_all = torch.log_softmax(logits.float(), -1)[0]
             for j, (i, piece) in enumerate(zip(pb.indices, pb.split(lp_all))):
                 ids = seqs[i]
@@ -88,3 +96,33 @@ def test_gather_split_and_padding_baseline():
     assert [t.tolist() for t in pb.split(pb.input_ids)] == [[1, 2, 3], [6]]
     ids, att = pad_micro_batch(seqs, [0, 1], pad_id=0)
     assert ids.tolist() == [[1, 2, 3], [4, 5, 0]] and att.tolist() == [[1, 1, 1], [1, 1, 0]]
+
+
+def test_segment_attention_gradients_and_unpacked_use():
+    """Segment attention: packed gradients equal the sum of one-at-a-time gradients, and
+    padded batched forwards (generation's case) are plain sdpa's."""
+    seqs = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (9, 5, 12)]
+    ref = _tiny("qwen2", "sdpa")
+    seg = _tiny("qwen2", "segments")
+    seg.load_state_dict(ref.state_dict())
+
+    def nll(model, **inputs):
+        logits = model(**inputs).logits[0, :-1]
+        return torch.nn.functional.cross_entropy(logits, inputs["input_ids"][0, 1:], reduction="sum")
+
+    for s in seqs:
+        nll(ref, input_ids=s[None]).backward()
+    pb = pack_micro_batch(seqs, [0, 1, 2], attention="segments")
+    logits = seg(**pb.model_inputs()).logits[0]
+    loss = sum(torch.nn.functional.cross_entropy(piece[:-1], seqs[i][1:], reduction="sum")
+               for i, piece in zip(pb.indices, pb.split(logits)))
+    loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), seg.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)
+    # right-padded batch with a 2D mask, as the rollout engine and the padded baseline use
+    ids, att = pad_micro_batch(seqs, [0, 1, 2])
+    with torch.no_grad():
+        torch.testing.assert_close(seg(input_ids=ids, attention_mask=att).logits,
+                                   ref(input_ids=ids, attention_mask=att).logits)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        pack_micro_batch(seqs, [0], attention="dense")
