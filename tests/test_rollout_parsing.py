@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastpo.rollout import RolloutConfig, SamplingParams, parse_response, sample_tokens
-from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
+from fastpo.rollout.prompts import ChatFormat, answer_example, first_user_message, next_user_message
 from fastpo.rollout.sampling import filter_logits
 
 
@@ -138,3 +138,15 @@ def test_first_message_example_uses_the_games_own_action_names():
     assert "<answer> Phoenix </answer>" in msg and "Up" not in msg
     msg = first_user_message("Rules.", "S", 10, 5, True, 32, action_names=["Left", "Down", "Right", "Up"])
     assert "<answer> Left || Down </answer>" in msg
+
+
+def test_first_message_example_one_action_per_turn_shows_each_choice_last():
+    # One action per turn (Bandit): each arm as its own answer, none favoured, no '||' rule;
+    # the example is the message's last words, right before the response.
+    msg = first_user_message("Rules.", "S", 1, 1, False, 12, action_names=["Phoenix", "Dragon"])
+    assert msg.endswith("For example: <answer> Phoenix </answer> or <answer> Dragon </answer>")
+    assert "||" not in msg and "one action per turn" in msg
+    assert msg.index("State:\nS") < msg.index("Always output: <answer> [your answer] </answer>") < msg.index("For example")
+    msg = first_user_message("Rules.", "S", 10, 5, True, 32, action_names=["Left", "Down", "Right", "Up"])
+    assert msg.endswith("For example: <answer> Left || Down </answer>") and "separated by ' || '" in msg
+    assert answer_example(["Up"], 1) == "<answer> Up </answer>"

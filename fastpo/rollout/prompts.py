@@ -33,21 +33,41 @@ def format_reminder(think: bool, max_new_tokens: int | None = None) -> str:
     return text
 
 
+def answer_example(action_names: Sequence[str], max_actions_per_turn: int) -> str:
+    """The answer example of the first user message, built from the game's own action names.
+
+    One action per turn: each of the first two actions as its own answer (RAGEN's Bandit
+    prompt: "output like <answer> A </answer> or <answer> B </answer>"), so the example
+    favours no action. Several: one answer with two actions joined by " || ".
+    """
+    names = [str(n) for n in action_names] or ["Up"]
+    if max_actions_per_turn <= 1:
+        return " or ".join(f"<answer> {n} </answer>" for n in names[:2])
+    return f"<answer> {' || '.join(names[:2])} </answer>"
+
+
 def first_user_message(instructions: str, state: str, actions_left: int, max_actions_per_turn: int,
                        think: bool, max_new_tokens: int | None = None,
                        action_names: Sequence[str] = ("Up", "Left")) -> str:
-    """Turn 1's user message: the game's rules, the action limits, the state and the format.
+    """Turn 1's user message: the game's rules, the action limits, the state, the format and
+    an answer example.
 
     action_names: the instance's valid actions; the answer example is built from them (an
     example naming actions the game lacks, e.g. "Up" in Bandit, is copied by small models).
+    The example comes last, right before the response. With it before the state (and the
+    Bandit example naming one arm, under a "separated by ' || '" rule), SmolLM2-135M-Instruct
+    answering Bandit in answer-only mode gave a well-formed answer in 2% of 128 samples at
+    temperature 1.0 (4% at 0.7); with this message, 20% (61% at 0.7), same seeds.
     """
-    example = " || ".join(list(action_names)[:max(1, min(2, max_actions_per_turn))])
+    if max_actions_per_turn > 1:
+        limit = f"You can take up to {max_actions_per_turn} action(s) per turn, separated by ' || '.\n"
+    else:
+        limit = "You take one action per turn.\n"
     return (
-        f"{instructions.rstrip()}\n"
-        f"You can take up to {max_actions_per_turn} action(s) per turn, separated by ' || ', "
-        f"e.g. <answer> {example} </answer>.\n\n"
+        f"{instructions.rstrip()}\n{limit}\n"
         f"Turn 1:\nState:\n{state}\n"
-        f"You have {actions_left} actions left. {format_reminder(think, max_new_tokens)}"
+        f"You have {actions_left} actions left. {format_reminder(think, max_new_tokens)} "
+        f"For example: {answer_example(action_names, max_actions_per_turn)}"
     )
 
 
