@@ -111,7 +111,11 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and update schedule. `mini_batch_size` counts trajectories; `micro_token_budget` tokens."""
+    """Optimizer and update schedule. `mini_batch_size` counts trajectories; `micro_token_budget` tokens.
+
+    `share_prefix`: pack an env group's members after one copy of their common prompt
+    (fastpo.packing.shared_prefixes); the same log-probs and gradients, less compute.
+    """
 
     actor_lr: float = 1e-6
     critic_lr: float = 1e-5
@@ -121,6 +125,8 @@ class OptimConfig:
     ppo_epochs: int = 1
     mini_batch_size: int = 32
     micro_token_budget: int = 8192
+    # compute an env group's shared prompt once per micro-batch (needs fastpo's segment attention)
+    share_prefix: bool = True
 
 
 @dataclass

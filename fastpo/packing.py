@@ -7,10 +7,14 @@ Three ways to get that attention (`packing_attention(model)` picks one):
 - "segments" (the default for models fastpo trains with sdpa, CPU or GPU without
   flash-attn): fastpo registers an attention function with transformers' AttentionInterface
   (`SEGMENT_ATTENTION`) that runs causal sdpa on each trajectory's slice of the row, using
-  the `cu_seq_lens_q` offsets passed through the model's forward. Cost is sum(L_i^2), not
+  the segment table (`fastpo_segments`) passed through the model's forward. Cost is sum(L_i^2), not
   N^2: a dense N x N mask over a 2048-token row of three 680-token trajectories computes
   three times the attention, and sdpa cannot use its causal fast path with a mask.
-  Without `cu_seq_lens_q` (rollout generation, padded batches) it is plain sdpa.
+  Without a segment table (rollout generation, padded batches) it is plain sdpa.
+  Segments also allow prefix sharing: the trajectories of an env group start with the
+  same prompt, which a row can hold once, each member attending to it (`shared_prefixes`).
+  The prompt's forward and backward then run once per group and micro-batch, not once per
+  trajectory; gradients through the shared prefix sum over the members, as they would.
 - "varlen" (`attn_implementation="flash_attention_2"`): no mask; transformers derives the
   variable-length boundaries from the restarting position ids.
 - "mask" (any other implementation, e.g. eager): a block-diagonal causal 4D mask
@@ -28,33 +32,102 @@ from typing import Optional, Sequence
 import torch
 
 
-def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group trajectory indices into micro-batches of at most `token_budget` tokens.
+def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Which trajectories share their untrained leading tokens (an env group's prompt).
+
+    A trajectory's prefix is its tokens before its first trained token (loss mask 1), cut so
+    that at least one token of its own remains. Trajectories with identical prefixes form a
+    prefix group (all trajectories of an env group share the prompt). Packed with "segments"
+    attention, a group's prefix is computed once per micro-batch and every member attends to
+    it (`pack_micro_batch`): the prompt's forward and backward are not repeated per member.
+
+    Args: input_ids, loss_masks: per-trajectory 1-D tensors [T_i] (int64, bool).
+    Returns (prefix_lengths, prefix_groups): per trajectory, the prefix length in tokens and
+    a group number (equal numbers = identical prefixes; a trajectory alone in its group
+    shares nothing). Raises ValueError when the lists differ in length or a mask's length
+    differs from its ids'.
+    """
+    if len(input_ids) != len(loss_masks):
+        raise ValueError(f"{len(input_ids)} trajectories but {len(loss_masks)} loss masks")
+    lengths, keys = [], {}
+    groups = []
+    for i, (x, m) in enumerate(zip(input_ids, loss_masks)):
+        x, m = torch.as_tensor(x), torch.as_tensor(m)
+        if m.shape != x.shape:
+            raise ValueError(f"trajectory {i}: loss mask of shape {tuple(m.shape)} for ids of shape {tuple(x.shape)}")
+        trained = torch.nonzero(m, as_tuple=False)
+        p = int(trained[0]) if trained.numel() else int(x.numel())
+        p = max(0, min(p, int(x.numel()) - 1))
+        lengths.append(p)
+        groups.append(keys.setdefault((p, x[:p].cpu().numpy().tobytes()), len(keys)))
+    return lengths, groups
+
+
+def _units(indices: Sequence[int], prefix_lengths, prefix_groups) -> list[list[int]]:
+    """Split `indices` into units that share a prefix (order of first appearance)."""
+    if prefix_lengths is None:
+        return [[i] for i in indices]
+    units: dict = {}
+    for i in indices:
+        key = ("g", prefix_groups[i]) if prefix_lengths[i] > 0 else ("t", i)
+        units.setdefault(key, []).append(i)
+    return list(units.values())
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, prefix_lengths: Optional[Sequence[int]] = None,
+                       prefix_groups: Optional[Sequence[int]] = None) -> list[list[int]]:
+    """Group trajectory indices into micro-batches of at most `token_budget` computed tokens.
 
     First-fit decreasing bin packing (fewest micro-batches in practice); a trajectory longer
-    than the budget gets a micro-batch of its own. Indices inside a micro-batch are sorted,
-    and micro-batches are ordered by their first index, so the plan is deterministic.
+    than the budget gets a micro-batch of its own. With `prefix_lengths` / `prefix_groups`
+    (from `shared_prefixes`), members of a prefix group are kept together where the budget
+    allows, and a micro-batch holding k members of a group counts its prefix once
+    (p + sum(L_i - p) tokens). Indices inside a micro-batch are sorted, and micro-batches are
+    ordered by their first index, so the plan is deterministic.
 
     Args: lengths: tokens per trajectory (ints >= 1); token_budget: tokens per micro-batch.
-    Returns a list of lists of indices into `lengths`. Raises ValueError on a budget < 1 or
-    a length < 1.
+    Returns a list of lists of indices into `lengths`. Raises ValueError on a budget < 1,
+    a length < 1, or prefix lists of the wrong length.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     for i, n in enumerate(lengths):
         if n < 1:
             raise ValueError(f"trajectory {i} has length {n}; every trajectory needs >= 1 token")
+    if (prefix_lengths is None) != (prefix_groups is None):
+        raise ValueError("pass both prefix_lengths and prefix_groups, or neither")
+    if prefix_lengths is not None and not (len(prefix_lengths) == len(prefix_groups) == len(lengths)):
+        raise ValueError(f"prefix_lengths / prefix_groups need one entry per trajectory ({len(lengths)})")
+    # units: a trajectory alone, or members of one prefix group chunked to fit the budget
+    units: list[tuple[int, list[int]]] = []
+    for members in _units(range(len(lengths)), prefix_lengths, prefix_groups):
+        if len(members) == 1:
+            units.append((lengths[members[0]], members))
+            continue
+        p = prefix_lengths[members[0]]
+        chunks: list[list[int]] = []
+        cost: list[int] = []
+        for i in sorted(members, key=lambda j: (-lengths[j], j)):
+            own = lengths[i] - p
+            for c in range(len(chunks)):
+                if cost[c] + own <= token_budget:
+                    chunks[c].append(i)
+                    cost[c] += own
+                    break
+            else:
+                chunks.append([i])
+                cost.append(lengths[i])
+        units.extend(zip(cost, chunks))
     bins: list[list[int]] = []
     free: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        n = lengths[i]
+    for n, members in sorted(units, key=lambda u: (-u[0], min(u[1]))):
         for b in range(len(bins)):
             if free[b] >= n:
-                bins[b].append(i)
+                bins[b].extend(members)
                 free[b] -= n
                 break
         else:
-            bins.append([i])
+            bins.append(list(members))
             free.append(token_budget - n)
     return sorted((sorted(b) for b in bins), key=lambda b: b[0])
 
@@ -83,33 +156,125 @@ def block_causal_mask(lengths: Sequence[int], dtype: torch.dtype = torch.float32
 
 
 @dataclasses.dataclass
+class PackedMember:
+    """Where one trajectory's tokens sit in a packed row.
+
+    index: the trajectory's index in the full batch; length: its tokens; prefix: how many of
+    its leading tokens are stored once for its prefix group, at row offset `prefix_start`
+    (0: none shared); start: row offset of its own tokens [prefix, length).
+    """
+
+    index: int
+    length: int
+    prefix: int
+    prefix_start: int
+    start: int
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """Row offsets [M] of token positions [M] (int64) of this trajectory."""
+        return torch.where(positions < self.prefix, self.prefix_start + positions, self.start + positions - self.prefix)
+
+
+@dataclasses.dataclass
+class ScoredTokens:
+    """The trained tokens of a packed micro-batch, in member order, M in all.
+
+    hidden [M] int64: row offset of the hidden state that predicts each token (its position
+    minus one, which may lie in a shared prefix); targets [M] int64: the token ids;
+    seq [M] int64: the member number 0..k-1 (for per-sequence loss aggregation), all on the
+    batch's device. positions: per member, the token positions [M_j] (CPU int64).
+    indices: per member, the trajectory's index in the full batch.
+    """
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    seq: torch.Tensor
+    positions: list
+    indices: list
+
+    @property
+    def count(self) -> int:
+        return int(self.hidden.numel())
+
+    def take(self, per_traj: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """per_traj[i][t] for every scored token -> [M] of `dtype` on the batch's device."""
+        if self.count == 0:
+            return torch.zeros(0, dtype=dtype, device=self.hidden.device)
+        parts = [torch.as_tensor(per_traj[i])[pos] for i, pos in zip(self.indices, self.positions)]
+        return torch.cat(parts).to(device=self.hidden.device, dtype=dtype)
+
+    def scatter(self, values: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
+        """Write values [M] into out[i][t] (per-trajectory tensors, typically CPU fp32) in place."""
+        if values.shape[0] != self.count:
+            raise ValueError(f"{values.shape[0]} values for {self.count} scored tokens")
+        values = values.detach().to("cpu")
+        off = 0
+        for i, pos in zip(self.indices, self.positions):
+            out[i][pos] = values[off:off + pos.numel()].to(out[i].dtype)
+            off += pos.numel()
+
+
+@dataclasses.dataclass
 class PackedBatch:
     """One packed micro-batch.
 
-    input_ids [1, N] int64; position_ids [1, N] int64 (restart per trajectory);
+    input_ids [1, N] int64; position_ids [1, N] int64 (each trajectory's true positions);
     attention_mask [1, 1, N, N] block-causal mask ("mask" attention), else None;
-    seq_ids [N] int64: 0..k-1, which trajectory of the micro-batch a token belongs to;
-    cu_seqlens [k + 1] int64 offsets (on the batch's device); indices: the trajectories'
-    indices in the full batch; attention: "mask", "segments" or "varlen" (module docstring).
+    members: one `PackedMember` per trajectory; segments: (start, end, prefix_start,
+    prefix_end) row ranges for "segments" attention (each attends causally to itself and
+    fully to its prefix range, empty when prefix_start == prefix_end); attention: "mask",
+    "segments" or "varlen" (module docstring).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: Optional[torch.Tensor]
-    seq_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    indices: list[int]
+    members: list
+    segments: tuple
     attention: str = "mask"
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed (the row's length)."""
         return int(self.input_ids.shape[1])
+
+    @property
+    def trajectory_tokens(self) -> int:
+        """Tokens of the packed trajectories (a shared prefix counted once per member)."""
+        return sum(m.length for m in self.members)
+
+    @property
+    def indices(self) -> list:
+        return [m.index for m in self.members]
+
+    @property
+    def shares_prefix(self) -> bool:
+        return any(m.prefix > 0 for m in self.members)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[k + 1] int64 row offsets of the trajectories (only when no prefix is shared)."""
+        self._no_sharing("cu_seqlens")
+        out = torch.zeros(len(self.members) + 1, dtype=torch.long)
+        out[1:] = torch.cumsum(torch.tensor([m.length for m in self.members]), 0)
+        return out.to(self.input_ids.device)
+
+    @property
+    def seq_ids(self) -> torch.Tensor:
+        """[N] int64: the member number of each row token (only when no prefix is shared)."""
+        self._no_sharing("seq_ids")
+        lengths = torch.tensor([m.length for m in self.members])
+        return torch.repeat_interleave(torch.arange(len(self.members)), lengths).to(self.input_ids.device)
+
+    def _no_sharing(self, what: str) -> None:
+        if self.shares_prefix:
+            raise ValueError(f"{what} is undefined for a row with shared prefixes; use scored() / members")
 
     def model_inputs(self) -> dict:
         """Keyword arguments for the model's (or its decoder body's) forward on this row.
 
-        "segments" passes `cu_seq_lens_q`/`cu_seq_lens_k` (a CPU int64 tensor, read once per
-        layer without a device sync) for `SEGMENT_ATTENTION`, and an all-ones 2D mask so that
+        "segments" passes the segment table as `fastpo_segments` (Python ints: no device
+        sync per layer) for `SEGMENT_ATTENTION`, and an all-ones 2D mask so that
         transformers neither detects the packing from the position ids nor builds an N x N
         mask (sdpa's mask function skips an all-ones mask).
         """
@@ -117,14 +282,31 @@ class PackedBatch:
         if self.attention == "mask":
             out["attention_mask"] = self.attention_mask
         elif self.attention == "segments":
-            cu = self.cu_seqlens.cpu()
-            longest = int((cu[1:] - cu[:-1]).max())
-            out.update(attention_mask=torch.ones_like(self.input_ids), cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                       max_length_q=longest, max_length_k=longest)
+            out.update(attention_mask=torch.ones_like(self.input_ids), fastpo_segments=self.segments)
         return out
 
+    def scored(self, loss_masks: Sequence[torch.Tensor]) -> ScoredTokens:
+        """The trained tokens: positions t >= 1 where loss_masks[i][t] is set, for every member."""
+        dev = self.input_ids.device
+        hidden, targets, seq, positions = [], [], [], []
+        for j, m in enumerate(self.members):
+            mask = torch.as_tensor(loss_masks[m.index]).bool().cpu()
+            if mask.numel() != m.length:
+                raise ValueError(f"trajectory {m.index}: loss mask of {mask.numel()} entries for {m.length} tokens")
+            pos = torch.nonzero(mask[1:], as_tuple=False).flatten() + 1
+            if pos.numel() and int(pos[0]) < m.prefix:
+                raise ValueError(f"trajectory {m.index} has a trained token at {int(pos[0])}, inside its shared "
+                                 f"prefix of {m.prefix} tokens")
+            positions.append(pos)
+            hidden.append(m.rows(pos - 1))
+            targets.append(self.input_ids[0, m.rows(pos).to(dev)])
+            seq.append(torch.full((pos.numel(),), j, dtype=torch.long))
+        return ScoredTokens(torch.cat(hidden).to(dev), torch.cat(targets), torch.cat(seq).to(dev), positions,
+                            self.indices)
+
     def gather(self, per_traj: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Concatenate per-trajectory 1-D tensors (the full batch's list) for this micro-batch -> [1, N]."""
+        """Concatenate per-trajectory 1-D tensors for this micro-batch -> [1, N] (no shared prefixes)."""
+        self._no_sharing("gather")
         parts = [torch.as_tensor(per_traj[i]) for i in self.indices]
         out = torch.cat(parts).to(self.input_ids.device)
         if dtype is not None:
@@ -134,40 +316,64 @@ class PackedBatch:
         return out[None]
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Split a [1, N, ...] or [N, ...] tensor into per-trajectory pieces along N (order of `indices`)."""
+        """Split a [1, N, ...] or [N, ...] tensor into per-trajectory pieces (no shared prefixes)."""
+        self._no_sharing("split")
         n = self.num_tokens
         flat = x[0] if (x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == n) else x
         if flat.shape[0] != n:
             raise ValueError(f"tensor of shape {tuple(x.shape)} does not hold this micro-batch's {n} tokens")
         bounds = self.cu_seqlens.tolist()
-        return [flat[bounds[j]:bounds[j + 1]] for j in range(len(self.indices))]
+        return [flat[bounds[j]:bounds[j + 1]] for j in range(len(self.members))]
 
 
 ATTENTION_MODES = ("mask", "segments", "varlen")
 
 
 def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], *, attention: str = "mask",
-                     mask_dtype: torch.dtype = torch.float32,
-                     device: Optional[torch.device | str] = None) -> PackedBatch:
+                     mask_dtype: torch.dtype = torch.float32, device: Optional[torch.device | str] = None,
+                     prefix_lengths: Optional[Sequence[int]] = None,
+                     prefix_groups: Optional[Sequence[int]] = None) -> PackedBatch:
     """Pack the trajectories `indices` of `input_ids` (a list of 1-D int64 tensors) into one row.
 
     attention: "mask" builds the N x N block-causal mask (of `mask_dtype`); "segments" and
     "varlen" build none (see the module docstring; `packing_attention(model)` picks).
-    Raises ValueError for an empty selection or an unknown `attention`.
+    prefix_lengths / prefix_groups (from `shared_prefixes`, indexed like `input_ids`), with
+    "segments" only: members of one prefix group in this micro-batch store their prefix
+    once, [prefix | own tokens of member 1 | own tokens of member 2 | ...]; each member
+    keeps its true position ids and attends to the prefix and then causally to itself.
+    Raises ValueError for an empty selection, an unknown `attention`, or members of one
+    prefix group whose prefixes differ.
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if len(indices) == 0:
         raise ValueError("a micro-batch needs at least one trajectory")
-    seqs = [torch.as_tensor(input_ids[i], dtype=torch.long) for i in indices]
-    lengths = [int(s.numel()) for s in seqs]
-    ids = torch.cat(seqs).to(device)[None]
-    pos = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
-    seq_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    mask = block_causal_mask(lengths, mask_dtype, device) if attention == "mask" else None
-    return PackedBatch(ids, pos, mask, seq_ids, cu.to(device), list(indices), attention)
+    share = attention == "segments" and prefix_lengths is not None
+    ids_parts, pos_parts, members, segments = [], [], [], []
+    row = 0
+    for unit in _units(indices, prefix_lengths if share else None, prefix_groups):
+        seqs = [torch.as_tensor(input_ids[i], dtype=torch.long).cpu() for i in unit]
+        p = int(prefix_lengths[unit[0]]) if (share and len(unit) > 1) else 0
+        if p:
+            for i, x in zip(unit[1:], seqs[1:]):
+                if x.numel() <= p or not torch.equal(x[:p], seqs[0][:p]):
+                    raise ValueError(f"trajectory {i} does not share the {p}-token prefix of trajectory {unit[0]}")
+            ids_parts.append(seqs[0][:p])
+            pos_parts.append(torch.arange(p))
+            segments.append((row, row + p, row, row))
+        prefix_start = row
+        row += p
+        for i, x in zip(unit, seqs):
+            n = int(x.numel())
+            ids_parts.append(x[p:])
+            pos_parts.append(torch.arange(p, n))
+            members.append(PackedMember(int(i), n, p, prefix_start, row))
+            segments.append((row, row + n - p, prefix_start, prefix_start + p))
+            row += n - p
+    ids = torch.cat(ids_parts).to(device)[None]
+    pos = torch.cat(pos_parts).to(device)[None]
+    mask = block_causal_mask([m.length for m in members], mask_dtype, device) if attention == "mask" else None
+    return PackedBatch(ids, pos, mask, members, tuple(segments), attention)
 
 
 def pad_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], pad_id: int = 0,
@@ -187,27 +393,37 @@ def pad_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], p
 SEGMENT_ATTENTION = "fastpo_segments"
 
 
-def _segment_attention(module, query, key, value, attention_mask, *, cu_seq_lens_q=None, **kwargs):
-    """transformers attention function: causal sdpa per packed segment, plain sdpa otherwise.
+def _segment_attention(module, query, key, value, attention_mask, *, fastpo_segments=None, **kwargs):
+    """transformers attention function: sdpa per packed segment, plain sdpa otherwise.
 
-    query [1, heads, N, D], key/value [1, kv_heads, N, D]; `cu_seq_lens_q` [k + 1] int64
-    offsets of the k segments. Returns ([1, N, heads, D], None), as transformers expects.
+    query [1, heads, N, D], key/value [1, kv_heads, N, D]; `fastpo_segments`: (start, end,
+    prefix_start, prefix_end) row ranges covering [0, N) in order. A segment attends
+    causally to itself (sdpa's causal fast path) and, when it has one, fully to its prefix
+    range (then through a [S, P + S] mask). Returns ([1, N, heads, D], None).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal"):
-        kwargs.pop(name, None)
-    if cu_seq_lens_q is None:
+    kwargs.pop("is_causal", None)
+    if fastpo_segments is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+    n = query.shape[2]
+    if query.shape[0] != 1 or key.shape[2] != n:
         raise ValueError(f"segment attention takes one packed row without a KV cache, got query "
                          f"{tuple(query.shape)} and key {tuple(key.shape)}")
-    bounds = cu_seq_lens_q.tolist()
-    if bounds[0] != 0 or bounds[-1] != query.shape[2]:
-        raise ValueError(f"cu_seq_lens_q {bounds} does not span the row's {query.shape[2]} tokens")
-    outs = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                   is_causal=True, **kwargs)[0]
-            for a, b in zip(bounds[:-1], bounds[1:])]
+    if fastpo_segments[0][0] != 0 or fastpo_segments[-1][1] != n:
+        raise ValueError(f"fastpo_segments {fastpo_segments[:2]}... do not span the row's {n} tokens")
+    outs = []
+    for a, b, pa, pb in fastpo_segments:
+        q = query[:, :, a:b]
+        if pa == pb:
+            o = sdpa_attention_forward(module, q, key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kwargs)[0]
+        else:
+            k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)
+            v = torch.cat([value[:, :, pa:pb], value[:, :, a:b]], dim=2)
+            # own token i sees the whole prefix and own tokens <= i
+            allowed = torch.ones(b - a, pb - pa + b - a, dtype=torch.bool, device=q.device).tril(pb - pa)
+            o = sdpa_attention_forward(module, q, k, v, allowed[None, None], is_causal=False, **kwargs)[0]
+        outs.append(o)
     return torch.cat(outs, dim=1), None
 
 

@@ -34,7 +34,8 @@ from fastpo.config import CPU_PRESET_NOTE, ConfigError, TrainConfig, config_from
 from fastpo.evaluate import evaluate_policy
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
-from fastpo.packing import pack_micro_batch, packing_attention, plan_micro_batches, use_segment_attention
+from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
+                            use_segment_attention)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -253,21 +254,24 @@ class Trainer:
         with torch.no_grad(), self._autocast():
             return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
 
-    def _micro_batches(self, ids: list[torch.Tensor], indices: list[int]):
-        lengths = [int(ids[i].numel()) for i in indices]
-        plan = plan_micro_batches(lengths, self.cfg.optim.micro_token_budget)
+    def _micro_batches(self, ids: list[torch.Tensor], indices: list[int], masks: list[torch.Tensor]):
+        """Packed micro-batches of the trajectories `indices`; an env group's shared prompt is
+        computed once per micro-batch where the attention allows it (optim.share_prefix)."""
         attention = packing_attention(self.model)
+        prefix = groups = None
+        if attention == "segments" and self.cfg.optim.share_prefix:
+            pl, pg = shared_prefixes([ids[i] for i in indices], [masks[i] for i in indices])
+            prefix, groups = dict(zip(indices, pl)), dict(zip(indices, pg))
+        lengths = [int(ids[i].numel()) for i in indices]
+        plan = plan_micro_batches(lengths, self.cfg.optim.micro_token_budget,
+                                  None if prefix is None else [prefix[i] for i in indices],
+                                  None if groups is None else [groups[i] for i in indices])
         # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         mdtype = torch.bool if impl == "sdpa" else torch.float32
         for mb in plan:
             yield pack_micro_batch(ids, [indices[j] for j in mb], attention=attention, mask_dtype=mdtype,
-                                   device=self.device)
-
-    @staticmethod
-    def _scored_index(mask_row: torch.Tensor) -> torch.Tensor:
-        """Positions t-1 (hidden state) of scored tokens t (loss mask True) in a packed [N] row."""
-        return torch.nonzero(mask_row[1:], as_tuple=False).flatten()
+                                   device=self.device, prefix_lengths=prefix, prefix_groups=groups)
 
     @torch.no_grad()
     def compute_old(self, ids, masks) -> tuple[list, list, list, list]:
@@ -285,39 +289,24 @@ class Trainer:
         vals = [torch.zeros(int(x.numel())) for x in ids] if self.value_head is not None else None
         ref = [torch.zeros(int(x.numel())) for x in ids] if self.ref_model is not None else None
         self.model.eval()
-        for pb in self._micro_batches(ids, list(range(n))):
-            m = pb.gather(masks, torch.bool)[0]
-            m[pb.cu_seqlens[:-1]] = False  # a sequence's first token has no preceding state
-            idx = self._scored_index(m)
-            tgt = pb.input_ids[0, 1:][idx]
+        for pb in self._micro_batches(ids, list(range(n)), masks):
+            sc = pb.scored(masks)  # token t is scored from the hidden state at t - 1
+            if sc.count == 0:
+                continue
             with self._autocast():
                 h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                lp, e = linear_logprob_entropy(h[:-1][idx], _lm_head_weight(self.model), tgt, temp, impl=impl)
-                full_lp = torch.zeros(pb.num_tokens, device=self.device)
-                full_e = torch.zeros(pb.num_tokens, device=self.device)
-                full_lp[idx + 1] = lp.float()
-                full_e[idx + 1] = e.float()
-                full_v = None
+                lp, e = linear_logprob_entropy(h[sc.hidden], _lm_head_weight(self.model), sc.targets, temp, impl=impl)
+                sc.scatter(lp.float(), old_lp)
+                sc.scatter(e.float(), ent)
                 if self.value_head is not None:
                     hv = h if self.critic_body is None else self.critic_body(
-                        **pb.model_inputs(),
-                        use_cache=False).last_hidden_state[0]
-                    full_v = torch.zeros(pb.num_tokens, device=self.device)
-                    full_v[idx + 1] = self.value_head(hv[:-1][idx])
-                full_r = None
+                        **pb.model_inputs(), use_cache=False).last_hidden_state[0]
+                    sc.scatter(self.value_head(hv[sc.hidden]).float(), vals)
                 if self.ref_model is not None:
                     hr = _body(self.ref_model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                    rlp, _ = linear_logprob_entropy(hr[:-1][idx], _lm_head_weight(self.ref_model), tgt, temp,
+                    rlp, _ = linear_logprob_entropy(hr[sc.hidden], _lm_head_weight(self.ref_model), sc.targets, temp,
                                                     impl=impl)
-                    full_r = torch.zeros(pb.num_tokens, device=self.device)
-                    full_r[idx + 1] = rlp.float()
-            for j, i in enumerate(pb.indices):
-                old_lp[i] = pb.split(full_lp)[j].cpu()
-                ent[i] = pb.split(full_e)[j].cpu()
-                if full_v is not None:
-                    vals[i] = pb.split(full_v)[j].cpu()
-                if full_r is not None:
-                    ref[i] = pb.split(full_r)[j].cpu()
+                    sc.scatter(rlp.float(), ref)
         return old_lp, ent, vals, ref
 
     def compute_advantages(self, batch, masks, vals) -> tuple[list, Optional[list], dict]:
@@ -392,23 +381,19 @@ class Trainer:
                 if self.critic_opt is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
                 finite = True
-                for pb in self._micro_batches(ids, mb):
-                    m = pb.gather(masks, torch.bool)[0]
-                    m[pb.cu_seqlens[:-1]] = False
-                    idx = self._scored_index(m)
-                    if idx.numel() == 0:
+                for pb in self._micro_batches(ids, mb, masks):
+                    sc = pb.scored(masks)
+                    if sc.count == 0:
                         continue
-                    tgt = pb.input_ids[0, 1:][idx]
-                    sel = idx + 1
-                    old = pb.gather(old_lp, torch.float32)[0][sel]
-                    A = pb.gather(adv, torch.float32)[0][sel]
-                    rl = pb.gather(ref, torch.float32)[0][sel] if ref is not None else None
-                    sid = pb.seq_ids[sel]
-                    train_tokens += pb.num_tokens
+                    old = sc.take(old_lp)
+                    A = sc.take(adv)
+                    rl = sc.take(ref) if ref is not None else None
+                    sid = sc.seq
+                    train_tokens += pb.trajectory_tokens
                     with self._autocast():
                         h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                         out = linear_policy_loss(
-                            h[:-1][idx], _lm_head_weight(self.model), tgt, old, A,
+                            h[sc.hidden], _lm_head_weight(self.model), sc.targets, old, A,
                             torch.ones_like(old, dtype=torch.bool), rl,
                             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                             entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
@@ -419,12 +404,12 @@ class Trainer:
                         if self.value_head is not None:
                             hv = h if self.critic_body is None else self.critic_body(
                                 **pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                            v = self.value_head(hv[:-1][idx])
-                            ov = pb.gather(vals, torch.float32)[0][sel]
-                            R = pb.gather(returns, torch.float32)[0][sel]
+                            v = self.value_head(hv[sc.hidden])
+                            ov = sc.take(vals)
+                            R = sc.take(returns)
                             vl, vm = alg.clipped_value_loss(v, ov, R, torch.ones_like(v, dtype=torch.bool),
                                                             clip=a.value_clip)
-                            vloss = vl * (idx.numel() / max(1, n_tok))
+                            vloss = vl * (sc.count / max(1, n_tok))
                             for k, val in vm.items():
                                 add(f"critic/{k}", val)
                             add("critic/value_loss", vl.detach())

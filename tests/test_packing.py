@@ -4,7 +4,7 @@ import torch
 import transformers
 
 from fastpo.packing import (SEGMENT_ATTENTION, block_causal_mask, pack_micro_batch, packing_attention, pad_micro_batch,
-                            plan_micro_batches, use_segment_attention)
+                            plan_micro_batches, shared_prefixes, use_segment_attention)
 
 
 def test_plan_respects_budget_and_covers_all():
@@ -126,3 +126,76 @@ def test_segment_attention_gradients_and_unpacked_use():
                                    ref(input_ids=ids, attention_mask=att).logits)
     with pytest.raises(ValueError, match="attention must be one of"):
         pack_micro_batch(seqs, [0], attention="dense")
+
+
+def _grouped_batch():
+    """Two env groups: members share a prompt (loss mask 0), then differ (loss mask 1 on parts)."""
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 97, (n,), generator=g) for n in (11, 6)]
+    seqs, masks = [], []
+    for grp, tails in ((0, (5, 9, 3)), (1, (7, 4))):
+        for n in tails:
+            tail = torch.randint(0, 97, (n,), generator=g)
+            seqs.append(torch.cat([prompts[grp], tail]))
+            m = torch.zeros(len(seqs[-1]), dtype=torch.bool)
+            m[len(prompts[grp]):] = True
+            m[-1] = False  # a between-turn token the model did not generate
+            masks.append(m)
+    return seqs, masks, [len(p) for p in prompts]
+
+
+def test_shared_prefixes_and_plan():
+    seqs, masks, plen = _grouped_batch()
+    lengths, groups = shared_prefixes(seqs, masks)
+    assert lengths == [plen[0]] * 3 + [plen[1]] * 2
+    assert groups[0] == groups[1] == groups[2] != groups[3] == groups[4]
+    # no trained token: the prefix stops one token short of the end
+    assert shared_prefixes([torch.tensor([1, 2, 3])], [torch.zeros(3, dtype=torch.bool)])[0] == [2]
+    L = [len(s) for s in seqs]
+    plan = plan_micro_batches(L, 40, lengths, groups)
+    assert sorted(i for mb in plan for i in mb) == list(range(5))
+    for mb in plan:  # each micro-batch's computed tokens (prefix once per group) fit the budget
+        pb = pack_micro_batch(seqs, mb, attention="segments", prefix_lengths=lengths, prefix_groups=groups)
+        assert pb.num_tokens <= 40 or len(mb) == 1
+    pb = pack_micro_batch(seqs, [0, 1, 2], attention="segments", prefix_lengths=lengths, prefix_groups=groups)
+    assert pb.num_tokens == plen[0] + 5 + 9 + 3 and pb.trajectory_tokens == sum(L[:3])
+    assert pb.position_ids[0, plen[0]:plen[0] + 5].tolist() == list(range(plen[0], plen[0] + 5))
+    with pytest.raises(ValueError, match="shared prefixes"):
+        pb.split(pb.input_ids)
+    with pytest.raises(ValueError, match="does not share"):
+        bad = [seqs[0], torch.cat([seqs[1][:2] + 1, seqs[1][2:]])]
+        pack_micro_batch(bad, [0, 1], attention="segments", prefix_lengths=[11, 11], prefix_groups=[0, 0])
+    with pytest.raises(ValueError, match="both"):
+        plan_micro_batches(L, 40, lengths, None)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_shared_prefix_logprobs_and_gradients_equal_one_at_a_time(kind):
+    """A row holding a group's prompt once gives every member the log-probs and the summed
+    gradients of computing each trajectory on its own."""
+    seqs, masks, _ = _grouped_batch()
+    ref = _tiny(kind, "sdpa")
+    seg = _tiny(kind, "segments")
+    seg.load_state_dict(ref.state_dict())
+    lengths, groups = shared_prefixes(seqs, masks)
+
+    alone = []
+    for s, m in zip(seqs, masks):
+        lp = _token_logprobs(ref(s[None]).logits, s[None])[0]  # lp[t-1] is token t's
+        alone.append(lp)
+        (-(lp * m[1:]).sum()).backward()
+    total = 0.0
+    for mb in plan_micro_batches([len(s) for s in seqs], 30, lengths, groups):
+        pb = pack_micro_batch(seqs, mb, attention="segments", prefix_lengths=lengths, prefix_groups=groups)
+        sc = pb.scored(masks)
+        logits = seg(**pb.model_inputs()).logits[0]
+        lp = torch.log_softmax(logits.float(), -1)[sc.hidden].gather(1, sc.targets[:, None])[:, 0]
+        out = [torch.zeros(len(s)) for s in seqs]
+        sc.scatter(lp, out)
+        for i, pos in zip(sc.indices, sc.positions):
+            torch.testing.assert_close(out[i][pos], alone[i][pos - 1].detach(), atol=1e-5, rtol=1e-5)
+            total += pos.numel()
+        (-lp.sum()).backward()
+    assert total == sum(int(m[1:].sum()) for m in masks)
+    for (name, p), q in zip(ref.named_parameters(), seg.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -82,3 +82,45 @@ def test_tensorboard_mirror(tmp_path):
     log.close()
     events = [f for _, _, fs in os.walk(tmp_path / "tensorboard") for f in fs if "tfevents" in f]
     assert events and json.loads(open(tmp_path / "metrics.jsonl").read())["echo_trap_warning"] == 1
+
+
+def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
+    """The trainer's old log-probs, values and one PPO update are the same whether each env
+    group's prompt is packed once (optim.share_prefix, the default) or once per trajectory."""
+    import copy
+
+    from rich.console import Console
+
+    from fastpo.config import load_config
+    from fastpo.trainer import Trainer
+
+    cfg = load_config(env="frozenlake", preset="tiny", overrides=[
+        f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama", "rollout.group_size=3",
+        "rollout.env_groups=2", "rollout.max_new_tokens=12", "optim.mini_batch_size=6",
+        "optim.micro_token_budget=4096", "trainer.plots=false"])
+    tr = Trainer(cfg, console=Console(quiet=True))
+    tr.setup()
+    batch = tr._generate([3, 4], 3, 1.0, seed=0)
+    ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
+    masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
+    for m in masks:
+        m[0] = False
+    start = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.value_head.state_dict())
+    results = {}
+    for share in (True, False):
+        tr.cfg.optim.share_prefix = share
+        tr.model.load_state_dict(start[0])
+        tr.value_head.load_state_dict(start[1])
+        tr.actor_opt.state.clear()
+        computed = [pb.num_tokens for pb in tr._micro_batches(ids, list(range(len(ids))), masks)]
+        old_lp, ent, vals, _ = tr.compute_old(ids, masks)
+        adv, returns, _ = tr.compute_advantages(batch, masks, vals)
+        tr.update(1, ids, masks, old_lp, adv, vals, returns, None)
+        # the last mini-batch's (clipped) gradients stay on the parameters after the step
+        results[share] = (sum(computed), old_lp, vals, [p.grad.clone() for p in tr.model.parameters()])
+    assert results[True][0] < results[False][0] == sum(len(x) for x in ids)  # the prompts were computed once
+    for a, b in zip(results[True][1] + results[True][2], results[False][1] + results[False][2]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    assert any(float(g.abs().max()) > 0 for g in results[True][3])
+    for a, b in zip(results[True][3], results[False][3]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-3)
