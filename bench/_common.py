@@ -5,6 +5,7 @@ run, and their ratio expressed so that > 1 always means fastpo is better.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
 import statistics
@@ -22,6 +23,7 @@ class BenchContext:
     model: str = "smollm2-135m-instruct"
     repeats: int = 3
     seed: int = 0
+    parts: tuple = ()  # every part this run measures (a part may skip what another one covers)
 
 
 @dataclasses.dataclass
@@ -79,6 +81,32 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Call
     return statistics.median(times), max(times) - min(times)
 
 
+def fix_malloc_threshold() -> None:
+    """Make glibc return large blocks to the OS when freed, so that memory peaks measured one
+    after the other do not depend on which side ran first (the dynamic mmap threshold would
+    otherwise keep the first side's freed blocks in the heap). Call once, before measuring."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD; setting it disables the dynamic adjustment
+    except (OSError, AttributeError):  # not glibc: measure as is
+        pass
+
+
+def _trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -87,10 +115,12 @@ def _rss_bytes() -> int:
 def peak_memory(fn: Callable[[], Any], device: str = "cpu", interval_s: float = 0.0005) -> tuple[int, Any]:
     """Peak memory that `fn()` adds above what was in use when it started, in bytes.
 
-    On CUDA: torch.cuda.max_memory_allocated (exact). On the CPU: the process's resident
-    set sampled every `interval_s` seconds by a thread (large tensors are mmap'd and
-    touched when written, so they show; very short spikes can be missed). Returns
-    (peak bytes, fn's result).
+    On CUDA: torch.cuda.max_memory_allocated (exact). On Linux CPUs: the kernel's own
+    resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs) after
+    returning freed heap memory to the OS: exact, with no sampling thread competing with the
+    code measured (see also `fix_malloc_threshold`). Elsewhere: the resident set sampled
+    every `interval_s` seconds by a thread (very short spikes can be missed).
+    Returns (peak bytes, fn's result).
     """
     if device.startswith("cuda"):
         import torch
@@ -104,6 +134,18 @@ def peak_memory(fn: Callable[[], Any], device: str = "cpu", interval_s: float = 
     import gc
 
     gc.collect()
+    _trim()
+    try:
+        start_kib = _status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, KeyError):
+        return _sampled_peak(fn, interval_s)
+    out = fn()
+    return max(0, _status_kib("VmHWM") - start_kib) * 1024, out
+
+
+def _sampled_peak(fn: Callable[[], Any], interval_s: float) -> tuple[int, Any]:
     start = _rss_bytes()
     peak = [start]
     stop = threading.Event()

@@ -2,12 +2,13 @@
 
 1. Packed vs padded (same model, same trajectories, same fused policy loss, forward + backward
    of one mini-batch with gradient accumulation): fastpo packs trajectories into token-budget
-   micro-batches (one row, restarting position ids, attention per trajectory through fastpo's
-   segment attention, or a block-diagonal mask on eager models); the baseline pads
-   micro-batches of a fixed count of trajectories (the paper's micro-batch 4) to their
-   longest member, as the reference implementation does. Trajectory lengths are drawn from a
-   spread like a multi-turn rollout's (a shared prompt plus 1-5 turns of varying length).
-   Reported: tokens/s counting real (non-padding) tokens, and peak memory.
+   micro-batches as its trainer does (one row, attention per trajectory through fastpo's
+   segment attention, each env group's prompt computed once per micro-batch); the baseline
+   pads micro-batches of a fixed count of trajectories (the paper's micro-batch 4) to their
+   longest member, as the reference implementation does. The trajectories come in env groups
+   of 4 sharing a prompt (loss mask 0) followed by 1-5 turns of varying length.
+   Reported: tokens/s counting the trajectories' tokens (no padding, a shared prompt counted
+   once per trajectory, as the baseline computes it), and peak memory.
 2. Seconds per iteration of `fastpo train` at the CPU preset (FrozenLake, embedded model),
    split by phase (no baseline: reported as is). With --device cuda and a random:qwen2.5-0.5b
    model at the paper's scale, the same split.
@@ -33,7 +34,8 @@ def _lengths(n: int, rng: np.random.Generator, prompt: int, per_turn: int, max_t
 def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     from fastpo.kernels import causal_lm_policy_loss, linear_policy_loss
     from fastpo.models import load_model_and_tokenizer
-    from fastpo.packing import pack_micro_batch, packing_attention, pad_micro_batch, plan_micro_batches, use_segment_attention
+    from fastpo.packing import (pack_micro_batch, packing_attention, pad_micro_batch, plan_micro_batches,
+                                shared_prefixes, use_segment_attention)
 
     dev = torch.device(ctx.device)
     model, tok, info = load_model_and_tokenizer(ctx.model, device=ctx.device)
@@ -44,12 +46,17 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     if ctx.device == "cuda":
         n, prompt, per_turn, turns, budget, micro = 32, 300, 500, 5, 16384, 4
     elif ctx.quick:
-        n, prompt, per_turn, turns, budget, micro = 8, 60, 60, 4, 512, 4
+        n, prompt, per_turn, turns, budget, micro = 4, 40, 40, 3, 512, 4
     else:
         n, prompt, per_turn, turns, budget, micro = 8, 250, 130, 3, 2048, 4
     lengths = _lengths(n, rng, prompt, per_turn, turns)
     vocab = model.get_input_embeddings().weight.shape[0]
-    ids = [torch.randint(0, min(vocab, 49152), (L,), generator=torch.Generator().manual_seed(i)) for i, L in enumerate(lengths)]
+    group = 4  # trajectories per env group: they share the prompt's tokens
+    ids = []
+    for i, L in enumerate(lengths):
+        x = torch.randint(0, min(vocab, 49152), (L,), generator=torch.Generator().manual_seed(i))
+        x[:prompt] = torch.randint(0, min(vocab, 49152), (prompt,), generator=torch.Generator().manual_seed(10**6 + i // group))
+        ids.append(x)
     masks = []
     for L in lengths:
         m = torch.zeros(L, dtype=torch.bool)
@@ -57,23 +64,26 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
         masks.append(m)
     real_tokens = sum(lengths)
     n_tok = sum(int(m[1:].sum()) for m in masks)
+    prefix, groups = shared_prefixes(ids, masks) if attention == "segments" else (None, None)
     weight = model.get_output_embeddings().weight
     body = model.base_model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device == "cuda" else torch.autocast("cpu", enabled=False)
 
+    computed: list[int] = []
+
     def packed():
         model.zero_grad(set_to_none=True)
-        for mb in plan_micro_batches(lengths, budget):
-            pb = pack_micro_batch(ids, mb, device=dev, attention=attention,
+        computed.clear()
+        for mb in plan_micro_batches(lengths, budget, prefix, groups):
+            pb = pack_micro_batch(ids, mb, device=dev, attention=attention, prefix_lengths=prefix, prefix_groups=groups,
                                   mask_dtype=torch.bfloat16 if ctx.device == "cuda" else torch.float32)
-            m = pb.gather(masks, torch.bool)[0]
-            m[pb.cu_seqlens[:-1]] = False
-            idx = torch.nonzero(m[1:]).flatten()
+            sc = pb.scored(masks)
+            computed.append(pb.num_tokens)
             with autocast:
                 h = body(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                tgt = pb.input_ids[0, 1:][idx]
-                z = torch.zeros(idx.numel(), device=dev)
-                out = linear_policy_loss(h[:-1][idx], weight, tgt, z - 1.0, z + 0.5, torch.ones_like(z, dtype=torch.bool),
+                z = torch.zeros(sc.count, device=dev)
+                out = linear_policy_loss(h[sc.hidden], weight, sc.targets, z - 1.0, z + 0.5,
+                                         torch.ones_like(z, dtype=torch.bool),
                                          clip_low=0.2, clip_high=0.28, entropy_coef=0.001, denominator=float(n_tok))
             out.loss.backward()
 
@@ -99,8 +109,9 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     mb_, _ = peak_memory(padded, ctx.device)
     padded_tokens = sum(max(lengths[i] for i in range(s, min(n, s + micro))) * len(range(s, min(n, s + micro)))
                         for s in range(0, n, micro))
-    note = (f"{info.label}; {n} trajectories, {real_tokens} real tokens; padded computes {padded_tokens} "
-            f"(micro-batch {micro}); packed budget {budget} tokens, {attention} attention")
+    note = (f"{info.label}; {n} trajectories in env groups of {group}, {real_tokens} trajectory tokens; padded "
+            f"computes {padded_tokens} (micro-batch {micro}); packed computes {sum(computed)} (budget {budget} "
+            f"tokens, {attention} attention{', shared prompts' if prefix else ''})")
     return [
         Record("train", "policy fwd+bwd, packed micro-batches", "tokens/s", real_tokens / tp, real_tokens / tb, True,
                fastpo_spread=real_tokens * sp / tp**2, baseline_spread=real_tokens * sb / tb**2,
@@ -149,8 +160,9 @@ def _iteration(ctx: BenchContext) -> list[Record]:
 
 
 def run(ctx: BenchContext) -> list[Record]:
-    """Packed vs padded micro-batches, then seconds per iteration split by phase."""
-    return _packed_vs_padded(ctx) + _iteration(ctx)
+    """Packed vs padded micro-batches, then seconds per iteration split by phase (left to the
+    e2e part, which reports fastpo's iteration by phase at the same preset, when it runs too)."""
+    return _packed_vs_padded(ctx) + ([] if "e2e" in ctx.parts else _iteration(ctx))
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ import json
 import os
 import platform
 import sys
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import BenchContext, Record  # noqa: E402
+from _common import BenchContext, Record, fix_malloc_threshold  # noqa: E402
 
 PARTS = ["envs", "kernels", "rollout", "train", "e2e"]
 
@@ -98,12 +99,17 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
     if repeats < 1:
         ap.error(f"--repeats must be >= 1, got {repeats}")
-    ctx = BenchContext(quick=args.quick, device=args.device, model=args.model, repeats=repeats, seed=args.seed)
     parts = PARTS if args.part == "all" else [args.part]
+    if args.device == "cpu":
+        fix_malloc_threshold()  # before anything large is allocated
+    ctx = BenchContext(quick=args.quick, device=args.device, model=args.model, repeats=repeats, seed=args.seed,
+                       parts=tuple(parts))
     header = machine_header(ctx)
     records: list[Record] = []
     errors: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     for name in parts:
+        t0 = time.perf_counter()
         try:
             mod = importlib.import_module(f"part_{name}")
         except ModuleNotFoundError as e:
@@ -116,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken part must not hide the others' figures
             traceback.print_exc()
             errors[name] = f"{type(e).__name__}: {e}"
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        print(f"part {name}: {seconds[name]:.0f} s", file=sys.stderr, flush=True)
     print_table(header, records)
     for name, err in errors.items():
         print(f"part {name}: {err}", file=sys.stderr)
@@ -123,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"machine": header, "args": vars(args), "records": [r.to_dict() for r in records],
-                       "errors": errors}, f, indent=2)
+                       "errors": errors, "part_seconds": seconds}, f, indent=2)
     return 1 if errors and not records else 0
 
 
