@@ -58,11 +58,24 @@ class EnvConfig:
 
 
 @dataclass
-class RolloutSection:
-    """Rollout shape and sampling (paper: P=8 env groups x N=16, 5 turns, 10 actions)."""
+class RolloutConfig:
+    """Multi-turn rollout settings (defaults: the paper / RAGEN's).
 
-    env_groups: int = 8
-    group_size: int = 16
+    max_turns: turns per trajectory (5). max_actions_per_turn: actions read from one answer
+    (5; extra ones are ignored, not penalised). max_actions_per_traj: action budget of a
+    trajectory (10); it ends when spent. max_new_tokens: response tokens per turn (400).
+    max_context: tokens per trajectory (3600); a trajectory that would pass it ends
+    truncated. temperature / top_p / top_k: sampling (temperature scales the logits; the
+    recorded log-probs are at this temperature). think: prime with "<think>" (True) or the
+    answer-only variant primed with "<answer>". format_penalty: added to a turn's reward
+    when its answer is missing, malformed or holds an invalid action (-0.1).
+    run_valid_actions_on_format_error: in such a turn, still execute the answer's valid
+    actions (True, as RAGEN does); False executes nothing. stop_at_answer_close: end a
+    response at "</answer>" (the template's end-of-turn token is then appended, loss mask
+    0). system_prompt: None for prompts.SYSTEM_PROMPT. feedback_invalid: tell the model
+    which actions were invalid in the next user message.
+    """
+
     max_turns: int = 5
     max_actions_per_turn: int = 5
     max_actions_per_traj: int = 10
@@ -73,6 +86,40 @@ class RolloutSection:
     top_k: int = 0
     think: bool = True
     format_penalty: float = -0.1
+    run_valid_actions_on_format_error: bool = True
+    stop_at_answer_close: bool = True
+    system_prompt: str | None = None
+    feedback_invalid: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens", "max_context"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise ValueError(f"RolloutConfig.temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"RolloutConfig.top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"RolloutConfig.top_k must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.format_penalty, (int, float)):
+            raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
+
+
+@dataclass
+class RolloutSection(RolloutConfig):
+    """The `rollout` section of a training config: every RolloutConfig option (one place for
+    their defaults and meaning) plus the batch shape, env_groups x group_size trajectories
+    (paper: P=8 env groups x N=16)."""
+
+    env_groups: int = 8
+    group_size: int = 16
+
+    def rollout_config(self, **changes: Any) -> RolloutConfig:
+        """The plain RolloutConfig of this section (batch shape dropped), with `changes` applied."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(RolloutConfig)}
+        kw.update(changes)
+        return RolloutConfig(**kw)
 
 
 @dataclass

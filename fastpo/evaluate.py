@@ -63,7 +63,6 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     """`fastpo eval`: load `cfg.model.name` (name, HF id, or a checkpoint's model folder) and
     evaluate it on `cfg.trainer.eval_seeds` fixed seeds, `eval_group_size` samples each, at
     `eval_temperature`. Returns the metrics dict plus "model" (its label)."""
-    import os
     import time
 
     from fastpo import rollout as ro
@@ -74,16 +73,12 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     device = resolve_device(t.device)
     model, tok, info = load_model_checked(cfg.model.name, device=str(device),
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
-    r = cfg.rollout
-    rcfg = ro.RolloutConfig(max_turns=r.max_turns, max_actions_per_turn=r.max_actions_per_turn,
-                            max_actions_per_traj=r.max_actions_per_traj, max_new_tokens=r.max_new_tokens,
-                            max_context=r.max_context, temperature=t.eval_temperature, top_p=r.top_p, top_k=r.top_k,
-                            think=r.think, format_penalty=r.format_penalty)
+    rcfg = cfg.rollout.rollout_config(temperature=t.eval_temperature)
     rollout = ro.MultiTurnRollout(ro.NativeEngine(model, tok), tok, cfg.env.name, dict(cfg.env.options), rcfg)
     seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
     if console is not None:
         console.print(f"evaluating {info.label} on {cfg.env.name}: {len(seeds)} seeds x {t.eval_group_size} "
-                      f"samples, temperature {t.eval_temperature}, {r.max_turns} turns")
+                      f"samples, temperature {t.eval_temperature}, {rcfg.max_turns} turns")
     t0 = time.perf_counter()
     res = evaluate_policy(rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345, model=model)
     res["eval/seconds"] = time.perf_counter() - t0

@@ -201,12 +201,7 @@ class Trainer:
         if self.critic_body is not None:
             self.critic_opt = torch.optim.AdamW(list(self.critic_body.parameters()) + list(self.value_head.parameters()),
                                                 lr=o.critic_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
-        r = cfg.rollout
-        self.rollout_cfg = ro.RolloutConfig(
-            max_turns=r.max_turns, max_actions_per_turn=r.max_actions_per_turn,
-            max_actions_per_traj=r.max_actions_per_traj, max_new_tokens=r.max_new_tokens,
-            max_context=r.max_context, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-            think=r.think, format_penalty=r.format_penalty)
+        self.rollout_cfg = cfg.rollout.rollout_config()
         self.engine = ro.NativeEngine(model, tok)
         self.rollout = ro.MultiTurnRollout(self.engine, tok, cfg.env.name, dict(cfg.env.options), self.rollout_cfg)
         self.echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)

@@ -24,7 +24,9 @@ import time
 import numpy as np
 import torch
 
-from .batch import RolloutConfig, TrajectoryBatch
+from fastpo.config import RolloutConfig
+
+from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
 from .parsing import parse_response
 from .prompts import ChatFormat, first_user_message, next_user_message

@@ -19,7 +19,9 @@ import time
 import numpy as np
 import torch
 
-from .batch import RolloutConfig, TrajectoryBatch
+from fastpo.config import RolloutConfig
+
+from .batch import TrajectoryBatch
 from .multiturn import TurnCounters, end_reason, env_turn
 from .prompts import ChatFormat, first_user_message, next_user_message
 
