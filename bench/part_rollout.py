@@ -17,7 +17,8 @@ rollout batch (target 1.5x), prefilled tokens per batch (target 2x) and generate
 (no target; the two loops sample different tokens, so their response lengths differ a
 little; wall time and tokens/s are both shown for that reason).
 
-Sizes: CPU 2 groups x 4 trajectories, 5 turns, 48 new tokens per turn; --quick 1 x 2,
+Sizes: CPU 2 groups x 4 trajectories, 5 turns, 48 new tokens per turn (Sokoban only when
+e2e runs too: e2e covers FrozenLake); --quick FrozenLake only, 1 x 2,
 2 turns, 8 tokens; CUDA (the paper's scale) 8 x 16, 5 turns, 128 tokens.
 """
 from __future__ import annotations
@@ -59,7 +60,7 @@ def run(ctx: BenchContext) -> list:
     repeats = 1
     warm_cfg = RolloutConfig(max_turns=1, max_new_tokens=4, max_context=3600)
     records = []
-    envs = ENVS
+    envs = ENVS[:1] if ctx.quick else ENVS  # --quick: a smoke test of both loops
     if "e2e" in ctx.parts and not ctx.quick and not ctx.device.startswith("cuda"):
         # e2e measures FrozenLake's rollout (CPU preset, against the same reference loop):
         # the full CPU run keeps its 10 minutes by leaving it out here

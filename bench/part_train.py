@@ -46,7 +46,7 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     if ctx.device == "cuda":
         n, prompt, per_turn, turns, budget, micro = 32, 300, 500, 5, 16384, 4
     elif ctx.quick:
-        n, prompt, per_turn, turns, budget, micro = 4, 40, 40, 3, 512, 4
+        n, prompt, per_turn, turns, budget, micro = 4, 32, 24, 2, 512, 4
     else:
         n, prompt, per_turn, turns, budget, micro = 8, 250, 130, 3, 2048, 4
     lengths = _lengths(n, rng, prompt, per_turn, turns)

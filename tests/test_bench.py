@@ -43,8 +43,9 @@ def quick_result(tmp_path_factory):
 @pytest.mark.slow
 def test_quick_json_schema(quick_result):
     result, proc = quick_result
-    assert set(result) >= {"machine", "args", "records", "errors"}
+    assert set(result) >= {"machine", "args", "records", "errors", "part_seconds"}
     assert result["errors"] == {}, result["errors"]
+    assert set(result["part_seconds"]) == set(PARTS) and all(v >= 0 for v in result["part_seconds"].values())
     m = result["machine"]
     for k, t in MACHINE_KEYS.items():
         assert isinstance(m.get(k), t), (k, m.get(k))
