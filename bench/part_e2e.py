@@ -10,8 +10,8 @@ micro-batches of 4 trajectories). One iteration = rollout, old log-probs (and va
 advantages, update; the weight sync is free on both sides (the generator is the trained
 module). The two sides run iteration 1, 2, ... interleaved (fastpo, reference, fastpo, ...)
 so that load from other processes hits both alike. On CUDA the first iteration of each is
-a warm-up; on the CPU (minutes per iteration) none is, and up to 2 are timed (median and
-spread reported).
+a warm-up; on the CPU (minutes per iteration) none is, and 2 are timed with `--part e2e`
+(median and spread reported), 1 in the full run of every part.
 
 Because the two loops sample through different code paths, their trajectories differ; the
 notes give generated and trained tokens per iteration for both, and one record reports
@@ -65,7 +65,8 @@ def run(ctx: BenchContext) -> list[Record]:
     # CPU: no warm-up iteration (the model is loaded and the envs compiled before timing; a
     # CPU-preset iteration of both sides takes minutes, and the whole run has 10 of them)
     warmup = 1 if cuda else 0
-    timed = 1 if (cuda or ctx.quick) else max(1, min(ctx.repeats, 2))
+    # the full CPU run (every part in 10 minutes) times one iteration per side; --part e2e two
+    timed = 1 if (cuda or ctx.quick or len(ctx.parts) > 1) else max(1, min(ctx.repeats, 2))
     preset, ov = sizes(ctx)
     quiet = Console(quiet=True)
     with tempfile.TemporaryDirectory() as d:
