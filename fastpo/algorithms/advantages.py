@@ -135,7 +135,9 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std:
     unbiased (n - 1) standard deviation of the group's scores, as verl/RAGEN compute it.
     The RAGEN paper prints the max in place of the mean; the code and the field use the mean,
     and so does fastpo. Dr.GRPO (arXiv 2503.20783) drops the std division: A_b = R_b - mean_g.
-    A group of one trajectory gets advantage 0.
+    A group of one trajectory, or one whose scores are all equal, gets advantage 0 (group
+    statistics in float64: in float32 eight scores of -0.1 leave a std of ~1e-8, and their
+    rounding residue divided by it gave advantages of ~0.007 where there is no signal).
 
     Args: scores [B] float; group_ids [B] int. Returns [B] fp32.
     Broadcast over model tokens with `adv[:, None] * loss_mask`.
@@ -143,15 +145,15 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std:
     """
     if scores.dim() != 1 or group_ids.shape != scores.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
-    s = scores.to(torch.float32)
+    s = scores.to(torch.float64)
     out = torch.zeros_like(s)
     for g in torch.unique(group_ids):
         sel = group_ids == g
         x = s[sel]
-        if x.numel() < 2:
+        if x.numel() < 2 or bool((x == x[0]).all()):
             continue
         a = x - x.mean()
         if scale_by_std:
             a = a / (x.std(unbiased=True) + eps)
         out[sel] = a
-    return out
+    return out.to(torch.float32)
