@@ -274,13 +274,20 @@ PRESETS: dict[str, dict] = {
 }
 
 #: What the CPU preset changes, said at start.
-CPU_PRESET_NOTE = (
-    "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
-    "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
-    "-> 2 groups x 4 trajectories, 3 turns, 48 new tokens/turn, 3 iterations, no filtering, critic sharing the "
-    "policy trunk, lr 1e-5, eval on 8 seeds. For the paper's scale use `--preset paper` on a GPU "
-    "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
-)
+def cpu_preset_note(cfg: "TrainConfig") -> str:
+    """What the CPU preset scaled down, said at start, with this run's values (overrides included)."""
+    r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
+    filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
+    critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
+        if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
+    return (
+        "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
+        "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
+        f"-> this run: {r.env_groups} groups x {r.group_size} trajectories, {r.max_turns} turns, "
+        f"{r.max_new_tokens} new tokens/turn, {t.iterations} iterations, {filt}, {critic}, actor lr {o.actor_lr:g}, "
+        f"eval on {t.eval_seeds} seeds. For the paper's scale use `--preset paper` on a GPU "
+        "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
+    )
 
 
 def default_preset() -> str:

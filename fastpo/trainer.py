@@ -30,7 +30,7 @@ import torch
 from fastpo import algorithms as alg
 from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
                                set_rng_state)
-from fastpo.config import CPU_PRESET_NOTE, ConfigError, TrainConfig, config_from_dict, dump_yaml
+from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
 from fastpo.evaluate import evaluate_policy
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
@@ -619,7 +619,7 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
 
     console = console or Console()
     if "cpu" in cfg.preset.split(","):
-        console.print(f"[cyan]{CPU_PRESET_NOTE}[/]")
+        console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")
     return Trainer(cfg, resume=resume, console=console, overwrite=overwrite).run()
 
 
