@@ -398,6 +398,11 @@ def parse_override(text: str) -> dict:
             value = float(value) if not value.strip().lower() in ("nan", "inf", "-inf", ".inf") else value
         except ValueError:
             pass
+    return _nested(key, value)
+
+
+def _nested(key: str, value: Any) -> dict:
+    """``("a.b.c", v)`` -> ``{"a": {"b": {"c": v}}}``."""
     out: dict = {}
     node = out
     parts = key.split(".")
@@ -558,13 +563,7 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     cfg.preset = ",".join(names)
     apply_dict(cfg, file_dict)
     for key, value in (values or {}).items():
-        d: dict = {}
-        node = d
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = value
-        apply_dict(cfg, d)
+        apply_dict(cfg, _nested(key, value))
     for d in override_dicts:
         apply_dict(cfg, d)
     if env and cfg.env.name != env:
