@@ -22,6 +22,7 @@ class BenchContext:
     device: str = "cpu"
     model: str = "smollm2-135m-instruct"
     repeats: int = 3
+    repeats_given: bool = False  # --repeats was passed (parts with minutes-long figures default to 1)
     seed: int = 0
     parts: tuple = ()  # every part this run measures (a part may skip what another one covers)
 

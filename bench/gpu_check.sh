@@ -6,17 +6,24 @@
 # Carried in, in the ignored folder $FASTPO_GPU_CARRY (default .gpucarry), prepared on a
 # machine with network by `bash bench/gpu_check.sh --prepare`:
 #   whl/    wheels the GPU image lacks (gguf, liger-kernel), installed with --no-index
+#   whl/numba/  numba + llvmlite, installed only when the image cannot import numba; carried
+#           only when asked (FASTPO_CARRY_NUMBA="numba==0.61.2 llvmlite==0.44.0": ~45 MB; the
+#           newest llvmlite alone is 60 MB, over the device tool's 64 MiB carry limit)
 #   cache/  fastpo's model cache holding the embedded tokenizer (the GGUF is too large to carry)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${FASTPO_GPU_CARRY:-.gpucarry}
 
 if [ "${1:-}" = "--prepare" ]; then
-    mkdir -p "$CARRY/whl" "$CARRY/cache"
+    mkdir -p "$CARRY/whl/numba" "$CARRY/cache"
     grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
     plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
         -d "$CARRY/whl" gguf liger-kernel || exit 1
+    if [ -n "${FASTPO_CARRY_NUMBA:-}" ]; then
+        python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
+            -d "$CARRY/whl/numba" $FASTPO_CARRY_NUMBA || exit 1
+    fi
     FASTPO_CACHE="$CARRY/cache" .venv/bin/python -c \
         "from fastpo.models import cache_tokenizer_only; cache_tokenizer_only()" || exit 1
     du -sh "$CARRY"
@@ -31,13 +38,19 @@ if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
         --target /tmp/fastpo-site "$CARRY"/whl/*.whl || exit 1
     export PYTHONPATH=/tmp/fastpo-site${PYTHONPATH:+:$PYTHONPATH}
 fi
+if ! $PY -c "import numba" >/dev/null 2>&1 && ls "$CARRY"/whl/numba/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fastpo-site \
+        "$CARRY"/whl/numba/*.whl || exit 1
+    export PYTHONPATH=/tmp/fastpo-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+$PY -c "import numba" || echo "warning: numba does not import here; envs, rollout and e2e parts will fail"
 # fastpo without pip: the package layout rebuilt from symlinks (kernels/ -> fastpo.kernels).
 SHIM=/tmp/fastpo-shim
 rm -rf "$SHIM" && mkdir -p "$SHIM/fastpo"
 for f in fastpo/*; do ln -s "$PWD/$f" "$SHIM/fastpo/"; done
 ln -s "$PWD/kernels" "$SHIM/fastpo/kernels"
 ln -s "$PWD/envs_native" "$SHIM/fastpo/envs_native"
-export PYTHONPATH=$SHIM:$PYTHONPATH
+export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$CARRY/cache" ] && export FASTPO_CACHE=$PWD/$CARRY/cache
 export PYTHONUNBUFFERED=1
 

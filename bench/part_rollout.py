@@ -20,11 +20,13 @@ little; wall time and tokens/s are both shown for that reason).
 Sizes: CPU 2 groups x 4 trajectories, 5 turns, 48 new tokens per turn; when e2e runs too
 (the full run, 10 minutes), Sokoban only at 1 x 4 and 3 turns (e2e covers FrozenLake);
 --quick FrozenLake only, 1 x 2, 2 turns, 8 tokens; CUDA (the paper's scale) 8 x 16, 5 turns,
-128 tokens.
+128 tokens. Both loops get an untimed one-turn warm-up; one timed batch each unless
+--repeats N is given (then N interleaved batches each, median and spread reported).
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -58,9 +60,9 @@ def run(ctx: BenchContext) -> list:
     cfg = RolloutConfig(max_turns=sz["turns"], max_new_tokens=sz["new_tokens"], max_context=3600, temperature=1.0)
     seeds = [ctx.seed + 17 * g for g in range(sz["groups"])]
     sync = torch.cuda.synchronize if ctx.device.startswith("cuda") else None
-    # One timed batch per loop: a batch is minutes on the CPU and the GPU check has a
-    # shared time budget; on CUDA a small untimed batch first warms kernels and allocators.
-    repeats = 1
+    # A batch is minutes on the CPU and the GPU check has a shared time budget: one timed
+    # batch per loop unless --repeats asks for more (then interleaved, median reported).
+    repeats = ctx.repeats if ctx.repeats_given else 1
     warm_cfg = RolloutConfig(max_turns=1, max_new_tokens=4, max_context=3600)
     records = []
     envs = ENVS[:1] if ctx.quick else ENVS  # --quick: a smoke test of both loops
@@ -78,22 +80,21 @@ def run(ctx: BenchContext) -> list:
         ours = MultiTurnRollout(engine, tok, env_name, env_cfg, cfg)
         ref = ReferenceRollout(model, tok, env_name, env_cfg, cfg)
         res = {}
-
-        def run_ours():
-            res["ours"] = ours.generate(seeds, sz["group_size"], seed=ctx.seed)
-
-        def run_ref():
-            res["ref"] = ref.generate(seeds, sz["group_size"], seed=ctx.seed)
-
-        if sync is not None:
-            MultiTurnRollout(engine, tok, env_name, env_cfg, warm_cfg).generate(seeds[:1], 2)
-            ReferenceRollout(model, tok, env_name, env_cfg, warm_cfg).generate(seeds[:1], 2)
-        else:
-            engine._stop_char_mask(">")  # the one-time vocabulary scan, outside the timing
-        t_ours, s_ours = measure(run_ours, repeats=repeats, warmup=0, sync=sync)
-        print(f"part rollout: {env_name} native {t_ours:.1f} s", file=sys.stderr, flush=True)
-        t_ref, s_ref = measure(run_ref, repeats=repeats, warmup=0, sync=sync)
-        print(f"part rollout: {env_name} reference {t_ref:.1f} s", file=sys.stderr, flush=True)
+        # Untimed warm-up of both loops: one-time setup (the stop-string tables of both, CUDA
+        # kernels and allocators) stays out of the timing.
+        warm_groups = 2 if sync is not None else 1
+        MultiTurnRollout(engine, tok, env_name, env_cfg, warm_cfg).generate(seeds[:1], warm_groups)
+        ReferenceRollout(model, tok, env_name, env_cfg, warm_cfg).generate(seeds[:1], warm_groups)
+        times = {"ours": [], "ref": []}
+        for _ in range(repeats):
+            for side, loop in (("ours", ours), ("ref", ref)):
+                t, _s = measure(lambda: res.__setitem__(side, loop.generate(seeds, sz["group_size"], seed=ctx.seed)),
+                                repeats=1, warmup=0, sync=sync)
+                times[side].append(t)
+                print(f"part rollout: {env_name} {'native' if side == 'ours' else 'reference'} {t:.1f} s",
+                      file=sys.stderr, flush=True)
+        t_ours, s_ours = statistics.median(times["ours"]), max(times["ours"]) - min(times["ours"])
+        t_ref, s_ref = statistics.median(times["ref"]), max(times["ref"]) - min(times["ref"])
         mo, mr = res["ours"].metrics, res["ref"].metrics
         what = (f"{env_name}, {sz['groups']}x{sz['group_size']} trajectories, {sz['turns']} turns, "
                 f"{sz['new_tokens']} new tokens/turn, {info.label}, {ctx.device}")

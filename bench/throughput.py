@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = PARTS if args.part == "all" else [args.part]
     if args.device == "cpu":
         fix_malloc_threshold()  # before anything large is allocated
-    ctx = BenchContext(quick=args.quick, device=args.device, model=args.model, repeats=repeats, seed=args.seed,
+    ctx = BenchContext(quick=args.quick, device=args.device, model=args.model, repeats=repeats,
+                       repeats_given=args.repeats is not None, seed=args.seed,
                        parts=tuple(parts))
     header = machine_header(ctx)
     records: list[Record] = []
@@ -124,15 +125,22 @@ def main(argv: list[str] | None = None) -> int:
             errors[name] = f"{type(e).__name__}: {e}"
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"part {name}: {seconds[name]:.0f} s", file=sys.stderr, flush=True)
+        if args.json:  # after every part: a run stopped by a time limit keeps what it measured
+            write_json(args.json, header, vars(args), records, errors, seconds)
     print_table(header, records)
     for name, err in errors.items():
         print(f"part {name}: {err}", file=sys.stderr)
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"machine": header, "args": vars(args), "records": [r.to_dict() for r in records],
-                       "errors": errors, "part_seconds": seconds}, f, indent=2)
     return 1 if errors and not records else 0
+
+
+def write_json(path: str, header: dict, args: dict, records: list[Record], errors: dict, seconds: dict) -> None:
+    """Write the run so far to `path` atomically (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"machine": header, "args": args, "records": [r.to_dict() for r in records],
+                   "errors": errors, "part_seconds": seconds}, f, indent=2)
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
