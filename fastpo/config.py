@@ -110,10 +110,16 @@ class RolloutConfig:
 class RolloutSection(RolloutConfig):
     """The `rollout` section of a training config: every RolloutConfig option (one place for
     their defaults and meaning) plus the batch shape, env_groups x group_size trajectories
-    (paper: P=8 env groups x N=16)."""
+    (paper: P=8 env groups x N=16), and the generation backend: `engine`
+    "native" (fastpo's sampler on the trained module itself) or "sglang" (an `sglang.Engine`
+    holding a bf16 copy of the weights, refreshed after each update; CUDA only,
+    `pip install "fastpo[sglang]"`), with `sglang_mem_fraction` of the GPU memory for its
+    weights and KV cache (released while training)."""
 
     env_groups: int = 8
     group_size: int = 16
+    engine: Literal["native", "sglang"] = "native"
+    sglang_mem_fraction: float = 0.4
 
     def rollout_config(self, **changes: Any) -> RolloutConfig:
         """The plain RolloutConfig of this section (batch shape dropped), with `changes` applied."""
@@ -439,6 +445,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
     need(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 = off)")
     need(r.format_penalty <= 0, "rollout.format_penalty", r.format_penalty, "must be <= 0")
+    need(0 < r.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction", r.sglang_mem_fraction, "must be in (0, 1)")
+    need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
+         "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
     need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
     need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
     need(0 < a.filter_ratio <= 1, "algorithm.filter_ratio", a.filter_ratio, "must be in (0, 1]")

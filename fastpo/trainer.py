@@ -126,6 +126,7 @@ class Trainer:
         self._stop_requested = False
         self.stop_after = stop_after
         self.start_iteration = 1
+        self.weight_sync_seconds = 0.0
         self.last_eval: dict = {}
 
     # ------------------------------------------------------------------ setup
@@ -202,7 +203,7 @@ class Trainer:
             self.critic_opt = torch.optim.AdamW(list(self.critic_body.parameters()) + list(self.value_head.parameters()),
                                                 lr=o.critic_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.rollout_cfg = cfg.rollout.rollout_config()
-        self.engine = ro.NativeEngine(model, tok)
+        self.engine = self._make_engine(model, tok)
         self.rollout = ro.MultiTurnRollout(self.engine, tok, cfg.env.name, dict(cfg.env.options), self.rollout_cfg)
         self.echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
         if ckpt is not None:
@@ -228,6 +229,45 @@ class Trainer:
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
             f.write(dump_yaml(cfg))
 
+    def _make_engine(self, model, tok):
+        """The generation engine of `rollout.engine`: the native one samples from `model` itself;
+        SGLang's holds a copy, refreshed by `_engine_awake` after each update."""
+        from fastpo import rollout as ro
+
+        r = self.cfg.rollout
+        self._engine_released = self._weights_stale = False
+        if r.engine == "native":
+            return ro.NativeEngine(model, tok)
+        from fastpo.rollout.sglang_engine import SGLangEngine, sglang_available
+
+        if not sglang_available():  # before writing the weights out
+            raise ImportError("rollout.engine=sglang needs CUDA and sglang (pip install 'fastpo[sglang]'); "
+                              "use rollout.engine=native on this machine")
+        return SGLangEngine.from_model(model, tok, os.path.join(self.out, "sglang_model"),
+                                       mem_fraction_static=r.sglang_mem_fraction,
+                                       dtype="float32" if self.cfg.model.dtype == "float32" else "bfloat16")
+
+    @contextlib.contextmanager
+    def _engine_awake(self):
+        """Around generation: an engine that frees its GPU memory for training (SGLang) takes
+        it back and loads the weights of the last update first, and frees it again after."""
+        if not hasattr(self.engine, "release_memory"):
+            yield  # the native engine is the trained module: nothing to move
+            return
+        if self._engine_released:
+            self.engine.resume_memory()
+            self._engine_released = False
+        if self._weights_stale:
+            t0 = time.perf_counter()
+            self.engine.update_weights(self.model)
+            self._weights_stale = False
+            self.weight_sync_seconds += time.perf_counter() - t0
+        try:
+            yield
+        finally:
+            self.engine.release_memory()
+            self._engine_released = True
+
     def _load_weights(self, module: torch.nn.Module, folder: str, body: bool = False) -> None:
         from transformers import AutoModel, AutoModelForCausalLM
 
@@ -246,7 +286,7 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     def _generate(self, seeds: list[int], group_size: int, temperature: float, seed: int):
         self.model.eval()
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._autocast(), self._engine_awake():
             return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
 
     def _micro_batches(self, ids: list[torch.Tensor], indices: list[int], masks: list[torch.Tensor]):
@@ -452,8 +492,9 @@ class Trainer:
         t = self.cfg.trainer
         seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
         t0 = time.perf_counter()
-        res = evaluate_policy(self.rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345,
-                              autocast=self._autocast, model=self.model)
+        with self._engine_awake():
+            res = evaluate_policy(self.rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345,
+                                  autocast=self._autocast, model=self.model)
         batch = res.pop("_batch")
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
@@ -467,9 +508,11 @@ class Trainer:
         cfg, r, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         tm: dict[str, float] = {}
         t0 = time.perf_counter()
+        self.weight_sync_seconds = 0.0
         seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
         batch = self._generate(seeds, r.group_size, r.temperature, seed=cfg.trainer.seed * 1_000_003 + it)
-        tm["time/rollout_s"] = time.perf_counter() - t0
+        tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
+        tm["time/weight_sync_s"] = self.weight_sync_seconds
         full = batch
         m = rollout_metrics(full, prefix="train")
         t1 = time.perf_counter()
@@ -495,6 +538,7 @@ class Trainer:
         tm["time/advantage_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()
         um = self.update(it, ids, masks, old_lp, adv, vals, returns, ref)
+        self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
         train_tokens = um.pop("_train_tokens")
         um.pop("actor/pg_loss_micro", None)
         m.update(um)
@@ -596,6 +640,8 @@ class Trainer:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
             self.logger.close()
+            if hasattr(self.engine, "shutdown"):
+                self.engine.shutdown()  # SGLang's server processes
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"))
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
