@@ -31,20 +31,24 @@ def parse_answer(answer: str, names: dict[str, int], max_actions: int) -> tuple[
     return actions, invalid
 
 
+def mix64(z: int) -> int:
+    """SplitMix64's output function on a 64-bit int."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
 class SplitMix64:
-    """The per-instance random stream of the batched envs, in plain Python integers."""
+    """The per-instance random stream of the batched envs, in plain Python integers: the
+    starting state is mix64(seed * GOLDEN + mix64(salt)) (as ``_core.rng_seed_all``)."""
 
     def __init__(self, seed: int, salt: int):
-        self.state = (seed * _GOLDEN + salt) & _M64
-        self.next()
+        self.state = mix64((seed * _GOLDEN + mix64(salt)) & _M64)
 
     def next(self) -> int:
         """The next 64-bit output (int in [0, 2**64))."""
         self.state = (self.state + _GOLDEN) & _M64
-        z = self.state
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-        return z ^ (z >> 31)
+        return mix64(self.state)
 
     def uniform(self) -> float:
         """A float in [0, 1) from the top 53 bits."""

@@ -41,6 +41,53 @@ def test_same_seed_same_instance_whatever_batch_size_or_position(name):
     assert rev_obs[::-1] == obs and rev_rew[::-1] == rew
 
 
+def test_streams_of_nearby_seeds_are_disjoint_and_match_the_reference():
+    """A state derived as seed * GOLDEN + salt made seed s+1's stream seed s's stream shifted
+    by one draw; every draw of 2000 nearby seeds' streams must be distinct instead."""
+    from fastpo.envs_native._core import rng_next, rng_seed_all
+    from fastpo.envs_native.reference import SplitMix64
+
+    seeds = np.concatenate([np.arange(1000), 2**40 + np.arange(1000)]).astype(np.uint64)
+    for salt in (0xF20, 0x50C0BA, 0xBA4D17):
+        state = np.zeros(seeds.shape[0], dtype=np.uint64)
+        rng_seed_all(seeds, salt, state)
+        draws = np.array([[rng_next(state, b) for _ in range(16)] for b in range(seeds.shape[0])], dtype=np.uint64)
+        assert np.unique(draws).size == draws.size
+        for b in (0, 1, 999, 1000, 1999):
+            ref = SplitMix64(int(seeds[b]), salt)
+            assert [ref.next() for _ in range(16)] == draws[b].tolist()
+
+
+def test_frozenlake_maps_of_neighbouring_seeds_are_not_shifted_copies():
+    # with shifted streams, 329 of 399 consecutive 4x4 maps were map s shifted by one cell
+    N = 400
+    env = make_env("frozenlake", N, size=4, p=0.8)
+    env.reset(np.arange(N))
+    cells = np.array([list("".join(env.tiles(i))) for i in range(N)])
+
+    def shifted(a, b):  # cells 1..13 of map b are cells 2..14 of map a (0 and 15 are S and G)
+        return bool((cells[b, 1:14] == cells[a, 2:15]).all())
+
+    neighbours = sum(shifted(s, s + 1) for s in range(N - 1))
+    perm = np.random.default_rng(0).permutation(N)
+    random_pairs = sum(shifted(s, perm[s]) for s in range(N) if perm[s] != s)
+    # independent maps agree on 13 cells by chance ~0.7**13, i.e. a few pairs in 400
+    assert neighbours <= random_pairs + 10, (neighbours, random_pairs)
+
+
+def test_bandit_draws_of_neighbouring_seeds_are_independent():
+    # with shifted streams, pair(s + 1) % 2 equalled swapped(s) for every seed
+    B = 2000
+    env = make_env("bandit", B)
+    env.reset(np.arange(B))
+    pair, swapped = env._pair, env._swapped
+    agree = np.mean(pair[1:] % 2 == swapped[:-1])
+    same_swap = np.mean(swapped[1:] == swapped[:-1])
+    same_pair = np.mean(pair[1:] == pair[:-1])
+    # 0.5 (0.1 for one of 10 pairs) +- 4.5 standard deviations of a mean of 1999 draws
+    assert abs(agree - 0.5) < 0.05 and abs(same_swap - 0.5) < 0.05 and abs(same_pair - 0.1) < 0.03
+
+
 _SCRIPT = """
 import json, sys
 from fastpo.envs_native import make_env
