@@ -219,7 +219,12 @@ class PolicyLossOutput:
 class _PolicyLossFunction(torch.autograd.Function):
     """Forward computes the loss and, when a gradient is needed, d hidden and d weight too
     (the loss's gradient with respect to log-prob and entropy is elementwise, so it is known
-    as soon as a token's log-prob and entropy are); backward only scales them."""
+    as soon as a token's log-prob and entropy are); backward only scales them, in place.
+
+    So the gradients ([N, H] and a full [V, H]) are held from the forward until backward,
+    and a backward can run once (retain_graph=True and a second backward raise autograd's
+    "modified by an inplace operation" error rather than return a twice-scaled gradient).
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, run, box):
@@ -235,10 +240,12 @@ class _PolicyLossFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, g_loss, _g_lp, _g_ent):
         dh, dw = ctx.saved_tensors
-        # on the CPU the check is free and saves a [V, H] copy; on CUDA it would be a sync
+        # The tensors are private to this call: scale in place (no second [V, H] tensor). On the
+        # CPU, skipping the usual factor 1 is free; on CUDA the check would be a device sync.
         if not (g_loss.device.type == "cpu" and g_loss.item() == 1.0):
-            dh = None if dh is None else dh * g_loss.to(dh.dtype)
-            dw = None if dw is None else dw * g_loss.to(dw.dtype)
+            for g in (dh, dw):
+                if g is not None:
+                    g.mul_(g_loss)
         return dh, dw, None, None
 
 
@@ -253,6 +260,24 @@ def _check_vec(name, x, n, device, allow_none=False):
         raise ValueError(f"{name} must have shape [N]={n}, got {tuple(x.shape)}")
     if x.device != device:
         raise ValueError(f"{name} is on {x.device}, hidden on {device}")
+
+
+def _check_int(name, x) -> None:
+    if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
+
+
+def _check_mask(loss_mask: torch.Tensor) -> None:
+    """A loss mask is a weight per token: finite and >= 0 (a negative weight would flip the
+    token's gradient; NaN would silently drop it)."""
+    if loss_mask.dtype == torch.bool or not loss_mask.numel():
+        return
+    if loss_mask.dtype.is_complex:
+        raise TypeError(f"loss_mask must be bool or real, got {loss_mask.dtype}")
+    bad = ~torch.isfinite(loss_mask) | (loss_mask < 0) if loss_mask.dtype.is_floating_point else loss_mask < 0
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"loss_mask must be finite and >= 0, found {loss_mask[i].item()} at index {i}")
 
 
 def linear_policy_loss(
@@ -291,17 +316,29 @@ def linear_policy_loss(
     `reference.aggregation_weights`). Log-prob and entropy use softmax(logits / temperature).
 
     Returns PolicyLossOutput(loss scalar fp32 differentiable wrt hidden and weight,
-    logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats). Masked-out tokens
-    contribute nothing and get exactly zero gradient. The [N, V] logits are never held
-    (impl != "reference"): on the chunked/Triton paths the gradient is formed in the same
-    pass that recomputes each logits tile and is stored for backward.
-    Raises ValueError/TypeError naming a bad argument.
+    logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats, see
+    `reference.policy_metrics`). Masked-out tokens (loss_mask 0) contribute nothing, to the
+    loss and to the metrics, and get exactly zero gradient, whatever their inputs hold
+    (padding, -inf, even a non-finite hidden row); their logprob/entropy are still reported.
+
+    Memory and cost: the [N, V] logits are never held (impl != "reference"). On the
+    chunked/Triton paths the gradient is formed during this call, in the same pass that
+    computes each logits tile, and held until `.backward()`: d hidden [N, H] and a full
+    d weight [V, H] per call. So call `.backward()` per micro-batch (summing k losses before
+    one backward holds k copies of d weight), run loss-only evaluation under
+    `torch.no_grad()` (otherwise the backward's work is paid even if never used), and
+    backward once (no retain_graph=True second pass).
+    Raises ValueError/TypeError naming a bad argument: shapes, dtypes, devices, targets out
+    of [0, V), a negative or non-finite loss_mask, non-integer seq_ids/cu_seqlens, offsets
+    that do not run from 0 to N, unknown loss_agg/kl_estimator/impl, out-of-range
+    coefficients.
     """
     _check_linear(hidden, weight, targets, temperature)
     n, dev = hidden.shape[0], hidden.device
     _check_vec("old_logprob", old_logprob, n, dev)
     _check_vec("advantages", advantages, n, dev)
     _check_vec("loss_mask", loss_mask, n, dev)
+    _check_mask(loss_mask)
     _check_vec("ref_logprob", ref_logprob, n, dev, allow_none=True)
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
@@ -313,19 +350,26 @@ def linear_policy_loss(
             raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
     if clip_low >= 1.0:
         raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {clip_low}")
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip must be None or a constant > 1, got {dual_clip!r}")
+    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and math.isfinite(dual_clip)
+                                      and dual_clip > 1.0):
+        raise ValueError(f"dual_clip must be None or a finite constant > 1, got {dual_clip!r}")
     if kl_coef > 0 and ref_logprob is None:
         raise ValueError(f"kl_coef={kl_coef} needs ref_logprob, got None")
     if cu_seqlens is not None:
         if seq_ids is not None:
             raise ValueError("give seq_ids or cu_seqlens, not both")
-        cu = cu_seqlens.to(device=dev, dtype=torch.long)
+        try:
+            cu = torch.as_tensor(cu_seqlens)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"cu_seqlens must be a 1-D integer tensor or list, got {cu_seqlens!r}") from e
+        _check_int("cu_seqlens", cu)
+        cu = cu.to(device=dev, dtype=torch.long)
         if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != n or bool((cu[1:] < cu[:-1]).any()):
-            raise ValueError(f"cu_seqlens must be non-decreasing offsets from 0 to N={n}, got {cu_seqlens.tolist()}")
+            raise ValueError(f"cu_seqlens must be non-decreasing offsets from 0 to N={n}, got {cu.tolist()}")
         seq_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=dev), cu[1:] - cu[:-1])
     if seq_ids is not None:
         _check_vec("seq_ids", seq_ids, n, dev)
+        _check_int("seq_ids", seq_ids)  # any integer values, negative ones included, name sequences
     if loss_agg != "token-mean" and seq_ids is None:
         raise ValueError(f"loss_agg={loss_agg!r} needs seq_ids or cu_seqlens")
     if denominator is not None and not (isinstance(denominator, (int, float)) and denominator > 0):
@@ -369,11 +413,16 @@ def linear_policy_loss(
             dh = dw = None
             if need:
                 g_lp, g_ent = coef_fn(slice(None), lp, ent)
-                dh, dw = _grads(impl, hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size,
+                # masked rows enter the gradient pass as zeros (0 * NaN is NaN): their g is 0, so
+                # their dlogits are exactly 0 and a non-finite masked row cannot reach d weight
+                h_g = torch.where(sel[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=dev))
+                lse_g, ent_g = torch.where(sel, lse, 0.0), torch.where(sel, ent, 0.0)
+                dh, dw = _grads(impl, h_g, weight, targets, lse_g, ent_g, g_lp, g_ent, temperature, chunk_size,
                                 need_h, need_w)
         else:
             lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
-                                                     coef_fn if need else None, chunk_size, need_h, need_w)
+                                                     coef_fn if need else None, chunk_size, need_h, need_w,
+                                                     grad_rows=sel)
         terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
         loss = torch.where(sel, terms["loss"] * w, zero).sum()
         metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)

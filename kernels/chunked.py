@@ -185,12 +185,15 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
 
 @torch.no_grad()
 def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn | None,
-                  chunk_size: int | None = None, need_hidden: bool = True, need_weight: bool = True):
+                  chunk_size: int | None = None, need_hidden: bool = True, need_weight: bool = True,
+                  grad_rows: torch.Tensor | None = None):
     """One pass: (logprob [N], entropy [N], d hidden or None, d weight or None).
 
     coef_fn(rows: slice, logprob_chunk, entropy_chunk) -> (g_lp, g_ent) gives the upstream
     gradient of the loss for those tokens; it must be elementwise in the tokens. With
-    coef_fn None only the forward is done.
+    coef_fn None only the forward is done. grad_rows [N] bool (default: all): rows outside
+    it get exactly zero d hidden and stay out of d weight, even when their hidden state is
+    not finite (masked-out padding); their log-prob and entropy are still computed.
     """
     n = hidden.shape[0]
     c = chunk_rows(weight.shape[0], chunk_size)
@@ -210,6 +213,12 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
             continue
         g_lp, g_ent = coef_fn(slice(s, e), lp, ent)
         dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
+        if grad_rows is not None:
+            # 0 * NaN is NaN: a non-finite excluded row must be zeroed, not weighted by 0
+            out_rows = (~grad_rows[s:e]).nonzero().squeeze(-1)
+            if out_rows.numel():
+                dz.index_fill_(0, out_rows, 0.0)
+                h_c = h_c.index_fill(0, out_rows, 0.0)
         dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c

@@ -93,13 +93,18 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
     input_ids [B, T] int64; old_logprob, advantages, ref_logprob [B, T] float and loss_mask
     [B, T] bool/float, all aligned with input_ids (entry t is about token t, scored from the
     hidden state at t - 1); loss_mask[:, 0] must be 0, and 0 at every packed sequence start.
-    seq_ids [B, T] int64 names the sequences for the seq-mean-* aggregations (taken per row,
-    so ids may restart in each row); default: one sequence per row. `options` are
+    seq_ids [B, T] integer names the sequences for the seq-mean-* aggregations (taken per
+    row, so ids may restart in each row; any values, negative ones included); default: one
+    sequence per row. `options` are
     `linear_policy_loss`'s keywords (clip_low, clip_high, dual_clip, entropy_coef, kl_coef,
     kl_estimator, temperature, loss_agg, denominator, impl, chunk_size). The LM head weight
     (tied to the embeddings or not) gets its gradient through the fused function.
     Returns PolicyLossOutput with logprob / entropy [B, T] fp32 (0 where not scored).
-    Raises ValueError on mismatched shapes or a nonzero mask in column 0.
+    As with `linear_policy_loss`, the gradient is formed during this call and held until
+    `.backward()` (call it per micro-batch; use torch.no_grad() for loss-only evaluation).
+    Raises ValueError on mismatched shapes, a nonzero mask in column 0 or at a packed
+    sequence start, a negative or non-finite loss_mask, or cu_seqlens given; TypeError on
+    non-integer seq_ids; and whatever `linear_policy_loss` raises for its options.
     """
     _check_ids(input_ids)
     b, t = input_ids.shape
@@ -107,6 +112,8 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
         _check_bt(name, x, (b, t))
     _check_bt("ref_logprob", ref_logprob, (b, t), allow_none=True)
     _check_bt("seq_ids", seq_ids, (b, t), allow_none=True)
+    if seq_ids is not None and (seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool):
+        raise TypeError(f"seq_ids must be an integer tensor, got {seq_ids.dtype}")
     if "cu_seqlens" in options:
         raise ValueError("causal_lm_policy_loss takes seq_ids [B, T], not cu_seqlens")
     idx = _scored(loss_mask, "loss_mask")
@@ -127,8 +134,10 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
     if seq_ids is None:
         sid = rows
     else:
-        # a sequence lives in one row: make per-row ids unique across rows
-        sid = rows * (int(seq_ids.max().item()) + 1 if seq_ids.numel() else 1) + seq_ids.long()
+        # a sequence lives in one row: number the distinct (row, id) pairs, so that equal ids
+        # in different rows stay apart whatever their values (negative or huge)
+        pairs = torch.stack([rows.reshape(-1), seq_ids.reshape(-1).long()], 1)
+        sid = torch.unique(pairs, dim=0, return_inverse=True)[1].view(b, t)
     out = linear_policy_loss(h, weight, pick(input_ids), pick(old_logprob), pick(advantages), pick(loss_mask),
                              pick(ref_logprob), seq_ids=pick(sid), **options)
     return PolicyLossOutput(out.loss, _scatter(out.logprob, idx, b, t), _scatter(out.entropy, idx, b, t),
@@ -146,6 +155,10 @@ def causal_lm_logprob_entropy(model, input_ids: torch.Tensor, *, attention_mask:
     column 0 is 0. Only positions where `mask` [B, T] is set are computed (mask[:, 0] must
     be 0); default: every position t >= 1 that a 2D attention_mask keeps (all when
     attention_mask is None or 4D). Others are 0. Logits use softmax(logits / temperature).
+    Raises ValueError on input_ids that are not an integer [B, T] tensor, a mask of another
+    shape or nonzero in column 0, a model without a separate decoder body or with a
+    non-linear LM head (bias, logit softcapping or scaling), and whatever
+    `linear_logprob_entropy` raises (temperature, impl, token ids out of [0, V)).
     """
     _check_ids(input_ids)
     b, t = input_ids.shape

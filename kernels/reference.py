@@ -150,30 +150,36 @@ def policy_metrics(
     clip is active; approx_kl: mean k3 estimate of KL(pi_old || pi) = (r - 1) - log r;
     ratio_mean / max / min; entropy: mean token entropy (nats); pg_loss: the aggregated
     policy-gradient term (same weights as the loss); kl: mean KL to the reference (when
-    used). All 0.0 when no token is masked in.
+    used). Token counts ignore the mask's weights (a token is in when loss_mask > 0). All
+    0.0 when no token is masked in. Masked-out tokens are dropped with torch.where, so a
+    NaN or inf there (e.g. from a non-finite padding row) never reaches a metric.
     """
     sel = loss_mask.to(torch.float32) > 0
     n = sel.sum().to(torch.float32).clamp(min=1.0)
-    f = sel.to(torch.float32)
     ratio = terms["ratio"].detach()
     log_ratio = (logprob.detach() - old_logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     any_sel = sel.any()
+
+    def mean(x):
+        x = x.detach()
+        return torch.where(sel, x.float() if x.dtype == torch.bool else x, 0.0).sum() / n
+
     vals = {
-        "clipfrac_low": (terms["clip_low"].float() * f).sum() / n,
-        "clipfrac_high": (terms["clip_high"].float() * f).sum() / n,
-        "clipfrac": ((terms["clip_low"] | terms["clip_high"]).float() * f).sum() / n,
-        "clipfrac_dual": (terms["dual_clip"].float() * f).sum() / n,
-        "approx_kl": (((ratio - 1.0) - log_ratio) * f).sum() / n,
-        "ratio_mean": (ratio * f).sum() / n,
+        "clipfrac_low": mean(terms["clip_low"]),
+        "clipfrac_high": mean(terms["clip_high"]),
+        "clipfrac": mean(terms["clip_low"] | terms["clip_high"]),
+        "clipfrac_dual": mean(terms["dual_clip"]),
+        "approx_kl": mean((ratio - 1.0) - log_ratio),
+        "ratio_mean": mean(ratio),
         "ratio_max": torch.where(any_sel, torch.where(sel, ratio, -torch.inf).amax(dim=0, keepdim=True), 0.0)
         if ratio.numel() else torch.zeros((), device=ratio.device),
         "ratio_min": torch.where(any_sel, torch.where(sel, ratio, torch.inf).amin(dim=0, keepdim=True), 0.0)
         if ratio.numel() else torch.zeros((), device=ratio.device),
-        "entropy": (entropy.detach() * f).sum() / n,
-        "pg_loss": (terms["pg"].detach() * weights).sum(),
+        "entropy": mean(entropy),
+        "pg_loss": torch.where(sel, terms["pg"].detach() * weights, 0.0).sum(),
     }
     if with_kl:
-        vals["kl"] = (terms["kl"].detach() * f).sum() / n
+        vals["kl"] = mean(terms["kl"])
     keys = list(vals)
     out = torch.stack([vals[k].to(torch.float64).reshape(()) for k in keys]).tolist()
     return dict(zip(keys, out))
@@ -203,10 +209,14 @@ def reference_policy_loss(
 
     Same arguments and meaning as `fastpo.kernels.linear_policy_loss` (no validation here).
     loss is a differentiable scalar; masked-out tokens are removed with torch.where so that
-    their gradient is exactly zero whatever their inputs hold.
+    their gradient is exactly zero whatever their inputs hold. Their hidden rows are
+    replaced by zeros before the logits (the backward of log_softmax on a non-finite row
+    would give NaN even with a zero upstream gradient); their returned logprob/entropy come
+    from the real rows, computed without a graph.
     """
-    logprob, entropy = reference_logprob_entropy(hidden, weight, targets, temperature)
     sel = loss_mask.to(torch.float32) > 0
+    h_in = torch.where(sel[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    logprob, entropy = reference_logprob_entropy(h_in, weight, targets, temperature)
     zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
     old = torch.where(sel, old_logprob.to(logprob.dtype), zero)
     adv = torch.where(sel, advantages.to(logprob.dtype), zero)
@@ -217,4 +227,9 @@ def reference_policy_loss(
     w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(logprob.dtype)
     loss = torch.where(sel, terms["loss"] * w, zero).sum()
     metrics = policy_metrics(terms, entropy, logprob, old, loss_mask, w, ref_logprob is not None)
-    return loss, logprob.detach(), entropy.detach(), metrics
+    logprob, entropy = logprob.detach(), entropy.detach()
+    if not bool(sel.all()):
+        with torch.no_grad():
+            lp_all, ent_all = reference_logprob_entropy(hidden, weight, targets, temperature)
+        logprob, entropy = torch.where(sel, logprob, lp_all), torch.where(sel, entropy, ent_all)
+    return loss, logprob, entropy, metrics
