@@ -346,3 +346,166 @@ def test_auto_falls_back_to_chunked_when_triton_fails(monkeypatch):
     assert api.resolve_impl("auto", torch.device("cuda")) == "chunked"  # never retried
     with pytest.raises(RuntimeError, match="simulated"):  # an explicit impl="triton" never falls back
         api._stats("triton", hidden, weight, targets, 1.0, None)
+
+
+# ---- metrics, non-finite masked rows, accumulation precision, backward, validation ----
+
+def test_policy_metrics_by_hand():
+    from fastpo.kernels import policy_metrics
+
+    r = [1.5, 1.1, 0.5, 0.9, 2.0]
+    lp = torch.tensor([0.0, 0.0, 0.0, 0.0, math.nan])  # the masked-out token holds NaN
+    old = -torch.log(torch.tensor(r))  # ratios exp(lp - old) = r on the four masked-in tokens
+    adv = torch.tensor([2.0, 2.0, -1.0, -1.0, 1.0])
+    ent = torch.tensor([1.0, 2.0, 3.0, 4.0, math.inf])
+    ref = torch.tensor([-1.0, 0.0, 0.5, 0.0, 0.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    terms = policy_loss_terms(lp, ent, old, adv, ref, clip_low=0.2, clip_high=0.28, kl_estimator="k3")
+    w = aggregation_weights(mask, "token-mean")
+    m = policy_metrics(terms, ent, lp, old, mask, w, with_kl=True)
+    # token 0: A > 0 and r = 1.5 > 1.28 (high clip); token 2: A < 0 and r = 0.5 < 0.8 (low clip)
+    assert m["clipfrac_high"] == pytest.approx(0.25) and m["clipfrac_low"] == pytest.approx(0.25)
+    assert m["clipfrac"] == pytest.approx(0.5) and m["clipfrac_dual"] == 0.0
+    kl_old = sum((x - 1.0) - math.log(x) for x in r[:4]) / 4  # k3 of KL(old || new), from the ratio
+    assert m["approx_kl"] == pytest.approx(kl_old, rel=1e-5)
+    assert m["ratio_mean"] == pytest.approx((1.5 + 1.1 + 0.5 + 0.9) / 4, rel=1e-6)
+    assert m["ratio_max"] == pytest.approx(1.5, rel=1e-6) and m["ratio_min"] == pytest.approx(0.5, rel=1e-6)
+    assert m["entropy"] == pytest.approx(2.5)
+    # pg = max(-A r, -A clip(r)): -2 * 1.28, -2 * 1.1, 1 * 0.8, 1 * 0.9; token-mean over 4
+    assert m["pg_loss"] == pytest.approx((-2.56 - 2.2 + 0.8 + 0.9) / 4, rel=1e-5)
+    k3 = [math.exp(d) - d - 1.0 for d in (-1.0, 0.0, 0.5, 0.0)]  # ref - lp
+    assert m["kl"] == pytest.approx(sum(k3) / 4, rel=1e-5)
+    assert all(math.isfinite(x) for x in m.values()), m
+
+
+def test_nonfinite_hidden_row_under_mask_zero_changes_nothing():
+    n = 24
+    hidden, weight, targets = _data(n, 16, 97, seed=11, scale=2.0)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[[3, 10, 17]] = False
+    bad = hidden.clone()
+    bad[3], bad[10, 5], bad[17, 0] = math.nan, math.inf, -math.inf
+    g = torch.Generator().manual_seed(12)
+    old = -torch.rand(n, generator=g) - 3.0
+    adv, ref = torch.randn(n, generator=g), -torch.rand(n, generator=g) - 3.0
+    kw = dict(entropy_coef=0.01, kl_coef=0.1, clip_high=0.28, loss_agg="seq-mean-token-mean",
+              seq_ids=torch.arange(n) // 6)
+    for impl in ("reference", "chunked"):
+        res = []
+        for h in (hidden, bad):
+            hh, ww = h.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            out = linear_policy_loss(hh, ww, targets, old, adv, mask, ref, impl=impl, chunk_size=8, **kw)
+            out.loss.backward()
+            res.append((out, hh.grad, ww.grad))
+        (a, ah, aw), (b, bh, bw) = res
+        assert torch.isfinite(b.loss) and torch.isfinite(bw).all(), impl
+        assert bool((bh[~mask] == 0).all()) and torch.isfinite(bh).all(), impl
+        torch.testing.assert_close(b.loss, a.loss, atol=0, rtol=0)
+        torch.testing.assert_close(bw, aw, atol=1e-7, rtol=1e-6)
+        torch.testing.assert_close(bh, ah, atol=1e-7, rtol=1e-6)
+        for k, val in a.metrics.items():
+            assert b.metrics[k] == pytest.approx(val, rel=1e-6, abs=1e-7), (impl, k, b.metrics)
+        # masked-in tokens are reported as before; the poisoned rows report what they are
+        torch.testing.assert_close(b.logprob[mask], a.logprob[mask], atol=0, rtol=0)
+        assert torch.isnan(b.logprob[3]) and torch.isfinite(a.logprob[~mask]).all(), impl
+    # the grad-free evaluation path too
+    with torch.no_grad():
+        out = linear_policy_loss(bad, weight, targets, old, adv, mask, ref, impl="chunked", **kw)
+    assert torch.isfinite(out.loss) and all(math.isfinite(x) for x in out.metrics.values())
+
+
+def _fp64_weight_grad(hidden, weight, targets, g_lp, g_ent, temperature):
+    w = weight.double().requires_grad_(True)
+    lp, ent = reference_logprob_entropy(hidden.double(), w, targets, temperature)
+    (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
+    return w.grad
+
+
+def _rowwise_rel_error(x, ref):
+    """max over vocabulary rows of max |x - ref| / max |ref| within the row."""
+    err = (x.double() - ref).abs().amax(1)
+    return (err / ref.abs().amax(1).clamp(min=1e-30)).max().item()
+
+
+def many_tile_case(n=1024, h=16, v=61, seed=13):
+    """Nearly equal hidden rows, one target: every token adds about the same, same-signed
+    amount to each entry of d weight, the case where a low-precision running sum over token
+    tiles stalls (a bf16 sum of 128 near-equal terms is off by several percent)."""
+    g = torch.Generator().manual_seed(seed)
+    h0 = torch.randn(h, generator=g, dtype=torch.float64)
+    hidden = h0 + 0.02 * torch.randn(n, h, generator=g, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=g, dtype=torch.float64) / math.sqrt(h)
+    targets = torch.full((n,), 7, dtype=torch.long)
+    g_lp = 1.0 + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    g_ent = torch.full((n,), 0.5, dtype=torch.float64)
+    return hidden, weight, targets, g_lp, g_ent
+
+
+# bf16: the returned d weight is bf16 (one rounding, <= 2^-8 of an entry); fp32: fp32 all along
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-3)])
+def test_weight_gradient_accumulates_in_fp32_over_many_chunks(dtype, tol):
+    hidden, weight, targets, g_lp, g_ent = many_tile_case()
+    hidden, weight = hidden.to(dtype), weight.to(dtype)
+    ww = weight.clone().requires_grad_(True)
+    lp, ent = linear_logprob_entropy(hidden, ww, targets, 0.5, impl="chunked", chunk_size=8)  # 128 chunks
+    (lp * g_lp.float() + ent * g_ent.float()).sum().backward()
+    ref = _fp64_weight_grad(hidden, weight, targets, g_lp, g_ent, 0.5)
+    err = _rowwise_rel_error(ww.grad, ref)
+    assert err <= tol, f"d weight off by {err:.3g} of its row scale (tolerance {tol:g})"
+
+
+def test_policy_loss_backward_scales_the_stored_gradient_in_place():
+    n = 30
+    hidden, weight, targets = _data(n, 12, 83, seed=14)
+    g = torch.Generator().manual_seed(15)
+    old, adv = -torch.rand(n, generator=g) - 4.0, torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.3
+    grads = {}
+    for impl in ("reference", "chunked"):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = linear_policy_loss(hh, ww, targets, old, adv, mask, entropy_coef=0.01, impl=impl, chunk_size=7)
+        if impl == "chunked":
+            stored = out.loss.grad_fn.saved_tensors[1].data_ptr()
+        # the upstream gradient of the loss is 2.5 + 0.5 = 3, not 1
+        (2.5 * out.loss + 0.5 * out.loss + hh.sum() * 0).backward()
+        grads[impl] = (hh.grad, ww.grad)
+    torch.testing.assert_close(grads["chunked"][0], grads["reference"][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grads["chunked"][1], grads["reference"][1], atol=1e-6, rtol=1e-5)
+    assert grads["chunked"][1].data_ptr() == stored, "d weight was copied instead of scaled in place"
+    # a second backward through the retained graph would scale twice: autograd refuses it
+    hh = hidden.clone().requires_grad_(True)
+    out = linear_policy_loss(hh, weight, targets, old, adv, mask, impl="chunked")
+    (2.0 * out.loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        (2.0 * out.loss).backward()
+
+
+def test_sequence_ids_offsets_and_mask_validation():
+    hidden, weight, targets = _data(10, 8, 50, seed=16)
+    old, adv, mask = -torch.rand(10), torch.randn(10), torch.ones(10)
+    kw = dict(loss_agg="seq-mean-token-sum")
+    a = linear_policy_loss(hidden, weight, targets, old, adv, mask, cu_seqlens=[0, 3, 3, 10], **kw)
+    b = linear_policy_loss(hidden, weight, targets, old, adv, mask, cu_seqlens=torch.tensor([0, 3, 3, 10]), **kw)
+    # negative ids name sequences like any others
+    c = linear_policy_loss(hidden, weight, targets, old, adv, mask,
+                           seq_ids=torch.tensor([-5, -5, -5, -1, -1, -1, -1, -1, -1, -1]), **kw)
+    torch.testing.assert_close(a.loss, b.loss)
+    torch.testing.assert_close(c.loss, b.loss)
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer tensor, got torch.float32"):
+        linear_policy_loss(hidden, weight, targets, old, adv, mask, cu_seqlens=[0.0, 3.5, 10.0], **kw)
+    with pytest.raises(ValueError, match=r"got \[0, 3, 9\]"):
+        linear_policy_loss(hidden, weight, targets, old, adv, mask, cu_seqlens=[0, 3, 9], **kw)
+    with pytest.raises(TypeError, match="seq_ids must be an integer tensor, got torch.float32"):
+        linear_policy_loss(hidden, weight, targets, old, adv, mask, seq_ids=torch.zeros(10), **kw)
+    neg = mask.clone()
+    neg[4] = -1.0
+    with pytest.raises(ValueError, match="loss_mask must be finite and >= 0, found -1.0 at index 4"):
+        linear_policy_loss(hidden, weight, targets, old, adv, neg)
+    nan = mask.clone()
+    nan[2] = math.nan
+    with pytest.raises(ValueError, match="found nan at index 2"):
+        linear_policy_loss(hidden, weight, targets, old, adv, nan)
+    with pytest.raises(ValueError, match="found -2 at index 0"):
+        linear_policy_loss(hidden, weight, targets, old, adv, torch.tensor([-2, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
+    with pytest.raises(ValueError, match="dual_clip must be None or a finite constant > 1, got inf"):
+        linear_policy_loss(hidden, weight, targets, old, adv, mask, dual_clip=math.inf)
