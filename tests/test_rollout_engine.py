@@ -152,6 +152,89 @@ def test_context_limit_truncates_without_crashing(tiny):
         eng.generate([5], None, params)
 
 
+def test_stop_kinds_on_a_scripted_model(tiny):
+    """Each stop kind on purpose: the stop string completed inside a token (">." closes
+    "</answer>"), and exactly at max_new_tokens (stop_string wins over length); a ">" that
+    completes nothing; the end-of-turn token; max_new_tokens. Then the next turn feeds the
+    pending stop token and the append, at the right positions."""
+    from scripted_logits import ScriptedLogits
+
+    model, tok = tiny
+
+    def enc(text):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1, (text, ids)
+        return ids[0]
+
+    right, down, up, left, a, b = (enc(x) for x in (" Right", " Down", " Up", " Left", " a", " b"))
+    close_open, answer, gt_dot, gtgt, eot = enc(" </"), enc("answer"), enc(">."), enc(">>"), enc("<|im_end|>")
+    p0, p1, p2 = 100, 101, 102  # the prompts' last tokens pick each group's script
+    table = {p0: (right, down), right: close_open, down: close_open, close_open: answer, answer: gt_dot,
+             p1: up, up: gtgt, gtgt: eot,
+             p2: left, left: a, a: b, b: a}
+    script = ScriptedLogits(model, table, default=eot)
+    try:
+        eng = NativeEngine(model, tok)
+        params = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(eot,), stop_strings=("</answer>",),
+                                max_context=512)
+        prompts = [[1, 2, 3, p0], [4, 5, p1], [6, 7, 8, 9, p2]]
+        eng.start(prompts, 2)
+        outs = eng.generate(list(range(6)), None, params, torch.Generator().manual_seed(0))
+        want = {0: "stop_string", 1: "eot", 2: "length"}
+        for s, o in enumerate(outs):
+            assert o.stop_reason == want[s // 2], (s, o)
+        for s in (0, 1):  # the response ends on the token that completes "</answer>", 4 = max_new_tokens
+            assert outs[s].token_ids[1:] == [close_open, answer, gt_dot] and outs[s].token_ids[0] in (right, down)
+            assert tok.decode(outs[s].token_ids).endswith("</answer>.")
+            assert outs[s].logprobs[0] == pytest.approx(-0.6931472, abs=1e-6)  # one of two: log(1/2)
+            assert outs[s].logprobs[1:] == [0.0, 0.0, 0.0]
+        assert {outs[0].token_ids[0], outs[1].token_ids[0]} <= {right, down}
+        assert outs[2].token_ids == outs[3].token_ids == [up, gtgt, eot]  # ">>" holds ">" but closes nothing
+        assert outs[4].token_ids == [left, a, b, a]
+        # turn 2: each session feeds its pending last token, then the append, then decodes
+        script.fed.clear()
+        app = [[p0], [p0], [11, p1], [11, p1], [12, 13, p2], [12, 13, p2]]
+        lens = [eng.session_length(s) for s in range(6)]
+        outs2 = eng.generate(list(range(6)), app, params, torch.Generator().manual_seed(1))
+        assert [o.stop_reason for o in outs2] == [want[s // 2] for s in range(6)]
+        first = script.fed[0]  # the turn's chunk forward: rows in session order
+        for s in range(6):
+            pending = outs[s].token_ids[-1]
+            expect = [(lens[s] - 1 + k, t) for k, t in enumerate([pending] + app[s])]
+            assert first[s] == expect, (s, first[s], expect)
+    finally:
+        script.close()
+    eng.finish()
+
+
+def test_refuses_sliding_window_and_out_of_vocabulary_appends(tiny):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fastpo.rollout.engine import unsupported_attention
+
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=64, vocab_size=64)
+    qwen_sw = AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1, **small)
+    mistral_sw = AutoConfig.for_model("mistral", sliding_window=16, **small)
+    assert "sliding_attention" in unsupported_attention(qwen_sw)
+    assert unsupported_attention(AutoConfig.for_model("qwen2", **small)) is None  # Qwen2.5's default: no window
+    assert unsupported_attention(AutoConfig.for_model("mistral", **dict(small, sliding_window=None))) is None
+    model, tok = tiny
+    assert unsupported_attention(model.config) is None
+    for cfg in (qwen_sw, mistral_sw):
+        with pytest.raises(ValueError, match="full attention.*(sliding_attention|sliding_window=16)"):
+            NativeEngine(AutoModelForCausalLM.from_config(cfg), tok)
+    eng = NativeEngine(model, tok)
+    eng.start([list(range(100, 110))], 2)
+    params = SamplingParams(max_new_tokens=2, max_context=64)
+    eng.generate([0, 1], None, params)
+    with pytest.raises(ValueError, match=r"session 1 .*outside \[0, 49152\): \[49152\]"):
+        eng.generate([0, 1], [[5], [7, 49152]], params)
+    with pytest.raises(ValueError, match="outside"):
+        eng.generate([0, 1], [[-1], []], params)
+    eng.finish()
+
+
 def test_training_flag_restored_and_no_grad(tiny):
     model, tok = tiny
     model.train()

@@ -2,6 +2,7 @@
 penalties, action budget, truncation, reproducibility."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,54 +33,146 @@ def _runs(mask: torch.Tensor):
     return out
 
 
+class _Recorder:
+    """Records, during a rollout, what the sampler drew (in draw order) and what every
+    forward was fed (real (position, token) pairs), to compare with the batch's records."""
+
+    def __init__(self, model):
+        from scripted_logits import ScriptedLogits
+
+        import fastpo.rollout.engine as engine_mod
+
+        self.sampled: list = []
+        self._mod, self._orig = engine_mod, engine_mod.sample_tokens
+        self.feed = ScriptedLogits(model, None)
+
+        def sample(*a, **k):
+            tok, lp = self._orig(*a, **k)
+            self.sampled.extend(tok.tolist())
+            return tok, lp
+
+        engine_mod.sample_tokens = sample
+
+    def close(self):
+        self._mod.sample_tokens = self._orig
+        self.feed.close()
+
+
+def _generate_recorded(ro, model, *args, **kw):
+    rec = _Recorder(model)
+    try:
+        return ro.generate(*args, **kw), rec
+    finally:
+        rec.close()
+
+
+def _check_sampled_and_fed(batch, rec, prompt_lens):
+    """The responses are exactly the drawn tokens, and what the model was fed is exactly
+    each group's prompt once plus every trajectory's later tokens but its last (still
+    pending when the rollout ends), at their true positions. Multisets: the engine batches
+    and reorders rows, but any token recorded differently from what was drawn or fed shows."""
+    from collections import Counter
+
+    responses = Counter(t for rs in batch.responses for r in rs for t in r.tolist())
+    assert Counter(rec.sampled) == responses
+    fed = Counter(pt for forward in rec.feed.fed for row in forward for pt in row)
+    expect = Counter()
+    for g in torch.unique(batch.group_ids).tolist():
+        first = int((batch.group_ids == g).nonzero()[0])
+        expect.update(enumerate(batch.input_ids[first][:prompt_lens[first]].tolist()))
+    for i, ids in enumerate(batch.input_ids):
+        ids = ids.tolist()
+        expect.update((p, ids[p]) for p in range(prompt_lens[i], len(ids) - 1))
+    assert fed == expect
+
+
 @pytest.fixture(scope="module")
 def smol_batch(smol):
     model, tok = smol
+    # On this seed the 12 responses end at max_new_tokens or on the model's own <|im_end|>;
+    # the "</answer>" stop string is rare this early in a response (every kind, on purpose:
+    # test_every_stop_kind_on_a_scripted_model_keeps_tokens_and_template).
     cfg = RolloutConfig(max_turns=3, max_new_tokens=16, max_context=2048, temperature=1.0)
     ro = MultiTurnRollout(NativeEngine(model, tok), tok, "frozenlake", {"size": 4}, cfg)
-    return ro, ro.generate([0, 1], group_size=2, seed=0)
+    batch, rec = _generate_recorded(ro, model, [0, 1], group_size=2, seed=0)
+    return ro, batch, rec
+
+
+def _check_against_template(ro, tok, batch, i):
+    """Trajectory i: one model run per turn holding the sampled ids, and the non-model tokens
+    equal to what the chat template renders for the same messages."""
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids, mask, tix = batch.input_ids[i], batch.loss_mask[i], batch.turn_index[i]
+    runs = _runs(mask)
+    model_runs = [r for r in runs if r[2]]
+    other_runs = [r for r in runs if not r[2]]
+    # one run per turn, the turn's recorded response
+    assert len(model_runs) == int(batch.num_turns[i]) == len(batch.responses[i]) == len(batch.turn_stop_reasons[i])
+    for k, (a, b, _) in enumerate(model_runs):
+        assert torch.equal(ids[a:b], batch.responses[i][k])
+        assert (tix[a:b] == k).all()
+    assert (tix[~mask] == -1).all()
+    assert (batch.sample_logprobs[i][~mask] == 0).all()
+    # the non-model tokens are what the chat template renders for the same messages
+    msgs = ro.chat.messages(batch.user_messages[i][0])
+    rendered = [tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + ro.chat.prime]
+    bodies, eots = [], []
+    for k, resp in enumerate(batch.responses[i]):
+        r = resp.tolist()
+        eots.append(r[-1] == im_end)
+        bodies.append(tok.decode(r[:-1] if eots[-1] else r))
+        if k + 1 < len(batch.user_messages[i]):
+            msgs = msgs + [{"role": "assistant", "content": ro.chat.prime + bodies[-1]},
+                           {"role": "user", "content": batch.user_messages[i][k + 1]}]
+            rendered.append(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                            + ro.chat.prime)
+    a0, b0, _ = other_runs[0]
+    assert ids[a0:b0].tolist() == tok(rendered[0], add_special_tokens=False)["input_ids"]
+    for k in range(1, len(rendered)):
+        assert rendered[k].startswith(rendered[k - 1] + bodies[k - 1])
+        between = rendered[k][len(rendered[k - 1]) + len(bodies[k - 1]):]
+        a, b, _ = other_runs[k]
+        expect = tok(between, add_special_tokens=False)["input_ids"]
+        assert ([im_end] if eots[k - 1] else []) + ids[a:b].tolist() == expect
+    assert len(other_runs) == len(rendered)  # nothing after the last response
+    assert tok.decode(ids) == rendered[-1] + bodies[-1] + ("<|im_end|>" if eots[-1] else "")
+    return eots[:len(rendered) - 1]  # the turns followed by template tokens
+
+
+def _check_stop_reasons(batch, params, tok):
+    """Each turn's recorded stop reason agrees with its ids; returns the kinds seen."""
+    seen = set()
+    for i in range(len(batch)):
+        for r, why in zip(batch.responses[i], batch.turn_stop_reasons[i]):
+            r = r.tolist()
+            seen.add(why)
+            text, before = tok.decode(r), tok.decode(r[:-1])
+            if why == "eot":
+                assert r[-1] in params.stop_token_ids
+            elif why == "stop_string":  # ends on the token that completes "</answer>"
+                assert "</answer>" in text and "</answer>" not in before and r[-1] not in params.stop_token_ids
+            elif why == "length":
+                assert len(r) == params.max_new_tokens and "</answer>" not in text
+            else:
+                assert why == "context"
+    return seen
 
 
 @pytest.mark.slow
 def test_token_in_token_out_matches_chat_template(smol, smol_batch):
     model, tok = smol
-    ro, batch = smol_batch
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    ro, batch, rec = smol_batch
     assert len(batch) == 4 and batch.group_ids.tolist() == [0, 0, 1, 1] and batch.seeds.tolist() == [0, 0, 1, 1]
+    eots = []
     for i in range(len(batch)):
-        ids, mask, tix = batch.input_ids[i], batch.loss_mask[i], batch.turn_index[i]
-        runs = _runs(mask)
-        model_runs = [r for r in runs if r[2]]
-        other_runs = [r for r in runs if not r[2]]
-        # the sampled ids, exactly, one run per turn
-        assert len(model_runs) == int(batch.num_turns[i]) == len(batch.responses[i])
-        for k, (a, b, _) in enumerate(model_runs):
-            assert torch.equal(ids[a:b], batch.responses[i][k])
-            assert (tix[a:b] == k).all()
-        assert (tix[~mask] == -1).all()
-        assert (batch.sample_logprobs[i][~mask] == 0).all()
-        # the non-model tokens are what the chat template renders for the same messages
-        msgs = ro.chat.messages(batch.user_messages[i][0])
-        rendered = [tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + "<think>"]
-        bodies, eots = [], []
-        for k, resp in enumerate(batch.responses[i]):
-            r = resp.tolist()
-            eots.append(r[-1] == im_end)
-            bodies.append(tok.decode(r[:-1] if eots[-1] else r))
-            if k + 1 < len(batch.user_messages[i]):
-                msgs = msgs + [{"role": "assistant", "content": "<think>" + bodies[-1]},
-                               {"role": "user", "content": batch.user_messages[i][k + 1]}]
-                rendered.append(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) + "<think>")
-        a0, b0, _ = other_runs[0]
-        assert ids[a0:b0].tolist() == tok(rendered[0], add_special_tokens=False)["input_ids"]
-        for k in range(1, len(rendered)):
-            assert rendered[k].startswith(rendered[k - 1] + bodies[k - 1])
-            between = rendered[k][len(rendered[k - 1]) + len(bodies[k - 1]):]
-            a, b, _ = other_runs[k]
-            expect = tok(between, add_special_tokens=False)["input_ids"]
-            assert ([im_end] if eots[k - 1] else []) + ids[a:b].tolist() == expect
-        assert len(other_runs) == len(rendered)  # nothing after the last response
-        assert tok.decode(ids) == rendered[-1] + bodies[-1] + ("<|im_end|>" if eots[-1] else "")
+        eots += _check_against_template(ro, tok, batch, i)
+    prompt_lens = [int(m.nonzero()[0]) for m in batch.loss_mask]
+    _check_sampled_and_fed(batch, rec, prompt_lens)
+    seen = _check_stop_reasons(batch, ro.sampling_params(), tok)
+    # real responses ended on the model's own <|im_end|> and at max_new_tokens
+    assert {"eot", "length"} <= seen, seen
+    # (on this seed the only real <|im_end|> ends a last turn; the emitted-EOT template
+    # branch is checked by the scripted test)
 
 
 @pytest.mark.slow
@@ -117,6 +210,59 @@ def test_batch_fields_metrics_select(smol_batch):
         batch.select([4])
     texts = batch.texts()
     assert texts[0].startswith("<|im_start|>system") and "Turn 1:" in texts[0]
+
+
+def test_every_stop_kind_on_a_scripted_model_keeps_tokens_and_template(tiny):
+    """The real engine and loop on a model whose logits follow a script: after the prime each
+    response is, at random, " Right </answer>." (ends on ">.", the token completing the stop
+    string), " Down<|im_end|>" (the model's own end-of-turn token) or " Left a b a b"
+    (max_new_tokens). Every kind must occur, and each trajectory's ids must still be the
+    sampled ids plus exactly the chat template's tokens."""
+    from scripted_logits import ScriptedLogits
+
+    model, tok = tiny
+
+    def enc(text):
+        (i,) = tok(text, add_special_tokens=False)["input_ids"]
+        return i
+
+    right, down, left, a, b = (enc(x) for x in (" Right", " Down", " Left", " a", " b"))
+    close_open, answer, gt_dot, eot, gt = enc(" </"), enc("answer"), enc(">."), enc("<|im_end|>"), enc(">")
+    table = {gt: (right, down, left), right: close_open, close_open: answer, answer: gt_dot, down: eot,
+             left: a, a: b, b: a}
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=5, max_context=4096, temperature=1.0)
+    ro = MultiTurnRollout(NativeEngine(model, tok), tok, "frozenlake", {"size": 4}, cfg)
+    assert ro.chat.prime.endswith(">")  # the script keys on the prime's last token
+    script = ScriptedLogits(model, table, default=eot)
+    try:
+        batch, rec = _generate_recorded(ro, model, [0, 1], group_size=4, seed=3)
+    finally:
+        script.close()
+    params = ro.sampling_params()
+    seen = _check_stop_reasons(batch, params, tok)
+    assert seen == {"eot", "stop_string", "length"}
+    eots = []
+    for i in range(len(batch)):
+        eots += _check_against_template(ro, tok, batch, i)
+        for r, why, lp in zip(batch.responses[i], batch.turn_stop_reasons[i],
+                              _split(batch.sample_logprobs[i], batch.turn_index[i])):
+            want = {"stop_string": [right, close_open, answer, gt_dot], "eot": [down, eot],
+                    "length": [left, a, b, a, b]}[why]
+            assert r.tolist() == want
+            # the first token was one of three (log 1/3), the rest forced (log 1)
+            torch.testing.assert_close(lp, torch.tensor([-1.0986123] + [0.0] * (len(want) - 1)), atol=1e-6, rtol=0)
+    assert any(eots) and not all(eots)  # both template branches after a response
+    prompt_lens = [int(m.nonzero()[0]) for m in batch.loss_mask]
+    _check_sampled_and_fed(batch, rec, prompt_lens)
+    # none of these answers parse: every turn is penalised, per trajectory too
+    assert (batch.penalised_turns == batch.num_turns).all() and (batch.valid_actions == 0).all()
+
+
+def _split(values, turn_index):
+    """values of the model tokens, one tensor per turn."""
+    turns = turn_index[turn_index >= 0]
+    v = values[turn_index >= 0]
+    return [v[turns == k] for k in range(int(turns.max()) + 1)] if turns.numel() else []
 
 
 # -- the loop's reward logic with scripted responses (the env and tokenizer are real) --------
@@ -182,6 +328,17 @@ def test_rewards_penalties_budget_with_scripted_responses(tiny, run_valid):
     # traj 3: penalised every turn, nothing runs
     assert batch.turn_rewards[3].tolist() == [-0.25, -0.25] and batch.num_actions[3] == 0
     assert batch.metrics["format_penalty_rate"] == pytest.approx(3 / 7)
+    # per trajectory: recognised / unrecognised answer pieces, state-changing actions, penalised turns
+    assert batch.valid_actions.tolist() == [4, 2, 5, 0]  # traj 2: 5 recognised, 4 run
+    assert batch.invalid_actions.tolist() == [0, 1, 0, 0]
+    assert batch.penalised_turns.tolist() == [0, 1, 0, 2]
+    assert batch.effective_actions[0] == 4 and batch.effective_actions[3] == 0
+    v, inv = batch.valid_actions.sum(), batch.invalid_actions.sum()
+    assert batch.metrics["valid_action_rate"] == pytest.approx(float(v / (v + inv)))
+    assert batch.turn_stop_reasons == [["eot"] * int(n) for n in batch.num_turns]
+    sub = batch.select([3, 1])
+    assert sub.penalised_turns.tolist() == [2, 1] and sub.turn_stop_reasons == [batch.turn_stop_reasons[3],
+                                                                               batch.turn_stop_reasons[1]]
     torch.testing.assert_close(batch.scores, batch.turn_rewards.sum(1))
     for i in range(4):  # recorded logprobs sit exactly on the model tokens
         assert (batch.sample_logprobs[i][batch.loss_mask[i]] == -0.5).all()
@@ -235,5 +392,12 @@ def test_bad_arguments(tiny):
         ro.generate([0], group_size=0)
     with pytest.raises(ValueError, match="seeds"):
         ro.generate([-1], group_size=1)
+    for bad in ([1.5], ["3"], [True], [], 3, "12", np.array([0.0, 1.0])):  # refused, never truncated
+        with pytest.raises(ValueError, match="seeds must be"):
+            ro.generate(bad, group_size=1)
+    with pytest.raises(ValueError, match="seed"):
+        ro.generate([0], group_size=1, seed=0.5)
+    ok = ro.generate(np.array([4, 5]), group_size=1, seed=np.int64(2))  # integer arrays are fine
+    assert ok.seeds.tolist() == [4, 5]
     with pytest.raises(TypeError, match="RolloutConfig"):
         MultiTurnRollout(eng, tok, "bandit", {}, {"max_turns": 2})

@@ -27,6 +27,13 @@ class TrajectoryBatch:
         response_texts: B lists of decoded responses (for logging and parsing only);
         user_messages: B lists of the user message texts (the first, then one per
             continued turn), so the chat can be re-rendered for checks and logs.
+        turn_stop_reasons: B lists (one per turn) of why the engine ended that response:
+            "eot" (an end-of-turn token), "stop_string" (e.g. "</answer>"), "length"
+            (max_new_tokens) or "context" (the context limit).
+        valid_actions, invalid_actions: int64 [B], recognised action names / unrecognised
+            answer pieces over all turns (executed or not); effective_actions: int64 [B],
+            executed actions that changed the state; penalised_turns: int64 [B], turns that
+            got the format penalty. None when the producer did not count them.
     metrics: dict of floats for the whole batch (see MultiTurnRollout.generate).
     info: free-form extras (model label, env name).
     """
@@ -51,6 +58,11 @@ class TrajectoryBatch:
     user_messages: list = dataclasses.field(default_factory=list)
     tokenizer: object = dataclasses.field(default=None, repr=False)
     info: dict = dataclasses.field(default_factory=dict)
+    turn_stop_reasons: list = dataclasses.field(default_factory=list)
+    valid_actions: torch.Tensor | None = None
+    invalid_actions: torch.Tensor | None = None
+    effective_actions: torch.Tensor | None = None
+    penalised_turns: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -83,6 +95,10 @@ class TrajectoryBatch:
         if idx.numel() and (int(idx.min()) < -len(self) or int(idx.max()) >= len(self)):
             raise IndexError(f"trajectory index out of range for a batch of {len(self)}: {idx.tolist()}")
         il = idx.tolist()
+
+        def pick(t):
+            return None if t is None else t[idx]
+
         return TrajectoryBatch(
             input_ids=[self.input_ids[i] for i in il], loss_mask=[self.loss_mask[i] for i in il],
             sample_logprobs=[self.sample_logprobs[i] for i in il], turn_index=[self.turn_index[i] for i in il],
@@ -93,6 +109,9 @@ class TrajectoryBatch:
             response_texts=[self.response_texts[i] for i in il], metrics=dict(self.metrics),
             user_messages=[self.user_messages[i] for i in il] if self.user_messages else [],
             tokenizer=self.tokenizer, info=dict(self.info),
+            turn_stop_reasons=[self.turn_stop_reasons[i] for i in il] if self.turn_stop_reasons else [],
+            valid_actions=pick(self.valid_actions), invalid_actions=pick(self.invalid_actions),
+            effective_actions=pick(self.effective_actions), penalised_turns=pick(self.penalised_turns),
         )
 
     def response_lengths(self) -> torch.Tensor:

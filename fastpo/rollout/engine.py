@@ -25,8 +25,17 @@ Weights are the caller's module (no copy): a trainer that updates the model in p
 is immediately sampled from. Generation runs under ``torch.no_grad()`` in eval mode and
 restores the module's training flag afterwards.
 
+Log-prob convention. Each sampled token's recorded log-prob is log softmax(logits / T) over
+the *full* vocabulary at the sampling temperature T (fp32), whatever top-p / top-k did to the
+draw, and at T = 1 for greedy decoding (T = 0). It is the quantity the trainer recomputes, so
+the first step's ratio is exactly 1 (see sampling.py). SGLangEngine's convention differs when
+top_p < 1 (see sglang_engine.py).
+
 Supports decoder-only transformers models with full attention in every layer (Llama,
-Qwen2, Mistral without sliding window, ...).
+Qwen2 / Qwen2.5 with use_sliding_window=False, Mistral without a sliding window, ...).
+Configs with a sliding window, chunked attention or non-attention layers (``layer_types``
+other than "full_attention") are refused at construction with ValueError: this engine's KV
+cache keeps every position, so such models would silently compute something else.
 """
 from __future__ import annotations
 
@@ -52,7 +61,8 @@ class TurnOutput:
     """One session's response in one turn.
 
     token_ids: the sampled ids, exactly as sampled (a stop token or the token completing a
-    stop string included). logprobs: fp32 log-prob of each at the sampling temperature.
+    stop string included). logprobs: log-prob of each (nats) at the sampling temperature,
+    over the full vocabulary (NativeEngine; see the module docstring for SGLang's).
     stop_reason: "eot" (a stop token), "stop_string", "length" (max_new_tokens) or
     "context" (the session reached max_context; possibly with no tokens).
     """
@@ -60,6 +70,29 @@ class TurnOutput:
     token_ids: list
     logprobs: list
     stop_reason: str
+
+
+def unsupported_attention(config) -> str | None:
+    """Why a model config cannot run on the native engine, or None when every layer is full attention.
+
+    Checks ``layer_types`` (transformers >= 4.5x: anything but "full_attention", e.g.
+    "sliding_attention", "linear_attention"), else ``sliding_window`` (unless
+    ``use_sliding_window`` is False), and ``attention_chunk_size``.
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        other = sorted({str(t) for t in types if t != "full_attention"})
+        if other:
+            return f"layer_types includes {other}"
+    else:
+        window = getattr(cfg, "sliding_window", None)
+        if window is not None and getattr(cfg, "use_sliding_window", True) is not False:
+            return f"sliding_window={window!r}"
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk is not None:
+        return f"attention_chunk_size={chunk!r}"
+    return None
 
 
 class _BufferLayer(DynamicLayer):
@@ -123,6 +156,8 @@ class NativeEngine:
     Args:
         model: a transformers ``*ForCausalLM`` (or a peft wrapper of one), shared, not copied.
         tokenizer: its tokenizer (used for the pad id and for stop-string checks).
+    Raises ValueError for a model whose layers are not all full attention (sliding window,
+    chunked or linear attention; see `unsupported_attention`).
 
     Counters (cumulative, reset with ``reset_stats()``): ``stats["prefilled_tokens"]``
     (real tokens fed in prefill forwards), ``stats["generated_tokens"]`` (sampled tokens),
@@ -130,8 +165,14 @@ class NativeEngine:
     """
 
     def __init__(self, model, tokenizer):
+        why = unsupported_attention(model.config)
+        if why is not None:
+            raise ValueError(f"NativeEngine supports models with full attention in every layer; "
+                             f"{type(model).__name__} has {why}. Use a full-attention model (Llama, Qwen2.5 with "
+                             f"use_sliding_window=False, ...)")
         self.model = model
         self.tokenizer = tokenizer
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
         self._cache_kw = _cache_kwarg(model)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -287,7 +328,7 @@ class NativeEngine:
         Returns one TurnOutput per session, in order. A session whose length would pass
         params.max_context gets stop_reason "context" and no tokens, and is closed (its
         append is not added). Raises ValueError for unknown or repeated sessions or a length
-        mismatch.
+        mismatch, or an appended token id outside [0, vocabulary size).
         """
         if len(set(sessions)) != len(sessions) or any(s not in self._cached for s in sessions):
             raise ValueError(f"sessions must be distinct open session ids, got {sessions!r:.200}")
@@ -295,6 +336,10 @@ class NativeEngine:
             append = [[] for _ in sessions]
         if len(append) != len(sessions):
             raise ValueError(f"append has {len(append)} entries for {len(sessions)} sessions")
+        for s, a in zip(sessions, append):
+            bad = [t for t in a if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"append for session {s} holds token ids outside [0, {self.vocab_size}): {bad[:5]}")
         outputs = [TurnOutput([], [], STOP_CONTEXT) for _ in sessions]
         # Sessions that cannot take one more token are answered without computing.
         run = []

@@ -59,6 +59,8 @@ class EnvTurn:
     reward: float32 [B], env reward + format penalty. penalty: float32 [B]. ok: bool [B],
     the answer was well formed with only valid actions. done: bool [B], the env ended.
     executed: int64 [B]. notes: B feedback strings for the next user message.
+    valid / invalid: int64 [B], recognised action names / unrecognised answer pieces.
+    effective: int64 [B], executed actions that changed the state.
     """
 
     reward: np.ndarray
@@ -67,6 +69,9 @@ class EnvTurn:
     done: np.ndarray
     executed: np.ndarray
     notes: list
+    valid: np.ndarray = None
+    invalid: np.ndarray = None
+    effective: np.ndarray = None
 
 
 def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, counters: TurnCounters | None = None) -> EnvTurn:
@@ -105,18 +110,24 @@ def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, cou
     executed = res.num_executed.astype(np.int64)
     actions_left -= executed
     notes = [""] * B
+    valid = np.zeros(B, dtype=np.int64)
+    invalid = np.zeros(B, dtype=np.int64)
+    effective = np.zeros(B, dtype=np.int64)
     for b in np.flatnonzero(stepped):
+        valid[b] = int(pa.num_actions[b])
+        invalid[b] = len(pa.invalid[b])
+        effective[b] = int(res.effective[b].sum())
         if cfg.feedback_invalid and not ok[b]:
             notes[b] = ("Invalid actions: " + ", ".join(pa.invalid[b]) + ".") if pa.invalid[b] else \
                 "Your answer was not in the required format."
         if counters is not None:
-            counters.pieces += int(pa.num_actions[b]) + len(pa.invalid[b])
-            counters.valid += int(pa.num_actions[b])
+            counters.pieces += int(valid[b] + invalid[b])
+            counters.valid += int(valid[b])
             counters.executed += int(executed[b])
-            counters.effective += int(res.effective[b].sum())
+            counters.effective += int(effective[b])
             counters.penalised += int(not ok[b])
             counters.turns += 1
-    return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes)
+    return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
 
 
 def end_reason(turn_result: EnvTurn, b: int, actions_left: np.ndarray, turn: int, max_turns: int) -> str:
@@ -187,14 +198,17 @@ class MultiTurnRollout:
         response_length (mean tokens per turn), num_turns, success_rate, score,
         valid_action_rate (recognised / all answer pieces), effective_action_rate (actions
         that changed the state / executed), format_penalty_rate (penalised / all turns),
-        truncated_rate. Raises ValueError for bad seeds or group_size.
+        truncated_rate. Per trajectory the batch also holds each turn's engine stop reason
+        and its valid / invalid / effective action and penalised-turn counts.
+        Raises ValueError for bad seeds (not a non-empty sequence of non-negative integers:
+        floats, bools and strings are refused, not truncated), a bad `seed` or group_size.
         """
         from fastpo.envs_native import make_env
 
         cfg = self.cfg
-        seeds = [int(s) for s in seeds]
-        if not seeds or any(s < 0 for s in seeds):
-            raise ValueError(f"seeds must be a non-empty list of non-negative integers, got {seeds!r:.100}")
+        seeds = _check_seeds(seeds)
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed (the sampler seed) must be an integer, got {seed!r}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         t0 = time.perf_counter()
@@ -217,6 +231,11 @@ class MultiTurnRollout:
         tix = [[-1] * len(x) for x in ids]
         responses = [[] for _ in range(B)]
         resp_texts = [[] for _ in range(B)]
+        turn_stops = [[] for _ in range(B)]
+        valid_n = np.zeros(B, dtype=np.int64)
+        invalid_n = np.zeros(B, dtype=np.int64)
+        effective_n = np.zeros(B, dtype=np.int64)
+        penalised_n = np.zeros(B, dtype=np.int64)
         T = cfg.max_turns
         turn_rewards = np.zeros((B, T), dtype=np.float32)
         penalties = np.zeros((B, T), dtype=np.float32)
@@ -259,6 +278,7 @@ class MultiTurnRollout:
                 lps[b].extend(float(x) for x in out.logprobs)
                 tix[b].extend([turn] * len(r))
                 responses[b].append(torch.tensor(r, dtype=torch.long))
+                turn_stops[b].append(out.stop_reason)
                 texts[b], emitted_eot[b] = self._response_text(r)
                 resp_texts[b].append(texts[b])
                 num_turns[b] += 1
@@ -271,6 +291,10 @@ class MultiTurnRollout:
             res = env_turn(env, cfg, texts, actions_left, counters)
             turn_rewards[:, turn] += res.reward
             penalties[:, turn] += res.penalty
+            valid_n += res.valid
+            invalid_n += res.invalid
+            effective_n += res.effective
+            penalised_n += np.array([t is not None for t in texts]) & ~res.ok
             obs_now = None
             new_active, new_append = [], []
             for b in active:
@@ -331,4 +355,22 @@ class MultiTurnRollout:
             truncated=torch.from_numpy(truncated), stop_reason=stop_reason, responses=responses,
             response_texts=resp_texts, metrics=metrics, user_messages=users, tokenizer=self.tokenizer,
             info={"env": self.env_name, "group_size": N, "num_groups": P},
+            turn_stop_reasons=turn_stops, valid_actions=torch.from_numpy(valid_n),
+            invalid_actions=torch.from_numpy(invalid_n), effective_actions=torch.from_numpy(effective_n),
+            penalised_turns=torch.from_numpy(penalised_n),
         )
+
+
+def _check_seeds(seeds) -> list:
+    """`seeds` as a list of Python ints; ValueError naming `seeds` unless it is a non-empty
+    sequence of non-negative integers (numpy integers and integer arrays accepted)."""
+    if hasattr(seeds, "tolist"):  # numpy / torch arrays
+        seeds = seeds.tolist()
+    if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__iter__"):
+        raise ValueError(f"seeds must be a non-empty list of non-negative integers, got {seeds!r:.100}")
+    seeds = list(seeds)
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 0]
+    if not seeds or bad:
+        raise ValueError(f"seeds must be a non-empty list of non-negative integers, got {seeds!r:.100}"
+                         + (f" (bad: {bad[:3]!r})" if bad else ""))
+    return [int(s) for s in seeds]

@@ -15,18 +15,34 @@ native engine gets from keeping its KV caches. ``stats["prefilled_tokens"]`` cou
 tokens SGLang actually computed (prompt tokens minus cached tokens).
 
 Differences from the native engine, by SGLang's design: sampling is not reproducible
-from a seed; the recorded log-probs are SGLang's (computed from the temperature-scaled
-logits by default); weights are a separate copy that ``update_weights`` refreshes through
+from a seed; weights are a separate copy that ``update_weights`` refreshes through
 ``update_weights_from_tensor``; ``release_memory`` / ``resume_memory`` free and restore
 the engine's GPU memory (weights and KV cache) between rollout and training when the
 engine was built with ``enable_memory_saver=True`` (the default here).
+
+Log-prob convention (the recorded ``TurnOutput.logprobs``). NativeEngine records
+log softmax(z / T) over the full vocabulary at the sampling temperature T, whatever top-p /
+top-k did (T = 1 when greedy): the quantity the trainer recomputes. SGLang's sampler
+(sglang/srt/layers/sampler.py, read for this note, 2025 versions) returns instead:
+  - by default, log p_T(x) renormalised over the top-p nucleus of p_T = softmax(z / T)
+    (top-k is applied to the draw only), so with top_p = 1 it equals fastpo's convention
+    (any top_k), and with top_p < 1 it is higher by -log(nucleus mass) >= 0 nats;
+  - with the environment variable SGLANG_RETURN_ORIGINAL_LOGPROB set, log softmax(z), i.e.
+    at temperature 1, which differs from fastpo's whenever T != 1;
+  - greedy (T = 0): log softmax(z), as fastpo.
+Other SGLang versions may differ. fastpo's trainer recomputes the old log-probs itself, so
+this changes only the rollout-vs-trainer log-prob diagnostic, not the loss; but to keep the
+two engines' records comparable, `SGLangEngine.generate` warns once when it is used with
+top_p < 1, or with T != 1 while SGLANG_RETURN_ORIGINAL_LOGPROB is set.
 
 Verified: nowhere yet (no machine with SGLang and CUDA was available while this was
 written); tests/test_rollout_sglang.py runs wherever both are importable.
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 
 import torch
 
@@ -76,6 +92,7 @@ class SGLangEngine:
         self.tokenizer = tokenizer
         self.device = torch.device("cuda")
         self._hist: dict = {}
+        self._warned_logprobs = False
         self.reset_stats()
 
     @classmethod
@@ -105,13 +122,35 @@ class SGLangEngine:
         """Release all sessions (the engine keeps running)."""
         self._hist = {}
 
+    def _check_logprob_convention(self, params: SamplingParams) -> None:
+        """Warn once when SGLang's recorded log-probs will differ from NativeEngine's (module docstring)."""
+        if self._warned_logprobs:
+            return
+        original = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes")
+        why = None
+        if original and params.temperature not in (0, 1):
+            why = (f"SGLANG_RETURN_ORIGINAL_LOGPROB is set, so SGLang records log-probs at temperature 1, "
+                   f"not at the sampling temperature {params.temperature}")
+        elif not original and params.temperature != 0 and params.top_p < 1:
+            why = (f"top_p={params.top_p} < 1: SGLang records log-probs renormalised over the top-p nucleus, "
+                   f"NativeEngine over the full vocabulary")
+        if why:
+            self._warned_logprobs = True
+            warnings.warn(f"SGLangEngine: {why}; the recorded sample log-probs are not comparable with "
+                          f"the trainer's (the loss is unaffected: it recomputes them)", stacklevel=3)
+
     def generate(self, sessions: list, append: list | None, params: SamplingParams, generator=None) -> list:
-        """Same contract as NativeEngine.generate; `generator` is ignored (SGLang seeds itself)."""
+        """Same contract as NativeEngine.generate; `generator` is ignored (SGLang seeds itself).
+
+        Sessions not listed and sessions refused for the context limit are closed, as in
+        NativeEngine. The recorded log-probs follow SGLang's convention (module docstring).
+        """
         if len(set(sessions)) != len(sessions) or any(s not in self._hist for s in sessions):
             raise ValueError(f"sessions must be distinct open session ids, got {sessions!r:.200}")
         append = append if append is not None else [[] for _ in sessions]
         if len(append) != len(sessions):
             raise ValueError(f"append has {len(append)} entries for {len(sessions)} sessions")
+        self._check_logprob_convention(params)
         outputs = [TurnOutput([], [], STOP_CONTEXT) for _ in sessions]
         run, inputs, sps = [], [], []
         for i, s in enumerate(sessions):
@@ -128,7 +167,9 @@ class SGLangEngine:
                 "stop_token_ids": list(params.stop_token_ids), "stop": list(params.stop_strings),
                 "no_stop_trim": True, "skip_special_tokens": False,
             })
-        for s in [s for s in self._hist if s not in set(sessions)]:
+        # Sessions not listed, and refused ones, are closed (as NativeEngine does).
+        keep = {sessions[i] for i in run}
+        for s in [s for s in self._hist if s not in keep]:
             del self._hist[s]
         if not run:
             return outputs
