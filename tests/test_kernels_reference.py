@@ -414,23 +414,28 @@ def test_nonfinite_hidden_row_under_mask_zero_changes_nothing():
     assert torch.isfinite(out.loss) and all(math.isfinite(x) for x in out.metrics.values())
 
 
-def _fp64_weight_grad(hidden, weight, targets, g_lp, g_ent, temperature):
-    w = weight.double().requires_grad_(True)
-    lp, ent = reference_logprob_entropy(hidden.double(), w, targets, temperature)
+def fp64_weight_grad(hidden, weight, targets, g_lp, g_ent, temperature):
+    """d weight [V, H] in float64 and its error scale: sum over tokens of |dlogits| |hidden|
+    (a sum of N terms computed with unit roundoff u is off by at most about u times that)."""
+    h = hidden.double()
+    logits = (h @ weight.double().T).requires_grad_(True)
+    logp = torch.log_softmax(logits / temperature, -1)
+    lp = logp.gather(-1, targets[:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
     (lp * g_lp.double() + ent * g_ent.double()).sum().backward()
-    return w.grad
+    return logits.grad.T @ h, logits.grad.abs().T @ h.abs()
 
 
-def _rowwise_rel_error(x, ref):
-    """max over vocabulary rows of max |x - ref| / max |ref| within the row."""
-    err = (x.double() - ref).abs().amax(1)
-    return (err / ref.abs().amax(1).clamp(min=1e-30)).max().item()
+def accumulation_error(x, ref_and_scale):
+    """max over entries of |x - ref| / (sum of the absolute contributions to that entry)."""
+    ref, scale = ref_and_scale
+    return ((x.double() - ref).abs() / scale.clamp(min=1e-30)).max().item()
 
 
 def many_tile_case(n=1024, h=16, v=61, seed=13):
     """Nearly equal hidden rows, one target: every token adds about the same, same-signed
     amount to each entry of d weight, the case where a low-precision running sum over token
-    tiles stalls (a bf16 sum of 128 near-equal terms is off by several percent)."""
+    tiles stalls (a bf16 accumulator over 128 chunks of 8 rows is 9.5% off)."""
     g = torch.Generator().manual_seed(seed)
     h0 = torch.randn(h, generator=g, dtype=torch.float64)
     hidden = h0 + 0.02 * torch.randn(n, h, generator=g, dtype=torch.float64)
@@ -442,16 +447,15 @@ def many_tile_case(n=1024, h=16, v=61, seed=13):
 
 
 # bf16: the returned d weight is bf16 (one rounding, <= 2^-8 of an entry); fp32: fp32 all along
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 4e-3)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 5e-3)])
 def test_weight_gradient_accumulates_in_fp32_over_many_chunks(dtype, tol):
     hidden, weight, targets, g_lp, g_ent = many_tile_case()
     hidden, weight = hidden.to(dtype), weight.to(dtype)
     ww = weight.clone().requires_grad_(True)
     lp, ent = linear_logprob_entropy(hidden, ww, targets, 0.5, impl="chunked", chunk_size=8)  # 128 chunks
     (lp * g_lp.float() + ent * g_ent.float()).sum().backward()
-    ref = _fp64_weight_grad(hidden, weight, targets, g_lp, g_ent, 0.5)
-    err = _rowwise_rel_error(ww.grad, ref)
-    assert err <= tol, f"d weight off by {err:.3g} of its row scale (tolerance {tol:g})"
+    err = accumulation_error(ww.grad, fp64_weight_grad(hidden, weight, targets, g_lp, g_ent, 0.5))
+    assert err <= tol, f"d weight off by {err:.3g} of its contributions' size (tolerance {tol:g})"
 
 
 def test_policy_loss_backward_scales_the_stored_gradient_in_place():
