@@ -197,6 +197,58 @@ class RefSokoban:
         return "\n".join(lines)
 
 
+def reverse_search(free, targets, player, search_depth, generator="ragen", max_states=300_000):
+    """The depth-first reverse-play search of Sokoban level generation, plain and recursive.
+
+    free: set of (row, col) cells that are not walls (targets included); targets: list of
+    (row, col), box k starts on targets[k]; player: (row, col); search_depth: the ttl, as in
+    gym-sokoban and RAGEN (a call at depth d explores its node iff d <= search_depth - 2);
+    generator: "ragen" (pull moves only, box_swaps counts changes of the pulled box) or
+    "gym" (pulls then plain moves, box_swaps counts pulls); max_states: explored-state cap.
+    A state is the player and the set of (box cell, pulled at least once); each is explored
+    the first time it is reached. Returns (best score, player, box cells in target order)
+    of the first explored state with the highest score
+    box_swaps * sum(|box - its target|), the score being 0 while a box or the player is on
+    a target.
+    """
+    pull_only, count_pulls = {"ragen": (True, False), "gym": (False, True)}[generator]
+    explored = set()
+    best = [-1, player, list(targets)]
+    target_set = set(targets)
+    moves = ((-1, 0), (1, 0), (0, -1), (0, 1))
+
+    def visit(player, boxes, pulled, swaps, last, ttl):
+        ttl -= 1
+        if ttl <= 0 or len(explored) >= max_states:
+            return
+        key = (player, frozenset(zip(boxes, pulled)))
+        if key in explored:
+            return
+        explored.add(key)
+        covered = player in target_set or any(b in target_set for b in boxes)
+        disp = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+        score = 0 if covered else swaps * disp
+        if score > best[0]:
+            best[:] = [score, player, list(boxes)]
+        for a in range(4 if pull_only else 8):
+            dr, dc = moves[a % 4]
+            nxt = (player[0] + dr, player[1] + dc)
+            if nxt not in free or nxt in boxes:
+                continue
+            behind = (player[0] - dr, player[1] - dc)
+            if a < 4 and behind in boxes:
+                k = boxes.index(behind)
+                new_boxes = boxes[:k] + [player] + boxes[k + 1:]
+                new_pulled = pulled[:k] + [True] + pulled[k + 1:]
+                new_swaps = swaps + (1 if count_pulls or k != last else 0)
+                visit(nxt, new_boxes, new_pulled, new_swaps, k, ttl)
+            else:
+                visit(nxt, boxes, pulled, swaps, last, ttl)
+
+    visit(tuple(player), [tuple(t) for t in targets], [False] * len(targets), 0, -1, search_depth)
+    return best[0], best[1], best[2]
+
+
 class RefBandit:
     """One two-armed bandit instance: arms (name shown first, name shown second)."""
 

@@ -1,13 +1,16 @@
 """Sokoban: hand-made rule cases, generated levels solvable within max_steps, the BFS solver
 against an independent search, XSB round trip and errors, dynamics against the reference."""
+import importlib.util
+import os
 from collections import deque
 
 import numpy as np
 import pytest
 
 from fastpo.envs_native import make_env
-from fastpo.envs_native.reference import RefSokoban, reference_envs, reference_turn
-from fastpo.envs_native.sokoban import ACTIONS, TARGET, WALL, SokobanLevel, parse_xsb, solve_level, to_xsb
+from fastpo.envs_native.reference import RefSokoban, reference_envs, reference_turn, reverse_search
+from fastpo.envs_native.sokoban import (ACTIONS, FLOOR, GENERATORS, TARGET, WALL, SokobanLevel, _reverse_search,
+                                        _table_size, parse_xsb, solve_level, to_xsb)
 
 UP, DOWN, LEFT, RIGHT = range(4)
 
@@ -109,6 +112,148 @@ def test_generated_levels_are_solvable_within_max_steps(size, num_boxes, count):
     assert len(set(obs)) > count // 3  # levels differ between seeds
 
 
+# ---------------------------------------------------------------------------------------
+# The reverse-play search itself, on fixed rooms: "#" wall, "." target (a box starts on
+# it), "@" the player, " " floor.
+# ---------------------------------------------------------------------------------------
+FIXED_ROOMS = [
+    ["#######", "#     #", "#     #", "#  .@ #", "#     #", "#     #", "#######"],
+    ["#######", "#     #", "# .#. #", "#  @  #", "#     #", "#######"],
+    ["#######", "##   ##", "#  .  #", "# .#@ #", "#   . #", "#######"],
+    ["########", "#   #  #", "# .   .#", "#  @## #", "#      #", "########"],
+]
+
+
+def _random_room(rng, rows, cols, nb):
+    while True:
+        grid = [["#"] * cols for _ in range(rows)]
+        cells = [(r, c) for r in range(1, rows - 1) for c in range(1, cols - 1) if rng.random() > 0.2]
+        if len(cells) >= nb + 2:
+            break
+    order = rng.permutation(len(cells))
+    for i, j in enumerate(order):
+        r, c = cells[j]
+        grid[r][c] = "." if i < nb else ("@" if i == nb else " ")
+    return ["".join(r) for r in grid]
+
+
+def _cells(room, ch):
+    return [(r, c) for r, row in enumerate(room) for c, x in enumerate(row) if x == ch]
+
+
+def _numba_search(room, depth, generator, max_states=300_000):
+    """(best score, player, box cells in target order) from the compiled search."""
+    C = len(room[0])
+    tiles = np.array([[WALL if x == "#" else TARGET if x == "." else FLOOR for x in row] for row in room], np.int8)
+    targets = np.array([r * C + c for r, c in _cells(room, ".")], dtype=np.int64)
+    (pr, pc), = _cells(room, "@")
+    nb, cap = len(targets), max_states + 1
+    bits = _table_size(cap).bit_length() - 1
+    best = np.empty(nb, dtype=np.int64)
+    pull_only, count_pulls, _ = GENERATORS[generator]
+    score, player = _reverse_search(tiles, targets, nb, pr * C + pc, depth, max_states, pull_only, count_pulls,
+                                    np.full(1 << bits, -1, dtype=np.int64), (1 << bits) - 1,
+                                    np.empty(cap, dtype=np.int64), np.empty((cap, nb), dtype=np.int64), best)
+    return int(score), divmod(int(player), C), [divmod(int(b), C) for b in best]
+
+
+def _python_search(room, depth, generator):
+    free = {(r, c) for r, row in enumerate(room) for c, x in enumerate(row) if x != "#"}
+    return reverse_search(free, _cells(room, "."), _cells(room, "@")[0], depth, generator)
+
+
+def _gym_sokoban_search(room_utils, room, depth):
+    """gym-sokoban 0.0.6's own depth_first_search on the room, with ttl = depth."""
+    structure = np.array([[{"#": 0, ".": 2}.get(x, 1) for x in row] for row in room])
+    state = structure.copy()
+    state[state == 2] = 4
+    state[_cells(room, "@")[0]] = 5
+    mapping = {t: t for t in _cells(room, ".")}
+    room_utils.explored_states, room_utils.num_boxes = set(), len(mapping)
+    room_utils.best_room_score, room_utils.best_room, room_utils.best_box_mapping = -1, None, mapping
+    room_utils.depth_first_search(state, structure, mapping, box_swaps=0, last_pull=(-1, -1), ttl=depth)
+    (pr, pc), = np.argwhere(room_utils.best_room == 5).tolist()
+    boxes = room_utils.best_box_mapping
+    return int(room_utils.best_room_score), (pr, pc), [tuple(int(v) for v in boxes[t]) for t in _cells(room, ".")]
+
+
+def _gym_room_utils():
+    """gym-sokoban's room_utils loaded from its file (its package __init__ needs old gym),
+    or None when gym-sokoban is not installed."""
+    spec = importlib.util.find_spec("gym_sokoban")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], "envs", "room_utils.py")
+    s = importlib.util.spec_from_file_location("gym_sokoban_room_utils_test", path)
+    mod = importlib.util.module_from_spec(s)
+    s.loader.exec_module(mod)
+    return mod
+
+
+def test_reverse_search_picks_the_same_state_as_plain_python_and_gym_sokoban():
+    room_utils = _gym_room_utils()
+    rng = np.random.default_rng(7)
+    rooms = [(room, depth) for room in FIXED_ROOMS for depth in (3, 6, 15, 40)]
+    rooms += [(_random_room(rng, 6 + i % 2, 6, 1 + i % 3), (5, 12, 40)[i % 3]) for i in range(24)]
+    rooms += [(FIXED_ROOMS[0], 300), (FIXED_ROOMS[1], 300)]  # the default depth: searched to the end
+    scores = {"gym": [], "ragen": []}
+    for room, depth in rooms:
+        for gen in GENERATORS:
+            got = _numba_search(room, depth, gen)
+            assert got == _python_search(room, depth, gen), (gen, depth, room)
+            scores[gen].append(got[0])
+        if room_utils is not None:
+            assert _numba_search(room, depth, "gym") == _gym_sokoban_search(room_utils, room, depth), (depth, room)
+    # the two scores really differ (gym counts every pull as a swap), and many rooms score
+    assert sum(g > r for g, r in zip(scores["gym"], scores["ragen"])) >= 8
+    assert sum(r > 0 for r in scores["ragen"]) >= len(rooms) // 3
+
+
+def test_search_depth_bounds_the_search():
+    # a corridor: every reverse path pulls the box one cell right per move, at most 6 cells
+    corridor = ["##########", "#.@      #", "##########"]
+    for depth in range(2, 12):
+        moves = min(depth - 2, 6)  # the ttl explores paths of up to depth - 2 moves
+        for gen, expected in (("ragen", moves), ("gym", moves * moves)):
+            score, player, boxes = _numba_search(corridor, depth, gen)
+            assert score == expected and boxes == [(1, 1 + moves)], (gen, depth)
+            assert (score, player, boxes) == _python_search(corridor, depth, gen)
+    # the state cap bounds it too: one explored state (the solved one) scores 0
+    assert _numba_search(FIXED_ROOMS[0], 300, "gym", max_states=1)[0] == 0
+    with pytest.raises(RuntimeError, match="no 6x6 level"):
+        make_env("sokoban", 2, max_states=1, max_tries=20).reset([0, 1])
+    # generated levels: with search_depth d every box is at most d - 2 cells from its target
+    for gen in GENERATORS:
+        for depth in (3, 4, 6):
+            env = make_env("sokoban", 200, search_depth=depth, generator=gen)
+            env.reset(np.arange(200))
+            disp = []
+            for i in range(200):
+                lv = env.level(i)
+                (br, bc), = np.argwhere(lv.boxes).tolist()
+                (tr, tc), = np.argwhere(lv.tiles == TARGET).tolist()
+                disp.append(abs(br - tr) + abs(bc - tc))
+            assert 1 <= min(disp) and max(disp) <= depth - 2, (gen, depth, sorted(set(disp)))
+            if depth < 6:  # in a 6x6 room deeper searches do not always reach the bound
+                assert max(disp) == depth - 2, (gen, depth, sorted(set(disp)))
+
+
+def test_ragen_generator_walks_the_player_away_from_the_box():
+    # after its search RAGEN walks the player 1-3 steps with probability 0.5-0.8; gym-sokoban
+    # leaves the player where the best state has it, nearly always next to the pulled box
+    adjacent = {}
+    for gen in GENERATORS:
+        env = make_env("sokoban", 400, generator=gen)
+        env.reset(np.arange(400))
+        near = 0
+        for i in range(400):
+            lv = env.level(i)
+            (br, bc), = np.argwhere(lv.boxes).tolist()
+            near += abs(lv.player[0] - br) + abs(lv.player[1] - bc) == 1
+        adjacent[gen] = near / 400
+    assert adjacent["gym"] > 0.9 and adjacent["ragen"] < 0.75, adjacent
+
+
 def test_bfs_solver_is_shortest():
     env = make_env("sokoban", 16, size=7, num_boxes=2)
     env.reset(np.arange(16))
@@ -168,12 +313,22 @@ def test_levels_file(tmp_path):
     ("\n\n#####\n#@$.#\n#####\n\n####\n#$.#\n####", "level starting at line 7: expected one player"),
     ("#####\n#@$ #\n#####", "1 boxes and 0 goals"),
     ("#####\n#@$.#\n#  ##\n", "not enclosed"),
+    # a row without a wall inside a level is a broken row, not a separator
+    ("#####\n#@$.#\n x   \n#####\n", "line 3, column 2: unexpected character 'x'"),
+    ("Title: one\n#####\n#@$.#\n#   ~\n#####\n", "line 4, column 5: unexpected character '~'"),
 ])
 def test_malformed_xsb_names_line_and_character(text, match):
     with pytest.raises(ValueError, match=match):
         parse_xsb(text)
     with pytest.raises(ValueError):
         make_env("sokoban", 1, levels=text)
+
+
+def test_header_lines_separate_levels_even_with_a_hash():
+    text = ("Title: Level #1\nAuthor: A. #Nobody\n#####\n#@$.#\n#####\nTitle: Level #2\n"
+            "Level 2 of 2\n######\n#@$ .#\n######\n")
+    levels = parse_xsb(text)
+    assert [lv.to_xsb() for lv in levels] == ["#####\n#@$.#\n#####", "######\n#@$ .#\n######"]
 
 
 def test_dynamics_match_reference():
@@ -196,7 +351,8 @@ def test_dynamics_match_reference():
 
 @pytest.mark.parametrize("kwargs,word", [
     ({"size": 4}, "size"), ({"size": (6, "a")}, "size"), ({"num_boxes": 0}, "num_boxes"),
-    ({"num_boxes": 20}, "num_boxes"), ({"search_depth": 0}, "search_depth"), ({"max_steps": -2}, "max_steps"),
+    ({"num_boxes": 20}, "num_boxes"), ({"search_depth": 0}, "search_depth"), ({"search_depth": 2}, "search_depth"),
+    ({"generator": "gym-sokoban"}, "generator"), ({"max_steps": -2}, "max_steps"),
     ({"p_change_directions": 2.0}, "p_change_directions"), ({"levels_file": "/nonexistent.xsb"}, "nonexistent"),
     ({"symbols": {"box": ""}}, "box"), ({"finish_reward": float("nan")}, "finish_reward"),
 ])
