@@ -62,7 +62,9 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
 def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     """`fastpo eval`: load `cfg.model.name` (name, HF id, or a checkpoint's model folder) and
     evaluate it on `cfg.trainer.eval_seeds` fixed seeds, `eval_group_size` samples each, at
-    `eval_temperature`. Returns the metrics dict plus "model" (its label)."""
+    `eval_temperature`. Returns the metrics dict plus "model" (its label, e.g.
+    "random:tiny-llama (random weights)") and "model_random_weights" (bool); the samples
+    file starts with the same label."""
     import time
 
     from fastpo import rollout as ro
@@ -85,8 +87,10 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     batch = res.pop("_batch")
     if samples_dir:
         path = write_samples(samples_dir, 0, batch.texts()[: max(1, t.num_samples)],
-                             header=f"eval of {info.label}: success rate {res['eval/success_rate']:.3f}")
+                             header=f"eval of {info.label}: success rate {res['eval/success_rate']:.3f}",
+                             model_label=info.label)
         if console is not None:
             console.print(f"samples: {path}")
     res["model"] = info.label
+    res["model_random_weights"] = bool(info.random)
     return res

@@ -43,13 +43,16 @@ class MetricsLogger:
     """
 
     def __init__(self, out_dir: str, ema_decay: float = 0.9, tensorboard: bool = False, wandb: bool = False,
-                 resume_from: Optional[int] = None, run_name: str = "fastpo", config: Optional[dict] = None):
+                 resume_from: Optional[int] = None, run_name: str = "fastpo", config: Optional[dict] = None,
+                 model_label: Optional[str] = None):
         if not 0 < ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.decay = ema_decay
+        # e.g. "random:qwen2.5-0.5b (random weights)": written into every record as "model"
+        self.model_label = model_label
         self.ema: dict[str, float] = {}
         self.records: list[dict] = []
         if resume_from is not None and os.path.exists(self.path):
@@ -95,6 +98,8 @@ class MetricsLogger:
     def log(self, iteration: int, metrics: dict) -> dict:
         """Record one iteration's scalars (non-finite values are kept as null); returns the record with EMA copies."""
         rec: dict[str, Any] = {"iteration": int(iteration)}
+        if self.model_label is not None:
+            rec["model"] = self.model_label
         for k, v in metrics.items():
             if isinstance(v, bool):
                 v = int(v)
@@ -183,9 +188,18 @@ class EchoTrapDetector:
                 "Consider StarPO-S filtering (algorithm.filter_mode=top), a higher entropy_coef or a lower lr.")
 
 
-def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]] = None) -> list[str]:
+def plot_title(name: str, model_label: Optional[str] = None) -> str:
+    """A curve's title: its name, then the model label on a second line (so random weights show)."""
+    title = name.replace("_", " ")
+    return f"{title}\n{model_label}" if model_label else title
+
+
+def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]] = None,
+                model_label: Optional[str] = None) -> list[str]:
     """Draw each curve (raw and EMA) against iteration to `out_dir/<name>.png` with matplotlib (Agg).
 
+    model_label: shown under each title (e.g. "random:qwen2.5-0.5b (random weights)"); when
+    None, the records' own "model" key is used if they have one.
     Returns the paths written; a curve with no finite values is skipped.
     """
     import matplotlib
@@ -194,6 +208,8 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
     import matplotlib.pyplot as plt
 
     os.makedirs(out_dir, exist_ok=True)
+    if model_label is None:
+        model_label = next((r["model"] for r in reversed(records) if isinstance(r.get("model"), str)), None)
     written = []
     for name, key in (keys or PLOT_KEYS).items():
         pts = [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
@@ -205,7 +221,7 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
         if len(ema) > 1:
             ax.plot(*zip(*ema), lw=2, label="EMA")
         ax.set_xlabel("iteration")
-        ax.set_title(name.replace("_", " "))
+        ax.set_title(plot_title(name, model_label), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
@@ -216,11 +232,17 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
     return written
 
 
-def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "") -> str:
-    """Write sample trajectories as text to `out_dir/iter_XXXXXX.txt`; returns the path."""
+def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "",
+                  model_label: Optional[str] = None) -> str:
+    """Write sample trajectories as text to `out_dir/iter_XXXXXX.txt`; returns the path.
+
+    model_label: written as a first line "model: <label>" (e.g. "... (random weights)").
+    """
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"iter_{iteration:06d}.txt")
     with open(path, "w") as f:
+        if model_label:
+            f.write(f"model: {model_label}\n")
         if header:
             f.write(header.rstrip() + "\n\n")
         for i, t in enumerate(texts):
