@@ -17,6 +17,12 @@ Shapes: CPU H=576, V=49152, N=2048 fp32 (--quick: N=512); CUDA H=896, V=151936 (
 N in {4096, 16384} bf16 (--quick: 4096). Peak memory is what a call adds above what was
 allocated before it, minus the gradients it returns (d hidden, d weight), which every
 method produces alike ("beyond inputs, outputs and gradients").
+
+A method that raises (e.g. a Liger release with another signature) does not vanish: it
+becomes a record named "... <method> failed (<error>)" with met=False and the target its
+comparison would have carried, so the JSON and the table show the missing figure. On CUDA
+a Liger that does not import gets a record saying so (no target: the issue asks for the
+comparison only where liger_kernel is importable).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ from _common import BenchContext, Record, measure, peak_memory  # noqa: E402
 
 PART = "kernels"
 OPTS = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.001)
+LIGER = "liger-fused-linear-grpo"
 
 
 def _inputs(n, h, v, dtype, device, seed):
@@ -88,17 +95,18 @@ def _methods(data, device, chunk_size=None):
     if device == "cuda" and hidden.shape[0] <= 4096:  # the CPU path on the GPU, for reference
         methods["fastpo-chunked"] = lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, impl="chunked",
                                                                     **OPTS).loss
-    liger = _liger_fn(data)
+    liger, why_not = _liger_fn(data)
     if liger is not None:
-        methods["liger-fused-linear-grpo"] = liger
-    return impl, methods
+        methods[LIGER] = liger
+    return impl, methods, why_not
 
 
 def _liger_fn(data):
+    """(Liger's loss as fn(h, w), None), or (None, why it is not available)."""
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-    except Exception:  # not installed (CPU machines): the comparison is skipped
-        return None
+    except Exception as e:  # not installed (CPU machines): the comparison is skipped
+        return None, f"liger_kernel not importable ({type(e).__name__}: {e})"
     hidden, weight, targets, old, adv, mask = data
     n = hidden.shape[0]
     seq = 512 if n % 512 == 0 else n
@@ -112,7 +120,7 @@ def _liger_fn(data):
                        old_per_token_logps=old.view(b, seq))
         return out[0] if isinstance(out, tuple) else out
 
-    return fn
+    return fn, None
 
 
 def _time(fn, hidden, weight, ctx, sync, warmup=1):
@@ -135,7 +143,7 @@ def _cpu(ctx: BenchContext) -> list[Record]:
     n, h, v = (512 if ctx.quick else 2048), 576, 49152
     chunk = 128 if ctx.quick else None
     data = _inputs(n, h, v, torch.float32, "cpu", ctx.seed)
-    impl, methods = _methods(data, "cpu", chunk)
+    impl, methods, _ = _methods(data, "cpu", chunk)
     shape = f"N={n} H={h} V={v} fp32" + (f", chunk_size={chunk}" if chunk else "")
     # the memory run comes first and doubles as the warm-up of the timed runs
     m_naive = _extra_peak(methods["naive"], data[0], data[1], "cpu")
@@ -149,7 +157,8 @@ def _cpu(ctx: BenchContext) -> list[Record]:
                notes=f"median of {ctx.repeats} runs, alternating with the baseline's"),
         Record(PART, f"policy loss peak memory, {impl} ({shape})", "MiB", m_fast / 2**20, m_naive / 2**20, False,
                baseline_name="naive PyTorch (materialized logits)", target=4.0,
-               notes="process RSS sampled every 0.5 ms, above the start, minus the returned gradients"),
+               notes="resident-set high-water mark (VmHWM, reset before the call) above the start, minus the "
+               "returned gradients"),
     ]
 
 
@@ -178,16 +187,18 @@ def _cuda(ctx: BenchContext) -> list[Record]:
     for n in ([4096] if ctx.quick else [4096, 16384]):
         shape = f"N={n} H={h} V={v} bf16"
         data = _inputs(n, h, v, dtype, "cuda", ctx.seed)
-        impl, methods = _methods(data, "cuda")
-        times, mems = {}, {}
+        impl, methods, liger_missing = _methods(data, "cuda")
+        times, mems, failed = {}, {}, {}
         for name, fn in methods.items():
             try:
                 times[name] = _time(fn, data[0], data[1], ctx, sync)
                 mems[name] = _extra_peak(fn, data[0], data[1], "cuda")
-            except Exception as e:  # e.g. a Liger version with another signature: report, keep going
-                print(f"part kernels: {name} at {shape} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            except Exception as e:  # e.g. a Liger version with another signature: record it, keep going
+                failed[name] = f"{type(e).__name__}: {e}"
+                print(f"part kernels: {name} at {shape} failed: {failed[name]}", file=sys.stderr)
             torch.cuda.empty_cache()
         fast = f"fastpo-{impl}"
+        records += _failure_records(shape, fast, times, failed, liger_missing)
         t_mm, s_mm = _four_matmuls(n, h, v, dtype, ctx)
         flops = 8.0 * n * h * v
         if fast in times:
@@ -196,11 +207,11 @@ def _cuda(ctx: BenchContext) -> list[Record]:
                                   flops / tf / 1e12, flops / t_mm / 1e12, True, baseline_name="torch.matmul x4",
                                   target=1 / 1.5, notes=f"8NHV FLOPs; fused {tf * 1e3:.1f} ms, matmuls "
                                   f"{t_mm * 1e3:.1f} ms"))
-            for base in ("naive", "fastpo-chunked", "liger-fused-linear-grpo"):
+            for base in ("naive", "fastpo-chunked", LIGER):
                 if base not in times:
                     continue
                 tb, sb = times[base]
-                target = {"naive": None, "fastpo-chunked": None, "liger-fused-linear-grpo": 2.0}[base]
+                target = {"naive": None, "fastpo-chunked": None, LIGER: 2.0}[base]
                 records.append(Record(PART, f"policy loss fwd+bwd time ({shape})", "ms", tf * 1e3, tb * 1e3, False,
                                       sf * 1e3, sb * 1e3, base, target=target))
                 if base in mems and fast in mems:
@@ -211,6 +222,24 @@ def _cuda(ctx: BenchContext) -> list[Record]:
         gc.collect()
         torch.cuda.empty_cache()
     return records
+
+
+def _failure_records(shape: str, fast: str, times: dict, failed: dict, liger_missing: str | None) -> list[Record]:
+    """Records for the methods that raised (met=False, with the target their comparison would
+    have carried) and for a Liger that did not import (no target)."""
+    targets = {fast: 1 / 1.5, "naive": 20.0, LIGER: 2.0}
+    t_fast = times[fast][0] * 1e3 if fast in times else float("nan")
+    out = []
+    for name, err in failed.items():
+        flat = " ".join(err.split())  # one line: the name is a table cell
+        short = flat if len(flat) <= 160 else flat[:157] + "..."
+        out.append(Record(PART, f"policy loss fwd+bwd ({shape}): {name} failed ({short})", "ms", t_fast, None,
+                          False, baseline_name="" if name == fast else name, target=targets.get(name), met=False,
+                          notes=err))
+    if liger_missing is not None:
+        out.append(Record(PART, f"policy loss fwd+bwd ({shape}): {LIGER} not measured ({liger_missing})", "ms",
+                          t_fast, None, False, baseline_name=LIGER, notes=liger_missing))
+    return out
 
 
 def run(ctx: BenchContext) -> list[Record]:

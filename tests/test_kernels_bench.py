@@ -1,0 +1,41 @@
+"""bench/part_kernels.py: a method that fails, or a Liger that does not import, shows up in
+the records (and so in the JSON and the table) instead of only on stderr."""
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+import part_kernels  # noqa: E402
+
+
+def test_failed_methods_become_records_that_miss_their_target():
+    err = "TypeError: LigerFusedLinearGRPOLoss.forward() got an unexpected keyword argument\n  'old_per_token_logps'"
+    times = {"fastpo-triton": (0.012, 0.001), "naive": (0.05, 0.002)}
+    recs = part_kernels._failure_records("N=4096 H=896 V=151936 bf16", "fastpo-triton", times,
+                                         {part_kernels.LIGER: err}, None)
+    (r,) = recs
+    assert r.met is False and r.target == 2.0 and r.ratio is None
+    assert r.baseline_name == part_kernels.LIGER and r.fastpo == 12.0 and r.notes == err
+    assert "failed (TypeError" in r.name and "\n" not in r.name
+    d = json.loads(json.dumps(r.to_dict()))
+    assert d["met"] is False and d["notes"] == err
+    # the fused path itself failing: no time of its own, the four-matmul target missed
+    (r,) = part_kernels._failure_records("s", "fastpo-triton", {}, {"fastpo-triton": "RuntimeError: boom"}, None)
+    assert math.isnan(r.fastpo) and r.met is False and r.target == 1 / 1.5 and r.baseline_name == ""
+
+
+def test_liger_that_does_not_import_is_recorded():
+    data = part_kernels._inputs(8, 4, 16, torch.float32, "cpu", 0)
+    fn, why = part_kernels._liger_fn(data)
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        assert fn is None and why.startswith("liger_kernel not importable (")
+    else:
+        assert callable(fn) and why is None
+    (r,) = part_kernels._failure_records("s", "fastpo-triton", {"fastpo-triton": (0.01, 0.0)}, {},
+                                         "liger_kernel not importable (ModuleNotFoundError: x)")
+    assert "not measured" in r.name and r.target is None and r.met is None
