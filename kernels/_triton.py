@@ -17,7 +17,7 @@ gradient, so no second vocabulary pass is needed for it):
     dz_v = g_lp (1[v = target] - p_v) - g_ent p_v (log p_v + entropy),  d logits = dz / T.
 Then cuBLAS forms d hidden += dlogits @ W[slice] (fp32 accumulator) and
 d W[slice] = dlogits.T @ hidden, which sums over all tokens inside one GEMM with fp32
-accumulation. Only one [N, slice] buffer exists at a time (BWD_CHUNK_BYTES).
+accumulation. Only one [N, slice] buffer exists at a time (`slice_columns`).
 """
 from __future__ import annotations
 
@@ -28,8 +28,14 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Bytes of the per-slice dlogits buffer in the backward.
+# Bytes of the per-slice dlogits buffer in the backward: at most BWD_CHUNK_BYTES, and at most
+# 1/BWD_CHUNK_FRACTION of what the whole [N, V] dlogits would take (but not under
+# BWD_CHUNK_MIN_BYTES, so slices stay large GEMMs). The fraction keeps the buffer a small
+# share of naive autograd's memory at small N (N=4096, V=151936 bf16: 9 slices, 132 MiB, not
+# 5 slices of 256 MiB).
 BWD_CHUNK_BYTES = 256 * 1024 * 1024
+BWD_CHUNK_FRACTION = 8
+BWD_CHUNK_MIN_BYTES = 32 * 1024 * 1024
 
 
 @triton.jit
@@ -226,6 +232,21 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     return out[0], out[1], out[2]
 
 
+def slice_columns(n: int, v: int, block_v: int, itemsize: int, chunk_bytes: int | None = None) -> int:
+    """Vocabulary columns per backward slice (a multiple of block_v, at least one tile, at
+    most the padded V) for an [n, slice] dlogits buffer of `itemsize`-byte entries, evened
+    out so that the last slice is not a sliver. chunk_bytes: an explicit budget; default
+    min(BWD_CHUNK_BYTES, max(BWD_CHUNK_MIN_BYTES, n * v * itemsize / BWD_CHUNK_FRACTION))."""
+    if chunk_bytes is None:
+        budget = min(BWD_CHUNK_BYTES, max(BWD_CHUNK_MIN_BYTES, n * v * itemsize // BWD_CHUNK_FRACTION))
+    else:
+        budget = int(chunk_bytes)
+    per_col = max(1, n) * itemsize
+    cols = min(max(block_v, budget // per_col // block_v * block_v), triton.cdiv(v, block_v) * block_v)
+    n_slices = triton.cdiv(v, cols)
+    return triton.cdiv(triton.cdiv(v, n_slices), block_v) * block_v
+
+
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result (bf16 GEMM with fp32 output where torch has it)."""
     if a.dtype != b.dtype:
@@ -247,7 +268,7 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
 
     lse, entropy [N] fp32 from `triton_stats`; g_lp, g_ent [N] upstream gradients of
     log-prob and entropy. The vocabulary is processed in slices whose [N, slice] dlogits
-    buffer fits `chunk_bytes` (default BWD_CHUNK_BYTES).
+    buffer fits `chunk_bytes` (default: see `slice_columns`).
     """
     _check(hidden, weight)
     n, d = hidden.shape
@@ -256,10 +277,7 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
     bv = cfg["BLOCK_V"]
     # bf16 dlogits like bf16 autograd; fp16's narrow range could flush small gradients: fp32
     buf_dtype = torch.bfloat16 if hidden.dtype == torch.bfloat16 else torch.float32
-    budget = BWD_CHUNK_BYTES if chunk_bytes is None else int(chunk_bytes)
-    per_col = max(1, n) * torch.tensor([], dtype=buf_dtype).element_size()
-    v_chunk = max(bv, budget // per_col // bv * bv)
-    v_chunk = min(v_chunk, triton.cdiv(v, bv) * bv)
+    v_chunk = slice_columns(n, v, bv, torch.tensor([], dtype=buf_dtype).element_size(), chunk_bytes)
     dh = torch.zeros(n, d, dtype=torch.float32, device=hidden.device) if need_hidden else None
     dw = torch.empty_like(weight) if need_weight else None
     if n == 0:

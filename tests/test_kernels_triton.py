@@ -165,6 +165,30 @@ def test_weight_gradient_fp32_over_many_row_tiles(dtype, n, tol):
     assert err <= tol, f"d weight off by {err:.3g} of its contributions' size (tolerance {tol:g})"
 
 
+def test_backward_slices_of_the_vocabulary():
+    from fastpo.kernels._triton import (BWD_CHUNK_BYTES, BWD_CHUNK_MIN_BYTES, slice_columns, triton_grads,
+                                        triton_stats)
+
+    # the default buffer: 1/8 of the full dlogits at Qwen2.5's N=4096 (not 256 MiB), capped at
+    # BWD_CHUNK_BYTES at N=16384, never under 32 MiB; slices even and within the padded V
+    cols = slice_columns(4096, 151936, 128, 2)
+    assert 4096 * cols * 2 <= 4096 * 151936 * 2 / 8 * 1.01 and cols % 128 == 0
+    assert 16384 * slice_columns(16384, 151936, 128, 2) * 2 <= BWD_CHUNK_BYTES
+    assert 64 * slice_columns(64, 151936, 128, 2) * 2 >= min(BWD_CHUNK_MIN_BYTES, 64 * 151936 * 2)
+    assert slice_columns(40, 1000, 64, 4) == 1024 and slice_columns(40, 1000, 64, 4, chunk_bytes=1) == 64
+    assert slice_columns(40, 1000, 64, 4, chunk_bytes=40 * 4 * 400) == 384  # 3 even slices, not 384+384+232
+    # several slices give the gradients of one
+    n, v = 24, 300
+    hidden, weight, targets = _data(n, 16, v, torch.float32, seed=24)
+    g = torch.Generator().manual_seed(25)
+    g_lp, g_ent = torch.randn(n, generator=g).to(DEV), torch.randn(n, generator=g).to(DEV)
+    _, ent, lse = triton_stats(hidden, weight, targets, 0.5)
+    one = triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, 0.5)
+    many = triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, 0.5, chunk_bytes=n * 4 * 128)  # 3 slices
+    torch.testing.assert_close(many[0], one[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(many[1], one[1], atol=1e-6, rtol=1e-5)
+
+
 def test_on_policy_ratio_exactly_one():
     hidden, weight, targets = _data(33, 32, 500, torch.float32, seed=6)
     with torch.no_grad():
