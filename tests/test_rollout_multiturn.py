@@ -178,7 +178,7 @@ def test_token_in_token_out_matches_chat_template(smol, smol_batch):
 @pytest.mark.slow
 def test_sampling_logprobs_match_a_plain_forward(smol, smol_batch):
     model, tok = smol
-    _, batch = smol_batch
+    _, batch, _ = smol_batch
     for i in range(len(batch)):
         ids = batch.input_ids[i]
         with torch.no_grad():
@@ -191,7 +191,7 @@ def test_sampling_logprobs_match_a_plain_forward(smol, smol_batch):
 
 @pytest.mark.slow
 def test_batch_fields_metrics_select(smol_batch):
-    _, batch = smol_batch
+    _, batch, _ = smol_batch
     B, T = len(batch), 3
     assert batch.turn_rewards.shape == (B, T) and batch.turn_rewards.dtype == torch.float32
     torch.testing.assert_close(batch.scores, batch.turn_rewards.sum(1))
