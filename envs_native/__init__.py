@@ -7,10 +7,18 @@
     result = env.step(parsed.actions)                # StepResult: reward, done, success, ...
 
 Every environment holds B instances as NumPy arrays and steps them in one compiled call
-(``@njit(cache=True)``, so only the first process on a machine pays the compile time).
+(``@njit(cache=True)``, so only the first process on a machine pays the compile time; any
+edit to a source file of this package recompiles them all once, see _numba_cache.py).
 Importing this package loads NumPy and Numba only.
 """
 from __future__ import annotations
+
+import os as _os
+
+from . import _numba_cache
+
+# Before any compiled module is imported: numba stamps each cached function when decorated.
+_numba_cache.install(_os.path.dirname(_os.path.abspath(__file__)))
 
 from ._core import BatchedTextEnv, ParsedActions, StepResult
 
