@@ -387,6 +387,7 @@ def linear_policy_loss(
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.long().contiguous()
     cd = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     sel = loss_mask.to(torch.float32) > 0
+    some_masked = not bool(sel.all())  # one sync; the masked-row guards below cost nothing without
     zero = torch.zeros((), dtype=cd, device=dev)
     # Masked-out tokens may hold anything (padding, -inf); zero them so that nothing leaks.
     old = torch.where(sel, old_logprob.to(cd), zero)
@@ -413,16 +414,18 @@ def linear_policy_loss(
             dh = dw = None
             if need:
                 g_lp, g_ent = coef_fn(slice(None), lp, ent)
-                # masked rows enter the gradient pass as zeros (0 * NaN is NaN): their g is 0, so
-                # their dlogits are exactly 0 and a non-finite masked row cannot reach d weight
-                h_g = torch.where(sel[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=dev))
-                lse_g, ent_g = torch.where(sel, lse, 0.0), torch.where(sel, ent, 0.0)
+                h_g, lse_g, ent_g = hidden, lse, ent
+                if some_masked:
+                    # masked rows enter the gradient pass as zeros (0 * NaN is NaN): their g is 0,
+                    # so their dlogits are exactly 0 and a non-finite masked row cannot reach d weight
+                    h_g = torch.where(sel[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=dev))
+                    lse_g, ent_g = torch.where(sel, lse, 0.0), torch.where(sel, ent, 0.0)
                 dh, dw = _grads(impl, h_g, weight, targets, lse_g, ent_g, g_lp, g_ent, temperature, chunk_size,
                                 need_h, need_w)
         else:
             lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
                                                      coef_fn if need else None, chunk_size, need_h, need_w,
-                                                     grad_rows=sel)
+                                                     grad_rows=sel if some_masked else None)
         terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
         loss = torch.where(sel, terms["loss"] * w, zero).sum()
         metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)

@@ -215,10 +215,10 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
         dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
         if grad_rows is not None:
             # 0 * NaN is NaN: a non-finite excluded row must be zeroed, not weighted by 0
-            out_rows = (~grad_rows[s:e]).nonzero().squeeze(-1)
-            if out_rows.numel():
-                dz.index_fill_(0, out_rows, 0.0)
-                h_c = h_c.index_fill(0, out_rows, 0.0)
+            # (masked_fill_/where, not nonzero(): no device sync per chunk on CUDA)
+            keep = grad_rows[s:e, None]
+            dz.masked_fill_(~keep, 0.0)
+            h_c = torch.where(keep, h_c, torch.zeros((), dtype=h_c.dtype, device=h_c.device))
         dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c
