@@ -350,7 +350,7 @@ def test_gpu_policy_loss_backward_scales_in_place():
     hidden, weight, targets = _data(n, h, v, torch.bfloat16, seed=22, scale=1.0)
     g = torch.Generator().manual_seed(23)
     old, adv = (-4.0 - torch.rand(n, generator=g)).cuda(), torch.randn(n, generator=g).cuda()
-    mask = torch.ones(n, device="cuda")
+    mask = torch.ones(n, device=DEV)
     grads = []
     for factor in (1.0, 2.0):
         ww = weight.clone().requires_grad_(True)
