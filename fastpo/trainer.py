@@ -223,7 +223,8 @@ class Trainer:
             c.print(f"[bold]resumed[/] from {ckpt} at iteration {self.start_iteration}")
         self.logger = MetricsLogger(self.out, cfg.trainer.ema_decay, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                     resume_from=self.start_iteration - 1 if ckpt is not None else None,
-                                    run_name=os.path.basename(os.path.abspath(self.out)), config=cfg.to_dict())
+                                    run_name=os.path.basename(os.path.abspath(self.out)), config=cfg.to_dict(),
+                                    model_label=self.info.label)
         for rec in self.logger.records:
             self.echo.update(rec)
         with open(os.path.join(self.out, "config.yaml"), "w") as f:
@@ -498,7 +499,8 @@ class Trainer:
         batch = res.pop("_batch")
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
-                             f"(temperature {t.eval_temperature}, {len(seeds)} seeds)")
+                             f"(temperature {t.eval_temperature}, {len(seeds)} seeds)",
+                      model_label=self.info.label)
         res["time/eval_s"] = time.perf_counter() - t0
         return res
 
@@ -614,7 +616,7 @@ class Trainer:
                     if not t.progress:
                         self.console.print(f"iteration {it}/{total}: {stats}")
                     if t.plots and (("eval/success_rate" in m) or it == total):
-                        plot_curves(self.logger.records, os.path.join(self.out, "plots"))
+                        plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
                     if (t.save_every and it % t.save_every == 0) or it == total or self._stop_requested:
                         self._save(it)
                         last_saved = it
@@ -643,7 +645,7 @@ class Trainer:
             if hasattr(self.engine, "shutdown"):
                 self.engine.shutdown()  # SGLang's server processes
         if t.plots and self.logger.records:
-            plot_curves(self.logger.records, os.path.join(self.out, "plots"))
+            plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
         self.console.print(f"outputs in {self.out}/: metrics.jsonl, plots/, samples/, checkpoints/")
         return self.logger.records
