@@ -4,9 +4,9 @@
     python bench/report.py            # rewrite README.md between the perf markers
     python bench/report.py --check    # exit 1 if README.md is out of date
 
-For each device (cpu, cuda) the newest `bench/results/**/*.json` written by
-`bench/throughput.py --json` is rendered: machine, date, the reproducing command, and the
-table of comparisons. Nothing in that section is typed by hand.
+For each device (cpu, cuda) the newest full run in `bench/results/**/*.json` (written by
+`bench/throughput.py --json`) is rendered, then the newest run of each single part made after
+it: machine, date, the reproducing command, and the table of comparisons. Nothing in that section is typed by hand.
 """
 from __future__ import annotations
 
@@ -66,7 +66,9 @@ def render(result: dict, path: str) -> str:
 
 
 def section(results_dir: str) -> str:
-    newest: dict[str, tuple[str, str, dict]] = {}
+    """Per device: the newest full run, then any single-part run newer than it (e.g. a part
+    measured at larger sizes than the full run's 10 minutes allow)."""
+    runs: dict[str, list[tuple[str, str, dict]]] = {}
     for path in glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True):
         with open(path) as f:
             try:
@@ -77,13 +79,21 @@ def section(results_dir: str) -> str:
             continue
         if result["args"].get("quick"):
             continue  # smoke runs are not performance figures
-        dev = result["machine"]["device"]
-        key = result["machine"]["date"]
-        if dev not in newest or key > newest[dev][0]:
-            newest[dev] = (key, path, result)
-    if not newest:
+        runs.setdefault(result["machine"]["device"], []).append((result["machine"]["date"], path, result))
+    if not runs:
         return "No benchmark results are committed yet: run `python bench/throughput.py --json bench/results/cpu.json`."
-    return "\n\n".join(render(newest[d][2], newest[d][1]) for d in sorted(newest))
+    shown = []
+    for dev in sorted(runs):
+        full = [r for r in runs[dev] if r[2]["args"].get("part", "all") == "all"]
+        since = max(full)[0] if full else ""
+        newest_part: dict[str, tuple[str, str, dict]] = {}
+        for r in runs[dev]:
+            part = r[2]["args"].get("part", "all")
+            if part != "all" and r[0] > since and (part not in newest_part or r[0] > newest_part[part][0]):
+                newest_part[part] = r
+        picked = ([max(full)] if full else []) + [newest_part[p] for p in sorted(newest_part)]
+        shown += [render(r[2], r[1]) for r in picked]
+    return "\n\n".join(shown)
 
 
 def main(argv: list[str] | None = None) -> int:
