@@ -11,8 +11,7 @@
   Both reset every 10 turns; only executed steps are counted. Target 100x.
 - One whole turn for 128 instances (parse the answer texts, step, render the texts) vs the
   plain-Python reference turn in fastpo.envs_native.reference, same answers, same states:
-  5 turns of Sokoban (6x6, 1 box) and FrozenLake (4x4): target 10x. Bandit's single turn
-  (one name lookup per instance in plain Python) is reported too, without a target.
+  5 turns of Sokoban (6x6, 1 box) and FrozenLake (4x4), Bandit's single turn: target 10x.
 - Numba's first-call compile time in a fresh process with an empty cache, and the same
   first calls in a second process that loads the cache written by the first (cache=True).
 """
@@ -162,7 +161,7 @@ def _answers(name, env, rng, n_turns):
     return out
 
 
-def bench_turn(ctx: BenchContext, name: str, config: dict, turns: int = 5, target: float | None = 10.0) -> Record:
+def bench_turn(ctx: BenchContext, name: str, config: dict, turns: int = 5, target: float = 10.0) -> Record:
     """Seconds per turn of 128 instances: K batches (different seeds) played back to back,
     `turns` turns each, the same answers for both sides. Every turn is timed on its own and
     the median over all turns of all repetitions is reported (robust to a busy machine)."""
@@ -211,9 +210,8 @@ def bench_turn(ctx: BenchContext, name: str, config: dict, turns: int = 5, targe
     return Record(PART, f"{name} turn (parse+step+render), 128 instances", "s/turn", float(qf[1]), float(qb[1]), False,
                   fastpo_spread=float(qf[2] - qf[0]), baseline_spread=float(qb[2] - qb[0]),
                   baseline_name="plain-Python reference turn", target=target,
-                  notes=f"{K} batches x {turns} turns x {reps} repetitions, up to {M} actions per answer; "
-                        "median turn, spread = 90th - 10th percentile" + ("" if target else
-                        "; no target: a single-turn game whose plain-Python turn is one name lookup per instance"))
+                  notes=f"{K} batches x {turns} turn{'s' if turns > 1 else ''} x {reps} repetitions, up to {M} "
+                        "actions per answer; median turn, spread = 90th - 10th percentile")
 
 
 _COMPILE_SCRIPT = r"""
@@ -262,7 +260,6 @@ def run(ctx: BenchContext) -> list[Record]:
     records += bench_frozenlake_steps(ctx)
     records.append(bench_turn(ctx, "sokoban", {}))
     records.append(bench_turn(ctx, "frozenlake", {}))
-    # the 10x target is for the multi-turn games; Bandit's one turn is reported for completeness
-    records.append(bench_turn(ctx, "bandit", {}, turns=1, target=None))
+    records.append(bench_turn(ctx, "bandit", {}, turns=1))
     records += bench_compile(ctx)
     return records

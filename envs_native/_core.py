@@ -109,7 +109,8 @@ class ParsedActions:
 
     actions: np.int64 [B, max_actions], action ids in order, padded with -1.
     num_actions: np.int64 [B], number of recognised actions.
-    invalid: list of B lists of str, the unrecognised pieces (stripped) per instance.
+    invalid: list of B tuples of str, the unrecognised pieces (stripped) per instance, in
+        answer order (the empty tuple for an instance without any).
     all_valid: np.bool_ [B], True iff at least one action and no invalid piece
         (the format check behind RAGEN's per-turn format penalty).
     """
@@ -159,38 +160,78 @@ def _is_space(c):
             or c == 0x2029 or c == 0x202F or c == 0x205F or c == 0x3000)
 
 
+_K1 = np.uint64(0x9E3779B97F4A7C15)
+_K2 = np.uint64(0xBF58476D1CE4E5B9)
+_K3 = np.uint64(0x94D049BB133111EB)
+_S29 = np.uint64(29)
+
+
+@njit(cache=True, inline="always")
+def _lower(c):
+    """ASCII upper case to lower case (int64 code point); other code points unchanged."""
+    c = np.int64(c)
+    return c + 32 if 65 <= c <= 90 else c
+
+
+@njit(cache=True, inline="always")
+def _name_key(length, first, last):
+    """Hash-table key (uint64) of a name from its length and lower-cased first and last
+    code points: O(1) per piece, collisions are resolved by comparing the whole name."""
+    h = np.uint64(length) * _K1 ^ np.uint64(first) * _K2 ^ np.uint64(last) * _K3
+    return h ^ (h >> _S29)
+
+
 @njit(cache=True)
-def _parse_kernel(text, lengths, name_codes, name_lens, name_action, out):
+def _build_name_slots(name_codes, name_lens, slots):
+    """Open-addressing hash table: slots (int64 [S], S a power of two > N, filled with -1)
+    gets each name index k at the first free slot from its `_name_key` & (S - 1)."""
+    mask = slots.shape[0] - 1
+    for k in range(name_codes.shape[0]):
+        ln = name_lens[k]
+        i = np.int64(_name_key(ln, name_codes[k, 0], name_codes[k, ln - 1]) & np.uint64(mask))
+        while slots[i] >= 0:
+            i = (i + 1) & mask
+        slots[i] = k
+
+
+@njit(cache=True)
+def _parse_kernel(text, lengths, slots, name_codes, name_lens, name_action, actions, num_actions, all_valid, spans):
     """Split each answer on '||', strip, match names (ASCII case-insensitive).
 
-    text: uint32 [T] code points of all answers, each followed by one separator code point;
-    lengths: int64 [B] code points per answer, or empty when no answer holds a NUL (then
-    each answer ends at the next NUL). name_codes: uint32 [N, K] lower-case names;
-    name_lens: int64 [N]; name_action: int64 [B, N] action id of name n for instance b (-1: not an action of b).
-    Fills out int64 [B, 2 + 3M] (one array: returning several costs more than parsing):
-    column 0 the number of actions, 1 the number of invalid pieces, then M action ids
-    (-1 padded), M starts and M ends (relative to the answer) of the invalid pieces.
+    text: uint8 (all ASCII) or uint32 [T] code points of all answers, each followed by one
+    separator code point; lengths: int64 [B] code points per answer, or empty when no
+    answer holds a NUL (then each answer ends at the next NUL). slots: int64 [S] the
+    names' hash table (`_build_name_slots`); name_codes: uint32 [N, K] lower-case names;
+    name_lens: int64 [N]; name_action: int64 [B, N] action id of name n for instance b
+    (-1: not an action of b). Fills actions int64 [B, M] (-1 padded), num_actions int64
+    [B], all_valid bool [B] and spans int64 [B * M, 3], one row (instance, start, end)
+    per invalid piece, start and end relative to the instance's answer. Returns the number
+    of invalid pieces.
     """
-    B = out.shape[0]
-    N = name_codes.shape[0]
-    M = (out.shape[1] - 2) // 3
+    B = actions.shape[0]
+    M = actions.shape[1]
     T = text.shape[0]
+    mask = slots.shape[0] - 1
+    known = lengths.shape[0] == B
     o = 0
+    n_spans = 0
     for b in range(B):
-        if lengths.shape[0] == B:
-            n = lengths[b]
-        else:
-            n = 0
-            while o + n < T and text[o + n] != 0:
-                n += 1
+        n = lengths[b] if known else T - o  # without lengths the answer ends at the next NUL
         pieces = 0
         na = 0
         ni = 0
         s = 0
-        while s <= n and pieces < M:
-            # find the end of this piece: the next "||" or the end of the text
+        while True:
+            # the piece ends at the next "||" or at the end of the answer
             e = s
-            while e < n and not (text[o + e] == 124 and e + 1 < n and text[o + e + 1] == 124):
+            while e < n:
+                c = text[o + e]
+                if c == 124:
+                    if e + 1 < n and text[o + e + 1] == 124:
+                        break
+                elif c == 0 and not known:
+                    n = e
+                    break
                 e += 1
             a = s
             z = e
@@ -202,44 +243,51 @@ def _parse_kernel(text, lengths, name_codes, name_lens, name_action, out):
                 pieces += 1
                 found = -1
                 ln = z - a
-                for k in range(N):
-                    if name_lens[k] != ln:
-                        continue
-                    same = True
-                    for j in range(ln):
-                        c = text[o + a + j]
-                        if 65 <= c <= 90:
-                            c += 32
-                        if c != name_codes[k, j]:
-                            same = False
+                i = np.int64(_name_key(ln, _lower(text[o + a]), _lower(text[o + z - 1])) & np.uint64(mask))
+                while slots[i] >= 0:
+                    k = slots[i]
+                    if name_lens[k] == ln:
+                        j = 0
+                        while j < ln and _lower(text[o + a + j]) == name_codes[k, j]:
+                            j += 1
+                        if j == ln:
+                            found = name_action[b, k]
                             break
-                    if same:
-                        found = name_action[b, k]
-                        break
+                    i = (i + 1) & mask
                 if found >= 0:
-                    out[b, 2 + na] = found
+                    actions[b, na] = found
                     na += 1
                 else:
-                    out[b, 2 + M + ni] = a
-                    out[b, 2 + 2 * M + ni] = z
+                    spans[n_spans, 0] = b
+                    spans[n_spans, 1] = a
+                    spans[n_spans, 2] = z
+                    n_spans += 1
                     ni += 1
+            if e >= n or pieces == M:
+                break
             s = e + 2
+        if not known and e < n:  # stopped at max_actions: find this answer's end
+            while o + e < T and text[o + e] != 0:
+                e += 1
+            n = e
         for j in range(na, M):
-            out[b, 2 + j] = -1
-        out[b, 0] = na
-        out[b, 1] = ni
+            actions[b, j] = -1
+        num_actions[b] = na
+        all_valid[b] = na > 0 and ni == 0
         o += n + 1
+    return n_spans
 
 
 class NameTable:
-    """All action names of an environment, lower-cased, with a per-instance id map.
+    """All action names of an environment, lower-cased, with a hash table for the parser.
 
     names: the distinct action names (ASCII, no '||', no surrounding whitespace).
+    Raises ValueError naming a bad or repeated name.
     """
 
     def __init__(self, names: Sequence[str]):
         for n in names:
-            if not n or not n.isascii() or "||" in n or n != n.strip():
+            if not isinstance(n, str) or not n or not n.isascii() or "||" in n or n != n.strip():
                 raise ValueError(f"action name {n!r} must be non-empty ASCII without '||' or surrounding spaces")
         lowered = [n.lower() for n in names]
         if len(set(lowered)) != len(lowered):
@@ -251,6 +299,9 @@ class NameTable:
         for i, n in enumerate(lowered):
             self.codes[i, : len(n)] = [ord(c) for c in n]
         self.lens = np.array([len(n) for n in lowered], dtype=np.int64)
+        # at most half full, so that a lookup probes about one slot
+        self.slots = np.full(max(8, 1 << (2 * len(lowered) - 1).bit_length()), -1, dtype=np.int64)
+        _build_name_slots(self.codes, self.lens, self.slots)
 
 
 _NO_LENGTHS = np.zeros(0, dtype=np.int64)
@@ -261,10 +312,12 @@ def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, na
 
     answers: B strings (None or non-strings count as empty answers); max_actions >= 1.
     table/name_action: the env's names and int64 [B, N] per-instance id map.
-    Never raises on any text. Raises ValueError only for a bad max_actions or count.
+    Never raises on any text. Raises ValueError for a max_actions that is not a positive
+    integer or a number of answers other than B.
     """
     B = name_action.shape[0]
-    if isinstance(max_actions, bool) or not isinstance(max_actions, (int, np.integer)) or max_actions < 1:
+    if type(max_actions) is not int and (isinstance(max_actions, bool) or not isinstance(max_actions, np.integer)) \
+            or max_actions < 1:
         raise ValueError(f"max_actions must be a positive integer, got {max_actions!r}")
     if isinstance(answers, str) or len(answers) != B:
         raise ValueError(f"expected {B} answers (one per instance), got {answers!r:.80}")
@@ -275,23 +328,29 @@ def parse_answers(answers: Sequence[str], max_actions: int, table: NameTable, na
         joined = "\x00".join(answers)
     # answers without NUL characters: the kernel finds the boundaries itself
     lengths = np.fromiter(map(len, answers), np.int64, B) if joined.count("\x00") != B - 1 else _NO_LENGTHS
-    # every answer's code points, NUL-separated (the separators are never read);
+    # every answer's code points, NUL-separated (the separators are never read): one byte
+    # each for ASCII text (isascii is a flag check, the encode a copy), else UTF-32, where
     # surrogatepass keeps lone surrogates as code points that simply match no name
-    text = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
-    text = text.astype(np.uint32, copy=False)  # no copy on little-endian machines
+    if joined.isascii():
+        text = np.frombuffer(joined.encode("ascii"), dtype=np.uint8)
+    else:
+        text = np.frombuffer(joined.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+        text = text.astype(np.uint32, copy=False)  # no copy on little-endian machines
     M = int(max_actions)
-    out = np.zeros((B, 2 + 3 * M), dtype=np.int64)
-    _parse_kernel(text, lengths, table.codes, table.lens, name_action, out)
-    num_actions = out[:, 0].copy()
-    num_invalid = out[:, 1]
-    invalid = [[] for _ in range(B)]
-    bad = np.flatnonzero(num_invalid)
-    if bad.size:
+    actions = np.empty((B, M), dtype=np.int64)
+    num_actions = np.empty(B, dtype=np.int64)
+    all_valid = np.empty(B, dtype=np.bool_)
+    spans = np.empty((B * M, 3), dtype=np.int64)
+    n_spans = _parse_kernel(text, lengths, table.slots, table.codes, table.lens, name_action, actions, num_actions,
+                            all_valid, spans)
+    # tuples: one shared empty tuple for the usual instance without invalid pieces
+    # (B fresh lists cost more than the kernel's whole parse)
+    invalid = [()] * B
+    if n_spans:
         # plain ints: indexing NumPy scalars one by one costs more than the parse itself
-        for b, row in zip(bad.tolist(), out[bad].tolist()):
-            text_b = answers[b]
-            invalid[b] = [text_b[row[2 + M + j]:row[2 + 2 * M + j]] for j in range(row[1])]
-    return ParsedActions(out[:, 2:2 + M].copy(), num_actions, invalid, (num_actions > 0) & (num_invalid == 0))
+        for b, a, z in spans[:n_spans].tolist():
+            invalid[b] += (answers[b][a:z],)
+    return ParsedActions(actions, num_actions, invalid, all_valid)
 
 
 # ---------------------------------------------------------------------------------------

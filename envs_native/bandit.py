@@ -28,19 +28,27 @@ _SALT = 0xBA4D17
 
 
 @njit(cache=True)
-def _bandit_reset(seeds, n_pairs, rng, pair, swapped):
+def _bandit_reset(seeds, n_pairs, rng, pair, swapped, obs):
     rng_seed_all(seeds, _SALT, rng)
     for b in range(seeds.shape[0]):
         pair[b] = rng_below(rng, b, n_pairs)
         swapped[b] = rng_below(rng, b, 2) == 1
+        obs[b] = (pair[b] * 2 + swapped[b]) * 4
 
 
 @njit(cache=True)
-def _bandit_step(rng, swapped, done, success, chosen, outcome, actions, active, low_reward, high_reward, high_prob,
-                 high_better, reward, num_exec, valid, effective):
-    """One pull per active, not-done instance; outcome[b] = 1 low arm, 2 high arm paid, 3 high arm not paid."""
+def _bandit_step(rng, swapped, chosen, obs, total, done, success, actions, active, params, reward, num_exec, valid,
+                 effective):
+    """One pull per active, not-done instance (the first valid action id of its row).
+
+    params: float64 [4] (low_reward, high_reward, high_prob, 1.0 if the high-risk arm is the
+    better one else 0.0). obs[b] (the index of b's observation text) moves from the
+    before-the-pull text to outcome 1 (low arm), 2 (high arm paid) or 3 (high arm not paid);
+    total[b] is the episode's reward.
+    """
     B = actions.shape[0]
     A = actions.shape[1]
+    high_better = params[3] != 0.0
     for b in range(B):
         if not active[b] or done[b]:
             continue
@@ -53,14 +61,17 @@ def _bandit_step(rng, swapped, done, success, chosen, outcome, actions, active, 
             num_exec[b] += 1
             high = (a == 1) != swapped[b]  # arm shown second is the high-risk one unless swapped
             if high:
-                if rng_uniform(rng, b) < high_prob:
-                    reward[b] += high_reward
-                    outcome[b] = 2
+                if rng_uniform(rng, b) < params[2]:
+                    r = params[1]
+                    obs[b] += 2
                 else:
-                    outcome[b] = 3
+                    r = 0.0
+                    obs[b] += 3
             else:
-                reward[b] += low_reward
-                outcome[b] = 1
+                r = params[0]
+                obs[b] += 1
+            reward[b] += r
+            total[b] = r
             chosen[b] = a
             success[b] = high == high_better
             done[b] = True
@@ -73,6 +84,9 @@ class BanditEnv(BatchedTextEnv):
     Config: split ("train" or "test": which list of name pairs), pairs (custom list of
     (low-risk name, high-risk name); overrides split), low_reward (0.1), high_reward (1.0),
     high_prob (0.25). Raises ValueError naming a bad config value.
+
+    Unlike FrozenLake and Sokoban, `instructions()` and `action_names(i)` name the arms of
+    each instance, which exist only after `reset`: before it they raise RuntimeError.
     """
 
     name = "bandit"
@@ -84,44 +98,42 @@ class BanditEnv(BatchedTextEnv):
             if split not in ("train", "test"):
                 raise ValueError(f"split must be 'train' or 'test', got {split!r}")
             pairs = TRAIN_PAIRS if split == "train" else TEST_PAIRS
-        pairs = [tuple(p) for p in pairs]
-        if not pairs or any(len(p) != 2 or not all(isinstance(n, str) for n in p) for p in pairs):
-            raise ValueError(f"pairs must be a non-empty list of (low-risk name, high-risk name), got {pairs!r}")
-        if any(p[0].lower() == p[1].lower() for p in pairs):
-            raise ValueError(f"the two arms of a pair need different names, got {pairs!r}")
+        self.pairs = _check_pairs(pairs)
         for k, v in (("low_reward", low_reward), ("high_reward", high_reward)):
             if not _is_real(v) or not np.isfinite(v):
                 raise ValueError(f"{k} must be a finite number, got {v!r}")
         if not (_is_real(high_prob) and 0.0 <= high_prob <= 1.0):
             raise ValueError(f"high_prob must be in [0, 1], got {high_prob!r}")
-        self.pairs = pairs
         self.low_reward, self.high_reward, self.high_prob = float(low_reward), float(high_reward), float(high_prob)
         self.high_better = self.high_reward * self.high_prob >= self.low_reward
+        self._params = np.array([self.low_reward, self.high_reward, self.high_prob, float(self.high_better)])
         names = []
-        for p in pairs:
+        for p in self.pairs:
             for n in p:
                 if n.lower() not in (x.lower() for x in names):
                     names.append(n)
         self._table = NameTable(names)  # validates the names
-        idx = np.array([[self._table.index[n.lower()] for n in p] for p in pairs], dtype=np.int64)
+        idx = np.array([[self._table.index[n.lower()] for n in p] for p in self.pairs], dtype=np.int64)
         self._pair_names = idx
         B = self._B
         self._rng = np.zeros(B, dtype=np.uint64)
         self._pair = np.zeros(B, dtype=np.int64)
         self._swapped = np.zeros(B, dtype=np.bool_)
         self._chosen = np.full(B, -1, dtype=np.int64)
-        self._outcome = np.zeros(B, dtype=np.int64)
-        # every observation text there can be, indexed [pair, swapped, outcome]
-        texts = np.empty((len(pairs), 2, 4), dtype=object)
-        for k, (lo, hi) in enumerate(pairs):
+        self._reward = np.zeros(B, dtype=np.float32)  # the episode's reward
+        # every observation text there can be, flat: index (pair * 2 + swapped) * 4 + outcome
+        # (outcome 0 before the pull, 1 low arm, 2 high arm paid, 3 high arm not paid);
+        # _obs holds each instance's index, so render is one NumPy take
+        texts = []
+        for lo, hi in self.pairs:
             for sw in (0, 1):
                 a, b = (hi, lo) if sw else (lo, hi)
-                texts[k, sw, 0] = f"Two arms: {a} and {b}. Which arm do you pull?"
-                texts[k, sw, 1] = f"You pulled {lo} and received reward {self.low_reward:g}."
-                texts[k, sw, 2] = f"You pulled {hi} and received reward {self.high_reward:g}."
-                texts[k, sw, 3] = f"You pulled {hi} and received reward 0."
-        self._texts = texts
-        self._reward = np.zeros(B, dtype=np.float32)
+                texts += [f"Two arms: {a} and {b}. Which arm do you pull?",
+                          f"You pulled {lo} and received reward {self.low_reward:g}.",
+                          f"You pulled {hi} and received reward {self.high_reward:g}.",
+                          f"You pulled {hi} and received reward 0."]
+        self._texts = np.array(texts, dtype=object)
+        self._obs = np.zeros(B, dtype=np.int64)
         self._name_action = np.full((B, len(names)), -1, dtype=np.int64)
 
     def _arms(self, i: int) -> tuple[str, str]:
@@ -129,9 +141,13 @@ class BanditEnv(BatchedTextEnv):
         return (hi, lo) if self._swapped[i] else (lo, hi)
 
     def reset(self, seeds) -> list[str]:
-        """Reset all B instances from B non-negative integer seeds; returns the B situation texts."""
+        """Reset all B instances from B non-negative integer seeds; returns the B situation texts.
+
+        Raises TypeError for seeds that are not integers, ValueError for a count other
+        than B, a negative seed or one of 2**64 or more.
+        """
         s = seeds_to_array(seeds, self._B)
-        _bandit_reset(s, len(self.pairs), self._rng, self._pair, self._swapped)
+        _bandit_reset(s, len(self.pairs), self._rng, self._pair, self._swapped, self._obs)
         self._name_action[:] = -1
         rows = np.arange(self._B)
         lo = self._pair_names[self._pair, 0]
@@ -139,7 +155,6 @@ class BanditEnv(BatchedTextEnv):
         self._name_action[rows, lo] = self._swapped.astype(np.int64)
         self._name_action[rows, hi] = 1 - self._swapped.astype(np.int64)
         self._chosen[:] = -1
-        self._outcome[:] = 0
         self._reward[:] = 0
         self.done[:] = False
         self.success[:] = False
@@ -148,12 +163,18 @@ class BanditEnv(BatchedTextEnv):
         return self.render()
 
     def render(self) -> list[str]:
-        """Before the pull: which arms there are; after it: which arm was pulled and its reward."""
+        """Before the pull: which arms there are; after it: which arm was pulled and its reward.
+
+        Raises RuntimeError before the first reset.
+        """
         self._require_reset()
-        return self._texts[self._pair, self._swapped.astype(np.int64), self._outcome].tolist()
+        return self._texts.take(self._obs).tolist()
 
     def instructions(self) -> list[str]:
-        """Per-instance rules: the two arm names (in shown order) and how to answer."""
+        """Per-instance rules: the two arm names (in shown order) and how to answer.
+
+        Raises RuntimeError before the first reset (the arm names come from it).
+        """
         self._require_reset()
         out = []
         for i in range(self._B):
@@ -167,13 +188,16 @@ class BanditEnv(BatchedTextEnv):
         return out
 
     def action_names(self, i: int) -> list[str]:
-        """The two arm names of instance i in id order (the order they are shown)."""
+        """The two arm names of instance i in id order (the order they are shown).
+
+        Raises ValueError for an index outside [0, B), RuntimeError before the first reset.
+        """
         i = self._check_index(i)
         self._require_reset()
         return list(self._arms(i))
 
     def high_risk_action(self) -> np.ndarray:
-        """np.int64 [B]: the action id of each instance's high-risk arm."""
+        """np.int64 [B]: the action id of each instance's high-risk arm. Raises RuntimeError before reset."""
         self._require_reset()
         return 1 - self._swapped.astype(np.int64)
 
@@ -181,7 +205,21 @@ class BanditEnv(BatchedTextEnv):
         return self._table, self._name_action
 
     def _step_kernel(self, acts, active, out) -> None:
-        _bandit_step(self._rng, self._swapped, self.done, self.success, self._chosen, self._outcome, acts, active,
-                     self.low_reward, self.high_reward, self.high_prob, self.high_better, out.reward,
-                     out.num_executed, out.valid, out.effective)
-        self._reward += out.reward
+        _bandit_step(self._rng, self._swapped, self._chosen, self._obs, self._reward, self.done, self.success, acts,
+                     active, self._params, out.reward, out.num_executed, out.valid, out.effective)
+
+
+def _check_pairs(pairs) -> list[tuple[str, str]]:
+    """pairs as a list of (low-risk name, high-risk name) tuples; ValueError naming a bad one."""
+    what = "pairs must be a non-empty list of (low-risk name, high-risk name) pairs"
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, (list, tuple)) or not pairs:
+        raise ValueError(f"{what}, got {pairs!r:.200}")
+    out = []
+    for p in pairs:
+        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)) or len(p) != 2 \
+                or not all(isinstance(n, str) for n in p):
+            raise ValueError(f"{what}; {p!r:.100} is not a pair of two name strings")
+        if p[0].lower() == p[1].lower():
+            raise ValueError(f"the two arms of a pair need different names, got {tuple(p)!r}")
+        out.append((p[0], p[1]))
+    return out

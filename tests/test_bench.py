@@ -118,7 +118,7 @@ def test_plain_python_env_matches_batched_env():
             answers = [" || ".join(rng.choice(names, size=int(rng.integers(0, 4))).tolist())
                        + (" || jump" if rng.random() < 0.3 else "") for _ in range(B)]
             pa, pp = a.parse_actions(answers, 3), p.parse_actions(answers, 3)
-            assert (pa.actions == pp.actions).all() and pa.invalid == pp.invalid
+            assert (pa.actions == pp.actions).all() and [list(x) for x in pa.invalid] == [list(x) for x in pp.invalid]
             assert (pa.all_valid == pp.all_valid).all() and (pa.num_actions == pp.num_actions).all()
             active = rng.random(B) < 0.8
             ra, rp = a.step(pa.actions, active), p.step(pp.actions, active)

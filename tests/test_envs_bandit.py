@@ -60,7 +60,7 @@ def test_parse_uses_this_instances_arm_names():
     other = next(n for p in TRAIN_PAIRS for n in p if n not in names[2])
     p = env.parse_actions([names[0][1].upper(), f"  {names[1][0].lower()} ", other], 2)
     assert p.actions[:, 0].tolist()[:2] == [1, 0] and p.all_valid.tolist()[:2] == [True, True]
-    assert p.invalid[2] == [other] and p.num_actions[2] == 0 and not p.all_valid[2]
+    assert p.invalid[2] == (other,) and p.num_actions[2] == 0 and not p.all_valid[2]
 
 
 def test_matches_reference():
@@ -77,7 +77,18 @@ def test_matches_reference():
 @pytest.mark.parametrize("kwargs,word", [
     ({"split": "val"}, "split"), ({"high_prob": 1.5}, "high_prob"), ({"low_reward": float("inf")}, "low_reward"),
     ({"pairs": [("A", "a")]}, "different"), ({"pairs": [("A||B", "C")]}, "A\\|\\|B"), ({"pairs": []}, "pairs"),
+    # not a list of pairs: named, never unpacked character by character or iterated into a TypeError
+    ({"pairs": 5}, "got 5"), ({"pairs": "AB"}, "got 'AB'"), ({"pairs": ["AB"]}, "'AB' is not a pair"),
+    ({"pairs": [("A", "B", "C")]}, "is not a pair"), ({"pairs": [("A", 3)]}, "is not a pair"),
 ])
 def test_bad_config_is_a_value_error_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):
         make_env("bandit", 2, **kwargs)
+
+
+def test_instructions_and_action_names_need_a_reset():
+    # the arm names are drawn at reset, so unlike FrozenLake and Sokoban these raise before it
+    env = make_env("bandit", 2)
+    for call in (env.instructions, lambda: env.action_names(0), env.render, lambda: env.parse_actions(["a", "b"], 1)):
+        with pytest.raises(RuntimeError, match="reset"):
+            call()
