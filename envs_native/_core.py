@@ -81,22 +81,28 @@ def _is_real(v) -> bool:
 
 
 def seeds_to_array(seeds, batch_size: int) -> np.ndarray:
-    """Validate seeds (B non-negative integers) and return them as uint64 [B].
+    """Validate seeds (B integers in [0, 2**64)) and return them as uint64 [B].
 
-    Raises TypeError for non-integer seeds, ValueError for a wrong count or negative seeds.
+    Raises TypeError for non-integer seeds, ValueError for a wrong count or a seed outside
+    [0, 2**64), naming the bad seed.
     """
     arr = np.asarray(seeds)
-    if arr.dtype == object:
-        try:
-            arr = np.asarray([int(s) for s in arr.ravel()]).reshape(arr.shape)
-        except (TypeError, ValueError, OverflowError) as e:
-            raise TypeError(f"seeds must be integers, got {seeds!r}") from e
+    if arr.dtype.kind not in "iu" and arr.ndim == 1 and (arr.dtype == object or not isinstance(seeds, np.ndarray)):
+        # Python ints of 2**63 or more make NumPy choose object or float64: check the values
+        vals = arr.tolist() if arr.dtype == object else list(seeds)
+        for s in vals:
+            if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, np.integer)):
+                raise TypeError(f"seeds must be integers, got {s!r} in {seeds!r:.80}")
+        for s in vals:
+            if not 0 <= s < 2**64:
+                raise ValueError(f"seeds must be non-negative integers below 2**64, got {s}")
+        arr = np.array(vals, dtype=np.uint64)
     if arr.dtype.kind not in "iu":
         raise TypeError(f"seeds must be integers, got dtype {arr.dtype} ({seeds!r:.80})")
     if arr.shape != (batch_size,):
         raise ValueError(f"expected {batch_size} seeds (one per instance), got shape {arr.shape}")
     if arr.dtype.kind == "i" and (arr < 0).any():
-        raise ValueError(f"seeds must be non-negative, got {int(arr.min())}")
+        raise ValueError(f"seeds must be non-negative integers below 2**64, got {int(arr.min())}")
     return arr.astype(np.uint64)
 
 
@@ -365,17 +371,26 @@ def codes_to_strings(codes: np.ndarray) -> list[str]:
 
 
 def symbol_table(defaults: dict, overrides: dict | None) -> dict:
-    """Merge symbol overrides into defaults; each symbol must be one character.
+    """Merge symbol overrides into defaults; each symbol must be one printable character.
 
-    Raises ValueError naming an unknown key or a bad symbol.
+    Raises ValueError naming an unknown key, a bad symbol (not one character, or a control
+    character such as NUL or newline, which would break the grid text) or two keys given
+    the same symbol (the text could no longer be read back).
     """
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ValueError(f"symbols must be a dict of symbol key -> character, got {overrides!r}")
     sym = dict(defaults)
     for k, v in (overrides or {}).items():
         if k not in defaults:
             raise ValueError(f"unknown symbol key {k!r}; known: {sorted(defaults)}")
-        if not isinstance(v, str) or len(v) != 1 or v == "\n":
-            raise ValueError(f"symbol for {k!r} must be one character (not newline), got {v!r}")
+        if not isinstance(v, str) or len(v) != 1 or not v.isprintable():
+            raise ValueError(f"symbol for {k!r} must be one printable character (no control character), got {v!r}")
         sym[k] = v
+    seen = {}
+    for k, v in sym.items():
+        if v in seen:
+            raise ValueError(f"symbols {seen[v]!r} and {k!r} are both {v!r}; each must be distinct")
+        seen[v] = k
     return sym
 
 
@@ -388,6 +403,11 @@ class BatchedTextEnv:
     Public API (all environments): reset(seeds), render(), instructions(),
     action_names(i), parse_actions(answers, max_actions), step(actions, active),
     and the arrays done, success, truncated (np.bool_ [B]).
+
+    Errors: reset raises TypeError for non-integer seeds and ValueError for a wrong count
+    or a seed outside [0, 2**64) (and RuntimeError where an instance cannot be built);
+    render, parse_actions and step raise RuntimeError before the first reset (so do
+    Bandit's instructions and action_names, whose arm names come from the reset).
     """
 
     name = "base"
@@ -442,6 +462,8 @@ class BatchedTextEnv:
         Action names are matched ASCII case-insensitively after stripping whitespace;
         pieces are separated by '||'; empty pieces are skipped; only the first
         `max_actions` non-empty pieces are looked at. Never raises on any answer text.
+        Raises RuntimeError before the first reset, ValueError for a max_actions that is
+        not a positive integer or a number of answers other than B.
         """
         self._require_reset()
         table, name_action = self._name_table()
@@ -455,7 +477,8 @@ class BatchedTextEnv:
         reported as not valid.
         active: optional bool [B]; inactive or already-done instances are not stepped
         (reward 0, nothing changes). Returns a `StepResult`.
-        Raises ValueError for a wrong shape, TypeError for a non-integer array.
+        Raises ValueError for a wrong shape, TypeError for a non-integer array, RuntimeError
+        before the first reset.
         """
         self._require_reset()
         acts = np.asarray(actions)

@@ -172,12 +172,21 @@ def parse_map(desc) -> tuple[np.ndarray, int]:
     by "/" or newlines, with S start, F frozen, H hole, G goal.
 
     Returns (int8 [R, C] tiles, start cell index). Raises ValueError naming the bad row or
-    character, a missing/duplicate start, or a missing goal.
+    character, a missing/duplicate start, a missing goal, an unknown map name such as
+    "4X5", or a desc of another type (e.g. 5).
     """
     if isinstance(desc, str):
+        if desc.lower() in MAPS:
+            desc = desc.lower()
         rows = MAPS[desc] if desc in MAPS else [r for r in desc.replace("\n", "/").split("/") if r.strip()]
-    else:
+        if len(rows) == 1 and "x" in rows[0].lower():
+            raise ValueError(f"unknown FrozenLake map name {desc!r}; known: {sorted(MAPS)}, or rows like 'SFFF/FHFH/...'")
+    elif isinstance(desc, (list, tuple)) and all(isinstance(r, str) or (isinstance(r, (list, tuple)) and all(
+            isinstance(ch, str) for ch in r)) for r in desc):
         rows = ["".join(r) if not isinstance(r, str) else r for r in desc]
+    else:
+        raise ValueError(f"desc must be a map name {sorted(MAPS)}, rows joined by '/' or newlines, or a list of "
+                         f"row strings, got {desc!r:.100}")
     rows = [r.strip() for r in rows]
     if not rows or not rows[0]:
         raise ValueError(f"empty FrozenLake map {desc!r}")
@@ -229,6 +238,8 @@ class FrozenLakeEnv(BatchedTextEnv):
             if not (_is_real(p) and 0.0 < p <= 1.0):
                 raise ValueError(f"p (frozen probability) must be in (0, 1], got {p!r}")
             self._fixed, self._fixed_start = np.zeros((int(size), int(size)), dtype=np.int8), -1
+        if not isinstance(is_slippery, (bool, np.bool_)):
+            raise ValueError(f"is_slippery must be True or False, got {is_slippery!r}")
         if not (_is_real(success_prob) and 0.0 <= success_prob <= 1.0):
             raise ValueError(f"success_prob must be in [0, 1], got {success_prob!r}")
         if isinstance(max_steps, bool) or not isinstance(max_steps, (int, np.integer)) or max_steps < 0:
@@ -251,7 +262,12 @@ class FrozenLakeEnv(BatchedTextEnv):
         self._render_buf = None  # allocated on first render
 
     def reset(self, seeds) -> list[str]:
-        """Reset all B instances from B non-negative integer seeds; returns the B grid texts."""
+        """Reset all B instances from B non-negative integer seeds; returns the B grid texts.
+
+        Raises TypeError for seeds that are not integers, ValueError for a count other
+        than B, a negative seed or one of 2**64 or more, and RuntimeError naming the seed
+        when no solvable map is found in 100,000 draws (only for tiny p on large maps).
+        """
         s = seeds_to_array(seeds, self._B)
         bad = _fl_reset(s, self.p, self._fixed, self._fixed_start, self._maps, self._pos, self._rng, self._steps)
         if bad >= 0:
@@ -263,7 +279,7 @@ class FrozenLakeEnv(BatchedTextEnv):
         return self.render()
 
     def render(self) -> list[str]:
-        """The B current grids as text, rows separated by newlines."""
+        """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
         self._require_reset()
         if self._render_buf is None:
             R, C = self.size
@@ -272,7 +288,7 @@ class FrozenLakeEnv(BatchedTextEnv):
         return codes_to_strings(self._render_buf)
 
     def instructions(self) -> list[str]:
-        """The game description for the prompt (the same for every instance)."""
+        """The game description for the prompt (the same for every instance; needs no reset)."""
         s = self.symbols
         slip = (f"The ice is slippery: you move in the intended direction only with probability "
                 f"{self.success_prob:.2g}, otherwise to one of the two perpendicular directions. "

@@ -718,7 +718,8 @@ class SokobanEnv(BatchedTextEnv):
     SokobanLevel; seed s picks level s % len(levels)), levels_file (path to an XSB file),
     symbols (overrides of DEFAULT_SYMBOLS), and the rewards step_penalty (-0.1),
     box_on_reward (1.0), box_off_penalty (1.0), finish_reward (10.0).
-    Raises ValueError naming a bad config value.
+    Raises ValueError naming a bad config value. With levels, num_boxes is ignored and the
+    attribute num_boxes is the largest box count among the levels.
     """
 
     name = "sokoban"
@@ -752,6 +753,8 @@ class SokobanEnv(BatchedTextEnv):
                 raise ValueError("levels holds no level")
             R = max(lv.shape[0] for lv in self.levels)
             C = max(lv.shape[1] for lv in self.levels)
+            # levels may differ; the attribute is the most any instance can hold
+            self.num_boxes = max(lv.num_boxes for lv in self.levels)
         else:
             if isinstance(size, (int, np.integer)) and not isinstance(size, bool):
                 size = (size, size)
@@ -799,7 +802,12 @@ class SokobanEnv(BatchedTextEnv):
         self._render_buf = None  # allocated on first render
 
     def reset(self, seeds) -> list[str]:
-        """Reset all B instances from B non-negative seeds (generate, or pick level s % n)."""
+        """Reset all B instances from B non-negative seeds (generate, or pick level s % n).
+
+        Returns the B grid texts. Raises TypeError for seeds that are not integers,
+        ValueError for a count other than B, a negative seed or one of 2**64 or more, and
+        RuntimeError naming the seed when generation finds no level in max_tries rooms.
+        """
         s = seeds_to_array(seeds, self._B)
         R, C = self.size
         if self.levels is None:
@@ -835,7 +843,7 @@ class SokobanEnv(BatchedTextEnv):
         return self.render()
 
     def render(self) -> list[str]:
-        """The B current grids as text, rows separated by newlines."""
+        """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
         self._require_reset()
         if self._render_buf is None:
             R, C = self.size
@@ -844,7 +852,7 @@ class SokobanEnv(BatchedTextEnv):
         return codes_to_strings(self._render_buf)
 
     def instructions(self) -> list[str]:
-        """The game description for the prompt (the same for every instance)."""
+        """The game description for the prompt (the same for every instance; needs no reset)."""
         s = self.symbols
         step, on, off, fin = self.rewards
         text = (
