@@ -1,5 +1,6 @@
 """FrozenLake: transition probabilities against gymnasium's own table, map generation,
 dynamics against the plain-Python reference, fixed maps, rewards and errors."""
+import math
 from collections import deque
 
 import numpy as np
@@ -11,11 +12,43 @@ from fastpo.envs_native.reference import RefFrozenLake, reference_envs, referenc
 
 gym = pytest.importorskip("gymnasium")
 
-# Samples per (state, action). The empirical frequency of an outcome with probability p has
-# standard deviation sqrt(p(1-p)/N) <= 0.0079 for N = 4000; TOL is about 5 of those, and the
-# seeds are fixed, so the test is deterministic.
-N_SAMPLES = 4000
-TOL = 0.04
+_M64 = (1 << 64) - 1
+_GOLDEN, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _unxorshift(y, k):
+    x = y
+    for _ in range(64 // k + 1):
+        x = y ^ (x >> k)
+    return x
+
+
+def _state_giving_uniform(m):
+    """An RNG state whose next uniform draw (rng_next: state += GOLDEN, output mix64(state);
+    rng_uniform: top 53 bits / 2**53) is m / 2**53: SplitMix64's output function inverted."""
+    z = (m << 11) & _M64
+    z = _unxorshift(z, 31)
+    z = (z * pow(_M2, -1, 1 << 64)) & _M64
+    z = _unxorshift(z, 27)
+    z = (z * pow(_M1, -1, 1 << 64)) & _M64
+    z = _unxorshift(z, 30)
+    return (z - _GOLDEN) & _M64
+
+
+# Each (state, action) is stepped from K draws u ~ (k + 1/2) / K, k < K, placed by setting the
+# instance's RNG state. Every slip outcome takes a union of intervals of u whose ends are
+# multiples of 1/24 for the success probabilities tested (1/3: thirds; 3/4: 3/4 and 7/8), so
+# the share of the K draws that land on an outcome is exactly its probability: the test
+# compares probabilities with gymnasium's table exactly (to float rounding), no sampling.
+K = 24
+DRAWS = [round((k + 0.5) / K * 2**53) for k in range(K)]  # u * 2**53, u of at most 53 bits
+
+
+def test_forced_draws_come_out_as_asked():
+    from fastpo.envs_native._core import rng_uniform
+
+    state = np.array([_state_giving_uniform(m) for m in DRAWS], dtype=np.uint64)
+    assert [rng_uniform(state, i) for i in range(K)] == [m / 2**53 for m in DRAWS]
 
 
 def _gym_table(map_name, **kw):
@@ -31,35 +64,64 @@ def test_transition_probabilities_match_gymnasium(map_name, slippery, success_pr
     else:
         P, desc = _gym_table(map_name, is_slippery=False)
     n = len(MAPS[map_name])
-    N = N_SAMPLES if slippery else 8
-    env = make_env("frozenlake", 4 * N, desc=map_name, is_slippery=slippery, success_prob=success_prob, max_steps=0)
-    actions = np.repeat(np.arange(4, dtype=np.int64), N)[:, None]
-    checked = 0
-    for s in range(n * n):
-        if desc.flat[s] in (b"H", b"G"):
-            continue  # terminal: gymnasium's table is absorbing there, ours does not step
-        env.reset(np.arange(4 * N) + 100_003 * s)
-        env._pos[:] = s
-        res = env.step(actions)
+    cells = [s for s in range(n * n) if desc.flat[s] not in (b"H", b"G")]  # gym's table is absorbing there
+    B = len(cells) * 4 * K
+    env = make_env("frozenlake", B, desc=map_name, is_slippery=slippery, success_prob=success_prob, max_steps=0)
+    env.reset(np.arange(B))
+    cell = np.repeat(cells, 4 * K)
+    action = np.tile(np.repeat(np.arange(4), K), len(cells))
+    draw = np.tile(np.arange(K), 4 * len(cells))
+    env._pos[:] = cell
+    env._rng[:] = np.array([_state_giving_uniform(m) for m in DRAWS], dtype=np.uint64)[draw]
+    res = env.step(action[:, None].astype(np.int64))
+    for i, s in enumerate(cells):
         for a in range(4):
             expected = {}
             for prob, nxt, reward, term in P[s][a]:
-                if prob > 0:
-                    e = expected.setdefault(nxt, [0.0, reward, term])
-                    e[0] += prob
-            sel = slice(a * N, (a + 1) * N)
-            got_pos = env._pos[sel]
-            outcomes, counts = np.unique(got_pos, return_counts=True)
-            assert set(outcomes.tolist()) == set(expected), (s, a, outcomes, expected)
-            for nxt, cnt in zip(outcomes.tolist(), counts.tolist()):
-                prob, reward, term = expected[nxt]
-                assert abs(cnt / N - prob) < TOL, (map_name, s, a, nxt, cnt / N, prob)
-                m = got_pos == nxt
-                assert np.all(res.reward[sel][m] == reward)
-                assert np.all(res.done[sel][m] == term)
-                assert np.all(res.success[sel][m] == (reward > 0))
-            checked += 1
-    assert checked > 0
+                e = expected.setdefault(nxt, [0.0, reward, term])
+                e[0] += prob
+            sel = slice((i * 4 + a) * K, (i * 4 + a + 1) * K)
+            got = env._pos[sel]
+            for nxt in set(expected) | set(got.tolist()):
+                prob, reward, term = expected.get(nxt, (0.0, None, None))
+                assert np.mean(got == nxt) == pytest.approx(prob, abs=1e-12), (map_name, s, a, nxt)
+                m = got == nxt
+                if m.any():
+                    assert np.all(res.reward[sel][m] == reward) and np.all(res.done[sel][m] == term)
+                    assert np.all(res.success[sel][m] == (reward > 0))
+    assert (res.num_executed == 1).all()
+
+
+@pytest.mark.parametrize("success_prob", [1.0 / 3.0, 0.75, 0.6])
+def test_slip_thresholds_are_exact(success_prob):
+    # the grid above pins each outcome's interval of u to 1/48; here the draws sit on either
+    # side of each threshold (one 2**-53 step apart): intended below success_prob, the
+    # direction counter-clockwise below success_prob + (1 - success_prob) / 2, clockwise above
+    t1 = success_prob
+    t2 = success_prob + (1.0 - success_prob) / 2.0
+    m1, m2 = math.ceil(t1 * 2**53), math.ceil(t2 * 2**53)
+    draws = [0, m1 - 1, m1, m2 - 1, m2, 2**53 - 1]
+    turned = [0, 0, -1, -1, 1, 1]  # direction offset (mod 4) each draw gives
+    B = 4 * len(draws)
+    env = make_env("frozenlake", B, desc="FFF/FSF/FFG", is_slippery=True, success_prob=success_prob)
+    env.reset(np.arange(B))
+    env._rng[:] = [_state_giving_uniform(m) for m in draws] * 4
+    env.step(np.repeat(np.arange(4), len(draws))[:, None])
+    cell_of_direction = {0: 3, 1: 7, 2: 5, 3: 1}  # Left, Down, Right, Up from the centre
+    expected = [cell_of_direction[(a + t) % 4] for a in range(4) for t in turned]
+    assert env._pos.tolist() == expected
+
+
+def test_slip_frequencies_with_real_draws():
+    # the draws themselves: from state 5 of an open 3x3 map, action Down (1), 30000 instances;
+    # each outcome's share has standard deviation <= 0.0029, the tolerance is 4.5 of those
+    N = 30000
+    env = make_env("frozenlake", N, desc="FFF/FSF/FFG", is_slippery=True, success_prob=0.6)
+    env.reset(np.arange(N))
+    env.step(np.ones((N, 1), dtype=np.int64))
+    shares = {p: np.mean(env._pos == p) for p in (7, 3, 5)}  # down, left (Down - 1), right (Down + 1)
+    assert set(np.unique(env._pos).tolist()) == {3, 5, 7}
+    assert abs(shares[7] - 0.6) < 0.013 and abs(shares[3] - 0.2) < 0.013 and abs(shares[5] - 0.2) < 0.013
 
 
 def _solvable(rows):

@@ -40,13 +40,19 @@ def test_push_into_wall_and_solved_bonus():
 
 
 def test_push_box_into_box_and_box_against_wall():
+    # a refused push is a step (-0.1, valid) that changes nothing and does not end the episode
     env = _env("#######\n#@$$ .#\n#    .#\n#######")
+    before = env.render()
     res = _step(env, RIGHT)
-    assert res.reward[0] == pytest.approx(-0.1) and not res.effective[0, 0]
-    env = _env("#####\n#@$.#\n#####")
-    _step(env, RIGHT)
-    res = _step(env, RIGHT)  # box already on target against the wall
-    assert not res.effective[0, 0]
+    assert res.reward[0] == pytest.approx(-0.1) and res.valid[0, 0] and not res.effective[0, 0]
+    assert env.render() == before and not res.done[0]
+    env = _env("#####\n#@ $#\n#.  #\n#####")
+    assert _step(env, RIGHT).effective[0, 0]  # up to the box, which stands against the wall
+    before = env.render()
+    res = _step(env, RIGHT, RIGHT)  # pushing it into the wall, twice
+    assert res.reward[0] == pytest.approx(-0.2) and res.valid[0].tolist() == [True, True]
+    assert res.effective[0].tolist() == [False, False] and res.num_executed[0] == 2
+    assert env.render() == before == ["#####\n#_PX#\n#O__#\n#####"] and not res.done[0]
 
 
 def test_box_onto_and_off_target():
