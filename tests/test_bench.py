@@ -74,6 +74,30 @@ def test_quick_json_schema(quick_result):
     assert "fastpo benchmarks" in proc.stdout
 
 
+ENVS_TARGETS = {
+    "sokoban generation 6x6 1 box": 50.0, "sokoban generation 6x6 3 boxes": 50.0,
+    "sokoban generation 8x8 2 boxes": 50.0, "frozenlake steps, batch 1024": 100.0,
+    "sokoban turn (parse+step+render), 128 instances": 10.0,
+    "frozenlake turn (parse+step+render), 128 instances": 10.0,
+    "bandit turn (parse+step+render), 128 instances": 10.0,
+}
+
+
+@pytest.mark.slow
+def test_quick_envs_part_has_every_targeted_comparison(quick_result):
+    # each of the environment targets is measured against its baseline: a missing
+    # gym-sokoban or gymnasium fails here instead of leaving a table without baselines
+    result, _ = quick_result
+    envs = {r["name"]: r for r in result["records"] if r["part"] == "envs"}
+    for name, target in ENVS_TARGETS.items():
+        assert name in envs, (name, sorted(envs))
+        r = envs[name]
+        assert r["target"] == target, (name, r["target"])
+        assert r["baseline"] is not None and r["baseline"] > 0, (name, r["notes"])
+        assert r["ratio"] is not None and r["ratio"] > 0 and isinstance(r["met"], bool), (name, r)
+        assert "unavailable" not in r["notes"], (name, r["notes"])
+
+
 @pytest.mark.slow
 def test_report_renders_quick_result(quick_result, tmp_path):
     result, _ = quick_result
