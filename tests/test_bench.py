@@ -75,8 +75,9 @@ def test_quick_json_schema(quick_result):
 
 
 ENVS_TARGETS = {
-    "sokoban generation 6x6 1 box": 50.0, "sokoban generation 6x6 3 boxes": 50.0,
-    "sokoban generation 8x8 2 boxes": 50.0, "frozenlake steps, batch 1024": 100.0,
+    **{f"sokoban generation {shape}, generator={g}": 50.0
+       for shape in ("6x6 1 box", "6x6 3 boxes", "8x8 2 boxes") for g in ("gym", "ragen")},
+    "frozenlake steps, batch 1024": 100.0,
     "sokoban turn (parse+step+render), 128 instances": 10.0,
     "frozenlake turn (parse+step+render), 128 instances": 10.0,
     "bandit turn (parse+step+render), 128 instances": 10.0,
