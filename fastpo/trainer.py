@@ -642,8 +642,9 @@ class Trainer:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
             self.logger.close()
-            if hasattr(self.engine, "shutdown"):
-                self.engine.shutdown()  # SGLang's server processes
+            engine = getattr(self, "engine", None)
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()  # SGLang's server processes
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
