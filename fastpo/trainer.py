@@ -124,6 +124,7 @@ class Trainer:
         self.overwrite = overwrite
         self.device = resolve_device(cfg.trainer.device)
         self._stop_requested = False
+        self.interrupted = False  # stopped by Ctrl-C (after saving), not by reaching the end
         self.stop_after = stop_after
         self.start_iteration = 1
         self.weight_sync_seconds = 0.0
@@ -131,7 +132,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Load the model(s), build the critic, optimizers, engine, rollout and logger; restore a checkpoint."""
+        """Load the model(s), build the critic, optimizers, engine, rollout and logger; restore a checkpoint.
+
+        A start that fails (e.g. the model cannot load) leaves no empty output folder behind."""
+        created = not os.path.exists(self.out)
+        try:
+            self._setup()
+        except BaseException:
+            if created and os.path.isdir(self.out) and not os.listdir(self.out):
+                os.rmdir(self.out)
+            raise
+
+    def _setup(self) -> None:
         from fastpo import rollout as ro
 
         cfg, c = self.cfg, self.console
@@ -227,8 +239,18 @@ class Trainer:
                                     model_label=self.info.label)
         for rec in self.logger.records:
             self.echo.update(rec)
-        with open(os.path.join(self.out, "config.yaml"), "w") as f:
-            f.write(dump_yaml(cfg))
+        path, text = os.path.join(self.out, "config.yaml"), dump_yaml(cfg)
+        if ckpt is not None and self.start_iteration > cfg.trainer.iterations:
+            return  # a finished run resumed with nothing to train: its config.yaml stays as it ran
+        if ckpt is not None and os.path.exists(path):
+            with open(path) as f:
+                if f.read() != text:
+                    # resumed with changed settings: keep the ones the earlier iterations ran with
+                    kept = os.path.join(self.out, f"config.until_iter_{self.start_iteration - 1:06d}.yaml")
+                    os.replace(path, kept)
+                    c.print(f"settings changed on resume: iterations 1-{self.start_iteration - 1} ran with {kept}")
+        with open(path, "w") as f:
+            f.write(text)
 
     def _make_engine(self, model, tok):
         """The generation engine of `rollout.engine`: the native one samples from `model` itself;
@@ -554,7 +576,7 @@ class Trainer:
     def _request_stop(self, signum, frame) -> None:
         if self._stop_requested:
             raise KeyboardInterrupt
-        self._stop_requested = True
+        self._stop_requested = self.interrupted = True
         self.console.print("[yellow]Ctrl-C[/]: finishing this iteration, saving a checkpoint, then exiting "
                            "(press again to abort without saving)")
 
@@ -575,6 +597,14 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         self.setup()
         total = t.iterations
+        if self.start_iteration > total:
+            self.console.print(f"[yellow]{self.out} already ran {self.start_iteration - 1} iterations "
+                               f"(trainer.iterations = {total}): nothing to train; pass --iterations N with "
+                               f"N > {self.start_iteration - 1} to train further[/]")
+            self.logger.close()
+            if hasattr(self.engine, "shutdown"):
+                self.engine.shutdown()
+            return self.logger.records
         old_handler = None
         if hasattr(signal, "SIGINT") and _in_main_thread():
             old_handler = signal.signal(signal.SIGINT, self._request_stop)
@@ -662,14 +692,19 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
     """Build a Trainer and run it; prints what the CPU preset scaled down.
 
     A new run (resume=False) refuses an output folder that already holds a run
-    (FileExistsError) unless `overwrite` is true, which clears that run first.
+    (FileExistsError) unless `overwrite` is true, which clears that run first. Raises
+    KeyboardInterrupt after a Ctrl-C stop, once that iteration's checkpoint is saved.
     """
     from rich.console import Console
 
     console = console or Console()
     if "cpu" in cfg.preset.split(","):
         console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")
-    return Trainer(cfg, resume=resume, console=console, overwrite=overwrite).run()
+    trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite)
+    records = trainer.run()
+    if trainer.interrupted:
+        raise KeyboardInterrupt  # after the checkpoint: callers (the CLI's exit code 130) can tell
+    return records
 
 
 def load_run_config(out_dir: str) -> TrainConfig:
