@@ -356,6 +356,18 @@ def _describe(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _did_you_mean(obj: Any, key: str, prefix: str) -> str:
+    """' (did you mean ...?)' for a key that exists one level down (a bare `group_size`) or is
+    a near miss of a key here (`grup_size`); '' otherwise."""
+    import difflib
+
+    here = [f.name for f in dataclasses.fields(obj)]
+    below = [f"{f.name}.{key}" for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))
+             and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
+    guesses = below or difflib.get_close_matches(key, here, n=1)
+    return f" (did you mean {prefix}{guesses[0]}?)" if guesses else ""
+
+
 def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
     """Merge a nested dict into the dataclass tree `obj` in place.
 
@@ -368,7 +380,8 @@ def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
     for key, value in updates.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {dotted!r}; valid keys here: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(obj, key, prefix)}; "
+                              f"valid keys here: {', '.join(sorted(names))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             apply_dict(current, value, dotted + ".")

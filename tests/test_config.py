@@ -100,3 +100,18 @@ def test_readme_key_table_lists_every_config_key():
         assert section in rows, section
         for field in dataclasses.fields(getattr(cfg, section)):
             assert f"`{field.name}`" in rows[section], f"{section}.{field.name} missing from the README's key table"
+
+
+def test_unknown_key_suggests_the_dotted_or_near_key():
+    import pytest
+
+    from fastpo.config import ConfigError, load_config
+
+    for override, hint in (("group_size=8", "did you mean rollout.group_size?"),
+                           ("rollout.grup_size=8", "did you mean rollout.group_size?"),
+                           ("algorithm.clip_hi=0.3", "did you mean algorithm.clip_high?")):
+        with pytest.raises(ConfigError, match=hint.replace("?", r"\?")):
+            load_config(env="bandit", overrides=[override])
+    with pytest.raises(ConfigError) as e:
+        load_config(env="bandit", overrides=["foo=1"])
+    assert "did you mean" not in str(e.value)
