@@ -72,19 +72,25 @@ def _cfg(out, *overrides):
         "rollout.max_turns=1", "trainer.plots=false", "algorithm.adv_estimator=drgrpo", *overrides])
 
 
-def test_separate_engine_gets_each_update_before_it_generates(tmp_path, monkeypatch):
+def _train_over_double(tmp_path, monkeypatch, ignore_updates=False):
+    """Two iterations with rollout.engine=sglang over an EngineDouble; (records, the double)."""
     doubles = []
 
     def from_model(cls, model, tokenizer, folder, **kwargs):
         doubles.append(EngineDouble(model, tokenizer))
+        if ignore_updates:
+            doubles[-1].update_weights_from_tensor = lambda named_tensors, flush_cache: None
         return _on_cpu(cls(engine=doubles[-1], tokenizer=tokenizer))
 
     monkeypatch.setattr(sg, "sglang_available", lambda: True)
     monkeypatch.setattr(sg.SGLangEngine, "from_model", classmethod(from_model))
     tr = Trainer(_cfg(tmp_path / "run", "trainer.iterations=2", "trainer.eval_every=0",
                       "optim.actor_lr=1e-2"), console=Console(quiet=True))
-    records = tr.run()
-    eng = doubles[0]
+    return tr.run(), doubles[0]
+
+
+def test_separate_engine_gets_each_update_before_it_generates(tmp_path, monkeypatch):
+    records, eng = _train_over_double(tmp_path, monkeypatch)
     assert eng.calls == ["generate", "release", "resume", "update", "generate", "release", "shutdown"]
     # the engine's weights are the trained module's after each sync, so its recorded
     # log-probs equal the trainer's recomputed ones at both iterations
@@ -96,18 +102,7 @@ def test_separate_engine_gets_each_update_before_it_generates(tmp_path, monkeypa
 
 def test_without_the_sync_the_gap_shows(tmp_path, monkeypatch):
     """The check above can fail: an engine that ignores weight updates gives a log-prob gap."""
-    doubles = []
-
-    def from_model(cls, model, tokenizer, folder, **kwargs):
-        doubles.append(EngineDouble(model, tokenizer))
-        doubles[-1].update_weights_from_tensor = lambda named_tensors, flush_cache: None
-        return _on_cpu(cls(engine=doubles[-1], tokenizer=tokenizer))
-
-    monkeypatch.setattr(sg, "sglang_available", lambda: True)
-    monkeypatch.setattr(sg.SGLangEngine, "from_model", classmethod(from_model))
-    tr = Trainer(_cfg(tmp_path / "run", "trainer.iterations=2", "trainer.eval_every=0",
-                      "optim.actor_lr=1e-2"), console=Console(quiet=True))
-    records = tr.run()
+    records, _ = _train_over_double(tmp_path, monkeypatch, ignore_updates=True)
     assert records[1]["train/logprob_gap_max"] > 1e-3
 
 
