@@ -246,6 +246,19 @@ def test_dispatcher():
 
 # ---- compiled kernels at real shapes (H100/H200) ----
 
+def _triton_and_reference_loss(hidden, weight, targets, old, adv, mask, **kw):
+    """(out, d hidden, d weight) of linear_policy_loss on the Triton and the reference path."""
+    res = []
+    for impl in ("triton", "reference"):
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = linear_policy_loss(hh, ww, targets, old, adv, mask, impl=impl, **kw)
+        out.loss.backward()
+        res.append((out, hh.grad, ww.grad))
+        del hh, ww
+        torch.cuda.empty_cache()
+    return res
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,n,h,v", [(torch.bfloat16, 4096, 896, 151936), (torch.float32, 1000, 576, 49152)])
@@ -258,15 +271,7 @@ def test_gpu_real_shapes_match_reference(dtype, n, h, v):
     adv = torch.randn(n, generator=g).cuda()
     mask = torch.rand(n, generator=g).cuda() > 0.2
     kw = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.001)
-    res = {}
-    for impl in ("triton", "reference"):
-        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        out = linear_policy_loss(hh, ww, targets, old, adv, mask, impl=impl, **kw)
-        out.loss.backward()
-        res[impl] = (out, hh.grad, ww.grad)
-        del hh, ww
-        torch.cuda.empty_cache()
-    (a, ah, aw), (b, bh, bw) = res["triton"], res["reference"]
+    (a, ah, aw), (b, bh, bw) = _triton_and_reference_loss(hidden, weight, targets, old, adv, mask, **kw)
     torch.testing.assert_close(a.logprob, b.logprob, atol=2e-4, rtol=1e-5)
     torch.testing.assert_close(a.entropy, b.entropy, atol=2e-4, rtol=1e-5)
     torch.testing.assert_close(a.loss, b.loss, atol=1e-4, rtol=1e-4)
@@ -304,15 +309,7 @@ def test_gpu_odd_vocab_bf16_matches_reference(v):
     bad = int((~mask).nonzero()[0, 0])
     hidden[bad] = float("nan")
     kw = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.001, temperature=0.5)
-    res = {}
-    for impl in ("triton", "reference"):
-        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        out = linear_policy_loss(hh, ww, targets, old, adv, mask, impl=impl, **kw)
-        out.loss.backward()
-        res[impl] = (out, hh.grad, ww.grad)
-        del hh, ww
-        torch.cuda.empty_cache()
-    (a, ah, aw), (b, bh, bw) = res["triton"], res["reference"]
+    (a, ah, aw), (b, bh, bw) = _triton_and_reference_loss(hidden, weight, targets, old, adv, mask, **kw)
     ok = torch.isfinite(hidden).all(1)
     assert bool((a.logprob[ok] <= 0).all()), "padded vocab columns must count as -inf"
     torch.testing.assert_close(a.logprob[ok], b.logprob[ok], atol=2e-4, rtol=1e-5)
