@@ -16,6 +16,11 @@ Accepted names:
   reached when the files are not in the local HF cache. A name that starts with ".", "/" or
   "~", has two or more "/", or whose folder part exists here is a local path: when it is
   missing the error says "folder does not exist", not "hub unreachable".
+- a fastpo checkpoint: its ``model/`` folder, the checkpoint folder ``iter_NNNNNN`` or the run
+  folder (its latest checkpoint). Its weights are labelled with what the run started from
+  (``fastpo.checkpoint.checkpoint_origin``), e.g. "runs/x/checkpoints/iter_000003 (trained
+  from random:tiny-llama, random init)", and ``ModelInfo.random`` is True when that start
+  was random weights.
 """
 from __future__ import annotations
 
@@ -67,9 +72,13 @@ class ModelInfo:
     """What was loaded.
 
     name: the name as given (``random:`` prefix kept). source: "embedded-gguf", "local",
-    "hub" or "random". random: True when the weights are random (label every output).
-    path: the folder the weights came from (None for random models). num_params: parameter
-    count. vocab_size: rows of the embedding (>= the tokenizer's size). dtype: weight dtype.
+    "hub" or "random". random: True when the weights are random, or trained by fastpo from
+    random weights (label every output). path: the folder the weights came from (None for
+    random models). num_params: parameter count. vocab_size: rows of the embedding (>= the
+    tokenizer's size). dtype: weight dtype.
+    For a fastpo checkpoint: trained_from is the model its training started from (e.g.
+    "random:tiny-llama"), random_init whether that was random weights (None: not recorded),
+    checkpoint its checkpoint folder and iteration its iteration (None when unknown).
     """
 
     name: str
@@ -81,11 +90,25 @@ class ModelInfo:
     vocab_size: int
     dtype: str
     device: str
+    trained_from: str | None = None
+    random_init: bool | None = None
+    checkpoint: str | None = None
+    iteration: int | None = None
 
     @property
     def label(self) -> str:
-        """Human-readable label, e.g. "random:qwen2.5-0.5b (random weights)"."""
-        return f"{self.name} ({'random' if self.random else 'pretrained'} weights)"
+        """Human-readable label, e.g. "random:qwen2.5-0.5b (random weights)", or for a checkpoint
+        "runs/x/checkpoints/iter_000003/model (trained from random:tiny-llama, random init)"
+        (a run folder adds the checkpoint's name: "runs/x (iter_000003, trained from ...)")."""
+        if self.trained_from is None:
+            return f"{self.name} ({'random' if self.random else 'pretrained'} weights)"
+        init = {True: ", random init", False: ", pretrained init"}.get(self.random_init, "")
+        which = ""
+        if self.checkpoint is not None:
+            base = os.path.basename(os.path.normpath(self.checkpoint))
+            if base not in self.name:
+                which = f"{base}, "
+        return f"{self.name} ({which}trained from {self.trained_from}{init})"
 
 
 def cache_root() -> str:
@@ -276,7 +299,13 @@ def _resolve_path(name: str) -> tuple[str, str]:
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"model folder {name!r} has no config.json (not an HF model folder)")
+            from fastpo.checkpoint import find_checkpoint
+
+            ref = find_checkpoint(path)  # a checkpoint or run folder: its model/ folder
+            if ref is None:
+                raise ValueError(f"model folder {name!r} has no config.json (not an HF model folder, "
+                                 f"nor a fastpo checkpoint or run folder)")
+            return ref.model_dir, "local"
         return path, "local"
     if os.path.exists(path):
         raise ValueError(f"model path {name!r} is a file, not an HF model folder")
@@ -395,10 +424,29 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
         tok.pad_token = tok.eos_token
     model = model.to(device=device, dtype=tdtype)
     model.eval()
+    origin = None
+    if source == "local":
+        from fastpo.checkpoint import checkpoint_origin, find_checkpoint
+
+        origin = checkpoint_origin(path)
+        if origin is not None:
+            try:
+                ref = find_checkpoint(path)
+            except ValueError:
+                ref = None
+            origin["checkpoint"] = ref.folder if ref is not None else None
+            if ref is not None and ref.iteration is not None:
+                origin["iteration"] = ref.iteration
     info = ModelInfo(
-        name=name, source=source, random=(source == "random"), path=path,
-        architecture=type(model).__name__, num_params=sum(p.numel() for p in model.parameters()),
+        name=name, source=source, random=(source == "random") or bool(origin and origin.get("random_init")),
+        path=path, architecture=type(model).__name__, num_params=sum(p.numel() for p in model.parameters()),
         vocab_size=model.get_input_embeddings().weight.shape[0], dtype=str(tdtype).replace("torch.", ""),
         device=str(device),
     )
+    if origin is not None:
+        info.trained_from = origin.get("init_model")
+        info.random_init = origin.get("random_init")
+        info.checkpoint = origin.get("checkpoint")
+        it = origin.get("iteration")
+        info.iteration = it if isinstance(it, int) and not isinstance(it, bool) else None
     return model, tok, info
