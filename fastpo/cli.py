@@ -138,39 +138,61 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """`fastpo eval`. A fastpo checkpoint (`runs/x`, `runs/x/checkpoints/iter_N` or its `model/`)
+    is evaluated with the env and rollout settings its run trained with, except what the
+    command line sets (fastpo.evaluate.eval_config); one line says whose settings are used.
+    `--json PATH` writes the metrics, model label and settings as JSON."""
     from rich.console import Console
     from rich.table import Table
 
     from fastpo.config import ConfigError
 
     console = Console()
-    extra = []
+    ov = []
     if args.seeds is not None:
-        extra.append(f"trainer.eval_seeds={args.seeds}")
+        ov.append(f"trainer.eval_seeds={args.seeds}")
     if args.k is not None:
-        extra.append(f"trainer.eval_group_size={args.k}")
+        ov.append(f"trainer.eval_group_size={args.k}")
     if args.temperature is not None:
-        extra.append(f"trainer.eval_temperature={args.temperature}")
+        ov.append(f"trainer.eval_temperature={args.temperature}")
+    if args.device:
+        ov.append(f"trainer.device={args.device}")
+    if args.seed is not None:
+        ov.append(f"trainer.seed={args.seed}")
+    ov += args.overrides
     try:
-        cfg = _build_config(args, extra)
+        from fastpo.evaluate import eval_config, eval_report, run_eval, write_json
+
+        # a fastpo checkpoint brings the env and rollout settings it was trained with
+        cfg, run = eval_config(env=args.env, preset=args.preset, file=args.config, overrides=ov,
+                               values={"model.name": args.model} if args.model is not None else None)
         from fastpo.trainer import resolve_device
 
         resolve_device(cfg.trainer.device)
         if args.samples is not None:
             _check_out_dir(args.samples, "--samples")
-        from fastpo.evaluate import run_eval
-
+        if args.json is not None:
+            if not args.json.strip() or os.path.isdir(args.json):
+                raise ConfigError(f"--json {args.json!r}: needs a file path, e.g. --json eval.json")
+            _check_out_dir(os.path.dirname(os.path.abspath(args.json)), "--json")
+        if run is not None:
+            console.print(run.describe(), markup=False)
+            if run.mismatch_note():
+                console.print(run.mismatch_note(), style="yellow", markup=False)
         res = run_eval(cfg, console=console, samples_dir=args.samples)
     except (ConfigError, FileNotFoundError) as e:
         print(f"fastpo eval: error: {e}", file=sys.stderr)
         return 2
-    table = Table(title=f"fastpo eval: {cfg.env.name}, {res['model']}")
+    console.print(f"model: {res['model']}", markup=False)
+    table = Table(title=f"fastpo eval: {cfg.env.name}")
     table.add_column("metric")
     table.add_column("value")
     for k in sorted(res):
         if k.startswith("eval/"):
             table.add_row(k[5:], f"{res[k]:.4g}")
     console.print(table)
+    if args.json is not None:
+        console.print(f"results: {write_json(args.json, eval_report(cfg, res, run))}", markup=False)
     return 0
 
 
@@ -190,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--k", type=int, default=None, help="samples per seed (pass@k)")
     ev.add_argument("--temperature", type=float, default=None)
     ev.add_argument("--samples", default=None, help="folder to write sample trajectories to")
+    ev.add_argument("--json", default=None, metavar="PATH",
+                    help="write the metrics, the model's label and the settings used to PATH as JSON")
     args = ap.parse_args(argv)
     if args.command == "train":
         return cmd_train(args)

@@ -3,12 +3,21 @@
 The paper evaluates on 256 fixed initial states per environment at temperature 0.5 with
 episodes cut after 5 turns (RAGEN Sec. 5). pass@k uses the unbiased estimator of Chen et al.
 (2021) over `group_size` samples per seed.
+
+Evaluating a fastpo checkpoint (`fastpo eval --model runs/x`, `.../iter_000003` or its
+`model/` folder) uses the settings it was trained with: `eval_config` takes `env.*` and
+the rollout settings from the checkpoint's config.yaml (else the run's) unless the command
+line sets them (`--env`, `--preset`, `--config`, `section.key=value`).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
+import json
 import math
-from typing import Optional
+import os
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -59,12 +68,204 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     return res
 
 
+@dataclasses.dataclass
+class RunSettings:
+    """What `eval_config` took from the run a checkpoint belongs to.
+
+    checkpoint: the CheckpointRef. trained_env: the env the run trained on (None without a
+    config). env: the env evaluated on. taken: dotted key -> the run's value, where it changed
+    what this command would otherwise use. kept: dotted key -> (this command's value, the
+    run's value) for keys the command line set explicitly. env_mismatch: env != trained_env.
+    """
+
+    checkpoint: Any
+    trained_env: Optional[str]
+    env: str
+    taken: dict
+    kept: dict
+    env_mismatch: bool
+
+    def describe(self) -> str:
+        """One line: whose settings are used, and what they changed."""
+        ref = self.checkpoint
+        if ref.config_path is None:
+            return (f"checkpoint {ref.folder} has no config.yaml (neither its own nor its run's): evaluating with "
+                    f"this command's settings")
+        whose = f"run {ref.run_dir}" if ref.run_dir else f"checkpoint {ref.folder}"
+        parts = [f"env {self.env}"]
+        parts += [f"{k}={v!r}" for k, v in self.taken.items()]
+        line = f"settings of {whose} ({ref.config_path}): " + ", ".join(parts)
+        if not self.taken:
+            line += " (its rollout settings match this command's)"
+        if self.kept:
+            line += "; kept from the command line: " + ", ".join(f"{k}={a!r} (run: {b!r})"
+                                                                 for k, (a, b) in self.kept.items())
+        return line
+
+    def mismatch_note(self) -> Optional[str]:
+        """A line saying the env differs from the trained one, or None."""
+        if not self.env_mismatch:
+            return None
+        return (f"note: this checkpoint was trained on {self.trained_env} and is evaluated on {self.env} as --env "
+                f"asks; the run's env options and {self.trained_env}'s turn and action limits are not carried over")
+
+
+def _flat_keys(d: Any, prefix: str = "") -> set[str]:
+    """Dotted keys of a nested dict (lists are leaves)."""
+    if not isinstance(d, dict):
+        return {prefix.rstrip(".")} if prefix else set()
+    out: set[str] = set()
+    for k, v in d.items():
+        out |= _flat_keys(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}"}
+    return out
+
+
+def _get(cfg, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+    return node
+
+
+def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
+                overrides: Optional[list[str]] = None, values: Optional[dict] = None):
+    """The configuration of `fastpo eval`: `fastpo.config.load_config(env, preset, file,
+    overrides, values)`, and when `model.name` is a fastpo checkpoint (its model folder, the
+    checkpoint folder, or a run folder meaning its latest checkpoint) the settings it was
+    trained with on top: the env (unless `--env`, `env.name=` or the file names one), its
+    `env.options` (same env only) and every RolloutConfig setting except `temperature`
+    (eval runs at `trainer.eval_temperature`). Keys set by `preset`, `file` or `overrides`
+    keep their command-line value. On another env than the trained one, the turn and
+    action limits the env presets fix (bandit: 1 turn, 1 action) are not carried over.
+
+    Returns (TrainConfig, RunSettings or None when the model is not a fastpo checkpoint).
+    Raises ConfigError (bad key or value, a run folder without a checkpoint, an unreadable
+    run config) and FileNotFoundError (a missing --config file), like load_config.
+    """
+    import yaml
+
+    from fastpo.checkpoint import find_checkpoint
+    from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, apply_dict, config_from_dict,
+                               load_config, parse_override, validate)
+
+    overrides = list(overrides or [])
+    values = dict(values or {})
+    cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
+    try:
+        ref = find_checkpoint(cfg.model.name)
+    except ValueError as e:
+        raise ConfigError(f"model.name={cfg.model.name!r}: {e}") from None
+    if ref is None:
+        return cfg, None
+    if ref.config_path is None:
+        return cfg, RunSettings(ref, None, cfg.env.name, {}, {}, False)
+    try:
+        with open(ref.config_path) as f:
+            run = config_from_dict(yaml.safe_load(f))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{ref.config_path}: cannot read the run's configuration ({e})") from None
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{ref.config_path}: not a valid fastpo configuration ({e})") from None
+
+    explicit: set[str] = set()
+    for name in (preset.split(",") if preset else []):
+        explicit |= _flat_keys(PRESETS.get(name.strip(), {}))
+    file_dict: dict = {}
+    if file:
+        with open(file) as f:  # load_config read it already: it exists and is valid YAML
+            file_dict = yaml.safe_load(f) or {}
+        explicit |= _flat_keys(file_dict)
+    for o in overrides:
+        explicit |= _flat_keys(parse_override(o))
+    explicit |= _flat_keys({k: None for k in values})
+    env_explicit = bool(env) or "env.name" in explicit
+    eval_env = cfg.env.name if env_explicit else run.env.name
+    if eval_env != cfg.env.name:
+        cfg = load_config(env=eval_env, preset=preset, file=file, overrides=overrides, values=values)
+    mismatch = eval_env != run.env.name
+
+    layer: dict[str, Any] = {}
+    fixed_by_env: set[str] = set()
+    if mismatch:
+        for e in (run.env.name, eval_env):
+            fixed_by_env |= set(ENV_PRESETS[e].get("rollout", {}))
+    else:
+        layer.update({f"env.options.{k}": v for k, v in run.env.options.items()})
+    for f in dataclasses.fields(RolloutConfig):
+        if f.name != "temperature" and f.name not in fixed_by_env:
+            layer[f"rollout.{f.name}"] = getattr(run.rollout, f.name)
+
+    def is_explicit(key: str) -> bool:
+        parts = key.split(".")
+        return any(".".join(parts[:i]) in explicit for i in range(1, len(parts) + 1))
+
+    out = copy.deepcopy(cfg)
+    taken, kept = {}, {}
+    for key, value in layer.items():
+        current = _get(cfg, key)
+        if current == value:
+            continue
+        if is_explicit(key):
+            kept[key] = (current, value)
+            continue
+        section, rest = key.split(".", 1)
+        node: dict = {}
+        leaf = node
+        for part in rest.split(".")[:-1]:
+            leaf = leaf.setdefault(part, {})
+        leaf[rest.split(".")[-1]] = copy.deepcopy(value)
+        apply_dict(out, {section: node})
+        taken[key] = value
+    validate(out)
+    return out, RunSettings(ref, run.env.name, eval_env, taken, kept, mismatch)
+
+
+def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:
+    """The JSON record of a `fastpo eval` run: model (label, path, origin), env, the rollout
+    and eval settings used, where they came from, and the metrics (without the "eval/" prefix)."""
+    t = cfg.trainer
+    info = res.get("model_info") or {}
+    ref = settings.checkpoint if settings is not None else None
+    return {
+        "model": res.get("model"),
+        "model_name": cfg.model.name,
+        "model_path": info.get("path"),
+        "model_random_weights": res.get("model_random_weights"),
+        "trained_from": info.get("trained_from"),
+        "checkpoint": info.get("checkpoint"),
+        "iteration": info.get("iteration"),
+        "env": cfg.env.name,
+        "env_options": dict(cfg.env.options),
+        "trained_env": settings.trained_env if settings is not None else None,
+        "settings_from": ref.config_path if ref is not None else None,
+        "settings_taken": dict(settings.taken) if settings is not None else {},
+        "rollout": res.get("rollout"),
+        "eval": {"seeds": t.eval_seeds, "seed_offset": t.eval_seed_offset, "samples_per_seed": t.eval_group_size,
+                 "temperature": t.eval_temperature, "sampling_seed": t.seed + 12345, "device": res.get("device")},
+        "metrics": {k[len("eval/"):]: v for k, v in sorted(res.items()) if k.startswith("eval/")},
+    }
+
+
+def write_json(path: str, record: dict) -> str:
+    """Write `record` as indented JSON to `path` (parent folders created; replaced atomically)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+    return path
+
+
 def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
-    """`fastpo eval`: load `cfg.model.name` (name, HF id, or a checkpoint's model folder) and
+    """`fastpo eval`: load `cfg.model.name` (name, HF id, or a fastpo checkpoint) and
     evaluate it on `cfg.trainer.eval_seeds` fixed seeds, `eval_group_size` samples each, at
     `eval_temperature`. Returns the metrics dict plus "model" (its label, e.g.
-    "random:tiny-llama (random weights)") and "model_random_weights" (bool); the samples
-    file starts with the same label."""
+    "random:tiny-llama (random weights)"), "model_random_weights" (bool), "model_info" (the
+    ModelInfo as a dict), "rollout" (the RolloutConfig used, as a dict) and "device"; the
+    samples file, named after the checkpoint's iteration (iter_000000.txt for a model that
+    is not a checkpoint), starts with the same label."""
     import time
 
     from fastpo import rollout as ro
@@ -79,18 +280,24 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     rollout = ro.MultiTurnRollout(ro.NativeEngine(model, tok), tok, cfg.env.name, dict(cfg.env.options), rcfg)
     seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
     if console is not None:
-        console.print(f"evaluating {info.label} on {cfg.env.name}: {len(seeds)} seeds x {t.eval_group_size} "
-                      f"samples, temperature {t.eval_temperature}, {rcfg.max_turns} turns")
+        console.print(f"evaluating {info.label} on {cfg.env.name}: {len(seeds)} seed{'s' if len(seeds) != 1 else ''} x {t.eval_group_size} "
+                      f"sample{'s' if t.eval_group_size != 1 else ''}, temperature {t.eval_temperature}, "
+                      f"{rcfg.max_turns} turn{'s' if rcfg.max_turns != 1 else ''}, {rcfg.max_new_tokens} new "
+                      f"tokens/turn, {'think' if rcfg.think else 'answer-only'} prompt")
     t0 = time.perf_counter()
     res = evaluate_policy(rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345, model=model)
     res["eval/seconds"] = time.perf_counter() - t0
     batch = res.pop("_batch")
     if samples_dir:
-        path = write_samples(samples_dir, 0, batch.texts()[: max(1, t.num_samples)],
+        it = info.iteration if info.iteration is not None else 0
+        path = write_samples(samples_dir, it, batch.texts()[: max(1, t.num_samples)],
                              header=f"eval of {info.label}: success rate {res['eval/success_rate']:.3f}",
                              model_label=info.label)
         if console is not None:
             console.print(f"samples: {path}")
     res["model"] = info.label
     res["model_random_weights"] = bool(info.random)
+    res["model_info"] = dataclasses.asdict(info)
+    res["rollout"] = dataclasses.asdict(rcfg)
+    res["device"] = str(device)
     return res
