@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: the CUDA tests, then every benchmark part with --device cuda at the paper's
 # scale on random:qwen2.5-0.5b. Installs nothing from the network; finishes in < 8 minutes on
-# one H100/H200 (tests 150 s, benchmark parts 80 + 90 + 50 + 90 s at most). Figures land as JSON in $OUT (default bench/results/gpu-DATE).
+# one H100/H200 (tests 120 s, benchmark parts 70 + 100 + 40 + 70 s at most: 6.7 minutes). Figures land as JSON in $OUT (default bench/results/gpu-DATE).
 #
 # Carried in, in the ignored folder $FASTPO_GPU_CARRY (default .gpucarry), prepared on a
 # machine with network by `bash bench/gpu_check.sh --prepare`:
@@ -13,10 +13,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${FASTPO_GPU_CARRY:-.gpucarry}
+case $CARRY in /*) ;; *) CARRY=$PWD/$CARRY ;; esac
 
 if [ "${1:-}" = "--prepare" ]; then
     mkdir -p "$CARRY/whl/numba" "$CARRY/cache"
-    grep -qx "/$CARRY/" .git/info/exclude 2>/dev/null || echo "/$CARRY/" >> .git/info/exclude
+    case $CARRY in "$PWD"/*) rel=${CARRY#"$PWD"/}
+        grep -qx "/$rel/" .git/info/exclude 2>/dev/null || echo "/$rel/" >> .git/info/exclude ;; esac
     plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
         -d "$CARRY/whl" gguf liger-kernel || exit 1
@@ -39,8 +41,9 @@ if ls "$CARRY"/whl/*.whl >/dev/null 2>&1; then
     export PYTHONPATH=/tmp/fastpo-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 if ! $PY -c "import numba" >/dev/null 2>&1 && ls "$CARRY"/whl/numba/*.whl >/dev/null 2>&1; then
+    # not fatal: without numba the kernels and train parts and most GPU tests still run
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fastpo-site \
-        "$CARRY"/whl/numba/*.whl || exit 1
+        "$CARRY"/whl/numba/*.whl || echo "warning: the carried numba wheels do not install here"
     export PYTHONPATH=/tmp/fastpo-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 $PY -c "import numba" || echo "warning: numba does not import here; envs, rollout and e2e parts will fail"
@@ -51,19 +54,20 @@ for f in fastpo/*; do ln -s "$PWD/$f" "$SHIM/fastpo/"; done
 ln -s "$PWD/kernels" "$SHIM/fastpo/kernels"
 ln -s "$PWD/envs_native" "$SHIM/fastpo/envs_native"
 export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
-[ -d "$CARRY/cache" ] && export FASTPO_CACHE=$PWD/$CARRY/cache
+[ -d "$CARRY/cache" ] && export FASTPO_CACHE=$CARRY/cache
 export PYTHONUNBUFFERED=1
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.csv" 2>&1
 echo "== GPU tests"
-timeout 150 $PY -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+# PYTHONSAFEPATH: `-m` would put the repo root first on sys.path, where fastpo/ lacks kernels/
+PYTHONSAFEPATH=1 timeout -k 10 120 $PY -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
 echo "== benchmarks (cuda, random:qwen2.5-0.5b, paper scale), one process and one time limit per part"
 # Part by part, most wanted first, so a part that overruns costs only itself; each writes its JSON.
 bench_rc=0
-for spec in kernels:80 rollout:90 train:50 e2e:90; do
+for spec in kernels:70 rollout:100 train:40 e2e:70; do
     part=${spec%%:*}; limit=${spec##*:}
-    timeout "$limit" $PY bench/throughput.py --part "$part" --device cuda --model random:qwen2.5-0.5b --repeats 2 \
+    timeout -k 10 "$limit" $PY bench/throughput.py --part "$part" --device cuda --model random:qwen2.5-0.5b --repeats 2 \
         --json "$OUT/throughput_cuda_$part.json" 2>&1 | tee "$OUT/throughput_cuda_$part.log"
     rc=${PIPESTATUS[0]}
     echo "part $part rc=$rc"

@@ -4,13 +4,14 @@
     python bench/report.py            # rewrite README.md between the perf markers
     python bench/report.py --check    # exit 1 if README.md is out of date
 
-For each device (cpu, cuda) the newest full run in `bench/results/**/*.json` (written by
-`bench/throughput.py --json`) is rendered, then the newest run of each single part made after
-it: machine, date, the reproducing command, and the table of comparisons. Nothing in that section is typed by hand.
+For each device (cpu, cuda) and each part, the newest run in `bench/results/**/*.json`
+(written by `bench/throughput.py --json`) that measured it is rendered: machine, date, the
+reproducing command, and the table of comparisons. Nothing in that section is typed by hand.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import glob
 import json
 import os
@@ -43,7 +44,8 @@ def fmt(v: float | None, spread: float | None = None) -> str:
     return f"{s} ± {spread:.2g}" if spread else s
 
 
-def render(result: dict, path: str) -> str:
+def render(result: dict, path: str, parts: list[str] | None = None) -> str:
+    """One run's header and table; only the records of `parts` when given."""
     m = result["machine"]
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
     lines = [
@@ -55,20 +57,32 @@ def render(result: dict, path: str) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for r in result["records"]:
+        if parts is not None and r["part"] not in parts:
+            continue
         name = r["name"] + (f" vs {r['baseline_name']}" if r.get("baseline_name") else "")
         ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
         target = "-" if r.get("target") is None else f"≥ {r['target']:g}x " + ("met" if r.get("met") else "**missed**")
         lines.append(f"| {r['part']} | {name} | {fmt(r['fastpo'], r.get('fastpo_spread'))} | "
                      f"{fmt(r.get('baseline'), r.get('baseline_spread'))} | {ratio} | {target} | {r['unit']} |")
+    if parts is not None and set(parts) != {r["part"] for r in result["records"]}:
+        lines.append(f"\n(From this run: {', '.join(parts)}; its other parts have newer figures above or below.)")
     for part, err in (result.get("errors") or {}).items():
+        if parts is not None:
+            continue  # a part that failed here is shown from another run, if any has it
         lines.append(f"\nPart `{part}` did not run: {err}")
     return "\n".join(lines)
 
 
+def _when(result: dict) -> datetime.datetime:
+    d = datetime.datetime.fromisoformat(result["machine"]["date"])
+    return d if d.tzinfo else d.replace(tzinfo=datetime.timezone.utc)
+
+
 def section(results_dir: str) -> str:
-    """Per device: the newest full run, then any single-part run newer than it (e.g. a part
-    measured at larger sizes than the full run's 10 minutes allow)."""
-    runs: dict[str, list[tuple[str, str, dict]]] = {}
+    """Per device and per part, the newest run that measured that part (a full run, a run cut
+    short by a time limit, or a single-part run at larger sizes): each such run is rendered
+    with the parts it is the newest for; full runs first."""
+    runs: dict[str, list[tuple[str, dict]]] = {}
     for path in glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True):
         with open(path) as f:
             try:
@@ -79,20 +93,28 @@ def section(results_dir: str) -> str:
             continue
         if result["args"].get("quick"):
             continue  # smoke runs are not performance figures
-        runs.setdefault(result["machine"]["device"], []).append((result["machine"]["date"], path, result))
+        runs.setdefault(result["machine"]["device"], []).append((path, result))
     if not runs:
         return "No benchmark results are committed yet: run `python bench/throughput.py --json bench/results/cpu.json`."
     shown = []
     for dev in sorted(runs):
-        full = [r for r in runs[dev] if r[2]["args"].get("part", "all") == "all"]
-        since = max(full)[0] if full else ""
-        newest_part: dict[str, tuple[str, str, dict]] = {}
-        for r in runs[dev]:
-            part = r[2]["args"].get("part", "all")
-            if part != "all" and r[0] > since and (part not in newest_part or r[0] > newest_part[part][0]):
-                newest_part[part] = r
-        picked = ([max(full)] if full else []) + [newest_part[p] for p in sorted(newest_part)]
-        shown += [render(r[2], r[1]) for r in picked]
+        newest_first = sorted(runs[dev], key=lambda r: _when(r[1]), reverse=True)
+        parts_of: dict[str, list[str]] = {}
+        covered: set[str] = set()
+        for path, result in newest_first:
+            measured = {r["part"] for r in result["records"]} - set(result.get("errors") or {})
+            for part in sorted(measured - covered):
+                parts_of.setdefault(path, []).append(part)
+            covered |= measured
+        picked = [(p, r) for p, r in newest_first if p in parts_of]
+        picked.sort(key=lambda pr: pr[1]["args"].get("part", "all") != "all")  # stable: full runs first
+        shown += [render(r, p, parts_of[p]) for p, r in picked]
+        failed = {}
+        for _, result in newest_first:  # a part no run measured: say why, from its newest try
+            for part, err in (result.get("errors") or {}).items():
+                if part not in covered and part not in failed:
+                    failed[part] = err
+        shown += [f"Part `{part}` ({dev}) did not run: {err}" for part, err in sorted(failed.items())]
     return "\n\n".join(shown)
 
 

@@ -361,11 +361,13 @@ def _did_you_mean(obj: Any, key: str, prefix: str) -> str:
     a near miss of a key here (`grup_size`); '' otherwise."""
     import difflib
 
+    if not isinstance(key, str):  # e.g. a YAML key `1:` or `yes:`
+        return ""
     here = [f.name for f in dataclasses.fields(obj)]
     below = [f"{f.name}.{key}" for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))
              and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
     guesses = below or difflib.get_close_matches(key, here, n=1)
-    return f" (did you mean {prefix}{guesses[0]}?)" if guesses else ""
+    return f" (did you mean {' or '.join(prefix + g for g in guesses)}?)" if guesses else ""
 
 
 def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:

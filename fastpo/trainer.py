@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
 import signal
 import time
 from typing import Any, Optional
 
 import numpy as np
 import torch
+import yaml
 
 from fastpo import algorithms as alg
 from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
@@ -36,6 +38,15 @@ from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollou
                             write_samples)
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
                             use_segment_attention)
+
+
+def _settings(config_yaml: str) -> dict:
+    """A run's settings from its config.yaml text, without what a resume may change freely
+    (the folder's spelling, the iteration count)."""
+    d = yaml.safe_load(config_yaml) or {}
+    for key in ("output_dir", "iterations"):
+        d.get("trainer", {}).pop(key, None)
+    return d
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,6 +150,9 @@ class Trainer:
         try:
             self._setup()
         except BaseException:
+            engine = getattr(self, "engine", None)
+            if hasattr(engine, "shutdown"):
+                engine.shutdown()  # a started SGLang server must not outlive the failed start
             if created and os.path.isdir(self.out) and not os.listdir(self.out):
                 os.rmdir(self.out)
             raise
@@ -147,6 +161,12 @@ class Trainer:
         from fastpo import rollout as ro
 
         cfg, c = self.cfg, self.console
+        if cfg.rollout.engine == "sglang":
+            from fastpo.rollout.sglang_engine import sglang_available
+
+            if not sglang_available():  # before anything loads or is written
+                raise ConfigError("config key 'rollout.engine' = 'sglang': needs CUDA and sglang "
+                                  "(pip install 'fastpo[sglang]'); use rollout.engine=native on this machine")
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
         if not self.resume:
@@ -242,13 +262,14 @@ class Trainer:
         path, text = os.path.join(self.out, "config.yaml"), dump_yaml(cfg)
         if ckpt is not None and self.start_iteration > cfg.trainer.iterations:
             return  # a finished run resumed with nothing to train: its config.yaml stays as it ran
-        if ckpt is not None and os.path.exists(path):
-            with open(path) as f:
-                if f.read() != text:
-                    # resumed with changed settings: keep the ones the earlier iterations ran with
-                    kept = os.path.join(self.out, f"config.until_iter_{self.start_iteration - 1:06d}.yaml")
-                    os.replace(path, kept)
-                    c.print(f"settings changed on resume: iterations 1-{self.start_iteration - 1} ran with {kept}")
+        ran = os.path.join(ckpt, "config.yaml") if ckpt is not None else None
+        if ran is not None and os.path.exists(ran) and _settings(open(ran).read()) != _settings(text):
+            # resumed with changed settings: keep beside the run those the checkpoint's iterations
+            # ran with (from the checkpoint, so a failed resume in between cannot blur them)
+            kept = os.path.join(self.out, f"config.until_iter_{self.start_iteration - 1:06d}.yaml")
+            if not os.path.exists(kept):
+                shutil.copyfile(ran, kept)
+            c.print(f"settings changed on resume: iterations up to {self.start_iteration - 1} ran with {kept}")
         with open(path, "w") as f:
             f.write(text)
 
@@ -261,14 +282,18 @@ class Trainer:
         self._engine_released = self._weights_stale = False
         if r.engine == "native":
             return ro.NativeEngine(model, tok)
-        from fastpo.rollout.sglang_engine import SGLangEngine, sglang_available
+        import tempfile
 
-        if not sglang_available():  # before writing the weights out
-            raise ImportError("rollout.engine=sglang needs CUDA and sglang (pip install 'fastpo[sglang]'); "
-                              "use rollout.engine=native on this machine")
-        return SGLangEngine.from_model(model, tok, os.path.join(self.out, "sglang_model"),
-                                       mem_fraction_static=r.sglang_mem_fraction,
-                                       dtype="float32" if self.cfg.model.dtype == "float32" else "bfloat16")
+        from fastpo.rollout.sglang_engine import SGLangEngine
+
+        # SGLang loads the weights from an HF folder once; later updates go as tensors, so the
+        # folder (a full copy of the model) lives only until the engine has started
+        folder = tempfile.mkdtemp(prefix="fastpo-sglang-")
+        try:
+            return SGLangEngine.from_model(model, tok, folder, mem_fraction_static=r.sglang_mem_fraction,
+                                           dtype="float32" if self.cfg.model.dtype == "float32" else "bfloat16")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     @contextlib.contextmanager
     def _engine_awake(self):
@@ -621,6 +646,9 @@ class Trainer:
                           console=self.console, disable=not t.progress) as progress:
                 task = progress.add_task("train", total=total, completed=self.start_iteration - 1, stats="")
                 for it in range(self.start_iteration, total + 1):
+                    if self._stop_requested:  # Ctrl-C before this iteration began (the initial eval)
+                        self.console.print(f"stopped before iteration {it}; nothing new to save")
+                        break
                     t_it = time.perf_counter()
                     consistent = False  # an error inside iteration() may leave a half-applied update
                     m = self.iteration(it)
@@ -650,10 +678,11 @@ class Trainer:
                     if (t.save_every and it % t.save_every == 0) or it == total or self._stop_requested:
                         self._save(it)
                         last_saved = it
-                    if self._stop_requested:
+                    if self._stop_requested and it < total:
                         self.console.print(f"stopped after iteration {it}; resume with "
                                            f"`fastpo train --resume {self.out}`")
                         break
+                    self.interrupted = False  # a Ctrl-C in the last iteration still finished the run
         except KeyboardInterrupt:
             # A second Ctrl-C: the current iteration is incomplete; keep the last saved checkpoint.
             self.console.print(f"[yellow]aborted[/]; the last checkpoint is iteration {last_saved}")

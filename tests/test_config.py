@@ -115,3 +115,15 @@ def test_unknown_key_suggests_the_dotted_or_near_key():
     with pytest.raises(ConfigError) as e:
         load_config(env="bandit", overrides=["foo=1"])
     assert "did you mean" not in str(e.value)
+
+
+def test_unknown_key_of_any_yaml_type_is_a_config_error():
+    import pytest
+
+    from fastpo.config import ConfigError, TrainConfig, apply_dict
+
+    for updates in ({"rollout": {1: 2}}, {"rollout": {None: 3}}, {"trainer": {True: 1}}):
+        with pytest.raises(ConfigError, match="unknown config key"):
+            apply_dict(TrainConfig(), updates)
+    with pytest.raises(ConfigError, match="did you mean model.name or env.name"):
+        apply_dict(TrainConfig(), {"name": "x"})
