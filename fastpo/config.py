@@ -72,7 +72,7 @@ class RolloutConfig:
     run_valid_actions_on_format_error: in such a turn, still execute the answer's valid
     actions (True, as RAGEN does); False executes nothing. stop_at_answer_close: end a
     response at "</answer>" (the template's end-of-turn token is then appended, loss mask
-    0). system_prompt: None for prompts.SYSTEM_PROMPT. feedback_invalid: tell the model
+    0). system_prompt: None for prompts.SYSTEM_PROMPT (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model
     which actions were invalid in the next user message.
     """
 

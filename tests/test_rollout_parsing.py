@@ -150,3 +150,14 @@ def test_first_message_example_one_action_per_turn_shows_each_choice_last():
     msg = first_user_message("Rules.", "S", 10, 5, True, 32, action_names=["Left", "Down", "Right", "Up"])
     assert msg.endswith("For example: <answer> Left || Down </answer>") and "separated by ' || '" in msg
     assert answer_example(["Up"], 1) == "<answer> Up </answer>"
+
+
+def test_answer_only_mode_does_not_ask_for_thinking():
+    from fastpo.models import load_tokenizer
+    from fastpo.rollout.prompts import SYSTEM_PROMPT, SYSTEM_PROMPT_NO_THINK, ChatFormat
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    assert ChatFormat(tok, think=True).system_prompt == SYSTEM_PROMPT
+    assert ChatFormat(tok, think=False).system_prompt == SYSTEM_PROMPT_NO_THINK
+    assert "think" not in SYSTEM_PROMPT_NO_THINK.lower()
+    assert ChatFormat(tok, think=False, system_prompt="custom").system_prompt == "custom"

@@ -19,6 +19,8 @@ from __future__ import annotations
 from typing import Sequence
 
 SYSTEM_PROMPT = "You are a helpful assistant that plays text games. You think step by step, then act."
+# answer-only mode (think=False) must not ask for reasoning it then cuts off
+SYSTEM_PROMPT_NO_THINK = "You are a helpful assistant that plays text games. You answer with your actions directly."
 THINK_PRIME = "<think>"
 ANSWER_PRIME = "<answer>"
 _PLACEHOLDER = "\u2063FASTPO_ASSISTANT_PLACEHOLDER\u2063"
@@ -91,7 +93,8 @@ class ChatFormat:
     Args:
         tokenizer: an HF tokenizer with a chat template.
         think: prime each response with "<think>" (True) or "<answer>" (answer-only mode).
-        system_prompt: the system message (None: SYSTEM_PROMPT).
+        system_prompt: the system message (None: SYSTEM_PROMPT, or SYSTEM_PROMPT_NO_THINK
+            in answer-only mode).
     Raises ValueError when the tokenizer has no chat template.
     """
 
@@ -100,7 +103,8 @@ class ChatFormat:
             raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat template; fastpo needs an instruct model's tokenizer")
         self.tokenizer = tokenizer
         self.think = bool(think)
-        self.system_prompt = SYSTEM_PROMPT if system_prompt is None else system_prompt
+        default = SYSTEM_PROMPT if think else SYSTEM_PROMPT_NO_THINK
+        self.system_prompt = default if system_prompt is None else system_prompt
         self.prime = THINK_PRIME if self.think else ANSWER_PRIME
         # The template text between an assistant message's content and the next user content.
         msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
