@@ -95,9 +95,16 @@ def cmd_train(args) -> int:
                 cfg.trainer.device = args.device
             cfg.trainer.output_dir = args.resume
             validate(cfg)
-            if latest_checkpoint(args.resume) is None:
+            ckpt = latest_checkpoint(args.resume)
+            if ckpt is None:
                 raise ConfigError(f"--resume {args.resume}: no checkpoint found under "
                                   f"{os.path.join(args.resume, 'checkpoints')}")
+            done = int(os.path.basename(ckpt).rsplit("_", 1)[-1])
+            if done >= cfg.trainer.iterations:  # say so without loading the model
+                console.print(f"[yellow]{args.resume} already ran {done} iterations (trainer.iterations = "
+                              f"{cfg.trainer.iterations}): nothing to train; pass --iterations N with N > {done} "
+                              f"to train further[/]")
+                return 0
         else:
             if args.out is not None and not args.out.strip():
                 raise ConfigError("--out needs a folder name")

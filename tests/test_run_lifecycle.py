@@ -10,6 +10,7 @@ import pytest
 import yaml
 from rich.console import Console
 
+import fastpo.models
 import fastpo.rollout.sglang_engine as sg
 import fastpo.trainer
 from fastpo.checkpoint import latest_checkpoint
@@ -69,7 +70,12 @@ def test_resume_of_a_finished_run_trains_nothing_and_keeps_its_config(tmp_path, 
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = f.read()
     capsys.readouterr()
-    assert main(["train", "--resume", out, "optim.actor_lr=3e-4"]) == 0
+    load = fastpo.models.load_model_and_tokenizer
+    fastpo.models.load_model_and_tokenizer = None  # the CLI says so without loading the model
+    try:
+        assert main(["train", "--resume", out, "optim.actor_lr=3e-4"]) == 0
+    finally:
+        fastpo.models.load_model_and_tokenizer = load
     said = capsys.readouterr().out
     assert "nothing to train" in said and "--iterations" in said
     assert _lr(out) == 1e-5  # the settings it ran with
