@@ -65,7 +65,7 @@ def render(result: dict, path: str, parts: list[str] | None = None) -> str:
         lines.append(f"| {r['part']} | {name} | {fmt(r['fastpo'], r.get('fastpo_spread'))} | "
                      f"{fmt(r.get('baseline'), r.get('baseline_spread'))} | {ratio} | {target} | {r['unit']} |")
     if parts is not None and set(parts) != {r["part"] for r in result["records"]}:
-        lines.append(f"\n(From this run: {', '.join(parts)}; its other parts have newer figures above or below.)")
+        lines.append(f"\n(From this run: {', '.join(parts)}; its other parts are shown from a newer run.)")
     for part, err in (result.get("errors") or {}).items():
         if parts is not None:
             continue  # a part that failed here is shown from another run, if any has it
