@@ -49,6 +49,11 @@ def _settings(config_yaml: str) -> dict:
     return d
 
 
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
 def resolve_device(name: str) -> torch.device:
     """"auto" -> cuda when available else cpu.
 
@@ -150,9 +155,7 @@ class Trainer:
         try:
             self._setup()
         except BaseException:
-            engine = getattr(self, "engine", None)
-            if hasattr(engine, "shutdown"):
-                engine.shutdown()  # a started SGLang server must not outlive the failed start
+            self._shutdown_engine()  # a started SGLang server must not outlive the failed start
             if created and os.path.isdir(self.out) and not os.listdir(self.out):
                 os.rmdir(self.out)
             raise
@@ -263,7 +266,7 @@ class Trainer:
         if ckpt is not None and self.start_iteration > cfg.trainer.iterations:
             return  # a finished run resumed with nothing to train: its config.yaml stays as it ran
         ran = os.path.join(ckpt, "config.yaml") if ckpt is not None else None
-        if ran is not None and os.path.exists(ran) and _settings(open(ran).read()) != _settings(text):
+        if ran is not None and os.path.exists(ran) and _settings(_read(ran)) != _settings(text):
             # resumed with changed settings: keep beside the run those the checkpoint's iterations
             # ran with (from the checkpoint, so a failed resume in between cannot blur them)
             kept = os.path.join(self.out, f"config.until_iter_{self.start_iteration - 1:06d}.yaml")
@@ -294,6 +297,12 @@ class Trainer:
                                            dtype="float32" if self.cfg.model.dtype == "float32" else "bfloat16")
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _shutdown_engine(self) -> None:
+        """Stop an engine that runs its own processes (SGLang); the native one has none."""
+        engine = getattr(self, "engine", None)
+        if hasattr(engine, "shutdown"):
+            engine.shutdown()
 
     @contextlib.contextmanager
     def _engine_awake(self):
@@ -622,14 +631,6 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         self.setup()
         total = t.iterations
-        if self.start_iteration > total:
-            self.console.print(f"[yellow]{self.out} already ran {self.start_iteration - 1} iterations "
-                               f"(trainer.iterations = {total}): nothing to train; pass --iterations N with "
-                               f"N > {self.start_iteration - 1} to train further[/]")
-            self.logger.close()
-            if hasattr(self.engine, "shutdown"):
-                self.engine.shutdown()
-            return self.logger.records
         old_handler = None
         if hasattr(signal, "SIGINT") and _in_main_thread():
             old_handler = signal.signal(signal.SIGINT, self._request_stop)
@@ -637,6 +638,11 @@ class Trainer:
         updated, consistent = last_saved, True
         it = self.start_iteration - 1
         try:
+            if self.start_iteration > total:
+                self.console.print(f"[yellow]{self.out} already ran {self.start_iteration - 1} iterations "
+                                   f"(trainer.iterations = {total}): nothing to train; pass --iterations N with "
+                                   f"N > {self.start_iteration - 1} to train further[/]")
+                return self.logger.records
             if t.eval_before_training and self.start_iteration == 1:
                 ev = self.evaluate(0)
                 self.last_eval = ev
@@ -701,9 +707,7 @@ class Trainer:
             if old_handler is not None:
                 signal.signal(signal.SIGINT, old_handler)
             self.logger.close()
-            engine = getattr(self, "engine", None)
-            if hasattr(engine, "shutdown"):
-                engine.shutdown()  # SGLang's server processes
+            self._shutdown_engine()
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
