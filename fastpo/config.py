@@ -57,6 +57,17 @@ class EnvConfig:
     options: dict = field(default_factory=dict)
 
 
+def check_sampling(temperature: Any, top_p: Any, top_k: Any, owner: str = "") -> None:
+    """Raise ValueError naming `owner` + the option for a temperature < 0, a top_p outside
+    (0, 1] or a top_k that is not an integer >= 0 (shared by RolloutConfig and SamplingParams)."""
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"{owner}temperature must be >= 0, got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"{owner}top_p must be in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"{owner}top_k must be an integer >= 0, got {top_k!r}")
+
+
 @dataclass
 class RolloutConfig:
     """Multi-turn rollout settings (defaults: the paper / RAGEN's).
@@ -96,12 +107,7 @@ class RolloutConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"RolloutConfig.temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"RolloutConfig.top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"RolloutConfig.top_k must be an integer >= 0, got {self.top_k!r}")
+        check_sampling(self.temperature, self.top_p, self.top_k, owner="RolloutConfig.")
         if not isinstance(self.format_penalty, (int, float)):
             raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
 

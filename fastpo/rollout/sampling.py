@@ -12,6 +12,8 @@ import dataclasses
 
 import torch
 
+from fastpo.config import check_sampling
+
 
 @dataclasses.dataclass
 class SamplingParams:
@@ -35,12 +37,7 @@ class SamplingParams:
     max_context: int = 4096
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        check_sampling(self.temperature, self.top_p, self.top_k)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 2:
