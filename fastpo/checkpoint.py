@@ -291,17 +291,31 @@ def find_checkpoint(path: str) -> Optional[CheckpointRef]:
                          iteration=_iteration_of(os.path.basename(folder)), config_path=config_path)
 
 
-def _config_model_name(config_path: str) -> Optional[str]:
-    """`model.name` in a run's config.yaml, or None when unreadable."""
+def _model_name(config_yaml: str) -> Optional[str]:
+    """`model.name` in a run's config.yaml text, or None when it names none."""
     import yaml
 
     try:
-        with open(config_path) as f:
-            d = yaml.safe_load(f)
-        name = d["model"]["name"]
-    except (OSError, yaml.YAMLError, UnicodeDecodeError, KeyError, TypeError):
+        name = (yaml.safe_load(config_yaml) or {})["model"]["name"]
+    except (yaml.YAMLError, KeyError, TypeError):
         return None
     return name if isinstance(name, str) and name else None
+
+
+def _config_model_name(config_path: str) -> Optional[str]:
+    """`model.name` in a run's config.yaml file, or None when unreadable."""
+    try:
+        with open(config_path) as f:
+            return _model_name(f.read())
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def local_path_shaped(name: str) -> bool:
+    """Whether a model name can only be a local path, never an HF hub id: it starts with ".",
+    "/" or "~", has more than one "/", or the folder before its last "/" exists here."""
+    parent = os.path.dirname(os.path.expanduser(name).rstrip("/"))
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (bool(parent) and os.path.isdir(parent))
 
 
 def model_origin(name: str, _depth: int = 0) -> dict:
@@ -323,8 +337,7 @@ def model_origin(name: str, _depth: int = 0) -> dict:
         if found:
             return {"init_model": found["init_model"], "random_init": found["random_init"]}
         return {"init_model": name, "random_init": None}
-    local = name.startswith((".", "/", "~")) or name.count("/") > 1
-    if local and not os.path.exists(os.path.expanduser(name)):
+    if local_path_shaped(name) and not os.path.exists(os.path.expanduser(name)):
         return {"init_model": name, "random_init": None}
     return {"init_model": name, "random_init": False}
 
@@ -360,12 +373,7 @@ def checkpoint_origin(model_dir: str, _depth: int = 0) -> Optional[dict]:
 def _model_meta(out_dir: str, iteration: int, config_yaml: str) -> Optional[dict]:
     """The `MODEL_META` record of checkpoint `iteration` of run `out_dir` (None when the
     configuration names no model)."""
-    import yaml
-
-    try:
-        name = (yaml.safe_load(config_yaml) or {})["model"]["name"]
-    except (yaml.YAMLError, KeyError, TypeError):
-        return None
-    if not isinstance(name, str) or not name:
+    name = _model_name(config_yaml)
+    if name is None:
         return None
     return {"run": os.path.abspath(out_dir), "iteration": iteration, "trained_from": name, **model_origin(name)}

@@ -145,8 +145,8 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     import yaml
 
     from fastpo.checkpoint import find_checkpoint
-    from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, apply_dict, config_from_dict,
-                               load_config, parse_override, validate)
+    from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, _nested, apply_dict,
+                               config_from_dict, load_config, parse_override, validate)
 
     overrides = list(overrides or [])
     values = dict(values or {})
@@ -208,13 +208,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         if is_explicit(key):
             kept[key] = (current, value)
             continue
-        section, rest = key.split(".", 1)
-        node: dict = {}
-        leaf = node
-        for part in rest.split(".")[:-1]:
-            leaf = leaf.setdefault(part, {})
-        leaf[rest.split(".")[-1]] = copy.deepcopy(value)
-        apply_dict(out, {section: node})
+        apply_dict(out, _nested(key, copy.deepcopy(value)))
         taken[key] = value
     validate(out)
     return out, RunSettings(ref, run.env.name, eval_env, taken, kept, mismatch)

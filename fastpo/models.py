@@ -311,8 +311,9 @@ def _resolve_path(name: str) -> tuple[str, str]:
         raise ValueError(f"model path {name!r} is a file, not an HF model folder")
     parent = os.path.dirname(path.rstrip("/"))
     hub_shaped = name.count("/") == 1 and all(name.split("/")) and not name.startswith((".", "~"))
-    local_shaped = name.startswith((".", "/", "~")) or name.count("/") > 1 or (bool(parent) and os.path.isdir(parent))
-    if local_shaped or ("/" in name and not hub_shaped):
+    from fastpo.checkpoint import local_path_shaped
+
+    if local_path_shaped(name) or ("/" in name and not hub_shaped):
         # say why an "org/name"-shaped name was not taken for a hub id
         where = f" (taken for a local path: the folder {parent!r} exists here)" if hub_shaped else ""
         raise ValueError(f"model folder {name!r} does not exist{where}; pass an existing HF model folder, an HF hub "
