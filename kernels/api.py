@@ -15,7 +15,7 @@ import warnings
 import torch
 
 from . import chunked as _chunked
-from .reference import (KL_ESTIMATORS, LOSS_AGGS, aggregation_weights, policy_loss_terms, policy_metrics,
+from .reference import (KL_ESTIMATORS, LOSS_AGGS, aggregation_weights, policy_loss_terms, policy_metrics, zero_rows,
                         reference_logprob_entropy, reference_policy_loss)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
@@ -418,7 +418,7 @@ def linear_policy_loss(
                 if some_masked:
                     # masked rows enter the gradient pass as zeros (0 * NaN is NaN): their g is 0,
                     # so their dlogits are exactly 0 and a non-finite masked row cannot reach d weight
-                    h_g = torch.where(sel[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=dev))
+                    h_g = zero_rows(hidden, sel)
                     lse_g, ent_g = torch.where(sel, lse, 0.0), torch.where(sel, ent, 0.0)
                 dh, dw = _grads(impl, h_g, weight, targets, lse_g, ent_g, g_lp, g_ent, temperature, chunk_size,
                                 need_h, need_w)

@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from .reference import zero_rows
+
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 # GEMMs with fewer rows than this lose much of their speed on CPUs
 MIN_CHUNK_ROWS = 256
@@ -218,7 +220,7 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
             # (masked_fill_/where, not nonzero(): no device sync per chunk on CUDA)
             keep = grad_rows[s:e, None]
             dz.masked_fill_(~keep, 0.0)
-            h_c = torch.where(keep, h_c, torch.zeros((), dtype=h_c.dtype, device=h_c.device))
+            h_c = zero_rows(h_c, keep)
         dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c

@@ -18,6 +18,13 @@ from __future__ import annotations
 
 import torch
 
+
+def zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """`x` [N, ...] with the rows where `keep` [N] bool is False set to exactly 0. A select,
+    not a product: 0 * NaN is NaN, so a non-finite masked row must be replaced, not weighted."""
+    keep = keep.reshape(-1, *([1] * (x.dim() - 1)))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k3")
 # Log-ratios are clamped to this range before exp(): a token whose probability moved by
@@ -215,7 +222,7 @@ def reference_policy_loss(
     from the real rows, computed without a graph.
     """
     sel = loss_mask.to(torch.float32) > 0
-    h_in = torch.where(sel[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+    h_in = zero_rows(hidden, sel)
     logprob, entropy = reference_logprob_entropy(h_in, weight, targets, temperature)
     zero = torch.zeros((), dtype=logprob.dtype, device=logprob.device)
     old = torch.where(sel, old_logprob.to(logprob.dtype), zero)
