@@ -166,9 +166,6 @@ def _is_space(c):
             or c == 0x2029 or c == 0x202F or c == 0x205F or c == 0x3000)
 
 
-_K1 = np.uint64(0x9E3779B97F4A7C15)
-_K2 = np.uint64(0xBF58476D1CE4E5B9)
-_K3 = np.uint64(0x94D049BB133111EB)
 _S29 = np.uint64(29)
 
 
@@ -183,7 +180,7 @@ def _lower(c):
 def _name_key(length, first, last):
     """Hash-table key (uint64) of a name from its length and lower-cased first and last
     code points: O(1) per piece, collisions are resolved by comparing the whole name."""
-    h = np.uint64(length) * _K1 ^ np.uint64(first) * _K2 ^ np.uint64(last) * _K3
+    h = np.uint64(length) * _GOLDEN ^ np.uint64(first) * _M1 ^ np.uint64(last) * _M2  # SplitMix64's odd constants
     return h ^ (h >> _S29)
 
 
