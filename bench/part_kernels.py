@@ -10,8 +10,10 @@ on [N, H] hidden states and a [V, H] LM head, measured side by side in one run:
 * Liger-Kernel's `LigerFusedLinearGRPOLoss` (chunked PyTorch, torch.compile'd), only when
   `liger_kernel` imports (GPU runs).
 * On CUDA, four plain `torch.matmul`s of the same shapes (forward, recompute and the two
-  backward products, 8 N H V FLOPs): the fused loss's time against them, and its share of
-  the bf16 matmul throughput.
+  backward products, 8 N H V FLOPs): the fused loss's time against them (the ratio of
+  their TFLOP/s), and the fused loss's achieved TFLOP/s as a fraction of the device's
+  dense bf16 peak (`dense_bf16_peak`: 989 TFLOP/s on H100 SXM and H200, from the device
+  name; no fraction for a device not in the table).
 
 Shapes: CPU H=576, V=49152, N=2048 fp32 (--quick: N=512); CUDA H=896, V=151936 (Qwen2.5),
 N in {4096, 16384} bf16 (--quick: 4096). Peak memory is what a call adds above what was
@@ -39,6 +41,18 @@ from _common import BenchContext, Record, measure, peak_memory  # noqa: E402
 PART = "kernels"
 OPTS = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.001)
 LIGER = "liger-fused-linear-grpo"
+# Dense (no 2:4 sparsity) bf16 tensor-core peaks, TFLOP/s, from NVIDIA's data sheets, by a
+# substring of torch.cuda.get_device_name(); the first match wins (PCIe/NVL before plain H100).
+DENSE_BF16_PEAKS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.0), ("H200", 989.0),
+                    ("H800", 989.0), ("A100", 312.0))
+
+
+def dense_bf16_peak(device_name: str) -> float | None:
+    """The dense bf16 peak (TFLOP/s) of a GPU named `device_name`, or None if not in the table."""
+    for key, peak in DENSE_BF16_PEAKS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
 
 
 def _inputs(n, h, v, dtype, device, seed):
@@ -200,13 +214,9 @@ def _cuda(ctx: BenchContext) -> list[Record]:
         fast = f"fastpo-{impl}"
         records += _failure_records(shape, fast, times, failed, liger_missing)
         t_mm, s_mm = _four_matmuls(n, h, v, dtype, ctx)
-        flops = 8.0 * n * h * v
         if fast in times:
             tf, sf = times[fast]
-            records.append(Record(PART, f"fused fwd+bwd vs four plain matmuls ({shape})", "TFLOP/s",
-                                  flops / tf / 1e12, flops / t_mm / 1e12, True, baseline_name="torch.matmul x4",
-                                  target=1 / 1.5, notes=f"8NHV FLOPs; fused {tf * 1e3:.1f} ms, matmuls "
-                                  f"{t_mm * 1e3:.1f} ms"))
+            records += throughput_records(shape, n, h, v, tf, t_mm, torch.cuda.get_device_name())
             for base in ("naive", "fastpo-chunked", LIGER):
                 if base not in times:
                     continue
@@ -222,6 +232,26 @@ def _cuda(ctx: BenchContext) -> list[Record]:
         gc.collect()
         torch.cuda.empty_cache()
     return records
+
+
+def throughput_records(shape: str, n: int, h: int, v: int, t_fused: float, t_mm: float,
+                       device_name: str) -> list[Record]:
+    """The fused fwd+bwd's achieved TFLOP/s (8 N H V FLOPs over its time in s) against four
+    plain matmuls of the same shapes (target: at most 1.5x their time) and against the
+    device's dense bf16 peak (no target; baseline None for a device not in the table)."""
+    flops = 8.0 * n * h * v
+    fused, mm = flops / t_fused / 1e12, flops / t_mm / 1e12
+    peak = dense_bf16_peak(device_name)
+    of_peak = "" if peak is None else f" ({fused / peak:.1%} and {mm / peak:.1%} of the {peak:g} TFLOP/s peak)"
+    notes = f"8NHV FLOPs; fused {t_fused * 1e3:.1f} ms, {fused:.0f} TFLOP/s; matmuls {t_mm * 1e3:.1f} ms, " \
+            f"{mm:.0f} TFLOP/s{of_peak}"
+    return [
+        Record(PART, f"fused fwd+bwd vs four plain matmuls ({shape})", "TFLOP/s", fused, mm, True,
+               baseline_name="torch.matmul x4", target=1 / 1.5, notes=notes),
+        Record(PART, f"fused fwd+bwd achieved vs dense bf16 peak ({shape})", "TFLOP/s", fused, peak, True,
+               baseline_name=f"peak of {device_name}" if peak is not None else f"peak of {device_name} (unknown)",
+               notes=notes + ("" if peak is not None else f"; no dense bf16 peak known for {device_name!r}")),
+    ]
 
 
 def _failure_records(shape: str, fast: str, times: dict, failed: dict, liger_missing: str | None) -> list[Record]:

@@ -4,7 +4,15 @@ impl="reference": materialized fp32 logits (`fastpo.kernels.reference`), for tes
 impl="chunked":   bounded-memory PyTorch (`fastpo.kernels.chunked`), any device.
 impl="triton":    fused Triton kernels (`fastpo.kernels._triton`), CUDA tensors (or CPU
                   tensors under TRITON_INTERPRET=1, set before the first Triton call).
-impl="auto":      triton on CUDA tensors when Triton imports, chunked elsewhere.
+impl="auto":      triton on CUDA tensors when Triton imports (and its kernels pass a probe
+                  on a tiny problem), chunked elsewhere.
+
+Out of memory (torch.OutOfMemoryError) on the Triton path is handled per call, whatever
+`impl`: cached blocks are freed and the call is retried in smaller pieces (row chunks in
+the forward, which give bitwise the same log-probs; smaller vocabulary slices in the
+backward), warning once with the shape; when the smallest pieces still do not fit, the
+error is raised. It never moves a run to another implementation, so old log-probs and
+the update's come from the same kernels (on-policy ratio exactly 1).
 """
 from __future__ import annotations
 
@@ -15,6 +23,7 @@ import warnings
 import torch
 
 from . import chunked as _chunked
+from .chunked import OutOfMemoryError
 from .reference import (KL_ESTIMATORS, LOSS_AGGS, aggregation_weights, policy_loss_terms, policy_metrics, zero_rows,
                         reference_logprob_entropy, reference_policy_loss)
 
@@ -44,15 +53,16 @@ def triton_available() -> bool:
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype | None = None) -> str:
     """The implementation `impl` means for tensors on `device` (of `dtype`); ValueError on a bad name.
 
-    "auto" -> "triton" on CUDA when Triton imports (and the dtype is not float64), else
-    "chunked". "triton" on a CPU tensor is allowed only under the Triton interpreter
+    "auto" -> "triton" on CUDA when Triton imports, the dtype is not float64 and the kernels
+    passed their probe there (run once per device and dtype, see `_triton.probe`; a failure
+    warns and makes "auto" mean "chunked" for the rest of the process), else "chunked". "triton" on a CPU tensor is allowed only under the Triton interpreter
     (TRITON_INTERPRET=1 set before fastpo.kernels first used Triton), for tests.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         ok = device.type == "cuda" and dtype != torch.float64 and _triton_failed is None and triton_available()
-        return "triton" if ok else "chunked"
+        return "triton" if ok and _triton_ready(device, dtype or torch.bfloat16) else "chunked"
     if impl == "triton":
         if not triton_available():
             raise ValueError(f"impl='triton' but triton cannot be imported ({_triton_error})")
@@ -109,40 +119,110 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-# "triton-auto": Triton chosen by impl="auto". If a Triton kernel fails to compile or launch
-# there (a Triton/driver combination it was never run on), fastpo warns once and uses the
-# chunked path from then on, rather than stopping a training run. impl="triton" never falls back.
+# "triton-auto": Triton chosen by impl="auto". Before auto first chooses Triton for a (device,
+# dtype), both kernels run once on a tiny problem and are checked against the chunked path
+# (`_triton.probe`); if that fails (a Triton/driver combination never run, a miscompile),
+# fastpo warns once and auto uses the chunked path for the whole run, before any log-prob
+# exists. A kernel failing later (after the probe passed) still falls back from then on,
+# rather than stopping a training run. Out-of-memory errors never fall back (see the module
+# docstring). impl="triton" never falls back.
 _triton_failed: str | None = None
+_probed: set = set()
+# Each retry after an out-of-memory error takes a quarter of the rows (forward) or of the
+# dlogits slice (backward); after OOM_RETRIES retries the error is raised.
+OOM_RETRIES = 4
+_oom_warned = False
 
 
 def _auto_impl(impl_arg: str, impl: str) -> str:
     return "triton-auto" if impl_arg == "auto" and impl == "triton" else impl
 
 
-def _with_fallback(impl, triton_call, chunked_call):
+def _give_up_triton(e: Exception, when: str) -> None:
     global _triton_failed
+    _triton_failed = f"{type(e).__name__}: {e}"
+    warnings.warn(f"fastpo.kernels: the Triton kernels failed{when} ({_triton_failed}); impl='auto' uses the "
+                  "chunked PyTorch path from now on", RuntimeWarning, stacklevel=4)
+
+
+def _triton_ready(device: torch.device, dtype: torch.dtype) -> bool:
+    """impl='auto': True when the Triton kernels passed their probe on (device, dtype) (run
+    once); False, with a warning, when it failed. Out-of-memory errors propagate."""
+    key = (str(device), dtype)
+    if key in _probed:
+        return _triton_failed is None
+    try:
+        _triton_module().probe(device, dtype)
+    except OutOfMemoryError:
+        raise
+    except Exception as e:
+        _give_up_triton(e, f" their probe on {device} in {dtype}")
+        return False
+    _probed.add(key)
+    return _triton_failed is None
+
+
+def _with_fallback(impl, triton_call, chunked_call):
     if impl == "triton" or (impl == "triton-auto" and _triton_failed is None):
         try:
             return triton_call()
+        except OutOfMemoryError:
+            raise  # handled per call inside triton_call; never a reason to switch implementations
         except Exception as e:
             if impl == "triton":
                 raise
-            _triton_failed = f"{type(e).__name__}: {e}"
-            warnings.warn(f"fastpo.kernels: the Triton kernels failed ({_triton_failed}); impl='auto' uses the "
-                          "chunked PyTorch path from now on", RuntimeWarning, stacklevel=3)
+            _give_up_triton(e, "")
     return chunked_call()
+
+
+def _retry_smaller(what: str, hidden: torch.Tensor, weight: torch.Tensor, attempt):
+    """attempt(level) for level 0 (full size), 1, 2, ...: after an out-of-memory error, free
+    the cached blocks and retry at the next level (smaller pieces), warning once with the
+    shape; raise the error after OOM_RETRIES retries."""
+    global _oom_warned
+    for level in range(OOM_RETRIES + 1):
+        try:
+            return attempt(level)
+        except OutOfMemoryError as e:
+            if level == OOM_RETRIES:
+                raise
+            why = (str(e).strip().splitlines() or [""])[0][:200]
+        # out of the except block: the failed attempt's tensors went with its traceback
+        if hidden.is_cuda:
+            torch.cuda.empty_cache()
+        if not _oom_warned:
+            _oom_warned = True
+            warnings.warn(f"fastpo.kernels: out of memory in the Triton {what} at N={hidden.shape[0]}, "
+                          f"H={hidden.shape[1]}, V={weight.shape[0]} ({hidden.dtype}): {why}. Retrying this call "
+                          "in smaller pieces (each call starts at full size again; the implementation does not "
+                          "change). Warned once.", RuntimeWarning, stacklevel=5)
+
+
+def _triton_stats_retrying(hidden, weight, targets, temperature):
+    tr = _triton_module()
+    n = hidden.shape[0]
+    return _retry_smaller("forward", hidden, weight, lambda level: tr.triton_stats(
+        hidden, weight, targets, temperature, max_rows=None if level == 0 else -(-n // 4 ** level)))
+
+
+def _triton_grads_retrying(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, need_h, need_w):
+    tr = _triton_module()
+    full = tr.dlogits_slice_bytes(hidden.shape[0], weight.shape[0], hidden.dtype)
+    return _retry_smaller("backward", hidden, weight, lambda level: tr.triton_grads(
+        hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, need_h, need_w,
+        chunk_bytes=None if level == 0 else max(1, full // 4 ** level)))
 
 
 def _stats(impl, hidden, weight, targets, temperature, chunk_size):
     return _with_fallback(
-        impl, lambda: _triton_module().triton_stats(hidden, weight, targets, temperature),
+        impl, lambda: _triton_stats_retrying(hidden, weight, targets, temperature),
         lambda: _chunked.chunked_stats(hidden, weight, targets, temperature, chunk_size))
 
 
 def _grads(impl, hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size, need_h, need_w):
     return _with_fallback(
-        impl, lambda: _triton_module().triton_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature,
-                                                    need_h, need_w),
+        impl, lambda: _triton_grads_retrying(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, need_h,
+                                             need_w),
         lambda: _chunked.chunked_grads(hidden, weight, targets, lse, ent, g_lp, g_ent, temperature, chunk_size,
                                        need_h, need_w))
 

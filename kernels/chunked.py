@@ -19,6 +19,7 @@ and d / d logits = (1/T) d / dz.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -40,14 +41,38 @@ def _lowp_gpu(weight: torch.Tensor) -> bool:
     return weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result; bf16/fp16 GEMM with fp32 output where torch has it."""
-    if a.dtype in (torch.bfloat16, torch.float16):
+# torch's CUDA out-of-memory error (torch.OutOfMemoryError, a RuntimeError, since torch 2.5)
+OutOfMemoryError = getattr(torch, "OutOfMemoryError", None) or torch.cuda.OutOfMemoryError
+# Device type -> whether torch.mm(half, half, out_dtype=torch.float32) works there (unknown:
+# try it once). The CPU build lacks it.
+_MM_OUT_DTYPE: dict[str, bool] = {"cpu": False}
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b with an fp32 result (into `out` [M, N] fp32 when given).
+
+    bf16/fp16 operands of one dtype: one GEMM with fp32 output (torch.mm(out_dtype=)) where
+    this torch has it, else fp32 copies of both operands (more memory; warned once). An
+    out-of-memory error is raised as is, never taken for a missing feature: the fp32-copy
+    route would need more memory still.
+    """
+    half = a.dtype in (torch.bfloat16, torch.float16)
+    if half and a.dtype == b.dtype and _MM_OUT_DTYPE.get(a.device.type, True):
         try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            return torch.mm(a.float(), b.float())
-    return torch.mm(a, b)
+            if out is None:
+                return torch.mm(a, b, out_dtype=torch.float32)
+            return torch.mm(a, b, out_dtype=torch.float32, out=out)
+        except OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError) as e:
+            _MM_OUT_DTYPE[a.device.type] = False
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            warnings.warn(f"fastpo.kernels: torch.mm(..., out_dtype=torch.float32) does not work for {a.dtype} on "
+                          f"{a.device.type} here ({type(e).__name__}: {first}); fp32 copies of the operands are "
+                          "multiplied instead (more memory and time; warned once)", RuntimeWarning, stacklevel=2)
+    if a.dtype != b.dtype or half:
+        a, b = a.float(), b.float()
+    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
 def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4) -> int:
@@ -81,10 +106,7 @@ class _Prepared:
         out = self.zbuf[: h_c.shape[0]]
         if not self.lowp:
             return torch.mm(h_c * inv_t if inv_t != 1.0 else h_c, self.w.T, out=out)
-        try:
-            torch.mm(h_c, self.w.T, out_dtype=torch.float32, out=out)
-        except (RuntimeError, TypeError, NotImplementedError):
-            out.copy_(_mm_f32(h_c, self.w.T))
+        mm_f32(h_c, self.w.T, out=out)
         return out.mul_(inv_t) if inv_t != 1.0 else out  # scaling bf16 inputs would round them
 
     def p(self, rows: int) -> torch.Tensor:
@@ -96,7 +118,7 @@ class _Prepared:
             d = dz.to(self.w.dtype)
             dh = torch.mm(d, self.w) if need_h else None
             if dw is not None:
-                dw += _mm_f32(d.T, h_c)
+                dw += mm_f32(d.T, h_c)
         else:
             dh = torch.mm(dz, self.w) if need_h else None
             if dw is not None:

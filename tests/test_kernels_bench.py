@@ -39,3 +39,19 @@ def test_liger_that_does_not_import_is_recorded():
     (r,) = part_kernels._failure_records("s", "fastpo-triton", {"fastpo-triton": (0.01, 0.0)}, {},
                                          "liger_kernel not importable (ModuleNotFoundError: x)")
     assert "not measured" in r.name and r.target is None and r.met is None
+
+
+def test_throughput_against_four_matmuls_and_the_device_peak():
+    assert part_kernels.dense_bf16_peak("NVIDIA H100 80GB HBM3") == 989.0
+    assert part_kernels.dense_bf16_peak("NVIDIA H200") == 989.0
+    assert part_kernels.dense_bf16_peak("NVIDIA H100 PCIe") == 756.0
+    assert part_kernels.dense_bf16_peak("NVIDIA GeForce RTX 4090") is None
+    n, h, v = 16384, 896, 151936
+    flops = 8.0 * n * h * v  # 17.8 TFLOP: 36 ms at 494 TFLOP/s, half the H200's peak
+    mm, peak = part_kernels.throughput_records("s", n, h, v, flops / 494e12, flops / 741e12, "NVIDIA H200")
+    assert mm.unit == peak.unit == "TFLOP/s" and math.isclose(mm.fastpo, 494) and math.isclose(mm.baseline, 741)
+    assert math.isclose(mm.ratio, 494 / 741) and mm.met is True and mm.target == 1 / 1.5
+    assert peak.baseline == 989.0 and math.isclose(peak.ratio, 494 / 989) and peak.target is None
+    assert "49.9% and 74.9% of the 989 TFLOP/s peak" in peak.notes
+    (_, unknown) = part_kernels.throughput_records("s", n, h, v, 0.05, 0.03, "Some GPU")
+    assert unknown.baseline is None and unknown.ratio is None and "no dense bf16 peak known" in unknown.notes
