@@ -33,7 +33,7 @@ from fastpo import algorithms as alg
 from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
                                set_rng_state)
 from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
-from fastpo.evaluate import evaluate_policy
+from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
@@ -145,6 +145,7 @@ class Trainer:
         self.start_iteration = 1
         self.weight_sync_seconds = 0.0
         self.last_eval: dict = {}
+        self._success_bounds: Optional[dict] = None  # eval/optimal_success, eval/random_success (fixed seeds)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -545,13 +546,23 @@ class Trainer:
         return res
 
     def evaluate(self, it: int) -> dict:
-        """Success rate and pass@k on the fixed eval seeds at the eval temperature; writes samples."""
+        """Success rate and pass@k on the fixed eval seeds at the eval temperature, with the
+        best and the random policy's success on the same seeds and horizon beside it
+        (`eval/optimal_success`, `eval/random_success`, computed once); writes samples."""
         t = self.cfg.trainer
         seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
         t0 = time.perf_counter()
         with self._engine_awake():
             res = evaluate_policy(self.rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345,
                                   autocast=self._autocast, model=self.model)
+        if self._success_bounds is None:
+            try:
+                self._success_bounds = success_bounds(self.cfg.env.name, self.cfg.env.options, seeds,
+                                                      eval_horizon(self.cfg.rollout))
+            except RuntimeError as e:  # a Sokoban search past its state cap: no bounds, training goes on
+                self.console.print(f"[yellow]warning[/]: no eval/optimal_success or eval/random_success: {e}")
+                self._success_bounds = {}
+        res.update(self._success_bounds)
         batch = res.pop("_batch")
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
