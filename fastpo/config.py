@@ -146,6 +146,11 @@ class AlgorithmConfig:
     `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
     with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
     `kl_coef` > 0 adds KL to a frozen reference model (plain StarPO), estimator k1 or k3.
+    `loss_agg`: how token losses become the mini-batch loss. "seq-mean-token-mean" (default,
+    every preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each trajectory's
+    token mean, then the mean over trajectories, so a long trajectory weighs as much as a
+    short one. "token-mean" (verl's default; fastpo's before) divides by all tokens of the
+    mini-batch; "seq-mean-token-sum" sums each trajectory's tokens.
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo"] = "gae"
@@ -161,7 +166,7 @@ class AlgorithmConfig:
     entropy_coef: float = 0.001
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = 0.5

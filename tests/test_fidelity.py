@@ -3,10 +3,12 @@ hand or by plain Python here. The environment-level checks (RAGEN's FrozenLake m
 success bounds) live in the test_envs_* files."""
 import numpy as np
 import pytest
+import torch
 from rich.console import Console
 
-from fastpo.config import load_config
+from fastpo.config import PRESETS, load_config
 from fastpo.envs_native import make_env
+from fastpo.kernels import linear_policy_loss
 from fastpo.trainer import Trainer
 
 
@@ -26,3 +28,52 @@ def test_trainer_eval_reports_the_ceiling_and_floor_on_its_seeds_and_horizon(tmp
     assert res["eval/optimal_success"] != pytest.approx(env.optimal_success(seeds, 6).mean())  # not 6 actions
     assert 0 <= res["eval/random_success"] < res["eval/optimal_success"] <= 1
     assert tr.evaluate(1)["eval/optimal_success"] == res["eval/optimal_success"]  # the same each time
+
+
+# The issue's hand example: four trajectories of 4, 4, 40 and 200 trained tokens, advantages
+# +1, +1, -1, -1, at the first PPO step (ratio 1, no clipping, no entropy term). Each token's
+# loss is -A. The paper's (1/G) sum_i (1/|tau_i|) sum_t: (-1 - 1 + 1 + 1) / 4 = 0.0.
+# token-mean over the mini-batch: (-4 - 4 + 40 + 200) / 248 = 232 / 248 = 0.935.
+LENGTHS, ADVANTAGES = (4, 4, 40, 200), (1.0, 1.0, -1.0, -1.0)
+
+
+def _first_step_loss(loss_agg, denominator=None, trajectories=range(4)):
+    """The fused loss of the chosen trajectories at ratio 1 (old log-probs = current ones)."""
+    g = torch.Generator().manual_seed(0)
+    sid = torch.cat([torch.full((n,), i) for i, n in enumerate(LENGTHS)])
+    adv = torch.cat([torch.full((n,), a) for n, a in zip(LENGTHS, ADVANTAGES)])
+    hidden, weight = torch.randn(len(sid), 8, generator=g), torch.randn(16, 8, generator=g)
+    targets = torch.randint(0, 16, (len(sid),), generator=g)
+    keep = torch.isin(sid, torch.tensor(list(trajectories)))
+    mask = torch.ones(int(keep.sum()), dtype=torch.bool)
+    args = (hidden[keep], weight, targets[keep])
+    lp = linear_policy_loss(*args, torch.zeros(len(mask)), adv[keep], mask, loss_agg=loss_agg, seq_ids=sid[keep],
+                            denominator=denominator).logprob
+    return float(linear_policy_loss(*args, lp, adv[keep], mask, loss_agg=loss_agg, seq_ids=sid[keep],
+                                    denominator=denominator).loss)
+
+
+def test_hand_example_token_mean_versus_the_papers_aggregation():
+    assert _first_step_loss("token-mean") == pytest.approx(232 / 248, abs=1e-6)  # 0.935
+    assert _first_step_loss("seq-mean-token-mean") == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["paper", "cpu", "starpo", "grpo", "cpu,starpo", "paper,grpo"])
+def test_presets_that_claim_the_papers_settings_use_its_loss_aggregation(preset, tmp_path):
+    cfg = load_config(env="sokoban", preset=preset, overrides=[f"trainer.output_dir={tmp_path}",
+                                                               "optim.mini_batch_size=4"])
+    assert cfg.algorithm.loss_agg == "seq-mean-token-mean"
+    # the trainer's mini-batch denominators: one mini-batch of the four trajectories, each
+    # trajectory in its own micro-batch (as a small token budget packs them); the micro-batch
+    # losses add up to the paper's value on the whole mini-batch
+    masks = [torch.cat([torch.zeros(1, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]) for n in LENGTHS]
+    tr = Trainer(cfg, console=Console(quiet=True))
+    (mb, n_tok, denom), = tr.epoch_mini_batches(masks, torch.Generator().manual_seed(0))
+    assert sorted(mb) == [0, 1, 2, 3] and n_tok == 248 and denom == 4.0
+    total = sum(_first_step_loss(cfg.algorithm.loss_agg, denom, [i]) for i in range(4))
+    assert total == pytest.approx(0.0, abs=1e-6)
+    assert sum(_first_step_loss("token-mean", 248.0, [i]) for i in range(4)) == pytest.approx(232 / 248, abs=1e-6)
+
+
+def test_no_preset_sets_another_loss_aggregation():
+    assert not any("loss_agg" in p.get("algorithm", {}) for p in PRESETS.values())
