@@ -79,12 +79,17 @@ class RolloutConfig:
     truncated. temperature / top_p / top_k: sampling (temperature scales the logits; the
     recorded log-probs are at this temperature). think: prime with "<think>" (True) or the
     answer-only variant primed with "<answer>". format_penalty: added to a turn's reward
-    when its answer is missing, malformed or holds an invalid action (-0.1).
-    run_valid_actions_on_format_error: in such a turn, still execute the answer's valid
-    actions (True, as RAGEN does); False executes nothing. stop_at_answer_close: end a
-    response at "</answer>" (the template's end-of-turn token is then appended, loss mask
-    0). system_prompt: None for prompts.SYSTEM_PROMPT (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model
-    which actions were invalid in the next user message.
+    when its answer is missing or holds an invalid action (-0.1). format_rule: what counts
+    as an answer (rollout/parsing.py): "ragen" (default) is RAGEN's rule, the first
+    think/answer pattern found anywhere in the response (none found: no action runs);
+    "strict" also penalises any response that is not exactly the pattern.
+    run_valid_actions_on_format_error: in a penalised turn, still execute the valid actions
+    of the answer found (True; what RAGEN does with an answer holding an invalid action);
+    False executes nothing. stop_at_answer_close: end a response at "</answer>" (the
+    template's end-of-turn token is then appended, loss mask 0; RAGEN generates on to the
+    end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
+    (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
+    actions were invalid in the next user message.
     """
 
     max_turns: int = 5
@@ -97,6 +102,7 @@ class RolloutConfig:
     top_k: int = 0
     think: bool = True
     format_penalty: float = -0.1
+    format_rule: Literal["ragen", "strict"] = "ragen"
     run_valid_actions_on_format_error: bool = True
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
@@ -110,6 +116,8 @@ class RolloutConfig:
         check_sampling(self.temperature, self.top_p, self.top_k, owner="RolloutConfig.")
         if not isinstance(self.format_penalty, (int, float)):
             raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
+        if self.format_rule not in ("ragen", "strict"):
+            raise ValueError(f"RolloutConfig.format_rule must be 'ragen' or 'strict', got {self.format_rule!r}")
 
 
 @dataclass

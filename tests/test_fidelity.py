@@ -77,3 +77,103 @@ def test_presets_that_claim_the_papers_settings_use_its_loss_aggregation(preset,
 
 def test_no_preset_sets_another_loss_aggregation():
     assert not any("loss_agg" in p.get("algorithm", {}) for p in PRESETS.values())
+
+
+# -- answer parsing and the format penalty ----------------------------------------------------
+@pytest.fixture(scope="module")
+def smol_tok():
+    from fastpo.models import load_tokenizer
+
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+def _turn(rule, responses, run_valid=True):
+    """One FrozenLake turn (3x3 map, no slip, start top-left) for each response text (the
+    "<think>" prime included): (penalties, executed actions, player cells)."""
+    from fastpo.config import RolloutConfig
+    from fastpo.rollout.multiturn import env_turn
+
+    env = make_env("frozenlake", len(responses), desc="SFF/FFF/FFG", is_slippery=False)
+    env.reset(range(len(responses)))
+    cfg = RolloutConfig(format_rule=rule, run_valid_actions_on_format_error=run_valid, format_penalty=-0.1)
+    res = env_turn(env, cfg, ["<think>" + r for r in responses], np.full(len(responses), 10, dtype=np.int64))
+    return res.penalty.tolist(), res.executed.tolist(), env._pos.tolist()
+
+
+# response (after the prime) -> by hand: (penalised, actions run) under "ragen", then "strict"
+FORMAT_CASES = [
+    ("go</think><answer>Right</answer>", (False, 1), (False, 1)),
+    ("go</think> <answer> right || DOWN </answer>", (False, 2), (False, 2)),
+    ("go</think><answer>Right</answer> and more text", (False, 1), (True, 1)),  # text after the pattern
+    ("go</think><answer>Right</answer><think>b</think><answer>Down</answer>", (False, 1), (True, 1)),  # 2 answers
+    ("go <answer>Right</answer>", (True, 0), (True, 1)),  # no </think>: RAGEN finds no pattern, runs nothing
+    ("go</think><answer>Right || Jump</answer>", (True, 1), (True, 1)),  # an invalid action: valid ones run
+    ("go</think><answer></answer>", (True, 0), (True, 0)),
+    ("I will go right.", (True, 0), (True, 0)),
+]
+
+
+@pytest.mark.parametrize("rule", ["ragen", "strict"])
+def test_format_rules_penalties_and_actions_by_hand(rule):
+    pen, ran, pos = _turn(rule, [c[0] for c in FORMAT_CASES])
+    expected = [c[1] if rule == "ragen" else c[2] for c in FORMAT_CASES]
+    assert [(p != 0, n) for p, n in zip(pen, ran)] == expected
+    assert all(p in (0.0, pytest.approx(-0.1)) for p in pen)
+    assert pos[0] == 1 and pos[1] == 4  # Right; Right then Down on the 3x3 map
+
+
+def test_ragen_rule_is_the_default_and_run_valid_off_runs_nothing_when_penalised():
+    from fastpo.config import RolloutConfig
+
+    assert RolloutConfig().format_rule == "ragen"
+    assert load_config(env="frozenlake", preset="paper").rollout.format_rule == "ragen"
+    pen, ran, _ = _turn("ragen", ["go</think><answer>Right || Jump</answer>"], run_valid=False)
+    assert pen == [pytest.approx(-0.1)] and ran == [0]
+    with pytest.raises(ValueError, match="format_rule"):
+        RolloutConfig(format_rule="loose")
+
+
+class _StopStringEngine:
+    """Returns fixed token ids for each turn, ending on a stop string as a real engine would."""
+
+    def __init__(self, ids):
+        self.ids = ids
+        self.device = torch.device("cpu")
+        self.reset_stats()
+
+    def reset_stats(self):
+        self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "seconds": 0.0}
+
+    def start(self, prompts, group_size):
+        pass
+
+    def generate(self, sessions, append, params, generator=None):
+        from fastpo.rollout import TurnOutput
+
+        assert params.stop_strings == ("</answer>",)
+        return [TurnOutput(list(self.ids), [-0.5] * len(self.ids), "stop_string") for _ in sessions]
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("rule", ["ragen", "strict"])
+@pytest.mark.parametrize("extra", [">.", ">,", "><", "></"])
+def test_stop_string_completed_by_a_token_with_more_characters(smol_tok, rule, extra):
+    # SmolLM2 has single tokens ">.", ">,", "><" and "></": an answer "<answer> Right </answer"
+    # followed by one of them ends the turn at the stop string with extra characters after it;
+    # the answer is well formed (vLLM and SGLang cut the text there) under either rule
+    from fastpo.config import RolloutConfig
+    from fastpo.rollout import MultiTurnRollout
+
+    extra_id = smol_tok.convert_tokens_to_ids(extra)
+    assert smol_tok.decode([extra_id]) == extra  # one token
+    ids = smol_tok("go</think> <answer> Right </answer", add_special_tokens=False)["input_ids"] + [extra_id]
+    cfg = RolloutConfig(max_turns=1, format_rule=rule)
+    batch = MultiTurnRollout(_StopStringEngine(ids), smol_tok, "frozenlake",
+                             {"desc": "SFF/FFF/FFG", "is_slippery": False}, cfg).generate([0], group_size=1)
+    assert batch.format_penalty[0].tolist() == [0.0] and int(batch.num_actions[0]) == 1
+    assert batch.response_texts[0][0] == "<think>go</think> <answer> Right </answer>"
+    assert batch.responses[0][0].tolist() == ids  # the sampled ids, the extra token included
+    model_ids = batch.input_ids[0][batch.loss_mask[0]].tolist()
+    assert model_ids == ids
