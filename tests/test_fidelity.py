@@ -177,3 +177,101 @@ def test_stop_string_completed_by_a_token_with_more_characters(smol_tok, rule, e
     assert batch.responses[0][0].tolist() == ids  # the sampled ids, the extra token included
     model_ids = batch.input_ids[0][batch.loss_mask[0]].tolist()
     assert model_ids == ids
+
+
+# -- KL as the paper applied it, and StarPO-S rounding ----------------------------------------
+def test_kl_penalty_on_the_reward_hand_values():
+    from fastpo.algorithms import apply_kl_penalty
+
+    mask = torch.tensor([[False, True, True, False, True]])
+    lp = torch.tensor([[0.0, -1.0, -2.0, 0.0, -0.5]])
+    ref = torch.tensor([[9.0, -1.5, -1.0, 9.0, -0.5]])  # off-mask values must not count
+    r = torch.tensor([[0.0, 0.0, 0.0, 0.0, 1.0]])
+    out, kl = apply_kl_penalty(r, lp, ref, mask, 0.1, "k1")
+    assert kl.tolist() == [[0.0, 0.5, -1.0, 0.0, 0.0]]  # k1 = lp - ref
+    assert out[0].tolist() == pytest.approx([0.0, -0.05, 0.1, 0.0, 1.0])
+    _, kl3 = apply_kl_penalty(r, lp, ref, mask, 0.1, "k3")  # exp(d) - d - 1, d = ref - lp
+    d = [-0.5, 1.0, 0.0]
+    assert kl3[0, [1, 2, 4]].tolist() == pytest.approx([np.exp(x) - x - 1 for x in d])
+    with pytest.raises(ValueError, match="estimator"):
+        apply_kl_penalty(r, lp, ref, mask, 0.1, "k2")
+
+
+def _batch(scores, group_ids):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(scores=torch.tensor(scores), group_ids=torch.tensor(group_ids), turn_index=None,
+                           turn_rewards=None)
+
+
+def test_trainer_puts_the_kl_on_the_reward_before_gae(tmp_path):
+    # one trajectory, model tokens 1, 2, 4; score 1 on token 4; values 0; gamma = lambda = 1;
+    # k1 = 0.5, -1.0, 0.0; rewards -0.05, +0.1, 1.0; advantages = reward-to-go: 1.05, 1.1, 1.0
+    cfg = load_config(env="frozenlake", preset="paper,starpo", overrides=[
+        f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0.1", "algorithm.whiten_advantages=false",
+        "optim.mini_batch_size=1"])
+    assert cfg.kl_in_reward
+    tr = Trainer(cfg, console=Console(quiet=True))
+    masks = [torch.tensor([False, True, True, False, True])]
+    old = [torch.tensor([0.0, -1.0, -2.0, 0.0, -0.5])]
+    ref = [torch.tensor([0.0, -1.5, -1.0, 0.0, -0.5])]
+    adv, ret, m = tr.compute_advantages(_batch([1.0], [0]), masks, [torch.zeros(5)], old, ref)
+    assert adv[0].tolist() == pytest.approx([0.0, 1.05, 1.1, 0.0, 1.0])
+    assert m["train/kl_reward"] == pytest.approx((0.5 - 1.0 + 0.0) / 3)
+    # the loss-term option leaves the reward alone
+    cfg_loss = load_config(env="frozenlake", preset="paper,starpo", overrides=[
+        f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0.1", "algorithm.whiten_advantages=false",
+        "algorithm.kl_in_reward=false", "optim.mini_batch_size=1"])
+    adv2, _, m2 = Trainer(cfg_loss, console=Console(quiet=True)).compute_advantages(
+        _batch([1.0], [0]), masks, [torch.zeros(5)], old, ref)
+    assert adv2[0].tolist() == pytest.approx([0.0, 1.0, 1.0, 0.0, 1.0]) and "train/kl_reward" not in m2
+
+
+def test_kl_in_reward_with_a_group_estimator_lowers_the_score(tmp_path):
+    # Dr.GRPO, scores 1 and 0, summed k1 2.0 and 0.0, coef 0.1: scores 0.8 and 0.0, mean 0.4
+    cfg = load_config(env="frozenlake", preset="paper", overrides=[
+        f"trainer.output_dir={tmp_path}", "algorithm.adv_estimator=drgrpo", "algorithm.kl_coef=0.1",
+        "algorithm.kl_in_reward=true", "rollout.group_size=2", "optim.mini_batch_size=2"])
+    masks = [torch.tensor([False, True, True]), torch.tensor([False, True, True])]
+    old = [torch.tensor([0.0, -1.0, -1.0]), torch.tensor([0.0, -1.0, -1.0])]
+    ref = [torch.tensor([0.0, -2.0, -2.0]), torch.tensor([0.0, -1.0, -1.0])]
+    adv, _, _ = Trainer(cfg, console=Console(quiet=True)).compute_advantages(_batch([1.0, 0.0], [0, 0]), masks,
+                                                                             None, old, ref)
+    assert adv[0].tolist() == pytest.approx([0.0, 0.4, 0.4]) and adv[1].tolist() == pytest.approx([0.0, -0.4, -0.4])
+
+
+@pytest.mark.parametrize("preset,in_reward", [("starpo", True), ("paper,starpo", True), ("cpu,starpo", True),
+                                              ("starpo,grpo", False)])
+def test_starpo_preset_is_the_papers_vanilla_starpo(preset, in_reward, tmp_path):
+    cfg = load_config(env="sokoban", preset=preset, overrides=[f"trainer.output_dir={tmp_path}",
+                                                               "optim.mini_batch_size=4"])
+    a = cfg.algorithm
+    assert (a.kl_coef, a.kl_estimator, a.clip_low, a.clip_high, a.filter_mode) == (0.001, "k1", 0.2, 0.2, "none")
+    assert cfg.kl_in_reward is in_reward
+
+
+@pytest.mark.parametrize("groups,ratio,kept", [(8, 0.35, 2), (8, 0.25, 2), (8, 0.5, 4), (8, 0.1, 1), (10, 0.29, 2),
+                                               (16, 0.25, 4), (3, 0.5, 1), (8, 1.0, 8)])
+def test_starpo_s_keeps_the_floor_of_ratio_times_groups(groups, ratio, kept):
+    # RAGEN at 540ab84: topk(int(ratio * num_groups)); fastpo keeps at least one group
+    from fastpo.algorithms import filter_groups
+
+    g = torch.arange(groups).repeat_interleave(2)
+    scores = torch.stack([torch.zeros(groups), torch.arange(groups, dtype=torch.float32)], 1).flatten()  # std grows with g
+    res = filter_groups(scores, g, ratio, "top")
+    assert res.kept_groups == list(range(groups - kept, groups))
+
+
+def test_top_filter_with_one_trajectory_per_group_warns_and_keeps_all(tmp_path):
+    from fastpo.algorithms import filter_groups
+
+    with pytest.warns(RuntimeWarning, match="undefined"):
+        res = filter_groups(torch.tensor([0.0, 1.0, 0.5, 0.2]), torch.arange(4), 0.25, "top")
+    assert res.kept_groups == [0, 1, 2, 3] and res.kept_ratio == 1.0
+    cfg = load_config(env="bandit", preset="tiny", overrides=[
+        f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama", "algorithm.filter_mode=top",
+        "rollout.group_size=1", "rollout.env_groups=4", "optim.mini_batch_size=4", "algorithm.adv_estimator=gae"])
+    assert cfg.kept_groups == 4
+    console = Console(record=True, width=200)
+    Trainer(cfg, console=console).setup()
+    assert "in-group reward std is undefined" in console.export_text()
