@@ -106,6 +106,32 @@ def seeds_to_array(seeds, batch_size: int) -> np.ndarray:
     return arr.astype(np.uint64)
 
 
+def seed_list(seeds) -> np.ndarray:
+    """Seeds of any count (a non-empty list, tuple, range or 1-D integer array of values in
+    [0, 2**64)) as uint64 [n]: what the success bounds (`optimal_success`,
+    `random_success`) take.
+
+    Raises TypeError naming the type for anything else (an int, a string, a set, a
+    generator ...) or for non-integer values, ValueError for an empty one or a value
+    outside [0, 2**64).
+    """
+    if hasattr(seeds, "tolist") and not isinstance(seeds, np.ndarray):  # e.g. a torch tensor
+        seeds = seeds.tolist()
+    if not isinstance(seeds, (list, tuple, range, np.ndarray)) or (isinstance(seeds, np.ndarray) and seeds.ndim != 1):
+        raise TypeError(f"seeds must be a list, range or 1-D array of non-negative integers, got "
+                        f"{type(seeds).__name__} {seeds!r:.80}")
+    if len(seeds) == 0:
+        raise ValueError("seeds is empty: give at least one seed")
+    return seeds_to_array(seeds, len(seeds))
+
+
+def check_horizon(horizon) -> int:
+    """`horizon` (a number of actions) as an int; ValueError naming it unless an integer >= 1."""
+    if isinstance(horizon, (bool, np.bool_)) or not isinstance(horizon, (int, np.integer)) or horizon < 1:
+        raise ValueError(f"horizon must be an integer >= 1 (a number of actions), got {horizon!r}")
+    return int(horizon)
+
+
 # ---------------------------------------------------------------------------------------
 # Results
 # ---------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._core import BatchedTextEnv, NameTable, _is_real, rng_below, rng_seed_all, rng_uniform, seeds_to_array
+from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform, seed_list,
+                    seeds_to_array)
 
 # (low-risk, high-risk) pairs. Training pairs and a held-out list for the generalization
 # test (the paper's Phoenix/Dragon style: the model must infer risk from the names).
@@ -200,6 +201,23 @@ class BanditEnv(BatchedTextEnv):
         """np.int64 [B]: the action id of each instance's high-risk arm. Raises RuntimeError before reset."""
         self._require_reset()
         return 1 - self._swapped.astype(np.int64)
+
+    def optimal_success(self, seeds, horizon: int = 1) -> np.ndarray:
+        """float64 [n]: 1.0 per seed. Success is pulling the arm of higher expected reward
+        (from low_reward, high_reward and high_prob), which the best policy always does.
+
+        seeds: a list, range or 1-D array of non-negative integers. Raises TypeError for
+        another seeds type, ValueError for a horizon that is not an integer >= 1 or a bad seed.
+        """
+        check_horizon(horizon)
+        return np.ones(seed_list(seeds).shape[0])
+
+    def random_success(self, seeds, horizon: int = 1) -> np.ndarray:
+        """float64 [n]: 0.5 per seed, exactly: the uniformly random policy pulls the better of
+        the two arms half the time (one pull ends the episode, whatever the horizon).
+        Arguments and errors as `optimal_success`."""
+        check_horizon(horizon)
+        return np.full(seed_list(seeds).shape[0], 0.5)
 
     def _name_table(self):
         return self._table, self._name_action

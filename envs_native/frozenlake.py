@@ -2,20 +2,31 @@
 
 Dynamics follow gymnasium's ``FrozenLake-v1``: actions Left=0, Down=1, Right=2, Up=3;
 on slippery ice the agent moves in the intended direction with probability
-``success_prob`` (1/3 by default, as gymnasium) and in each perpendicular direction with
-probability (1 - success_prob) / 2; moves off the grid leave it in place. Reward 1 on
-reaching the goal; the episode ends in a hole or on the goal, or after ``max_steps``.
-Random maps are drawn like gymnasium's ``generate_random_map`` (each cell frozen with
-probability p, start top-left, goal bottom-right, redrawn until a path exists), but from the
-instance's own seeded stream, so they do not match gymnasium's maps for the same seed.
+``success_prob`` (1/3 by default, as gymnasium and RAGEN at the paper's commit) and in each
+perpendicular direction with probability (1 - success_prob) / 2; moves off the grid leave
+it in place. Reward 1 on reaching the goal; the episode ends in a hole or on the goal, or
+after ``max_steps``.
+
+Random maps (``layout="ragen"``, the default) follow RAGEN's ``generate_random_map``
+(ragen/env/frozen_lake/utils.py at commit 540ab84): every cell is frozen with probability
+p (else a hole), then a start cell and a goal cell are drawn uniformly (row and column
+each), overwriting what was there; the whole draw is repeated while start == goal or no
+4-connected path over non-hole cells joins them. ``layout="gymnasium"`` is gymnasium's
+rule instead: start top-left, goal bottom-right. Both draw from the instance's own seeded
+stream, so the maps do not match RAGEN's or gymnasium's for the same seed, only their
+distribution.
+
+`optimal_success` and `random_success` give, per seed, the success probability of the
+best policy and of the uniformly random policy within a number of actions, exactly (value
+iteration over the finite horizon): a learning curve's ceiling and floor.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, codes_to_strings, rng_seed_all, rng_uniform, seeds_to_array,
-                    symbol_table)
+from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, codes_to_strings, rng_below, rng_seed_all,
+                    rng_uniform, seed_list, seeds_to_array, symbol_table)
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X",
@@ -28,6 +39,7 @@ MAPS = {
 _FROZEN, _HOLE, _GOAL = 0, 1, 2
 _SALT = 0xF20
 _MAX_MAP_TRIES = 100_000
+LAYOUTS = ("ragen", "gymnasium")
 
 
 @njit(cache=True)
@@ -59,11 +71,12 @@ def _has_path(grid, start, queue, seen):
 
 
 @njit(cache=True)
-def _fl_reset(seeds, p, fixed, fixed_start, maps, pos, rng, steps):
+def _fl_reset(seeds, p, fixed, fixed_start, ragen, maps, pos, start, rng, steps):
     """Reset every instance: seed its stream, draw (or copy) its map, place the player.
 
-    seeds uint64 [B]; fixed int8 [R, C] (used when fixed_start >= 0); maps int8 [B, R, C];
-    pos/steps int64 [B]; rng uint64 [B]. Returns -1, or the index of an instance for
+    seeds uint64 [B]; fixed int8 [R, C] (used when fixed_start >= 0); ragen: random start
+    and goal cells (RAGEN) rather than the corners (gymnasium); maps int8 [B, R, C];
+    pos/start/steps int64 [B]; rng uint64 [B]. Returns -1, or the index of an instance for
     which no solvable map was found.
     """
     B, R, C = maps.shape
@@ -75,21 +88,94 @@ def _fl_reset(seeds, p, fixed, fixed_start, maps, pos, rng, steps):
         if fixed_start >= 0:
             maps[b] = fixed
             pos[b] = fixed_start
+            start[b] = fixed_start
             continue
         ok = False
+        s = 0
         for _ in range(_MAX_MAP_TRIES):
             for r in range(R):
                 for c in range(C):
                     maps[b, r, c] = _FROZEN if rng_uniform(rng, b) < p else _HOLE
-            maps[b, 0, 0] = _FROZEN
-            maps[b, R - 1, C - 1] = _GOAL
-            if _has_path(maps[b], 0, queue, seen):
+            if ragen:
+                # as RAGEN: board first, then start (row, col), then goal (row, col); a start
+                # equal to the goal redraws everything
+                s = rng_below(rng, b, R) * C + rng_below(rng, b, C)
+                g = rng_below(rng, b, R) * C + rng_below(rng, b, C)
+                if s == g:
+                    continue
+            else:
+                s = 0
+                g = R * C - 1
+            maps[b, s // C, s % C] = _FROZEN
+            maps[b, g // C, g % C] = _GOAL
+            if _has_path(maps[b], s, queue, seen):
                 ok = True
                 break
         if not ok:
             return b
-        pos[b] = 0
+        pos[b] = s
+        start[b] = s
     return -1
+
+
+@njit(cache=True)
+def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out):
+    """out[b] (float64 [B]): the probability of reaching a goal from start[b] (int64 [B])
+    within `horizon` actions, for the best policy (greedy) or the uniformly random one.
+
+    Finite-horizon value iteration: V_0 = 0; V_k(s) = max (or mean) over actions of
+    sum_s' P(s' | s, a) * (1 if s' is a goal, 0 if a hole, else V_{k-1}(s')), with the
+    transition probabilities of `_fl_step`; out[b] = V_horizon(start[b]).
+    """
+    B, R, C = maps.shape
+    n = R * C
+    p_side = (1.0 - p_intended) / 2.0
+    v = np.zeros(n)
+    nv = np.zeros(n)
+    for b in range(B):
+        v[:] = 0.0
+        for _ in range(horizon):
+            for s in range(n):
+                r0 = s // C
+                c0 = s % C
+                if maps[b, r0, c0] != _FROZEN:
+                    nv[s] = 0.0
+                    continue
+                best = 0.0
+                total = 0.0
+                for a in range(4):
+                    q = 0.0
+                    for o in range(3 if slippery else 1):
+                        if o == 0:
+                            d = a
+                            pr = p_intended if slippery else 1.0
+                        elif o == 1:
+                            d = (a + 3) % 4
+                            pr = p_side
+                        else:
+                            d = (a + 1) % 4
+                            pr = p_side
+                        r = r0
+                        c = c0
+                        if d == 0:
+                            c = max(c - 1, 0)
+                        elif d == 1:
+                            r = min(r + 1, R - 1)
+                        elif d == 2:
+                            c = min(c + 1, C - 1)
+                        else:
+                            r = max(r - 1, 0)
+                        t = maps[b, r, c]
+                        if t == _GOAL:
+                            q += pr
+                        elif t == _FROZEN:
+                            q += pr * v[r * C + c]
+                    best = max(best, q)
+                    total += q
+                nv[s] = best if greedy else total / 4.0
+            for s in range(n):
+                v[s] = nv[s]
+        out[b] = v[start[b]]
 
 
 @njit(cache=True)
@@ -218,18 +304,25 @@ class FrozenLakeEnv(BatchedTextEnv):
     """B FrozenLake instances stepped together.
 
     Config: size (int >= 2, default 4), p (frozen probability in (0, 1], default 0.8),
-    is_slippery (default True), success_prob (probability of the intended direction when
-    slippery, default 1/3 as gymnasium), desc (a fixed map in gymnasium notation; then
-    size and p are unused and every seed gives that map), max_steps (default 100, 0 = no
-    cap; hitting it ends the episode as truncated), symbols (overrides of DEFAULT_SYMBOLS).
+    layout ("ragen", default: random distinct start and goal cells as RAGEN; "gymnasium":
+    start top-left, goal bottom-right), is_slippery (default True), success_prob
+    (probability of the intended direction when slippery, default 1/3 as gymnasium and RAGEN
+    at the paper's commit; RAGEN's current head uses p=0.9, success_prob=0.8), desc (a
+    fixed map in gymnasium notation; then size, p and layout are unused and every seed gives
+    that map), max_steps (default 100, 0 = no cap; hitting it ends the episode as
+    truncated), symbols (overrides of DEFAULT_SYMBOLS).
     Raises ValueError naming a bad config value.
     """
 
     name = "frozenlake"
 
     def __init__(self, batch_size: int, size: int = 4, p: float = 0.8, is_slippery: bool = True,
-                 success_prob: float = 1.0 / 3.0, desc=None, max_steps: int = 100, symbols: dict | None = None):
+                 success_prob: float = 1.0 / 3.0, desc=None, max_steps: int = 100, symbols: dict | None = None,
+                 layout: str = "ragen"):
         super().__init__(batch_size)
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout = layout
         if desc is not None:
             self._fixed, self._fixed_start = parse_map(desc)
         else:
@@ -255,6 +348,7 @@ class FrozenLakeEnv(BatchedTextEnv):
         B = self._B
         self._maps = np.zeros((B, R, C), dtype=np.int8)
         self._pos = np.zeros(B, dtype=np.int64)
+        self._start = np.zeros(B, dtype=np.int64)
         self._rng = np.zeros(B, dtype=np.uint64)
         self._steps = np.zeros(B, dtype=np.int64)
         self._table = NameTable(ACTIONS)
@@ -269,7 +363,7 @@ class FrozenLakeEnv(BatchedTextEnv):
         when no solvable map is found in 100,000 draws (only for tiny p on large maps).
         """
         s = seeds_to_array(seeds, self._B)
-        bad = _fl_reset(s, self.p, self._fixed, self._fixed_start, self._maps, self._pos, self._rng, self._steps)
+        bad = self._draw(s, self._maps, self._pos, self._start, self._rng, self._steps)
         if bad >= 0:
             raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
         self.done[:] = False
@@ -277,6 +371,47 @@ class FrozenLakeEnv(BatchedTextEnv):
         self.truncated[:] = False
         self._was_reset = True
         return self.render()
+
+    def _draw(self, s, maps, pos, start, rng, steps) -> int:
+        return _fl_reset(s, self.p, self._fixed, self._fixed_start, self.layout == "ragen", maps, pos, start, rng, steps)
+
+    def _success_values(self, seeds, horizon, greedy: bool) -> np.ndarray:
+        s = seed_list(seeds)
+        h = check_horizon(horizon)
+        if self.max_steps > 0:
+            h = min(h, self.max_steps)
+        n = s.shape[0]
+        R, C = self.size
+        maps = np.zeros((n, R, C), dtype=np.int8)
+        pos = np.zeros(n, dtype=np.int64)
+        start = np.zeros(n, dtype=np.int64)
+        bad = self._draw(s, maps, pos, start, np.zeros(n, dtype=np.uint64), np.zeros(n, dtype=np.int64))
+        if bad >= 0:
+            raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
+        out = np.zeros(n, dtype=np.float64)
+        _fl_success_values(maps, start, self.is_slippery, self.success_prob, h, greedy, out)
+        return out
+
+    def optimal_success(self, seeds, horizon: int) -> np.ndarray:
+        """float64 [n]: for each seed's map, the probability that the best policy reaches the
+        goal within `horizon` actions (and within max_steps), exactly: finite-horizon value
+        iteration over the map's cells with the env's own slip probabilities.
+
+        This policy sees the state after every action; an agent that commits to several
+        actions per turn can do no better, so it is the ceiling of any learning curve.
+        seeds: a list, range or 1-D array of non-negative integers (any count; this env's
+        own instances are untouched). Raises TypeError for another seeds type, ValueError
+        for a horizon that is not an integer >= 1 or a bad seed.
+        """
+        return self._success_values(seeds, horizon, True)
+
+    def random_success(self, seeds, horizon: int) -> np.ndarray:
+        """float64 [n]: for each seed's map, the probability that the uniformly random policy
+        (each action Left/Down/Right/Up with probability 1/4) reaches the goal within
+        `horizon` actions, exactly (the same value iteration, averaging over actions instead
+        of maximising): the floor of a learning curve. Arguments and errors as
+        `optimal_success`."""
+        return self._success_values(seeds, horizon, False)
 
     def render(self) -> list[str]:
         """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
@@ -320,7 +455,7 @@ class FrozenLakeEnv(BatchedTextEnv):
         i = self._check_index(i)
         self._require_reset()
         R, C = self.size
-        start = self._fixed_start if self._fixed_start >= 0 else 0
+        start = int(self._start[i])
         rows = []
         for r in range(R):
             row = ""

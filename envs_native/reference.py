@@ -76,20 +76,30 @@ class RefFrozenLake:
         self.names = {a.lower(): i for i, a in enumerate(self.actions)}
 
     @classmethod
-    def generate(cls, seed: int, size: int = 4, p: float = 0.8, **kw) -> "RefFrozenLake":
-        """Draw the map of seed `seed` exactly as the batched env does."""
+    def generate(cls, seed: int, size: int = 4, p: float = 0.8, layout: str = "ragen", **kw) -> "RefFrozenLake":
+        """Draw the map of seed `seed` exactly as the batched env does: cells frozen with
+        probability p, then (layout "ragen") start row, start column, goal row, goal column,
+        the whole draw repeated while start == goal or no path joins them; (layout
+        "gymnasium") start top-left and goal bottom-right."""
         rng = SplitMix64(seed, 0xF20)
         while True:
             rows = [["F" if rng.uniform() < p else "H" for _ in range(size)] for _ in range(size)]
-            rows[0][0] = "S"
-            rows[-1][-1] = "G"
-            if cls._has_path(rows):
-                return cls(["".join(r) for r in rows], (0, 0), rng, **kw)
+            if layout == "ragen":
+                start = (rng.below(size), rng.below(size))
+                goal = (rng.below(size), rng.below(size))
+                if start == goal:
+                    continue
+            else:
+                start, goal = (0, 0), (size - 1, size - 1)
+            rows[start[0]][start[1]] = "S"
+            rows[goal[0]][goal[1]] = "G"
+            if cls._has_path(rows, start):
+                return cls(["".join(r) for r in rows], start, rng, **kw)
 
     @staticmethod
-    def _has_path(rows) -> bool:
+    def _has_path(rows, start) -> bool:
         n, m = len(rows), len(rows[0])
-        seen, queue = {(0, 0)}, deque([(0, 0)])
+        seen, queue = {start}, deque([start])
         while queue:
             r, c = queue.popleft()
             if rows[r][c] == "G":

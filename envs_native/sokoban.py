@@ -46,8 +46,8 @@ import re
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, codes_to_strings, rng_below, rng_seed_all, rng_uniform,
-                    seeds_to_array, symbol_table)
+from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, codes_to_strings, rng_below, rng_seed_all,
+                    rng_uniform, seed_list, seeds_to_array, symbol_table)
 
 ACTIONS = ("Up", "Down", "Left", "Right")
 DEFAULT_SYMBOLS = {"wall": "#", "floor": "_", "target": "O", "box": "X", "box_on_target": "√",
@@ -459,22 +459,24 @@ def _sokoban_render(tiles, boxes, player, rows, cols, sym, out):
 # Breadth-first solver
 # ---------------------------------------------------------------------------------------
 @njit(cache=True)
-def _bfs_solve(tiles, box_cells, player0, max_states, table_bits, out_moves):
+def _bfs_solve(tiles, box_cells, player0, max_states, table_bits, out_moves, max_depth):
     """Shortest solution in moves. tiles int8 [R, C]; box_cells int64 [nb]. Writes the
-    action ids into out_moves and returns their count; -1 if unsolvable, -2 if more than
-    max_states states were needed."""
+    action ids into out_moves and returns their count; -1 if there is none of at most
+    max_depth moves, -2 if more than max_states states were needed."""
     R, C = tiles.shape
     nb = box_cells.shape[0]
     sp = np.empty(max_states, dtype=np.int64)
     sb = np.empty((max_states, nb), dtype=np.int64)
     parent = np.empty(max_states, dtype=np.int64)
     move = np.empty(max_states, dtype=np.int64)
+    depth = np.empty(max_states, dtype=np.int64)
     table = np.full(1 << table_bits, -1, dtype=np.int64)
     mask = (1 << table_bits) - 1
     sp[0] = player0
     sb[0, :] = box_cells
     parent[0] = -1
     move[0] = -1
+    depth[0] = 0
     _lookup_insert(table, mask, _state_hash(player0, box_cells, nb), sp, sb, nb, player0, box_cells, 0)
     n = 1
     head = 0
@@ -491,6 +493,8 @@ def _bfs_solve(tiles, box_cells, player0, max_states, table_bits, out_moves):
         if solved:
             goal = s
             break
+        if depth[s] >= max_depth:
+            continue
         r = sp[s] // C
         c = sp[s] % C
         for a in range(4):
@@ -517,6 +521,7 @@ def _bfs_solve(tiles, box_cells, player0, max_states, table_bits, out_moves):
                 continue
             parent[n] = s
             move[n] = a
+            depth[n] = depth[s] + 1
             n += 1
     if goal < 0:
         return -1
@@ -680,11 +685,12 @@ def to_xsb(levels) -> str:
     return "\n".join(f"; {i}\n{lv.to_xsb()}\n" for i, lv in enumerate(levels))
 
 
-def solve_level(level: SokobanLevel, max_states: int = 2_000_000) -> list[str] | None:
+def solve_level(level: SokobanLevel, max_states: int = 2_000_000, max_moves: int | None = None) -> list[str] | None:
     """Shortest solution (in moves: steps and pushes both count 1) by breadth-first search.
 
     Returns the action names (e.g. ["Up", "Left", ...]), [] if already solved, or None if
-    the level is unsolvable. Raises RuntimeError if more than `max_states` states are needed.
+    the level is unsolvable (in at most `max_moves` moves when given: the search stops
+    there). Raises RuntimeError if more than `max_states` states are needed.
     """
     R, C = level.tiles.shape
     tiles = np.ascontiguousarray(level.tiles, dtype=np.int8)
@@ -693,7 +699,9 @@ def solve_level(level: SokobanLevel, max_states: int = 2_000_000) -> list[str] |
     bound = free * (float(free) ** len(cells))
     cap = int(min(max_states, bound)) + 1
     out = np.empty(max(cap, 1), dtype=np.int64)
-    n = _bfs_solve(tiles, cells, level.player[0] * C + level.player[1], cap, _table_size(cap).bit_length() - 1, out)
+    depth = np.iinfo(np.int64).max if max_moves is None else int(max_moves)
+    n = _bfs_solve(tiles, cells, level.player[0] * C + level.player[1], cap, _table_size(cap).bit_length() - 1, out,
+                   depth)
     if n == -2:
         raise RuntimeError(f"solve_level: more than {max_states} states needed")
     if n == -1:
@@ -729,6 +737,7 @@ class SokobanEnv(BatchedTextEnv):
                  max_tries: int = 1000, levels=None, levels_file: str | None = None, symbols: dict | None = None,
                  step_penalty: float = -0.1, box_on_reward: float = 1.0, box_off_penalty: float = 1.0,
                  finish_reward: float = 10.0, generator: str = "ragen"):
+        self._config = {k: v for k, v in locals().items() if k not in ("self", "batch_size", "__class__")}
         super().__init__(batch_size)
 
         def pos_int(k, v, lo=1):
@@ -899,3 +908,46 @@ class SokobanEnv(BatchedTextEnv):
     def solve(self, i: int, max_states: int = 2_000_000) -> list[str] | None:
         """Shortest solution from instance i's current state (see `solve_level`)."""
         return solve_level(self.level(i), max_states)
+
+    def _fresh_levels(self, seeds) -> list:
+        s = seed_list(seeds)
+        env = SokobanEnv(len(s), **self._config)
+        env.reset(s)
+        return [env.level(i) for i in range(len(s))]
+
+    def _horizon(self, horizon) -> int:
+        h = check_horizon(horizon)
+        return min(h, self.max_steps) if self.max_steps > 0 else h
+
+    def optimal_success(self, seeds, horizon: int, max_states: int = 2_000_000) -> np.ndarray:
+        """float64 [n]: 1.0 for each seed's level that can be solved within `horizon` moves
+        (and within max_steps), else 0.0; exact (breadth-first search to that depth). Sokoban
+        is deterministic, so this is the best policy's success: a learning curve's ceiling.
+
+        seeds: a list, range or 1-D array of non-negative integers (any count; this env's
+        own instances are untouched). Raises TypeError for another seeds type, ValueError
+        for a horizon that is not an integer >= 1 or a bad seed, RuntimeError when one
+        search needs more than `max_states` states.
+        """
+        h = self._horizon(horizon)
+        return np.array([float(solve_level(lv, max_states, max_moves=h) is not None)
+                         for lv in self._fresh_levels(seeds)])
+
+    def random_success(self, seeds, horizon: int, samples: int = 128, seed: int = 0) -> np.ndarray:
+        """float64 [n]: for each seed's level, the share of `samples` episodes of the uniformly
+        random policy (Up/Down/Left/Right with probability 1/4 each, `horizon` moves, within
+        max_steps) that solve it: a Monte-Carlo estimate of the floor of a learning curve
+        (standard error at most 0.5 / sqrt(samples) per level; the same `seed` gives the
+        same figures). Arguments and errors as `optimal_success`; ValueError for samples < 1.
+        """
+        h = self._horizon(horizon)
+        if isinstance(samples, bool) or not isinstance(samples, (int, np.integer)) or samples < 1:
+            raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
+        levels = self._fresh_levels(seeds)
+        n = len(levels)
+        env = SokobanEnv(n * samples, levels=levels, max_steps=self.max_steps)
+        env.reset(np.repeat(np.arange(n), samples))
+        rng = np.random.default_rng(seed)
+        for _ in range(h):
+            env.step(rng.integers(0, 4, size=(n * samples, 1)))
+        return env.success.reshape(n, samples).mean(axis=1)

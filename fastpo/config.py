@@ -79,12 +79,17 @@ class RolloutConfig:
     truncated. temperature / top_p / top_k: sampling (temperature scales the logits; the
     recorded log-probs are at this temperature). think: prime with "<think>" (True) or the
     answer-only variant primed with "<answer>". format_penalty: added to a turn's reward
-    when its answer is missing, malformed or holds an invalid action (-0.1).
-    run_valid_actions_on_format_error: in such a turn, still execute the answer's valid
-    actions (True, as RAGEN does); False executes nothing. stop_at_answer_close: end a
-    response at "</answer>" (the template's end-of-turn token is then appended, loss mask
-    0). system_prompt: None for prompts.SYSTEM_PROMPT (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model
-    which actions were invalid in the next user message.
+    when its answer is missing or holds an invalid action (-0.1). format_rule: what counts
+    as an answer (rollout/parsing.py): "ragen" (default) is RAGEN's rule, the first
+    think/answer pattern found anywhere in the response (none found: no action runs);
+    "strict" also penalises any response that is not exactly the pattern.
+    run_valid_actions_on_format_error: in a penalised turn, still execute the valid actions
+    of the answer found (True; what RAGEN does with an answer holding an invalid action);
+    False executes nothing. stop_at_answer_close: end a response at "</answer>" (the
+    template's end-of-turn token is then appended, loss mask 0; RAGEN generates on to the
+    end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
+    (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
+    actions were invalid in the next user message.
     """
 
     max_turns: int = 5
@@ -97,6 +102,7 @@ class RolloutConfig:
     top_k: int = 0
     think: bool = True
     format_penalty: float = -0.1
+    format_rule: Literal["ragen", "strict"] = "ragen"
     run_valid_actions_on_format_error: bool = True
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
@@ -110,6 +116,8 @@ class RolloutConfig:
         check_sampling(self.temperature, self.top_p, self.top_k, owner="RolloutConfig.")
         if not isinstance(self.format_penalty, (int, float)):
             raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
+        if self.format_rule not in ("ragen", "strict"):
+            raise ValueError(f"RolloutConfig.format_rule must be 'ragen' or 'strict', got {self.format_rule!r}")
 
 
 @dataclass
@@ -145,7 +153,16 @@ class AlgorithmConfig:
     turn's last model token).
     `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
     with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
-    `kl_coef` > 0 adds KL to a frozen reference model (plain StarPO), estimator k1 or k3.
+    `kl_coef` > 0 penalises KL to a frozen reference model (plain StarPO), estimator k1 or k3,
+    either per token on the reward before the advantages (`kl_in_reward` true: verl's
+    `apply_kl_penalty`, r_t - kl_coef * kl_t on every model token, what RAGEN's PPO runs did)
+    or as a loss term (false: + kl_coef * kl_t in the policy loss, what its GRPO runs did).
+    `kl_in_reward` null (default) picks the reward for gae and the loss for grpo/drgrpo.
+    `loss_agg`: how token losses become the mini-batch loss. "seq-mean-token-mean" (default,
+    every preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each trajectory's
+    token mean, then the mean over trajectories, so a long trajectory weighs as much as a
+    short one. "token-mean" (verl's default; fastpo's before) divides by all tokens of the
+    mini-batch; "seq-mean-token-sum" sums each trajectory's tokens.
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo"] = "gae"
@@ -160,8 +177,9 @@ class AlgorithmConfig:
     dual_clip: Optional[float] = 3.0
     entropy_coef: float = 0.001
     kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    kl_in_reward: Optional[bool] = None
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = 0.5
@@ -232,8 +250,18 @@ class TrainConfig:
 
     @property
     def kept_groups(self) -> int:
-        """Env groups left after StarPO-S filtering (at least 1)."""
+        """Env groups left after StarPO-S filtering (at least 1; all of them with group_size 1,
+        where in-group std is undefined and filtering is skipped)."""
+        if self.rollout.group_size == 1:
+            return self.rollout.env_groups
         return kept_group_count(self.rollout.env_groups, self.algorithm.filter_mode, self.algorithm.filter_ratio)
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether the KL penalty (kl_coef > 0) goes on the reward (True) or into the loss:
+        `algorithm.kl_in_reward`, or when null, True for gae and False for grpo/drgrpo."""
+        a = self.algorithm
+        return (a.adv_estimator == "gae") if a.kl_in_reward is None else bool(a.kl_in_reward)
 
     @property
     def train_batch_size(self) -> int:
@@ -242,10 +270,11 @@ class TrainConfig:
 
 
 def kept_group_count(groups: int, mode: str, ratio: float) -> int:
-    """Number of env groups StarPO-S keeps: all for mode "none", else max(1, round(ratio * groups))."""
+    """Number of env groups StarPO-S keeps: all for mode "none", else int(ratio * groups)
+    (the floor, as RAGEN at the paper's commit: 0.35 of 8 groups keeps 2), at least 1."""
     if mode == "none":
         return groups
-    return max(1, min(groups, int(math.floor(ratio * groups + 0.5))))
+    return max(1, min(groups, int(ratio * groups)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +300,9 @@ PRESETS: dict[str, dict] = {
         "trainer": {"iterations": 3, "eval_every": 3, "eval_seeds": 8, "save_every": 3, "num_samples": 2,
                     "echo_trap_window": 1},
     },
-    # StarPO (no -S): KL to a frozen reference, symmetric clipping, no filtering.
-    "starpo": {"algorithm": {"filter_mode": "none", "kl_coef": 0.001, "kl_estimator": "k3",
+    # StarPO (no -S): KL 0.001 (k1) to a frozen reference, on the reward with PPO and in the loss
+    # with GRPO (kl_in_reward null), symmetric clipping, no filtering: RAGEN's train_all.sh
+    "starpo": {"algorithm": {"filter_mode": "none", "kl_coef": 0.001, "kl_estimator": "k1",
                              "clip_low": 0.2, "clip_high": 0.2}},
     "grpo": {"algorithm": {"adv_estimator": "grpo"}},
     # tiny: what the end-to-end tests use (1 group x 2 trajectories, 1-2 turns, 16 new tokens).

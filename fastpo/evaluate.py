@@ -68,6 +68,29 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     return res
 
 
+def eval_horizon(rollout_cfg) -> int:
+    """The most actions one evaluation episode can take: turns x actions per turn, capped by
+    the actions per trajectory (rollout_cfg: a RolloutConfig or the `rollout` section)."""
+    r = rollout_cfg
+    return int(min(r.max_turns * r.max_actions_per_turn, r.max_actions_per_traj))
+
+
+def success_bounds(env_name: str, env_options: dict, seeds, horizon: int) -> dict:
+    """The ceiling and floor of a success curve on these seeds: {"eval/optimal_success": the
+    best policy's mean success probability, "eval/random_success": the uniformly random
+    policy's} within `horizon` actions (see `eval_horizon`), from the environment's own
+    `optimal_success` / `random_success` (FrozenLake: exact value iteration; Sokoban: exact
+    breadth-first search, and a Monte-Carlo estimate for the random policy; Bandit: 1 and
+    1/2). Raises what those raise (ValueError for a bad horizon or seed, RuntimeError when a
+    Sokoban search outgrows its state cap).
+    """
+    from fastpo.envs_native import make_env
+
+    env = make_env(env_name, 1, **dict(env_options))
+    return {"eval/optimal_success": float(np.mean(env.optimal_success(seeds, horizon))),
+            "eval/random_success": float(np.mean(env.random_success(seeds, horizon)))}
+
+
 @dataclasses.dataclass
 class RunSettings:
     """What `eval_config` took from the run a checkpoint belongs to.
@@ -281,6 +304,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     t0 = time.perf_counter()
     res = evaluate_policy(rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345, model=model)
     res["eval/seconds"] = time.perf_counter() - t0
+    res.update(success_bounds(cfg.env.name, cfg.env.options, seeds, eval_horizon(rcfg)))
     batch = res.pop("_batch")
     if samples_dir:
         it = info.iteration if info.iteration is not None else 0

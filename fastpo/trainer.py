@@ -33,7 +33,7 @@ from fastpo import algorithms as alg
 from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
                                set_rng_state)
 from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
-from fastpo.evaluate import evaluate_policy
+from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
@@ -145,6 +145,7 @@ class Trainer:
         self.start_iteration = 1
         self.weight_sync_seconds = 0.0
         self.last_eval: dict = {}
+        self._success_bounds: Optional[dict] = None  # eval/optimal_success, eval/random_success (fixed seeds)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -170,6 +171,10 @@ class Trainer:
             if not sglang_available():  # before anything loads or is written
                 raise ConfigError("config key 'rollout.engine' = 'sglang': needs CUDA and sglang "
                                   "(pip install 'fastpo[sglang]'); use rollout.engine=native on this machine")
+        if cfg.rollout.group_size == 1 and cfg.algorithm.filter_mode != "none":
+            c.print(f"[yellow]warning[/]: algorithm.filter_mode={cfg.algorithm.filter_mode} with rollout.group_size=1: "
+                    "the in-group reward std is undefined with one trajectory per env group, so StarPO-S "
+                    "filtering is skipped (every group is trained on)")
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
         if not self.resume:
@@ -401,8 +406,14 @@ class Trainer:
                     sc.scatter(rlp.float(), ref)
         return old_lp, ent, vals, ref
 
-    def compute_advantages(self, batch, masks, vals) -> tuple[list, Optional[list], dict]:
-        """Per-trajectory advantages (and returns for PPO), [T_i] fp32 each, zero off the loss mask."""
+    def compute_advantages(self, batch, masks, vals, old_lp=None, ref=None) -> tuple[list, Optional[list], dict]:
+        """Per-trajectory advantages (and returns for PPO), [T_i] fp32 each, zero off the loss mask.
+
+        With algorithm.kl_coef > 0 and the KL on the reward (`TrainConfig.kl_in_reward`), old_lp
+        and ref (the policy's and the reference model's log-probs, [T_i] each) give each model
+        token's KL, subtracted (times kl_coef) from its reward before GAE, or, for GRPO, from
+        the trajectory's score (the sum of its token rewards) before group normalization.
+        """
         a = self.cfg.algorithm
         B = len(masks)
         T = max(int(m.numel()) for m in masks)
@@ -410,6 +421,16 @@ class Trainer:
         for i, m in enumerate(masks):
             M[i, : m.numel()] = m
         metrics: dict = {}
+        KL = None
+        if a.kl_coef > 0 and self.cfg.kl_in_reward and ref is not None:
+            LP, REF = torch.zeros(B, T), torch.zeros(B, T)
+            for i in range(B):
+                LP[i, : old_lp[i].numel()] = old_lp[i]
+                REF[i, : ref[i].numel()] = ref[i]
+            _, KL = alg.apply_kl_penalty(torch.zeros(B, T), LP, REF, M, a.kl_coef, a.kl_estimator)
+            n = M.sum(1)
+            # verl's critic/kl: the mean over trajectories of each one's mean token KL
+            metrics["train/kl_reward"] = float((KL.sum(1)[n > 0] / n[n > 0]).mean()) if bool((n > 0).any()) else 0.0
         if a.adv_estimator == "gae":
             V = torch.zeros(B, T)
             for i, v in enumerate(vals):
@@ -423,6 +444,8 @@ class Trainer:
             # turn_rewards already hold each turn's env reward plus its format penalty
             turn_rewards = batch.turn_rewards.float() if a.reward_position == "turn" else None
             R = alg.place_rewards(M, batch.scores.float(), a.reward_position, turn, turn_rewards)
+            if KL is not None:
+                R = R - a.kl_coef * KL
             adv, ret = alg.compute_gae(R, V, M, a.gamma, a.lam)
             metrics["critic/return_mean"] = float(ret[M].mean()) if M.any() else 0.0
             metrics["critic/value_mean"] = float(V[M].mean()) if M.any() else 0.0
@@ -430,7 +453,8 @@ class Trainer:
                 adv = alg.masked_whiten(adv, M)
             returns = [ret[i, : masks[i].numel()] for i in range(B)]
         else:
-            per_traj = alg.grpo_advantages(batch.scores.float(), batch.group_ids, scale_by_std=a.adv_estimator == "grpo")
+            scores = batch.scores.float() if KL is None else batch.scores.float() - a.kl_coef * KL.sum(1)
+            per_traj = alg.grpo_advantages(scores, batch.group_ids, scale_by_std=a.adv_estimator == "grpo")
             adv = per_traj[:, None] * M
             returns = None
         metrics["train/advantage_mean"] = float(adv[M].mean()) if M.any() else 0.0
@@ -455,6 +479,7 @@ class Trainer:
         from fastpo.kernels import linear_policy_loss
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
+        kl_reward = cfg.kl_in_reward  # the KL is then in the advantages, not in the loss
         g = torch.Generator().manual_seed(int(np.random.default_rng([cfg.trainer.seed, it, 104729]).integers(2**62)))
         sums: dict[str, float] = {}
         counts: dict[str, int] = {}
@@ -479,7 +504,7 @@ class Trainer:
                         continue
                     old = sc.take(old_lp)
                     A = sc.take(adv)
-                    rl = sc.take(ref) if ref is not None else None
+                    rl = sc.take(ref) if (ref is not None and not kl_reward) else None
                     sid = sc.seq
                     train_tokens += pb.trajectory_tokens
                     with self._autocast():
@@ -488,7 +513,8 @@ class Trainer:
                             h[sc.hidden], _lm_head_weight(self.model), sc.targets, old, A,
                             torch.ones_like(old, dtype=torch.bool), rl,
                             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                            entropy_coef=a.entropy_coef, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                            entropy_coef=a.entropy_coef, kl_coef=0.0 if kl_reward else a.kl_coef,
+                            kl_estimator=a.kl_estimator,
                             temperature=cfg.rollout.temperature, loss_agg=a.loss_agg, seq_ids=sid,
                             denominator=denom, impl=cfg.trainer.kernel_impl)
                         loss = out.loss
@@ -545,13 +571,23 @@ class Trainer:
         return res
 
     def evaluate(self, it: int) -> dict:
-        """Success rate and pass@k on the fixed eval seeds at the eval temperature; writes samples."""
+        """Success rate and pass@k on the fixed eval seeds at the eval temperature, with the
+        best and the random policy's success on the same seeds and horizon beside it
+        (`eval/optimal_success`, `eval/random_success`, computed once); writes samples."""
         t = self.cfg.trainer
         seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
         t0 = time.perf_counter()
         with self._engine_awake():
             res = evaluate_policy(self.rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345,
                                   autocast=self._autocast, model=self.model)
+        if self._success_bounds is None:
+            try:
+                self._success_bounds = success_bounds(self.cfg.env.name, self.cfg.env.options, seeds,
+                                                      eval_horizon(self.cfg.rollout))
+            except RuntimeError as e:  # a Sokoban search past its state cap: no bounds, training goes on
+                self.console.print(f"[yellow]warning[/]: no eval/optimal_success or eval/random_success: {e}")
+                self._success_bounds = {}
+        res.update(self._success_bounds)
         batch = res.pop("_batch")
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
@@ -574,7 +610,9 @@ class Trainer:
         full = batch
         m = rollout_metrics(full, prefix="train")
         t1 = time.perf_counter()
-        filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, a.filter_mode)
+        # one trajectory per group: no in-group std to filter by (said once at start)
+        mode = a.filter_mode if r.group_size > 1 else "none"
+        filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode)
         batch = full.select(filt.indices) if filt.indices.numel() < len(full.input_ids) else full
         m["train/filter_kept_ratio"] = filt.kept_ratio
         m["train/in_group_reward_std_kept"] = filt.std_after
@@ -591,7 +629,7 @@ class Trainer:
         m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
         m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
         t2 = time.perf_counter()
-        adv, returns, am = self.compute_advantages(batch, masks, vals)
+        adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
         m.update(am)
         tm["time/advantage_s"] = time.perf_counter() - t2
         t3 = time.perf_counter()

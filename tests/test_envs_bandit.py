@@ -92,3 +92,15 @@ def test_instructions_and_action_names_need_a_reset():
     for call in (env.instructions, lambda: env.action_names(0), env.render, lambda: env.parse_actions(["a", "b"], 1)):
         with pytest.raises(RuntimeError, match="reset"):
             call()
+
+
+def test_success_bounds_by_hand():
+    # success = pulling the arm of higher expected reward: the best policy always does, a
+    # uniformly random pull half the time; checked by pulling each arm of every seed
+    env = make_env("bandit", 1, low_reward=0.3, high_reward=1.0, high_prob=0.25)  # low arm better here
+    assert env.optimal_success(range(6), 1).tolist() == [1.0] * 6
+    assert env.random_success([3, 4], 5).tolist() == [0.5, 0.5]
+    pulls = make_env("bandit", 12, low_reward=0.3, high_reward=1.0, high_prob=0.25)
+    pulls.reset(np.repeat(np.arange(6), 2))
+    pulls.step(np.tile([0, 1], 6))
+    assert pulls.success.reshape(6, 2).sum(axis=1).tolist() == [1] * 6  # one arm of two succeeds

@@ -70,7 +70,7 @@ def test_helper_edit_recompiles_caller_in_another_file(tmp_path, where):
 _FL_SCRIPT = """
 import json
 from envs_native import make_env, frozenlake
-obs = make_env("frozenlake", 4, size=4, p=0.8).reset([0, 1, 2, 3])
+obs = make_env("frozenlake", 4, size=4, p=0.8, layout="gymnasium").reset([0, 1, 2, 3])
 f = frozenlake._fl_reset
 print(json.dumps([obs, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())]))
 """
@@ -84,7 +84,8 @@ def test_core_edit_reaches_cached_frozenlake_in_a_fresh_process(tmp_path):
     shutil.copytree(PKG_DIR, copy, ignore=shutil.ignore_patterns("*.pyc"))
     before, _, _ = _run(_FL_SCRIPT, tmp_path)
     assert any("O" in o for o in before), before  # p=0.8: some of 4 random 4x4 maps have holes
-    # A behaviour change in _core.py only: every uniform draw is 0, so every cell is frozen.
+    # A behaviour change in _core.py only: every uniform draw is 0, so every cell is frozen
+    # (and with gymnasium's corners every map is the same).
     core = copy / "_core.py"
     assert "def rng_uniform(" in core.read_text()
     core.write_text(core.read_text() + "\n\n@njit(cache=True)\ndef rng_uniform(state, i):\n    return 0.0\n")

@@ -124,9 +124,15 @@ def test_slip_frequencies_with_real_draws():
     assert abs(shares[7] - 0.6) < 0.013 and abs(shares[3] - 0.2) < 0.013 and abs(shares[5] - 0.2) < 0.013
 
 
+def _cells(rows, ch):
+    return [(r, c) for r, row in enumerate(rows) for c, x in enumerate(row) if x == ch]
+
+
 def _solvable(rows):
+    """A 4-connected path over non-hole cells from S to G (breadth-first, written here)."""
     n, m = len(rows), len(rows[0])
-    queue, seen = deque([(0, 0)]), {(0, 0)}
+    (start,) = _cells(rows, "S")
+    queue, seen = deque([start]), {start}
     while queue:
         r, c = queue.popleft()
         if rows[r][c] == "G":
@@ -139,27 +145,80 @@ def _solvable(rows):
 
 
 @pytest.mark.parametrize("size,p,count", [(4, 0.8, 2000), (8, 0.8, 500), (6, 0.5, 500)])
-def test_generated_maps_are_solvable(size, p, count):
+def test_generated_maps_are_solvable_with_start_and_goal_anywhere(size, p, count):
+    # RAGEN's rule (the default layout): a start and a goal on random distinct cells, a path between them
     env = make_env("frozenlake", count, size=size, p=p)
     obs = env.reset(np.arange(count))
-    holes = 0
+    holes, starts, goals = 0, set(), set()
     for i in range(count):
         rows = env.tiles(i)
-        assert rows[0][0] == "S" and rows[-1][-1] == "G"
-        assert _solvable(rows), rows
+        (s,) = _cells(rows, "S")
+        (g,) = _cells(rows, "G")
+        assert s != g and _solvable(rows), rows
+        starts.add(s)
+        goals.add(g)
         holes += sum(r.count("H") for r in rows)
-        assert obs[i].splitlines()[0][0] == "P"
-    # conditioning on solvability lowers the hole rate somewhat, never raises it
+        assert obs[i].splitlines()[s[0]][s[1]] == "P" and obs[i].count("P") == 1
+    assert len(starts) == len(goals) == size * size  # every cell serves as start and as goal
     assert holes / (count * (size * size - 2)) < (1 - p) + 0.02
     assert len(set(obs)) > count // 10  # maps differ between seeds
 
 
-def test_generation_and_dynamics_match_reference():
+@pytest.mark.parametrize("size,p,count", [(4, 0.8, 2000), (6, 0.5, 500)])
+def test_gymnasium_layout_keeps_the_corners(size, p, count):
+    env = make_env("frozenlake", count, size=size, p=p, layout="gymnasium")
+    obs = env.reset(np.arange(count))
+    for i in range(count):
+        rows = env.tiles(i)
+        assert rows[0][0] == "S" and rows[-1][-1] == "G" and _solvable(rows), rows
+        assert obs[i].splitlines()[0][0] == "P"
+
+
+def _ragen_rule_maps(count, size, p, rng):
+    """RAGEN's map rule written out here (ragen/env/frozen_lake/utils.py at 540ab84, read, not
+    copied): each cell frozen with probability p, then start (row, col) and goal (row, col)
+    uniform; everything redrawn while they coincide or no path joins them."""
+    out = []
+    while len(out) < count:
+        rows = [["F" if rng.random() < p else "H" for _ in range(size)] for _ in range(size)]
+        s, g = tuple(rng.integers(size, size=2)), tuple(rng.integers(size, size=2))
+        if s == g:
+            continue
+        rows[s[0]][s[1]], rows[g[0]][g[1]] = "S", "G"
+        rows = ["".join(r) for r in rows]
+        if _solvable(rows):
+            out.append(rows)
+    return out
+
+
+def _map_stats(maps):
+    holes = np.mean([sum(r.count("H") for r in m) for m in maps])
+    dist = np.mean([abs(s[0] - g[0]) + abs(s[1] - g[1]) for m in maps for s in _cells(m, "S") for g in _cells(m, "G")])
+    corner = np.mean([_cells(m, "S")[0] in ((0, 0), (0, 3), (3, 0), (3, 3)) for m in maps])
+    return holes, dist, corner
+
+
+def test_default_maps_have_the_distribution_of_ragens_rule():
+    # the env's maps against an independent simulation of RAGEN's rule: the mean hole count,
+    # start-goal distance and share of corner starts agree within about 4 standard errors
+    n = 4000
+    env = make_env("frozenlake", n, size=4, p=0.8)
+    env.reset(np.arange(n))
+    ours = _map_stats([env.tiles(i) for i in range(n)])
+    ref = _map_stats(_ragen_rule_maps(n, 4, 0.8, np.random.default_rng(0)))
+    assert abs(ours[0] - ref[0]) < 0.08, (ours, ref)  # holes: sd ~1.3 -> se of the difference ~0.03
+    assert abs(ours[1] - ref[1]) < 0.12, (ours, ref)  # distance: sd ~1.7 -> ~0.04
+    assert abs(ours[2] - ref[2]) < 0.04, (ours, ref)  # corner starts: ~0.25 -> ~0.01
+    assert ours[2] < 0.4  # the gymnasium layout would give 1.0
+
+
+@pytest.mark.parametrize("layout", ["ragen", "gymnasium"])
+def test_generation_and_dynamics_match_reference(layout):
     B = 48
-    env = make_env("frozenlake", B, size=5, p=0.7)
+    env = make_env("frozenlake", B, size=5, p=0.7, layout=layout)
     obs = env.reset(np.arange(B) * 7 + 1)
     for i in range(B):
-        assert RefFrozenLake.generate(i * 7 + 1, size=5, p=0.7).render() == obs[i]
+        assert RefFrozenLake.generate(i * 7 + 1, size=5, p=0.7, layout=layout).render() == obs[i]
     refs = reference_envs(env)
     rng = np.random.default_rng(0)
     names = ["Left", "down", "RIGHT", " Up ", "jump"]
@@ -171,6 +230,73 @@ def test_generation_and_dynamics_match_reference():
         np.testing.assert_allclose(res.reward, ref_rew)
         assert res.done.tolist() == ref_done
     assert env.done.any()
+
+
+def _value_iteration(rows, horizon, slippery, success_prob, best=True):
+    """Success probability within `horizon` actions from S, by finite-horizon value iteration
+    over gymnasium's own transition table P[s][a] = [(prob, next, reward, terminated)]."""
+    kw = {"success_rate": success_prob} if slippery else {}
+    P = gym.make("FrozenLake-v1", desc=rows, is_slippery=slippery, **kw).unwrapped.P
+    n = len(rows) * len(rows[0])
+    v = [0.0] * n
+    for _ in range(horizon):
+        q = [[sum(pr * (rew + (0.0 if term else v[nxt])) for pr, nxt, rew, term in P[s][a]) for a in range(4)]
+             for s in range(n)]
+        v = [max(qs) if best else sum(qs) / 4 for qs in q]
+    (s0,) = _cells(rows, "S")
+    return v[s0[0] * len(rows[0]) + s0[1]]
+
+
+@pytest.mark.parametrize("layout,slippery,success_prob,horizon", [
+    ("ragen", True, 1 / 3, 10), ("gymnasium", True, 1 / 3, 10), ("ragen", True, 0.8, 4), ("ragen", False, 1.0, 3)])
+def test_optimal_and_random_success_match_an_independent_value_iteration(layout, slippery, success_prob, horizon):
+    seeds = list(range(100, 124))
+    kw = dict(layout=layout, is_slippery=slippery, success_prob=success_prob)
+    env = make_env("frozenlake", len(seeds), **kw)
+    env.reset(seeds)
+    best = make_env("frozenlake", 1, **kw).optimal_success(seeds, horizon)  # another env: any count of seeds
+    rand = make_env("frozenlake", 1, **kw).random_success(np.array(seeds), horizon)
+    assert best.shape == rand.shape == (len(seeds),)
+    for i in range(len(seeds)):
+        rows = env.tiles(i)
+        assert best[i] == pytest.approx(_value_iteration(rows, horizon, slippery, success_prob), abs=1e-12)
+        assert rand[i] == pytest.approx(_value_iteration(rows, horizon, slippery, success_prob, best=False), abs=1e-12)
+    assert (rand <= best + 1e-12).all() and best.max() > 0
+    if not slippery:
+        assert set(best.tolist()) <= {0.0, 1.0}  # deterministic: reachable within the horizon or not
+
+
+def test_success_bounds_on_a_hand_map_and_the_step_cap():
+    # S G on one row, no slip: Right reaches the goal in one action
+    env = make_env("frozenlake", 1, desc="SG", is_slippery=False)
+    assert env.optimal_success([0], 1).tolist() == [1.0]
+    assert env.random_success([0], 1).tolist() == [0.25]
+    assert env.random_success([0], 2).tolist() == [1 - 0.75**2]  # Left/Down/Up stay put
+    # 1x3 S F G, slippery 1/3: the goal is two cells away; max_steps=1 caps any horizon at 1
+    capped = make_env("frozenlake", 1, desc="SFG", max_steps=1)
+    assert capped.optimal_success([0], 10).tolist() == [0.0]
+
+
+def test_paper_frozenlake_ceiling_ragen_maps_versus_the_corners():
+    # the issue's figures: 10 actions, slip 1/3, the 256 eval seeds; an optimal policy succeeds
+    # on about half of RAGEN-style maps and about a tenth with gymnasium's corners
+    seeds = range(1_000_000, 1_000_256)
+    ragen = make_env("frozenlake", 1).optimal_success(seeds, 10).mean()
+    corners = make_env("frozenlake", 1, layout="gymnasium").optimal_success(seeds, 10).mean()
+    assert 0.4 < ragen < 0.6 and 0.05 < corners < 0.15, (ragen, corners)
+
+
+@pytest.mark.parametrize("seeds,horizon,exc,word", [
+    ([1, 2], 0, ValueError, "horizon"), ([1], 2.5, ValueError, "horizon"), ([1], True, ValueError, "horizon"),
+    (5, 3, TypeError, "seeds"), ("12", 3, TypeError, "seeds"), ({1, 2}, 3, TypeError, "seeds"),
+    ([], 3, ValueError, "seeds"), ([1.5], 3, TypeError, "seeds"), ([-1], 3, ValueError, "seeds"),
+])
+@pytest.mark.parametrize("name", ["frozenlake", "sokoban", "bandit"])
+def test_success_bounds_refuse_bad_arguments(name, seeds, horizon, exc, word):
+    env = make_env(name, 1)
+    for fn in (env.optimal_success, env.random_success):
+        with pytest.raises(exc, match=word):
+            fn(seeds, horizon)
 
 
 def test_fixed_map_in_gymnasium_notation():
@@ -215,7 +341,7 @@ def test_active_mask():
     ({"size": 1}, "size"), ({"p": 0.0}, "p"), ({"p": 1.5}, "p"), ({"success_prob": -0.1}, "success_prob"),
     ({"max_steps": -1}, "max_steps"), ({"desc": "SFX/FFG"}, "'X'"), ({"desc": "FF/FG"}, "start"),
     ({"desc": "SF/FF"}, "goal"), ({"desc": "SFF/FG"}, "length"), ({"symbols": {"hole": "OO"}}, "hole"),
-    ({"symbols": {"lava": "L"}}, "lava"), ({"colour": 1}, "colour"),
+    ({"symbols": {"lava": "L"}}, "lava"), ({"colour": 1}, "colour"), ({"layout": "corners"}, "layout"),
 ])
 def test_bad_config_is_a_value_error_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):

@@ -365,3 +365,38 @@ def test_dynamics_match_reference():
 def test_bad_config_is_a_value_error_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):
         make_env("sokoban", 2, **kwargs)
+
+
+@pytest.mark.parametrize("size,num_boxes,horizon", [(6, 1, 10), (7, 2, 12), (6, 1, 3)])
+def test_optimal_success_is_solvable_within_the_horizon(size, num_boxes, horizon):
+    # against the independent breadth-first search above: 1.0 iff the shortest solution has
+    # at most `horizon` moves
+    seeds = list(range(500, 540))
+    env = make_env("sokoban", len(seeds), size=size, num_boxes=num_boxes)
+    env.reset(seeds)
+    best = make_env("sokoban", 1, size=size, num_boxes=num_boxes).optimal_success(seeds, horizon)
+    expected = [float(_python_bfs(env.level(i)) <= horizon) for i in range(len(seeds))]
+    assert best.tolist() == expected
+    assert 0 < sum(expected)  # the case is not all zeros
+
+
+def test_optimal_success_respects_max_steps():
+    level = "#######\n#@  $.#\n#######"  # Right x3: two steps, then the push onto the target
+    assert make_env("sokoban", 1, levels=level, max_steps=2).optimal_success([0], 10).tolist() == [0.0]
+    assert make_env("sokoban", 1, levels=level).optimal_success([0], 2).tolist() == [0.0]
+    assert make_env("sokoban", 1, levels=level).optimal_success([0], 3).tolist() == [1.0]
+
+
+def test_random_success_on_a_corridor_by_hand():
+    # "#@$.#": only Right moves (Up, Down, Left hit walls), and one Right solves it, so the
+    # random policy succeeds within h moves with probability 1 - (3/4)**h
+    env = make_env("sokoban", 1, levels="#####\n#@$.#\n#####")
+    for h, samples in ((1, 4000), (3, 4000)):
+        est = env.random_success([0, 1], h, samples=samples, seed=h)
+        assert est.shape == (2,)
+        # 4000 samples: standard error <= 0.0079; 4 of them
+        assert np.abs(est - (1 - 0.75**h)).max() < 0.032, (h, est)
+    assert env.random_success([0], 2, samples=64, seed=5).tolist() == env.random_success([0], 2, samples=64,
+                                                                                          seed=5).tolist()
+    with pytest.raises(ValueError, match="samples"):
+        env.random_success([0], 2, samples=0)

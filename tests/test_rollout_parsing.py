@@ -28,23 +28,68 @@ from fastpo.rollout.sampling import filter_logits
     ("<think>x</think><answer>Left</answer>", False, "Left", False),
     ("", True, None, False),
 ])
-def test_parse_response(text, think, answer, ok):
-    p = parse_response(text, think=think)
+def test_parse_response_strict(text, think, answer, ok):
+    p = parse_response(text, think=think, rule="strict")
     assert p.answer == answer
     assert p.format_ok is ok
     if ok and think:
         assert p.think is not None
 
 
+# RAGEN's rule, worked out by hand from its parse (a regex search for the first
+# <think>(.*?)</think>\s*<answer>(.*?)</answer>, lazy groups; tags and ChatML markers deleted
+# from the groups, which are stripped): the same cases as above, and more
+@pytest.mark.parametrize("text,think,answer,ok", [
+    ("<think>go down</think> <answer>Down || Right</answer>", True, "Down || Right", True),
+    ("<think>\nhmm\n</think>\n<answer> Up </answer>\n", True, "Up", True),
+    ("<think>x</think><answer></answer>", True, "", True),
+    ("<think>x</think>", True, None, False),
+    ("<think>x</think> <answer>Up", True, None, False),
+    ("<think>x <answer>Up</answer>", True, None, False),  # no </think>: no match, so no answer at all
+    ("<think>x</think> <answer>Up</answer> and more", True, "Up", True),  # text around the pattern is fine
+    ("<think>a</think><think>b</think><answer>Up</answer>", True, "Up", True),  # think = "a</think><think>b"
+    ("<think>x</think> <answer><answer>Up</answer>", True, "Up", True),  # the inner tag is deleted
+    ("<think>a</think><answer>Up</answer><think>b</think><answer>Down</answer>", True, "Up", True),  # the first
+    ("<think>a</think> x <answer>Up</answer>", True, None, False),  # only whitespace may separate the blocks
+    ("<think>a</think> <answer> Up <|im_end|></answer>", True, "Up", True),
+    ("<answer>Left</answer>", False, "Left", True),
+    ("<think>x</think><answer>Left</answer>", False, "Left", True),  # answer-only mode searches for the answer
+    ("no tags", False, None, False),
+    ("", True, None, False),
+])
+def test_parse_response_ragen(text, think, answer, ok):
+    p = parse_response(text, think=think, rule="ragen")
+    assert (p.answer, p.format_ok) == (answer, ok)
+    assert parse_response(text, think=think) == p  # the default rule
+
+
+def test_parse_response_ragen_think_group():
+    assert parse_response("<think>a</think><think>b</think><answer>Up</answer>").think == "ab"
+    with pytest.raises(ValueError, match="lenient"):
+        parse_response("<think>x</think><answer>Up</answer>", rule="lenient")
+
+
+def test_cut_at_stop():
+    from fastpo.rollout.parsing import cut_at_stop
+
+    assert cut_at_stop("<answer> Right </answer>.", ("</answer>",)) == "<answer> Right </answer>"
+    assert cut_at_stop("<answer>Up</answer></answer>", ("</answer>",)) == "<answer>Up</answer>"
+    assert cut_at_stop("<answer>Up</answ", ("</answer>",)) == "<answer>Up</answ"
+    assert cut_at_stop("a</answer>.", ()) == "a</answer>."
+    assert cut_at_stop("xSTOPy END", ("END", "STOP")) == "xSTOP"
+
+
 def test_parse_response_non_string():
-    p = parse_response(None)  # type: ignore[arg-type]
-    assert p.answer is None and not p.format_ok
+    for rule in ("ragen", "strict"):
+        p = parse_response(None, rule=rule)  # type: ignore[arg-type]
+        assert p.answer is None and not p.format_ok
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.text(alphabet=st.sampled_from(list("<>/thinkanswer |\nUpDown")), max_size=80), st.booleans())
-def test_parse_response_never_raises(text, think):
-    p = parse_response(text, think=think)
+@given(st.text(alphabet=st.sampled_from(list("<>/thinkanswer |\nUpDown")), max_size=80), st.booleans(),
+       st.sampled_from(["ragen", "strict"]))
+def test_parse_response_never_raises(text, think, rule):
+    p = parse_response(text, think=think, rule=rule)
     if p.format_ok:
         assert p.answer is not None and "<answer>" not in p.answer
 

@@ -4,7 +4,8 @@
 - FrozenLake with PPO (GAE, critic on the shared trunk): two iterations uninterrupted, then
   the same run stopped after one iteration (the Ctrl-C path) and resumed with
   `fastpo train --resume`: the metrics must match the uninterrupted run's.
-- Bandit with plain StarPO (KL to a frozen reference) and a separate critic: one update.
+- Bandit with plain StarPO (KL to a frozen reference, on the reward and in the loss) and a
+  separate critic: one update each, on the random tiny model.
 """
 import json
 import math
@@ -112,14 +113,21 @@ def test_frozenlake_ppo_resume_reproduces_uninterrupted_run(tmp_path):
                 assert sb[k] == sa[k], k
 
 
-def test_bandit_starpo_kl_separate_critic(tmp_path):
+@pytest.mark.parametrize("kl_in_reward", [True, False])
+def test_bandit_starpo_kl_separate_critic(tmp_path, kl_in_reward):
+    # the random tiny model: this checks the wiring (reference model, KL on the reward or in
+    # the loss, separate critic), not what the model learns
     out = str(tmp_path / "run")
-    cfg = _cfg("bandit", out, "algorithm.kl_coef=0.01", "algorithm.kl_estimator=k1", "algorithm.critic=separate",
+    cfg = _cfg("bandit", out, "model.name=random:tiny-llama", "algorithm.kl_coef=0.01", "algorithm.kl_estimator=k1",
+               f"algorithm.kl_in_reward={str(kl_in_reward).lower()}", "algorithm.critic=separate",
                "algorithm.clip_high=0.2", "trainer.iterations=1", "trainer.eval_every=0", "trainer.plots=false")
     tr = Trainer(cfg, console=Console(quiet=True))
     rec = tr.run()[0]
     assert tr.ref_model is not None and tr.critic_body is not None
-    assert "actor/kl" in rec or any(k.startswith("actor/kl") for k in rec), sorted(rec)
+    if kl_in_reward:  # verl's apply_kl_penalty: the KL is in the advantages, the loss has none
+        assert math.isfinite(rec["train/kl_reward"]) and rec.get("actor/kl", 0.0) == 0.0
+    else:
+        assert "actor/kl" in rec and "train/kl_reward" not in rec, sorted(rec)
     assert rec["critic/grad_norm"] >= 0 and math.isfinite(rec["critic/value_loss"])
     assert os.path.exists(os.path.join(out, "checkpoints", "iter_000001", "critic", "value_head.safetensors"))
     assert os.path.exists(os.path.join(out, "checkpoints", "iter_000001", "critic", "config.json"))

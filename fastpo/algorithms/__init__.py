@@ -4,6 +4,7 @@ The policy loss itself (clipped ratio, clip-higher, dual clip, entropy bonus, KL
 is computed from hidden states by `fastpo.kernels`; these functions prepare its inputs.
 """
 from fastpo.algorithms.advantages import (
+    apply_kl_penalty,
     compute_gae,
     grpo_advantages,
     masked_whiten,
@@ -13,6 +14,7 @@ from fastpo.algorithms.filtering import FilterResult, filter_groups, group_rewar
 from fastpo.algorithms.losses import aggregate_loss, clipped_value_loss
 
 __all__ = [
+    "apply_kl_penalty",
     "compute_gae",
     "grpo_advantages",
     "masked_whiten",

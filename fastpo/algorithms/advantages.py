@@ -60,6 +60,38 @@ def place_rewards(loss_mask: torch.Tensor, scores: torch.Tensor, mode: str = "la
 
 
 @torch.no_grad()
+def apply_kl_penalty(rewards: torch.Tensor, logprob: torch.Tensor, ref_logprob: torch.Tensor,
+                     loss_mask: torch.Tensor, coef: float, estimator: str = "k1") -> tuple[torch.Tensor, torch.Tensor]:
+    """The KL penalty on the token-level reward, as verl's `apply_kl_penalty` (which RAGEN's PPO
+    runs used): r_t - coef * kl_t on every model token, before the advantages.
+
+    kl_t is k1 = logprob_t - ref_logprob_t (verl's "kl") or k3 = exp(d) - d - 1 with
+    d = ref_logprob_t - logprob_t (verl's "low_var_kl"; d clamped to [-20, 20]); logprob is
+    the policy's (the old log-probs, recomputed before the update), ref_logprob the frozen
+    reference model's, both in nats.
+
+    Args: rewards, logprob, ref_logprob [B, T] float; loss_mask [B, T] bool (model tokens);
+    coef >= 0. Returns (rewards - coef * kl, kl): [B, T] fp32 each, kl zero off the mask.
+    Raises ValueError on a shape mismatch, an unknown estimator or a negative coef.
+    """
+    mask = loss_mask.bool()
+    for name, x in (("rewards", rewards), ("logprob", logprob), ("ref_logprob", ref_logprob)):
+        _check_bt(name, x, mask.shape)
+    if estimator not in ("k1", "k3"):
+        raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1' or 'k3'")
+    if not coef >= 0:
+        raise ValueError(f"KL coefficient must be >= 0, got {coef}")
+    lp, ref = logprob.to(torch.float32), ref_logprob.to(torch.float32)
+    if estimator == "k1":
+        kl = lp - ref
+    else:
+        d = (ref - lp).clamp(-20.0, 20.0)
+        kl = torch.exp(d) - d - 1.0
+    kl = torch.where(mask, kl, torch.zeros_like(kl))
+    return rewards.to(torch.float32) - coef * kl, kl
+
+
+@torch.no_grad()
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor,
                 gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation over the model tokens of each trajectory.

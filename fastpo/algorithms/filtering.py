@@ -7,6 +7,7 @@ standard deviation of their trajectories' rewards (p = 25% by default).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 
@@ -48,9 +49,11 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, ratio: float = 
                   mode: str = "top") -> FilterResult:
     """Select env groups by in-group reward std (StarPO-S).
 
-    mode "top" keeps the max(1, round(ratio * G)) groups with the highest std (ties broken
-    by lower group id, so the choice is deterministic), "bottom" the lowest (the paper's
-    reverse ablation), "none" keeps everything.
+    mode "top" keeps the max(1, int(ratio * G)) groups with the highest std (the floor, as
+    RAGEN at the paper's commit; ties broken by lower group id, so the choice is
+    deterministic), "bottom" the lowest (the paper's reverse ablation), "none" keeps
+    everything. When every group holds one trajectory the in-group std is undefined: all
+    groups are kept, with a RuntimeWarning.
 
     Args: scores [B] float (trajectory rewards), group_ids [B] int. Returns FilterResult.
     Raises ValueError for an unknown mode or a ratio outside (0, 1].
@@ -62,6 +65,10 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, ratio: float = 
     stds = group_reward_std(scores, group_ids)
     groups = sorted(stds)
     k = kept_group_count(len(groups), mode, ratio)
+    if mode != "none" and groups and int(torch.unique(group_ids, return_counts=True)[1].max()) == 1:
+        warnings.warn(f"filter mode {mode!r} with one trajectory per env group: the in-group reward std is "
+                      "undefined, so filtering is skipped (every group kept)", RuntimeWarning, stacklevel=2)
+        mode, k = "none", len(groups)
     if mode == "top":
         chosen = sorted(groups, key=lambda g: (-stds[g], g))[:k]
     elif mode == "bottom":

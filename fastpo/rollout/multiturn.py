@@ -11,10 +11,17 @@ template text between turns (end-of-turn token unless the model sampled it, sepa
 the next user message, the assistant header and the prime; loss mask False). Model tokens
 are decoded only to read the answer, never re-encoded.
 
-Format penalty (RAGEN): a turn whose answer is missing, malformed (see parsing.py) or holds
-an invalid action gets `format_penalty` added to its reward and still counts as a turn.
-With `run_valid_actions_on_format_error=True` (default, as RAGEN) the valid actions of such
-an answer are still executed; with False the turn executes nothing.
+Format penalty: a turn whose answer is missing or holds an invalid action gets
+`format_penalty` added to its reward and still counts as a turn. What counts as an answer
+is `cfg.format_rule` (parsing.py): "ragen" (default) is RAGEN's rule: the first
+think/answer pattern anywhere in the response; without it no action runs; with it the
+answer's valid actions run (invalid ones are dropped and penalised). "strict" also
+penalises a response that is not exactly the pattern (extra text, a stray tag, a second
+block); its valid actions still run when `run_valid_actions_on_format_error` (default True)
+and a complete answer block is found. With run_valid_actions_on_format_error=False a
+penalised turn executes nothing under either rule. The text parsed is cut after the first
+stop string (e.g. "</answer>" when the token completing it was ">."); the sampled ids are
+kept as they are.
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ from fastpo.config import RolloutConfig
 
 from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
-from .parsing import parse_response
+from .parsing import cut_at_stop, parse_response
 from .prompts import ChatFormat, first_user_message, next_user_message
 from .sampling import SamplingParams
 
@@ -75,14 +82,16 @@ class EnvTurn:
 
 
 def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, counters: TurnCounters | None = None) -> EnvTurn:
-    """Parse B response texts, run their actions in `env` and score the turn (RAGEN's rules).
+    """Parse B response texts, run their actions in `env` and score the turn.
 
     texts: B response texts including the generation prime, or None for trajectories that
     take no turn now. actions_left: int64 [B] action budget, decreased in place by the
-    executed actions. A turn whose answer is missing or malformed, or holds an invalid
-    action, gets cfg.format_penalty; its valid actions still run when
-    cfg.run_valid_actions_on_format_error. Actions past min(max_actions_per_turn,
-    actions_left) are ignored (not penalised). Never raises on any text.
+    executed actions. A turn whose answer is missing or malformed under cfg.format_rule, or
+    holds an invalid action (or none), gets cfg.format_penalty; the valid actions of an
+    answer that was found still run when cfg.run_valid_actions_on_format_error (under
+    "ragen" a response without the pattern has no answer, so nothing runs). Only the first
+    max_actions_per_turn answer pieces are read, and actions past actions_left are not run
+    (neither is penalised), as RAGEN. Never raises on any text.
     """
     B = len(texts)
     answers = [""] * B
@@ -92,7 +101,7 @@ def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, cou
     for b, text in enumerate(texts):
         if text is None:
             continue
-        parsed = parse_response(text, think=cfg.think)
+        parsed = parse_response(text, think=cfg.think, rule=cfg.format_rule)
         answers[b] = parsed.answer or ""
         has_answer[b] = parsed.answer is not None
         fmt_ok[b] = parsed.format_ok
@@ -177,13 +186,15 @@ class MultiTurnRollout:
             stop_strings=("</answer>",) if c.stop_at_answer_close else (), max_context=c.max_context,
         )
 
-    def _response_text(self, ids: list) -> tuple:
-        """(text for parsing = prime + decoded response without a final stop token,
-        whether that stop token is the template's own end-of-turn token)."""
+    def _response_text(self, ids: list, stop_strings: tuple = ()) -> tuple:
+        """(text for parsing = prime + decoded response without a final stop token, cut
+        after the first stop string, whether that stop token is the template's own
+        end-of-turn token)."""
         stop = bool(ids) and ids[-1] in self.chat.eot_token_ids
         body = ids[:-1] if stop else ids
         eot = stop and ids[-1] == self.chat.template_eot_id
-        return self.chat.prime + self.tokenizer.decode(body, skip_special_tokens=False), eot
+        text = self.chat.prime + self.tokenizer.decode(body, skip_special_tokens=False)
+        return cut_at_stop(text, stop_strings), eot
 
     def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0) -> TrajectoryBatch:
         """Roll out len(seeds) env groups x group_size trajectories.
@@ -279,7 +290,7 @@ class MultiTurnRollout:
                 tix[b].extend([turn] * len(r))
                 responses[b].append(torch.tensor(r, dtype=torch.long))
                 turn_stops[b].append(out.stop_reason)
-                texts[b], emitted_eot[b] = self._response_text(r)
+                texts[b], emitted_eot[b] = self._response_text(r, params.stop_strings)
                 resp_texts[b].append(texts[b])
                 num_turns[b] += 1
                 if out.stop_reason == STOP_CONTEXT:

@@ -23,6 +23,7 @@ from fastpo.config import RolloutConfig
 
 from .batch import TrajectoryBatch
 from .multiturn import TurnCounters, end_reason, env_turn
+from .parsing import cut_at_stop
 from .prompts import ChatFormat, first_user_message, next_user_message
 
 
@@ -118,7 +119,8 @@ class ReferenceRollout:
                     n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
                     generated += n
                     # the reference's rewritten response string
-                    texts[b] = self.chat.prime + tok.decode(row[:n], skip_special_tokens=True)
+                    texts[b] = cut_at_stop(self.chat.prime + tok.decode(row[:n], skip_special_tokens=True),
+                                           ("</answer>",) if cfg.stop_at_answer_close else ())
                     resp_texts[b].append(texts[b])
                     num_turns[b] += 1
                 res = env_turn(env, cfg, texts, actions_left, counters)
