@@ -110,3 +110,68 @@ class ReplayBuffer:
         self._added = int(state["added"]) - len(items)
         self._dropped = int(state.get("dropped", 0))
         self.add(items)
+
+
+class RolloutSchedule:
+    """When to roll out, what to reuse and what to replay: RAGEN's Online-K and replay buffer.
+
+    reuse K >= 1: iteration `it` (from 1) rolls out when (it - 1) % K == 0 (or when nothing is
+    held, e.g. the first iteration of a run); the K - 1 iterations after it train again on
+    that batch (`current`), whose items keep the old log-probs of the policy that sampled
+    them. replay N >= 0 batches: when a new batch starts, the previous one goes into a
+    ReplayBuffer of N x batch_size trajectories (so the buffer never holds the batch being
+    trained on), and each iteration draws round(fraction x len(current)) of them
+    (`replayed`), with a generator seeded from (seed, it), so a resumed run draws the same.
+
+    A batch is a list of items, one per trajectory (dicts of CPU tensors and numbers, see
+    ReplayBuffer). `state_dict` holds the current batch, its start and the buffer, for
+    checkpoints. Raises ValueError on reuse < 1, replay < 0 or a fraction outside [0, 1].
+    """
+
+    def __init__(self, reuse: int = 1, replay: int = 0, fraction: float = 0.0, batch_size: int = 1,
+                 seed: int = 0):
+        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 1:
+            raise ValueError(f"reuse must be an integer >= 1, got {reuse!r}")
+        if isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
+            raise ValueError(f"replay must be an integer >= 0 (rollout batches), got {replay!r}")
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"replay fraction must be in [0, 1], got {fraction!r}")
+        self.reuse, self.fraction, self.seed = reuse, float(fraction), seed
+        self.buffer = ReplayBuffer(replay * max(0, int(batch_size)))
+        self.current: list[dict] | None = None
+        self.started = 0  # iteration that rolled out `current`
+
+    def needs_rollout(self, it: int) -> bool:
+        """Whether iteration `it` starts with a fresh rollout."""
+        return self.current is None or (it - 1) % self.reuse == 0
+
+    def reuse_index(self, it: int) -> int:
+        """0 for the iteration that rolled the current batch out, then 1, ..., K - 1."""
+        return it - self.started
+
+    def start(self, it: int, items: list[dict]) -> None:
+        """Iteration `it` rolled out `items`: the previous batch goes to the replay buffer."""
+        if self.current is not None and self.buffer.capacity > 0:
+            self.buffer.add(self.current)
+        self.current = [_cpu_copy(x) for x in items]
+        self.started = it
+
+    def replayed(self, it: int) -> list[dict]:
+        """The replayed items of iteration `it`: round(fraction x len(current)), fewer while the
+        buffer holds fewer (none when it is empty or replay is off)."""
+        if self.current is None or self.buffer.capacity == 0 or not len(self.buffer):
+            return []
+        k = int(round(self.fraction * len(self.current)))
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + it * 7919 + 104_723) % 2**63)
+        return self.buffer.sample(k, g)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"current": self.current, "started": self.started, "buffer": self.buffer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a `state_dict` (a resumed run continues the reuse cycle and the buffer)."""
+        if not isinstance(state, dict) or "buffer" not in state:
+            raise ValueError("not a RolloutSchedule state_dict (needs current, started, buffer)")
+        self.current = None if state.get("current") is None else [_cpu_copy(x) for x in state["current"]]
+        self.started = int(state.get("started", 0))
+        self.buffer.load_state_dict(state["buffer"])

@@ -303,3 +303,46 @@ def test_cli_refuses_bad_off_policy_keys_before_loading():
                         "algorithm.is_correction=tis"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "algorithm.is_cap" in p.stderr and "must be > 1" in p.stderr
+
+
+def test_rollout_schedule_reuse_and_replay():
+    from fastpo.replay import RolloutSchedule
+
+    s = RolloutSchedule(reuse=3, replay=2, fraction=0.5, batch_size=4, seed=1)
+    rolled = []
+    for it in range(1, 11):
+        if s.needs_rollout(it):
+            rolled.append(it)
+            s.start(it, _items(10 * it, 4))
+        assert s.reuse_index(it) == (it - 1) % 3
+        rep = s.replayed(it)
+        # the buffer holds earlier batches only, never the one being trained on
+        assert all(x["iteration"] < 10 * s.started for x in rep)
+        assert len(rep) == (0 if it < 4 else 2)
+    assert rolled == [1, 4, 7, 10]
+    # 2 batches x 4 kept: the batches of iterations 4 and 7 (1's was dropped)
+    assert sorted({x["iteration"] // 10 for x in s.buffer.items()}) == [4, 7]
+    # a resumed schedule continues the cycle and draws the same
+    t = RolloutSchedule(reuse=3, replay=2, fraction=0.5, batch_size=4, seed=1)
+    t.load_state_dict(torch.load(_save(s.state_dict()), weights_only=True))
+    assert not t.needs_rollout(11) and t.needs_rollout(13) and t.reuse_index(11) == 1
+    assert [x["iteration"] for x in t.replayed(11)] == [x["iteration"] for x in s.replayed(11)]
+    # reuse 1 and no replay: a rollout every iteration, nothing replayed
+    u = RolloutSchedule()
+    for it in (1, 2, 3):
+        assert u.needs_rollout(it)
+        u.start(it, _items(it, 2))
+        assert u.replayed(it) == [] and len(u.buffer) == 0
+    with pytest.raises(ValueError, match="reuse"):
+        RolloutSchedule(reuse=0)
+    with pytest.raises(ValueError, match="fraction"):
+        RolloutSchedule(replay=1, fraction=1.5)
+
+
+def _save(state):
+    import io
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return buf
