@@ -256,7 +256,10 @@ class Trainer:
 
         cfg, r = self.cfg, self.cfg.rollout
         tok = load_model_checked(cfg.model.name, tokenizer_only=True)
-        probe = ro.MultiTurnRollout(None, tok, cfg.env.name, dict(cfg.env.options), r.rollout_config())
+        try:
+            probe = ro.MultiTurnRollout(None, tok, cfg.env.name, dict(cfg.env.options), r.rollout_config())
+        except ValueError as e:  # e.g. a tokenizer without a chat template
+            raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
         seeds = iteration_seeds(cfg.trainer.seed, 1, r.env_groups) + [cfg.trainer.eval_seed_offset]
         longest = max(probe.prompt_lengths(seeds))
         if longest + r.max_new_tokens > r.max_context:
@@ -281,9 +284,6 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
         self._lock = RunLock(self.out).acquire()  # before anything in the folder is read or written
-        tidied = tidy_run_folder(self.out)
-        if tidied:
-            c.print(f"{self.out}: after an interrupted write: {'; '.join(tidied)}", markup=False, soft_wrap=True)
         if not self.resume:
             used = run_folder_in_use(self.out)
             if used and not self.overwrite:
@@ -292,6 +292,9 @@ class Trainer:
                                       f"choose another output folder or pass overwrite=True (--overwrite)")
             if used:
                 clear_run_folder(self.out)
+        tidied = tidy_run_folder(self.out)
+        if tidied:
+            c.print(f"{self.out}: after an interrupted write: {'; '.join(tidied)}", markup=False, soft_wrap=True)
         os.makedirs(self.out, exist_ok=True)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         if dtype is None:

@@ -33,8 +33,10 @@ from fastpo.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
-SETTINGS = ["model.name=random:tiny-llama", "trainer.iterations=2", "trainer.plots=false", "trainer.save_every=1",
-            "trainer.keep_checkpoints=1", "trainer.eval_every=2", "rollout.think=false", "rollout.max_new_tokens=8"]
+# on the CPU everywhere: a process that forked after CUDA started must not use CUDA
+SETTINGS = ["model.name=random:tiny-llama", "trainer.device=cpu", "trainer.iterations=2", "trainer.plots=false",
+            "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.eval_every=2", "rollout.think=false",
+            "rollout.max_new_tokens=8"]
 # Timing figures differ between runs by nature; everything else must not.
 VOLATILE = ("time/", "perf/", "train/seconds", "train/engine_seconds", "train/tokens_per_s", "eval/seconds",
             "eval/engine_seconds", "eval/tokens_per_s")
@@ -81,6 +83,7 @@ def _child(body) -> int:
         code = 0
         try:
             torch.set_num_threads(1)
+            torch.cuda.is_available = lambda: False  # (no CUDA RNG state either)
             code = body()
         except BaseException:
             traceback.print_exc()
