@@ -286,7 +286,48 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+    if keys is None and any(_is_number(r.get("collapse/mi_estimate")) for r in records):
+        written.append(plot_collapse(records, os.path.join(out_dir, "collapse.png"), model_label))
     return written
+
+
+def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
+    """The collapse metrics of a run in one figure (matplotlib, Agg), written to `path`:
+    H(Z|X), H(Z) and I(X;Z) per token (nats) with I's bound log N, and beside them train
+    success and rollout entropy. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    def pts(key):
+        return [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    for key, label, style in (("collapse/conditional_entropy_est", "H(Z|X): variety for a given state", "-o"),
+                              ("collapse/reasoning_entropy_est", "H(Z): variety over the batch", "-s"),
+                              ("collapse/mi_estimate", "I(X;Z) = H(Z) - H(Z|X): dependence on the state", "-^"),
+                              ("collapse/mi_upper_bound", "log N (I's bound)", ":")):
+        if pts(key):
+            ax.plot(*zip(*pts(key)), style, ms=3, lw=1.2, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("nats per token")
+    ax.set_title(plot_title("collapse metrics (first turn)", model_label), fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5)
+    for key, label in (("train/success_rate", "train success rate"), ("train/rollout_entropy", "rollout entropy (nats)"),
+                       ("train/in_group_reward_std", "in-group reward std")):
+        if pts(key):
+            ax2.plot(*zip(*pts(key)), "-o", ms=3, lw=1.2, label=label)
+    ax2.set_xlabel("iteration")
+    ax2.set_title(plot_title("the paper's signals", model_label), fontsize=9)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=6.5)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "",

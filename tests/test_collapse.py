@@ -193,3 +193,33 @@ def test_echo_trap_warning_names_the_collapse():
     det = EchoTrapDetector(drop=0.5, window=1)
     det.update(_rec(1, 0.4, 2.0, 0.1))
     assert "unknown" in det.update(_rec(2, 0.1, 0.5, 0.1))
+
+
+def test_bench_part_runs_quick():
+    """`bench/throughput.py --part collapse` end to end at --quick sizes on the tiny model."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import part_collapse
+    from _common import BenchContext
+
+    recs = part_collapse.run(BenchContext(quick=True, model="random:tiny-llama", repeats=1, parts=("collapse",)))
+    tokens = recs[0]
+    assert tokens.unit == "tokens" and tokens.baseline > tokens.fastpo > 0 and tokens.target == 3.0
+    assert [r.unit for r in recs] == ["tokens", "s", "s"] and all(r.ratio and r.ratio > 0 for r in recs)
+    assert "max |fastpo - plain reference|" in tokens.notes
+
+
+def test_plot_curves_draws_the_collapse_figure(tmp_path):
+    import os
+
+    from fastpo.metrics import plot_curves
+
+    recs = [{"iteration": i, "train/success_rate": 0.1 * i, "collapse/mi_estimate": 0.5 / i,
+             "collapse/conditional_entropy_est": 1.0, "collapse/reasoning_entropy_est": 1.0 + 0.5 / i,
+             "collapse/mi_upper_bound": math.log(4)} for i in (1, 2, 3)]
+    paths = plot_curves(recs, str(tmp_path))
+    assert str(tmp_path / "collapse.png") in paths and os.path.getsize(tmp_path / "collapse.png") > 5000
+    plot_curves([{"iteration": 1, "train/success_rate": 0.2}], str(tmp_path / "none"))
+    assert "collapse.png" not in os.listdir(tmp_path / "none")
