@@ -1,4 +1,5 @@
-"""Checkpoints: an HF-format model folder plus optimizer, RNG and loop state, written atomically.
+"""Checkpoints: an HF-format model folder plus optimizer, RNG and loop state, written atomically
+and verified before use; the run folder's lock and its temporaries.
 
 Layout of `OUT/checkpoints/iter_000010/`:
 
@@ -9,6 +10,7 @@ Layout of `OUT/checkpoints/iter_000010/`:
     optimizer.pt    torch.save of every optimizer's state_dict
     state.pt        iteration, RNG states (python, numpy, torch CPU and CUDA), loop state
     config.yaml     the run's configuration
+    manifest.json   size and SHA-256 of every other file, written last
 
 `model/fastpo_model.json` records where the weights came from (`MODEL_META`): the run, the
 iteration, the `model.name` the run trained from and the model its training started from
@@ -17,18 +19,28 @@ a checkpoint of a `random:<shape>` run still says it started from random weights
 `find_checkpoint` reads a model folder, a checkpoint folder or a run folder (its latest
 checkpoint) as a checkpoint.
 
-The folder is written under a temporary name and renamed into place (atomic on POSIX), then
-`OUT/checkpoints/latest` (a one-line text file, also replaced atomically) points at it. An
-interrupted save leaves the previous checkpoint intact.
+Crash safety: the folder is written under a temporary name (`.tmp-iter_*`), every file is
+fsynced, the manifest is written last (atomically), and only then is the folder renamed into
+place; `OUT/checkpoints/latest` (a one-line text file, replaced atomically) names it. An
+interrupted or failed save (a full disk: `CheckpointSaveError`) leaves the previous
+checkpoints intact; `remove_stale_temporaries` clears what it left on the next start.
+`verify_checkpoint` checks a folder against its manifest; `latest_checkpoint` is the newest
+checkpoint that passes, so a damaged one is skipped with a note naming the damage, and
+pruning never deletes the newest intact checkpoint. `RunLock` holds a run folder for one
+process (an OS lock, released when the process dies).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import hashlib
 import json
 import os
 import random
+import re
 import shutil
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -51,13 +63,42 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def _atomic_write_text(path: str, text: str) -> None:
+# ---------------------------------------------------------------------------------------------
+# Durable, atomic writes
+# ---------------------------------------------------------------------------------------------
+
+def fsync_dir(path: str) -> None:
+    """fsync a folder, so a rename or a new file in it survives a power loss (no-op where the
+    OS cannot open folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Replace the file `path` with `text` so that a reader, or a crash at any moment, finds the
+    old contents or the new ones, never a mix: written to `path.tmp<pid>`, fsynced, renamed over
+    `path`, the folder fsynced. The temporary file is removed if the write fails (e.g. ENOSPC;
+    the error is raised)."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def save_hf_model(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
@@ -84,52 +125,111 @@ def save_hf_model(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
         tokenizer.save_pretrained(path)
 
 
-def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tokenizer: Any,
-                    optimizers: dict[str, torch.optim.Optimizer], state: dict, config_yaml: str,
-                    critic_backbone: Optional[torch.nn.Module] = None,
-                    value_head: Optional[torch.nn.Module] = None, keep: int = 2) -> str:
-    """Write checkpoint `iteration` under `out_dir/checkpoints/` atomically; returns its folder.
+# ---------------------------------------------------------------------------------------------
+# Manifest and verification
+# ---------------------------------------------------------------------------------------------
 
-    `state` is the loop's own state (iteration counters, echo-trap state, ...); RNG states
-    are added here. Older checkpoints beyond the newest `keep` are deleted.
-    Raises ValueError if keep < 1.
+#: The file, in a checkpoint folder, listing every other file's size and SHA-256 (written last).
+MANIFEST = "manifest.json"
+#: What a checkpoint written before manifests existed must hold to be used.
+_LEGACY_REQUIRED = ("model/config.json", "state.pt", "optimizer.pt")
+
+
+def _files_under(folder: str) -> list[str]:
+    """Paths of the files under `folder`, relative to it with "/" separators, sorted."""
+    out = []
+    for d, _, files in os.walk(folder):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _digest(path: str, sync: bool = False) -> str:
+    """SHA-256 (hex) of a file's bytes; `sync` also fsyncs it (it was just written)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        if sync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def write_manifest(folder: str, iteration: int) -> None:
+    """Fsync every file under `folder` and write `MANIFEST` (size and SHA-256 of each) last,
+    atomically: a folder whose manifest verifies holds every file complete."""
+    files = {}
+    for rel in _files_under(folder):
+        if rel == MANIFEST:
+            continue
+        p = os.path.join(folder, rel)
+        files[rel] = {"size": os.path.getsize(p), "sha256": _digest(p, sync=True)}
+    for d, _, _ in os.walk(folder):
+        fsync_dir(d)
+    atomic_write_text(os.path.join(folder, MANIFEST),
+                      json.dumps({"format": 1, "iteration": iteration, "files": files}, indent=1) + "\n")
+
+
+_verified: dict[tuple, tuple[tuple, Optional[str]]] = {}  # (folder, part) -> (file stat signature, result)
+
+
+def _signature(folder: str) -> tuple:
+    sig = []
+    for rel in _files_under(folder):
+        st = os.stat(os.path.join(folder, rel))
+        sig.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(sig)
+
+
+def verify_checkpoint(folder: str, quick: bool = False, part: str = "") -> Optional[str]:
+    """None when checkpoint `folder` is intact, else what is damaged, e.g. "optimizer.pt is
+    missing" or "model/model.safetensors is 812 bytes, 1603584 when saved".
+
+    Intact: every file its manifest lists is there with that size and (unless `quick`) that
+    SHA-256; `part` (e.g. "model/") checks only the files under it. A folder without a
+    manifest (written before fastpo had them) passes when it holds model/config.json,
+    state.pt and optimizer.pt (those under `part`). A full check of an unchanged folder is
+    remembered for the life of the process (the hashing reads every byte).
     """
-    if keep < 1:
-        raise ValueError(f"keep must be >= 1, got {keep}")
-    root = os.path.join(out_dir, "checkpoints")
-    os.makedirs(root, exist_ok=True)
-    name = f"iter_{iteration:06d}"
-    final = os.path.join(root, name)
-    tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    save_hf_model(model, tokenizer, os.path.join(tmp, "model"))
-    meta = _model_meta(out_dir, iteration, config_yaml)
-    if meta is not None:
-        with open(os.path.join(tmp, "model", MODEL_META), "w") as f:
-            json.dump(meta, f, indent=1)
-    if value_head is not None:
-        from safetensors.torch import save_file
-
-        os.makedirs(os.path.join(tmp, "critic"), exist_ok=True)
-        if critic_backbone is not None:
-            critic_backbone.save_pretrained(os.path.join(tmp, "critic"))
-        save_file({k: v.detach().contiguous().cpu() for k, v in value_head.state_dict().items()},
-                  os.path.join(tmp, "critic", "value_head.safetensors"))
-    torch.save({k: o.state_dict() for k, o in optimizers.items()}, os.path.join(tmp, "optimizer.pt"))
-    torch.save({"iteration": iteration, "rng": rng_state(), **state}, os.path.join(tmp, "state.pt"))
-    with open(os.path.join(tmp, "config.yaml"), "w") as f:
-        f.write(config_yaml)
-    if os.path.exists(final):
-        old = final + f".old{os.getpid()}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _atomic_write_text(os.path.join(root, "latest"), name + "\n")
-    prune_checkpoints(root, keep=keep, protect=name)
-    return final
+    folder = os.path.abspath(folder)
+    if not os.path.isdir(folder):
+        return "the folder is missing"
+    mpath = os.path.join(folder, MANIFEST)
+    if not os.path.exists(mpath):
+        for rel in _LEGACY_REQUIRED:
+            if rel.startswith(part) and not os.path.isfile(os.path.join(folder, rel)):
+                return f"{rel} is missing (and it has no {MANIFEST})"
+        return None
+    try:
+        with open(mpath) as f:
+            files = json.load(f)["files"]
+        if not isinstance(files, dict) or not files:
+            raise ValueError("no files listed")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({type(e).__name__})"
+    files = {rel: meta if isinstance(meta, dict) else {} for rel, meta in files.items() if rel.startswith(part)}
+    if part and not files:
+        return f"nothing under {part} is listed in {MANIFEST}"
+    for rel, meta in files.items():
+        p = os.path.join(folder, rel)
+        if not os.path.isfile(p):
+            return f"{rel} is missing"
+        size = os.path.getsize(p)
+        if size != meta.get("size"):
+            return f"{rel} is {size} bytes, {meta.get('size')} when saved"
+    if quick:
+        return None
+    sig = _signature(folder)
+    known = _verified.get((folder, part))
+    if known is not None and known[0] == sig:
+        return known[1]
+    problem = None
+    for rel, meta in files.items():
+        if _digest(os.path.join(folder, rel)) != meta.get("sha256"):
+            problem = f"{rel} differs from what was saved (SHA-256)"
+            break
+    _verified[(folder, part)] = (sig, problem)
+    return problem
 
 
 def _iteration_of(name: str) -> Optional[int]:
@@ -140,28 +240,247 @@ def _iteration_of(name: str) -> Optional[int]:
     return int(digits) if digits.isdigit() else None
 
 
+def _checkpoint_names(root: str) -> list[str]:
+    """The ``iter_*`` folders in `root`, oldest (lowest iteration) first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(n, d) for d in os.listdir(root)
+             if (n := _iteration_of(d)) is not None and os.path.isdir(os.path.join(root, d))]
+    return [d for _, d in sorted(found)]
+
+
+@dataclasses.dataclass
+class CheckpointSearch:
+    """The newest intact checkpoint of a run (`folder`, None when there is none) and the damaged
+    ones newer than it (`damaged`: (name, what is damaged), newest first)."""
+
+    folder: Optional[str]
+    damaged: list
+
+    def note(self) -> Optional[str]:
+        """One line about the damaged checkpoints, or None when there were none."""
+        if not self.damaged:
+            return None
+        what = "; ".join(f"{name}: {problem}" for name, problem in self.damaged)
+        used = f"using {os.path.basename(self.folder)}, the newest intact one" if self.folder else \
+            "no intact checkpoint is left"
+        return f"damaged checkpoint{'s' if len(self.damaged) > 1 else ''} skipped ({what}); {used}"
+
+
+def search_checkpoints(out_dir: str) -> CheckpointSearch:
+    """Verify the checkpoints of run `out_dir` from the newest (highest iteration) down and stop
+    at the first intact one."""
+    root = os.path.join(out_dir, "checkpoints")
+    damaged = []
+    for name in reversed(_checkpoint_names(root)):
+        problem = verify_checkpoint(os.path.join(root, name))
+        if problem is None:
+            return CheckpointSearch(os.path.join(root, name), damaged)
+        damaged.append((name, problem))
+    return CheckpointSearch(None, damaged)
+
+
+def latest_checkpoint(out_dir: str, warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
+    """Folder of the newest intact checkpoint of run `out_dir`, or None; `warn` gets one line
+    naming any newer checkpoint found damaged (see `verify_checkpoint`)."""
+    found = search_checkpoints(out_dir)
+    if warn is not None and found.note():
+        warn(found.note())
+    return found.folder
+
+
+def checkpoint_iteration(folder: str) -> int:
+    """The iteration checkpoint `folder` holds (from its name)."""
+    n = _iteration_of(os.path.basename(os.path.normpath(folder)))
+    if n is None:
+        raise ValueError(f"{folder} is not a checkpoint folder (iter_NNNNNN)")
+    return n
+
+
+def load_state(ckpt: str, optimizers: bool = True) -> tuple[dict, Optional[dict]]:
+    """(loop state with RNG, optimizer state dicts) of checkpoint folder `ckpt` (without
+    `optimizers`: None for the second).
+
+    Raises FileNotFoundError naming the missing file.
+    """
+    for f in ("state.pt", "optimizer.pt") if optimizers else ("state.pt",):
+        if not os.path.exists(os.path.join(ckpt, f)):
+            raise FileNotFoundError(f"checkpoint {ckpt} is incomplete: {f} is missing")
+    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
+    opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False) if optimizers else None
+    return state, opt
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving and pruning
+# ---------------------------------------------------------------------------------------------
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); the message is one line saying
+    what failed, how much space a checkpoint takes and what is free. Nothing of the failed save
+    is left behind and the earlier checkpoints are untouched."""
+
+
+_WRITE_FAILED = re.compile(r"writ|iostream|unexpected pos|no space|disk|quota", re.IGNORECASE)
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, rel)) for rel in _files_under(folder))
+
+
+def _tensor_bytes(*objs: Any) -> int:
+    """Bytes of the tensors in state dicts / optimizer states (nested dicts and lists)."""
+    total = 0
+    stack = list(objs)
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            total += x.numel() * x.element_size()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return total
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _remove_folder(root: str, name: str) -> None:
+    """Delete checkpoint folder `root/name`: renamed to `.trash-*` first (atomic), so a crash
+    half-way through the deletion never leaves a partial folder under a checkpoint's name."""
+    trash = os.path.join(root, f".trash-{name}-{os.getpid()}")
+    os.replace(os.path.join(root, name), trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tokenizer: Any,
+                    optimizers: dict[str, torch.optim.Optimizer], state: dict, config_yaml: str,
+                    critic_backbone: Optional[torch.nn.Module] = None,
+                    value_head: Optional[torch.nn.Module] = None, keep: int = 2,
+                    rng: Optional[dict] = None) -> str:
+    """Write checkpoint `iteration` under `out_dir/checkpoints/` atomically; returns its folder.
+
+    `state` is the loop's own state (iteration counters, echo-trap state, ...); the RNG states
+    are added here (`rng`, else the current ones). Older checkpoints beyond the newest `keep`
+    are deleted, except the newest intact one (`prune_checkpoints`).
+    Raises ValueError if keep < 1, CheckpointSaveError (one line: the file, the cause, the
+    space a checkpoint needs and the free space) when writing fails; nothing of the failed
+    save remains and the earlier checkpoints are untouched.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = os.path.join(out_dir, "checkpoints")
+    os.makedirs(root, exist_ok=True)
+    name = f"iter_{iteration:06d}"
+    final = os.path.join(root, name)
+    tmp = os.path.join(root, f".tmp-{name}-{os.getpid()}")
+    step = "the checkpoint folder"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        step = "model/"
+        save_hf_model(model, tokenizer, os.path.join(tmp, "model"))
+        meta = _model_meta(out_dir, iteration, config_yaml)
+        if meta is not None:
+            step = f"model/{MODEL_META}"
+            with open(os.path.join(tmp, "model", MODEL_META), "w") as f:
+                json.dump(meta, f, indent=1)
+        if value_head is not None:
+            from safetensors.torch import save_file
+
+            step = "critic/"
+            os.makedirs(os.path.join(tmp, "critic"), exist_ok=True)
+            if critic_backbone is not None:
+                critic_backbone.save_pretrained(os.path.join(tmp, "critic"))
+            save_file({k: v.detach().contiguous().cpu() for k, v in value_head.state_dict().items()},
+                      os.path.join(tmp, "critic", "value_head.safetensors"))
+        step = "optimizer.pt"
+        torch.save({k: o.state_dict() for k, o in optimizers.items()}, os.path.join(tmp, "optimizer.pt"))
+        step = "state.pt"
+        torch.save({"iteration": iteration, "rng": rng if rng is not None else rng_state(), **state},
+                   os.path.join(tmp, "state.pt"))
+        step = "config.yaml"
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+        step = MANIFEST
+        write_manifest(tmp, iteration)
+        step = f"the rename of the folder to {name}"
+        if os.path.exists(final):  # the same iteration saved again (e.g. over a damaged copy)
+            _remove_folder(root, name)
+        os.replace(tmp, final)
+        fsync_dir(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        # I/O errors become one line; torch's writer reports them as RuntimeError (e.g.
+        # "PytorchStreamWriter failed writing file", "unexpected pos ... iostream error")
+        if not (isinstance(e, OSError) or (isinstance(e, RuntimeError) and _WRITE_FAILED.search(str(e)))):
+            raise
+        where = str(getattr(e, "filename", None) or "")
+        if where.startswith(tmp + os.sep):  # the very file (save_pretrained writes several)
+            step = re.sub(r"\.tmp\d+$", "", os.path.relpath(where, tmp).replace(os.sep, "/"))
+        needed = _tensor_bytes(model.state_dict(), [o.state_dict() for o in optimizers.values()],
+                               critic_backbone.state_dict() if critic_backbone is not None else None,
+                               value_head.state_dict() if value_head is not None else None)
+        prev = [d for d in _checkpoint_names(root) if d != name]
+        if prev:
+            needed = max(needed, _folder_bytes(os.path.join(root, prev[-1])))
+        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()
+        cause = (cause[0] if cause else type(e).__name__)[:160]
+        free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or free < needed
+        held = min(len(prev), keep) + 1  # the new one is written before pruning
+        room = f"; saving needs room for {held} checkpoints at once ({held - 1} kept + the new one)" if held > 1 else ""
+        raise CheckpointSaveError(
+            f"checkpoint {name} not saved: writing {step} failed ({'disk full: ' if full else ''}{cause}); "
+            f"a checkpoint of this run takes about {_size(needed)}, {_size(free)} free in {root}{room}; "
+            + (f"the earlier checkpoints are intact (newest: {prev[-1]})" if prev else "no earlier checkpoint exists")
+        ) from e
+    try:
+        atomic_write_text(os.path.join(root, "latest"), name + "\n")
+    except OSError as e:  # the checkpoint is complete; `latest` only names it (found by its manifest)
+        raise CheckpointSaveError(f"checkpoint {name} saved, but writing {os.path.join(root, 'latest')} failed "
+                                  f"({e.strerror or e}); resume still finds {name}") from e
+    prune_checkpoints(root, keep=keep, protect=name)
+    return final
+
+
 def prune_checkpoints(root: str, keep: int, protect: str) -> list[str]:
     """Delete all but the `keep` highest-iteration checkpoints in `root`; returns the deleted names.
 
     Ordered by iteration number (not by name), and `protect` (the checkpoint just written)
-    is never deleted, even if folders with higher iteration numbers exist.
+    is never deleted, even if folders with higher iteration numbers exist. When none of the
+    kept ones passes `verify_checkpoint(quick=True)`, the newest intact one among the others is
+    kept as well: pruning never deletes the last intact checkpoint.
     """
-    found = []
-    for d in os.listdir(root):
-        n = _iteration_of(d)
-        if n is not None and os.path.isdir(os.path.join(root, d)):
-            found.append((n, d))
-    found.sort()
-    others = [d for _, d in found if d != protect]
+    names = _checkpoint_names(root)
+    others = [d for d in names if d != protect]
     n_drop = max(0, len(others) - (keep - 1))
     dropped = others[:n_drop]
+    kept = [d for d in names if d not in dropped]
+    if dropped and not any(verify_checkpoint(os.path.join(root, d), quick=True) is None for d in kept):
+        for d in reversed(dropped):
+            if verify_checkpoint(os.path.join(root, d), quick=True) is None:
+                dropped.remove(d)
+                break
     for d in dropped:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        _remove_folder(root, d)
     return dropped
 
 
+# ---------------------------------------------------------------------------------------------
+# The run folder: markers, the lock, temporaries
+# ---------------------------------------------------------------------------------------------
+
 #: What marks a folder as holding a fastpo run.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+#: The lock file in a run folder (see RunLock).
+LOCK_FILE = ".lock"
 
 
 def run_folder_in_use(out_dir: str) -> list[str]:
@@ -192,34 +511,124 @@ def fresh_run_folder(out_dir: str) -> str:
     return f"{base}-{i}"
 
 
-def latest_checkpoint(out_dir: str) -> Optional[str]:
-    """Folder of the newest complete checkpoint of run `out_dir`, or None."""
-    root = os.path.join(out_dir, "checkpoints")
-    ptr = os.path.join(root, "latest")
-    if os.path.exists(ptr):
-        with open(ptr) as f:
-            name = f.read().strip()
-        if name and os.path.isdir(os.path.join(root, name)):
-            return os.path.join(root, name)
-    if os.path.isdir(root):
-        done = sorted((_iteration_of(d), d) for d in os.listdir(root) if _iteration_of(d) is not None
-                      and os.path.exists(os.path.join(root, d, "state.pt")))
-        if done:
-            return os.path.join(root, done[-1][1])
-    return None
+class RunFolderBusy(RuntimeError):
+    """Another process holds the run folder (one line naming it and its pid)."""
 
 
-def load_state(ckpt: str) -> tuple[dict, dict]:
-    """(loop state with RNG, optimizer state dicts) of checkpoint folder `ckpt`.
+class RunLock:
+    """An exclusive OS lock (flock) on `OUT/.lock`, held by the process writing the run folder.
 
-    Raises FileNotFoundError naming the missing file.
+    The kernel releases it when the process ends, however it ends (kill -9 included), so a
+    lock never outlives its holder. The file holds the holder's pid, for the message.
+    `acquire` raises RunFolderBusy naming the pid when another process holds it.
     """
-    for f in ("state.pt", "optimizer.pt"):
-        if not os.path.exists(os.path.join(ckpt, f)):
-            raise FileNotFoundError(f"checkpoint {ckpt} is incomplete: {f} is missing")
-    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-    opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False)
-    return state, opt
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, LOCK_FILE)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        os.makedirs(self.out_dir, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunFolderBusy(self._busy()) from None
+            # the file may have been deleted and re-created by a holder that let go meanwhile:
+            # hold the lock on the file that is there now
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def check(self) -> None:
+        """Raise RunFolderBusy when another process holds the lock now (without taking it: a
+        probe, for refusing a command before it does anything)."""
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file: nobody has held this folder
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderBusy(self._busy()) from None
+        finally:
+            os.close(fd)
+
+    def _busy(self) -> str:
+        try:
+            with open(self.path) as f:
+                pid = f.read().strip()
+        except OSError:
+            pid = ""
+        return (f"{self.out_dir} is in use by another fastpo process (pid {pid if pid.isdigit() else 'unknown'}); "
+                f"wait for it to end or stop it first")
+
+    def release(self, remove: bool = False) -> None:
+        """Let go of the lock; `remove` also deletes the lock file (a folder left empty)."""
+        if self.fd is None:
+            return
+        if remove:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        os.close(self.fd)  # closing the last descriptor releases the flock
+        self.fd = None
+
+
+def tidy_run_folder(out_dir: str) -> list[str]:
+    """Clear what interrupted writes left in run `out_dir` (call it holding its RunLock): the
+    temporary checkpoint folders (`.tmp-iter_*`), half-deleted ones (`.trash-*`), `latest.tmp*`,
+    and the temporaries of `metrics.jsonl` and `config.yaml`; and point `checkpoints/latest` at
+    the newest intact checkpoint when it names another (a crash before it was rewritten, or a
+    damaged one). Returns what was done, one short phrase per item."""
+    removed = []
+    root = os.path.join(out_dir, "checkpoints")
+    for folder, prefixes in ((root, (".tmp-iter_", ".trash-", "latest.tmp")),
+                             (out_dir, ("metrics.jsonl.tmp", "config.yaml.tmp"))):
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            if not name.startswith(prefixes):
+                continue
+            p = os.path.join(folder, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(p)
+            removed.append(f"removed {name}")
+    newest = search_checkpoints(out_dir).folder
+    ptr = os.path.join(root, "latest")
+    if newest is not None:
+        try:
+            with open(ptr) as f:
+                named = f.read().strip()
+        except OSError:
+            named = None
+        if named != os.path.basename(newest):
+            atomic_write_text(ptr, os.path.basename(newest) + "\n")
+            removed.append(f"checkpoints/latest now names {os.path.basename(newest)}")
+    return removed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,12 +656,14 @@ class CheckpointRef:
     config_path: Optional[str]
 
 
-def find_checkpoint(path: str) -> Optional[CheckpointRef]:
+def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> Optional[CheckpointRef]:
     """Read `path` as a fastpo checkpoint: its ``model/`` folder, the checkpoint folder
-    ``iter_NNNNNN`` itself, or a run folder or its ``checkpoints/`` (meaning the latest checkpoint).
+    ``iter_NNNNNN`` itself, or a run folder or its ``checkpoints/`` (meaning its newest intact
+    checkpoint, `latest_checkpoint`; `warn` gets the line naming damaged newer ones).
 
     Returns None when `path` is none of these (a plain HF model folder, a hub id, a missing
-    path). Raises ValueError for a run folder without a complete checkpoint.
+    path). Raises ValueError for a run folder without an intact checkpoint. A checkpoint named
+    directly is returned as found: check it with `verify_checkpoint` before loading it.
     """
     if not isinstance(path, str) or not path:
         return None
@@ -267,19 +678,23 @@ def find_checkpoint(path: str) -> Optional[CheckpointRef]:
                 and not os.path.isfile(os.path.join(p, MODEL_META)):
             return None
         folder = os.path.dirname(p) if os.path.dirname(p) else parent
-    elif _iteration_of(os.path.basename(p)) is not None and os.path.isfile(os.path.join(p, "model", "config.json")):
-        folder = p
+    elif _iteration_of(os.path.basename(p)) is not None and any(
+            os.path.isfile(os.path.join(p, f)) for f in ("model/config.json", MANIFEST, "state.pt")):
+        folder = p  # (one missing model/ is damage for verify_checkpoint to name)
     else:
         if os.path.basename(p) == "checkpoints" and not os.path.isdir(os.path.join(p, "checkpoints")):
             p = os.path.dirname(os.path.abspath(p))  # run/checkpoints: the run's latest
         if not os.path.isdir(os.path.join(p, "checkpoints")):
             return None
-        folder = latest_checkpoint(p)
-        if folder is None and not os.path.isfile(os.path.join(p, "config.yaml")):
+        found = search_checkpoints(p)
+        folder = found.folder
+        if folder is None and not found.damaged and not os.path.isfile(os.path.join(p, "config.yaml")):
             return None  # a folder that merely holds a "checkpoints" folder: not a fastpo run
         if folder is None or not os.path.isfile(os.path.join(folder, "model", "config.json")):
-            raise ValueError(f"{path!r} is a fastpo run folder without a complete checkpoint yet (nothing with "
-                             f"model/config.json under {os.path.join(p, 'checkpoints')})")
+            why = found.note() or f"nothing with model/config.json under {os.path.join(p, 'checkpoints')}"
+            raise ValueError(f"{path!r} is a fastpo run folder without a complete checkpoint yet ({why})")
+        if warn is not None and found.note():
+            warn(found.note())
     checkpoints = os.path.dirname(folder)
     run_dir = os.path.dirname(checkpoints) if os.path.basename(checkpoints) == "checkpoints" else None
     config_path = None

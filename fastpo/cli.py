@@ -11,11 +11,16 @@ line; a traceback means a bug.
 
 A new run never destroys an old one: without --out, a folder that already holds a run is
 replaced by the first free `runs/<env>-2`, `-3`, ...; a named --out holding a run is refused
-unless --overwrite. On --resume only --iterations, --device and non-env/model overrides apply.
+unless --overwrite, and so is a folder another fastpo process is writing (naming its pid).
+On --resume only --iterations, --device and non-env/model overrides apply.
+
+Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
+full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 
@@ -68,7 +73,8 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.checkpoint import fresh_run_folder, latest_checkpoint, run_folder_in_use
+    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use,
+                                   tidy_run_folder)
     from fastpo.config import ConfigError, apply_dict, parse_override, validate
 
     console = Console()
@@ -95,12 +101,16 @@ def cmd_train(args) -> int:
                 cfg.trainer.device = args.device
             cfg.trainer.output_dir = args.resume
             validate(cfg)
-            ckpt = latest_checkpoint(args.resume)
-            if ckpt is None:
-                raise ConfigError(f"--resume {args.resume}: no checkpoint found under "
-                                  f"{os.path.join(args.resume, 'checkpoints')}")
-            done = int(os.path.basename(ckpt).rsplit("_", 1)[-1])
-            if done >= cfg.trainer.iterations:  # say so without loading the model
+            RunLock(args.resume).check()
+            from fastpo.trainer import find_resume_point
+
+            point = find_resume_point(args.resume)
+            done = point.iteration
+            if point.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
+                if point.note:
+                    console.print(f"warning: {point.note}", style="yellow", markup=False, soft_wrap=True)
+                with RunLock(args.resume):
+                    tidy_run_folder(args.resume)
                 console.print(f"[yellow]{args.resume} already ran {done} iterations (trainer.iterations = "
                               f"{cfg.trainer.iterations}): nothing to train; pass --iterations N with N > {done} "
                               f"to train further[/]")
@@ -112,6 +122,8 @@ def cmd_train(args) -> int:
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
             cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
+            if args.out is not None:
+                RunLock(args.out).check()
             used = run_folder_in_use(cfg.trainer.output_dir)
             if used and args.out and not args.overwrite:
                 raise ConfigError(f"--out {args.out} already holds a run ({', '.join(used)}); resume it with "
@@ -124,7 +136,7 @@ def cmd_train(args) -> int:
 
         resolve_device(cfg.trainer.device)
         _check_out_dir(cfg.trainer.output_dir)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
         print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
     from fastpo.trainer import train
@@ -137,11 +149,20 @@ def cmd_train(args) -> int:
                   f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
     try:
         train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite)
-    except KeyboardInterrupt:
-        return 130
-    except ConfigError as e:  # bad input found late (the model name or path); not a bug
+    except KeyboardInterrupt as e:  # stopped by a signal; the checkpoint is saved
+        return 128 + getattr(e, "signum", 2)
+    except (ConfigError, RunFolderBusy, FileExistsError) as e:  # bad input found late; not a bug
         print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as e:
+        print(f"fastpo train: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"fastpo train: error: {e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
+              f"`fastpo train --resume {cfg.trainer.output_dir}`", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -173,7 +194,9 @@ def cmd_eval(args) -> int:
 
         # a fastpo checkpoint brings the env and rollout settings it was trained with
         cfg, run = eval_config(env=args.env, preset=args.preset, file=args.config, overrides=ov,
-                               values={"model.name": args.model} if args.model is not None else None)
+                               values={"model.name": args.model} if args.model is not None else None,
+                               warn=lambda text: console.print(f"warning: {text}", style="yellow", markup=False,
+                                                              soft_wrap=True))
         from fastpo.trainer import resolve_device
 
         resolve_device(cfg.trainer.device)

@@ -612,20 +612,7 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     Raises ConfigError (ValueError) naming the bad key or value; FileNotFoundError
     for a missing file.
     """
-    file_dict: dict = {}
-    if file:
-        try:
-            with open(file) as f:
-                file_dict = yaml.safe_load(f) or {}
-        except FileNotFoundError:
-            raise
-        except OSError as e:  # a folder, no permission, ...
-            raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ConfigError(f"config file {file}: not valid YAML ({str(e).splitlines()[0]})") from None
-        if not isinstance(file_dict, dict):
-            raise ConfigError(f"{file}: the top level must be a mapping")
-        file_dict = dict(file_dict)
+    file_dict = read_config_file(file) if file else {}
     override_dicts = [parse_override(o) for o in (overrides or [])]
     env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
     if env_name not in ENV_PRESETS:
@@ -653,6 +640,32 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if not cfg.trainer.output_dir:
         cfg.trainer.output_dir = f"runs/{cfg.env.name}"
     return validate(cfg)
+
+
+def read_config_file(file: str) -> dict:
+    """The mapping in YAML config file `file`; `env: NAME` (a string) is read as `env: {name: NAME}`.
+
+    Raises FileNotFoundError for a missing file, ConfigError for an unreadable one, invalid
+    YAML, a top level that is not a mapping or an `env` that is neither a mapping nor a name.
+    """
+    try:
+        with open(file) as f:
+            d = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a folder, no permission, ...
+        raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {file}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{file}: the top level must be a mapping")
+    d = dict(d)
+    if isinstance(d.get("env"), str):
+        d["env"] = {"name": d["env"]}
+    elif d.get("env") is not None and not isinstance(d["env"], dict):
+        raise ConfigError(f"config file {file}: 'env' must be an env name or a mapping such as "
+                          f"{{name: frozenlake, options: {{}}}}, got {d['env']!r}")
+    return d
 
 
 def config_from_dict(d: dict) -> TrainConfig:

@@ -151,7 +151,7 @@ def _get(cfg, dotted: str) -> Any:
 
 
 def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
-                overrides: Optional[list[str]] = None, values: Optional[dict] = None):
+                overrides: Optional[list[str]] = None, values: Optional[dict] = None, warn=None):
     """The configuration of `fastpo eval`: `fastpo.config.load_config(env, preset, file,
     overrides, values)`, and when `model.name` is a fastpo checkpoint (its model folder, the
     checkpoint folder, or a run folder meaning its latest checkpoint) the settings it was
@@ -161,6 +161,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     keep their command-line value. On another env than the trained one, the turn and
     action limits the env presets fix (bandit: 1 turn, 1 action) are not carried over.
 
+    A run folder whose newest checkpoints are damaged means its newest intact one; `warn`
+    (a callable) gets the line naming the damage.
+
     Returns (TrainConfig, RunSettings or None when the model is not a fastpo checkpoint).
     Raises ConfigError (bad key or value, a run folder without a checkpoint, an unreadable
     run config) and FileNotFoundError (a missing --config file), like load_config.
@@ -169,13 +172,13 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
 
     from fastpo.checkpoint import find_checkpoint
     from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, _nested, apply_dict,
-                               config_from_dict, load_config, parse_override, validate)
+                               config_from_dict, load_config, parse_override, read_config_file, validate)
 
     overrides = list(overrides or [])
     values = dict(values or {})
     cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
     try:
-        ref = find_checkpoint(cfg.model.name)
+        ref = find_checkpoint(cfg.model.name, warn=warn)
     except ValueError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: {e}") from None
     if ref is None:
@@ -195,8 +198,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         explicit |= _flat_keys(PRESETS.get(name.strip(), {}))
     file_dict: dict = {}
     if file:
-        with open(file) as f:  # load_config read it already: it exists and is valid YAML
-            file_dict = yaml.safe_load(f) or {}
+        file_dict = read_config_file(file)  # load_config read it already: it exists and is valid
         explicit |= _flat_keys(file_dict)
     for o in overrides:
         explicit |= _flat_keys(parse_override(o))
@@ -265,13 +267,10 @@ def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:
 
 def write_json(path: str, record: dict) -> str:
     """Write `record` as indented JSON to `path` (parent folders created; replaced atomically)."""
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1, default=str)
-        f.write("\n")
-    os.replace(tmp, path)
+    from fastpo.checkpoint import atomic_write_text
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")
     return path
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import torch
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 #: Curves the RAGEN paper plots (Fig. 3-5), drawn to OUT/plots/<name>.png.
 PLOT_KEYS: dict[str, str] = {
@@ -37,14 +38,16 @@ class MetricsLogger:
 
     `resume_from` (an iteration number) keeps the file's records up to that iteration,
     drops later ones (they belong to the interrupted run) and replays them to rebuild the
-    EMA state, so a resumed run writes exactly what an uninterrupted one would have.
+    EMA state, so a resumed run writes exactly what an uninterrupted one would have. A line
+    that is not JSON (the half-written last line of a crash or a full disk) is dropped there,
+    and `warn` (default: print to stderr) gets one line saying so.
     TensorBoard (`tensorboard=True`, torch.utils.tensorboard) and Weights & Biases
     (`wandb=True`, offline unless WANDB_MODE says otherwise) mirror the scalars.
     """
 
     def __init__(self, out_dir: str, ema_decay: float = 0.9, tensorboard: bool = False, wandb: bool = False,
                  resume_from: Optional[int] = None, run_name: str = "fastpo", config: Optional[dict] = None,
-                 model_label: Optional[str] = None):
+                 model_label: Optional[str] = None, warn: Optional[Callable[[str], None]] = None):
         if not 0 < ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         os.makedirs(out_dir, exist_ok=True)
@@ -56,15 +59,26 @@ class MetricsLogger:
         self.ema: dict[str, float] = {}
         self.records: list[dict] = []
         if resume_from is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                for line in f:
+            torn = []
+            with open(self.path, errors="replace") as f:
+                for n, line in enumerate(f, 1):
                     line = line.strip()
                     if not line:
                         continue
-                    rec = json.loads(line)
+                    try:
+                        rec = json.loads(line)
+                        if not isinstance(rec, dict):
+                            raise ValueError(type(rec).__name__)
+                    except ValueError:
+                        torn.append(n)
+                        continue
                     if rec.get("iteration", 0) <= resume_from:
                         self.records.append(rec)
                         self._update_ema(rec)
+            if torn:
+                say = warn or (lambda text: print(f"warning: {text}", file=sys.stderr))
+                say(f"{self.path}: dropped {'the half-written line' if len(torn) == 1 else 'unreadable lines'} "
+                    f"{', '.join(map(str, torn[:5]))}{' ...' if len(torn) > 5 else ''} (an interrupted write)")
             self._rewrite()
         elif os.path.exists(self.path):
             os.remove(self.path)
@@ -89,31 +103,36 @@ class MetricsLogger:
             self.ema[k] = float(v) if prev is None else self.decay * prev + (1 - self.decay) * float(v)
 
     def _rewrite(self) -> None:
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            for rec in self.records:
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, self.path)
+        from fastpo.checkpoint import atomic_write_text
+
+        atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in self.records))
+
+    @staticmethod
+    def log_values(metrics: dict) -> dict:
+        """What a record keeps of `metrics`: numbers (bools as 0/1, non-finite as null) and strings."""
+        out: dict[str, Any] = {}
+        for k, v in metrics.items():
+            if isinstance(v, bool):
+                v = int(v)
+            if isinstance(v, (int, float)):
+                out[k] = v if math.isfinite(float(v)) else None
+            elif isinstance(v, str):
+                out[k] = v
+        return out
 
     def log(self, iteration: int, metrics: dict) -> dict:
         """Record one iteration's scalars (non-finite values are kept as null); returns the record with EMA copies."""
         rec: dict[str, Any] = {"iteration": int(iteration)}
         if self.model_label is not None:
             rec["model"] = self.model_label
-        for k, v in metrics.items():
-            if isinstance(v, bool):
-                v = int(v)
-            if isinstance(v, (int, float)):
-                rec[k] = v if math.isfinite(float(v)) else None
-            elif isinstance(v, str):
-                rec[k] = v
+        rec.update(self.log_values(metrics))
         self._update_ema(rec)
         for k in list(rec):
             if k in self.ema:
                 rec[f"ema/{k}"] = self.ema[k]
         self.records.append(rec)
         with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps(rec) + "\n")  # one write: a crash leaves at most a torn last line
         if self._tb is not None:
             for k, v in rec.items():
                 if _is_number(v) and k != "iteration":
@@ -133,6 +152,24 @@ class MetricsLogger:
             for k, v in values.items():
                 if _is_number(v):
                     self._tb.add_scalar(k, float(v), self.records[-1]["iteration"])
+
+    def extend_last(self, metrics: dict) -> dict:
+        """Add keys the last record lacked (an evaluation finished after it was logged), with
+        their EMA copies, as `log` would have written them; returns the record."""
+        if not self.records:
+            raise ValueError("no record to extend")
+        rec = self.records[-1]
+        new = {k: v for k, v in self.log_values(metrics).items() if k not in rec}
+        self._update_ema(new)
+        rec.update(new)
+        rec.update({f"ema/{k}": self.ema[k] for k in new if k in self.ema})
+        self._rewrite()
+        if self._tb is not None:
+            for k, v in new.items():
+                if _is_number(v):
+                    self._tb.add_scalar(k, float(v), rec["iteration"])
+            self._tb.flush()
+        return rec
 
     def close(self) -> None:
         if self._tb is not None:

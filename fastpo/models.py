@@ -365,7 +365,7 @@ def _random_model(shape: str, seed: int, vocab_needed: int):
 
 
 def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: Any = None,
-                             seed: int = 0, attn_implementation: str | None = "sdpa"):
+                             seed: int = 0, attn_implementation: str | None = "sdpa", tokenizer: Any = None):
     """Load a causal LM and its tokenizer for rollouts and training.
 
     Args:
@@ -374,6 +374,7 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
         dtype: weight dtype; None means float32 on the CPU and bfloat16 on CUDA.
         seed: initialisation seed for random models (ignored otherwise).
         attn_implementation: passed to transformers ("sdpa", "eager", "flash_attention_2").
+        tokenizer: what `load_tokenizer(name)` returned, if the caller has it (not loaded again).
 
     Returns:
         (model in eval mode, tokenizer with a pad token set, ModelInfo).
@@ -391,14 +392,14 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     if name.startswith("random:"):
         shape = _check_random_shape(name)
-        tok = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
+        tok = tokenizer or AutoTokenizer.from_pretrained(embedded_tokenizer_dir())
         model = _random_model(shape, seed, len(tok))
         if attn_implementation:
             model.config._attn_implementation = attn_implementation
         source, path = "random", None
     elif name == DEFAULT_MODEL:
         path = embedded_model_dir()
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = tokenizer or AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
         source = "embedded-gguf"
     else:
@@ -407,7 +408,7 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
         if source == "hub":
             # The local HF cache first: no network, no retries.
             try:
-                tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+                tok = tokenizer or AutoTokenizer.from_pretrained(path, local_files_only=True)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, local_files_only=True, **kwargs)
             except (OSError, ValueError):
                 tok = model = None
@@ -415,7 +416,7 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
                 raise RuntimeError(_unreachable_message(name))
         if model is None:
             try:
-                tok = AutoTokenizer.from_pretrained(path)
+                tok = tokenizer or AutoTokenizer.from_pretrained(path)
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
             except (OSError, ValueError) as e:
                 if source == "hub":

@@ -14,11 +14,18 @@ One iteration:
    skips the update with a warning;
 6. the engine sees the new weights (same module); evaluation, metrics, plots, samples and
    checkpoints as configured.
+
+Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
+send before they kill) stops within a bounded time: an iteration whose update has not begun
+is dropped at once (resume redoes it identically), an update under way is finished, and an
+evaluation it interrupts or would start is postponed to the resume; then the last complete
+iteration is saved. The process holds its run folder (`fastpo.checkpoint.RunLock`).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import shutil
 import signal
@@ -30,8 +37,9 @@ import torch
 import yaml
 
 from fastpo import algorithms as alg
-from fastpo.checkpoint import (clear_run_folder, latest_checkpoint, load_state, run_folder_in_use, save_checkpoint,
-                               set_rng_state)
+from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_write_text, checkpoint_iteration,
+                               clear_run_folder, load_state, rng_state, run_folder_in_use, save_checkpoint,
+                               search_checkpoints, set_rng_state, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
 from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
@@ -79,16 +87,77 @@ class ModelLoadError(ConfigError):
     """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
 
 
-def load_model_checked(name: str, **kw):
-    """`fastpo.models.load_model_and_tokenizer(name, **kw)` with its bad-input errors
-    (ValueError, RuntimeError, OSError) raised as ModelLoadError naming `model.name`."""
+def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
+    """`fastpo.models.load_model_and_tokenizer(name, **kw)` (with `tokenizer_only`,
+    `load_tokenizer(name)`) with its bad-input errors (ValueError, RuntimeError, OSError)
+    raised as ModelLoadError naming `model.name`. A fastpo checkpoint is verified first: one
+    whose model/ is damaged is refused in one line naming the damage (and its run's newest
+    intact checkpoint)."""
     from fastpo import models
+    from fastpo.checkpoint import find_checkpoint, verify_checkpoint
 
     try:
-        return models.load_model_and_tokenizer(name, **kw)
+        ref = find_checkpoint(name)
+        problem = verify_checkpoint(ref.folder, part="model/") if ref is not None else None
+        if problem is not None:
+            other = search_checkpoints(ref.run_dir).folder if ref.run_dir else None
+            raise ValueError(f"checkpoint {ref.folder} is damaged: {problem}"
+                             + (f" (the run's newest intact checkpoint: {other})" if other else ""))
+        return models.load_tokenizer(name) if tokenizer_only else models.load_model_and_tokenizer(name, **kw)
     except (ValueError, RuntimeError, OSError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"model.name={name!r} cannot be loaded: {msg}") from e
+
+
+class NothingToTrain(ConfigError):
+    """The prompts leave no room for a response: the run would train on nothing."""
+
+
+class Stopped(KeyboardInterrupt):
+    """The run stopped on a signal after saving (or, on a second signal, without): `signum`
+    is SIGINT (Ctrl-C) or SIGTERM; the CLI exits with 128 + signum (130, 143)."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__()
+        self.signum = int(signum)
+
+
+class _Drop(BaseException):
+    """Raised by the SIGTERM handler inside a phase that changes no weight (a rollout, an
+    evaluation): that work is dropped. A BaseException, so no `except Exception` swallows it."""
+
+
+@dataclasses.dataclass
+class ResumePoint:
+    """Where `--resume` continues a run: `checkpoint`, the newest intact checkpoint folder;
+    `iteration`, the one it holds; `note`, one line naming damaged newer checkpoints that were
+    skipped (None when there were none)."""
+
+    checkpoint: str
+    iteration: int
+    note: Optional[str]
+
+    def eval_pending(self) -> bool:
+        """Whether its evaluation was stopped (by SIGTERM) and is still to run."""
+        state, _ = load_state(self.checkpoint, optimizers=False)
+        return bool(state.get("eval_pending"))
+
+    def nothing_to_do(self, iterations: int) -> bool:
+        """Whether a resume with `iterations` in all has nothing to train or evaluate."""
+        return self.iteration >= iterations and not self.eval_pending()
+
+
+def find_resume_point(out_dir: str) -> ResumePoint:
+    """The checkpoint that `--resume out_dir` continues from: the newest intact one.
+
+    Raises FileNotFoundError (one line, naming damaged checkpoints) when there is none.
+    """
+    found = search_checkpoints(out_dir)
+    if found.folder is None:
+        why = f" ({found.note()})" if found.note() else ""
+        raise FileNotFoundError(f"--resume {out_dir}: no checkpoint found under {os.path.join(out_dir, 'checkpoints')}"
+                                f"{why}; if nothing was trained yet, start again with --out {out_dir} --overwrite")
+    return ResumePoint(found.folder, checkpoint_iteration(found.folder), found.note())
 
 
 def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
@@ -140,7 +209,12 @@ class Trainer:
         self.overwrite = overwrite
         self.device = resolve_device(cfg.trainer.device)
         self._stop_requested = False
-        self.interrupted = False  # stopped by Ctrl-C (after saving), not by reaching the end
+        self.interrupted = False  # stopped by Ctrl-C or SIGTERM (after saving), not by reaching the end
+        self.stop_signal: Optional[int] = None
+        self._droppable_now = False  # inside a phase a SIGTERM may drop (see _droppable)
+        self._weights_touched = False  # the current iteration's update has begun
+        self._eval_pending = False
+        self._lock: Optional[RunLock] = None
         self.stop_after = stop_after
         self.start_iteration = 1
         self.weight_sync_seconds = 0.0
@@ -157,9 +231,45 @@ class Trainer:
             self._setup()
         except BaseException:
             self._shutdown_engine()  # a started SGLang server must not outlive the failed start
-            if created and os.path.isdir(self.out) and not os.listdir(self.out):
-                os.rmdir(self.out)
+            empty = created and os.path.isdir(self.out) and set(os.listdir(self.out)) <= {LOCK_FILE}
+            self._release_lock(remove=empty)
+            if empty:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self.out)
             raise
+
+    def _warn(self, text: str) -> None:
+        """One line (never wrapped), "warning: " first."""
+        self.console.print(f"warning: {text}", style="yellow", markup=False, soft_wrap=True)
+
+    def _release_lock(self, remove: bool = False) -> None:
+        if self._lock is not None:
+            self._lock.release(remove=remove)
+            self._lock = None
+
+    def check_prompts_fit(self) -> Any:
+        """Refuse, before any model loads, prompts that leave no room for one response turn:
+        the first prompt of the first iteration's env groups and of the first eval seed (with
+        the model's chat template and tokenizer) plus rollout.max_new_tokens must fit in
+        rollout.max_context. Returns the tokenizer; raises NothingToTrain (a ConfigError)
+        naming both numbers."""
+        from fastpo import rollout as ro
+
+        cfg, r = self.cfg, self.cfg.rollout
+        tok = load_model_checked(cfg.model.name, tokenizer_only=True)
+        try:
+            probe = ro.MultiTurnRollout(None, tok, cfg.env.name, dict(cfg.env.options), r.rollout_config())
+        except ValueError as e:  # e.g. a tokenizer without a chat template
+            raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
+        seeds = iteration_seeds(cfg.trainer.seed, 1, r.env_groups) + [cfg.trainer.eval_seed_offset]
+        longest = max(probe.prompt_lengths(seeds))
+        if longest + r.max_new_tokens > r.max_context:
+            raise NothingToTrain(
+                f"config key 'rollout.max_context' = {r.max_context}: the first prompt of {cfg.env.name} takes "
+                f"{longest} tokens with {cfg.model.name}'s chat template, so no response of rollout.max_new_tokens = "
+                f"{r.max_new_tokens} fits; raise rollout.max_context to at least {longest + r.max_new_tokens} "
+                f"(or make the env's state smaller)")
+        return tok
 
     def _setup(self) -> None:
         from fastpo import rollout as ro
@@ -175,8 +285,10 @@ class Trainer:
             c.print(f"[yellow]warning[/]: algorithm.filter_mode={cfg.algorithm.filter_mode} with rollout.group_size=1: "
                     "the in-group reward std is undefined with one trajectory per env group, so StarPO-S "
                     "filtering is skipped (every group is trained on)")
+        tok = self.check_prompts_fit()
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
+        self._lock = RunLock(self.out).acquire()  # before anything in the folder is read or written
         if not self.resume:
             used = run_folder_in_use(self.out)
             if used and not self.overwrite:
@@ -185,15 +297,21 @@ class Trainer:
                                       f"choose another output folder or pass overwrite=True (--overwrite)")
             if used:
                 clear_run_folder(self.out)
+        tidied = tidy_run_folder(self.out)
+        if tidied:
+            c.print(f"{self.out}: after an interrupted write: {'; '.join(tidied)}", markup=False, soft_wrap=True)
         os.makedirs(self.out, exist_ok=True)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         if dtype is None:
             dtype = torch.float32  # fp32 master weights; CUDA runs the math under bf16 autocast
-        ckpt = latest_checkpoint(self.out) if self.resume else None
-        if self.resume and ckpt is None:
-            raise FileNotFoundError(f"--resume {self.out}: no checkpoint found under {self.out}/checkpoints")
+        ckpt = None
+        if self.resume:
+            point = find_resume_point(self.out)
+            if point.note:
+                self._warn(point.note)
+            ckpt = point.checkpoint
         t0 = time.perf_counter()
-        model, tok, info = load_model_checked(cfg.model.name, device=str(self.device), dtype=dtype)
+        model, tok, info = load_model_checked(cfg.model.name, device=str(self.device), dtype=dtype, tokenizer=tok)
         self.info = info
         if ckpt is not None and cfg.model.lora_rank == 0:
             # (with LoRA the base stays frozen; only the adapter is restored, below)
@@ -260,11 +378,13 @@ class Trainer:
             set_rng_state(state["rng"])
             self.start_iteration = int(state["iteration"]) + 1
             self.last_eval = state.get("last_eval", {})
+            self._eval_pending = bool(state.get("eval_pending"))
             c.print(f"[bold]resumed[/] from {ckpt} at iteration {self.start_iteration}")
         self.logger = MetricsLogger(self.out, cfg.trainer.ema_decay, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                     resume_from=self.start_iteration - 1 if ckpt is not None else None,
                                     run_name=os.path.basename(os.path.abspath(self.out)), config=cfg.to_dict(),
-                                    model_label=self.info.label)
+                                    model_label=self.info.label,
+                                    warn=self._warn)
         for rec in self.logger.records:
             self.echo.update(rec)
         path, text = os.path.join(self.out, "config.yaml"), dump_yaml(cfg)
@@ -278,8 +398,7 @@ class Trainer:
             if not os.path.exists(kept):
                 shutil.copyfile(ran, kept)
             c.print(f"settings changed on resume: iterations up to {self.start_iteration - 1} ran with {kept}")
-        with open(path, "w") as f:
-            f.write(text)
+        atomic_write_text(path, text)
 
     def _make_engine(self, model, tok):
         """The generation engine of `rollout.engine`: the native one samples from `model` itself;
@@ -609,60 +728,72 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def iteration(self, it: int) -> dict:
-        """One StarPO iteration; returns its metrics."""
+        """One StarPO iteration; returns its metrics. Until its update begins, a SIGTERM drops it
+        (raises _Drop; nothing has changed). Raises NothingToTrain when no trajectory had room
+        for a response."""
         cfg, r, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
         tm: dict[str, float] = {}
         t0 = time.perf_counter()
         self.weight_sync_seconds = 0.0
-        seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
-        batch = self._generate(seeds, r.group_size, r.temperature, seed=cfg.trainer.seed * 1_000_003 + it)
-        tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
-        tm["time/weight_sync_s"] = self.weight_sync_seconds
-        full = batch
-        m = rollout_metrics(full, prefix="train")
-        every = cfg.trainer.collapse_every
-        if every and (it == 1 or it % every == 0):
-            t_c = time.perf_counter()
-            m.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
-            tm["time/collapse_s"] = time.perf_counter() - t_c
-        t1 = time.perf_counter()
-        # one trajectory per group: no in-group std to filter by (said once at start)
-        mode = a.filter_mode if r.group_size > 1 else "none"
-        filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode, a.filter_strategy,
-                                 a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
-        # no group kept (top_p's threshold not reached, or only zero-std groups dropped): the
-        # full batch is still scored for its metrics, then the update is skipped
-        skip = filt.indices.numel() == 0
-        batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
-        m["train/filter_kept_ratio"] = filt.kept_ratio
-        m["train/in_group_reward_std_kept"] = filt.std_after
-        m["train/filter_zero_std_groups"] = filt.zero_std_groups
-        ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
-        masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
-        for mk in masks:
-            mk[0] = False
-        samp = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_logprobs]
-        old_lp, ent, vals, ref = self.compute_old(ids, masks)
-        tm["time/old_logprob_s"] = time.perf_counter() - t1
-        allm = torch.cat(masks)
-        gap = (torch.cat(old_lp) - torch.cat(samp))[allm].abs()
-        m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-        m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-        m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
-        if skip:
-            self.console.print(f"[yellow]warning[/]: iteration {it}: the {a.filter_strategy} filter kept no env group "
-                               f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
-            m.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
-            return m
-        t2 = time.perf_counter()
-        adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
-        m.update(am)
-        if a.soft_advantage_reweight:
-            w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
-            adv = [x * w[i] for i, x in enumerate(adv)]
-            m.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
-                      "train/soft_reweight_mean": float(w.mean())})
-        tm["time/advantage_s"] = time.perf_counter() - t2
+        self._weights_touched = False
+        with self._droppable():
+            seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
+            batch = self._generate(seeds, r.group_size, r.temperature, seed=cfg.trainer.seed * 1_000_003 + it)
+            tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
+            tm["time/weight_sync_s"] = self.weight_sync_seconds
+            full = batch
+            if not int(full.num_turns.sum()):
+                longest = max(int(x.numel()) for x in full.input_ids)
+                raise NothingToTrain(
+                    f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
+                    f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
+                    f"{longest + r.max_new_tokens}")
+            m = rollout_metrics(full, prefix="train")
+            every = cfg.trainer.collapse_every
+            if every and (it == 1 or it % every == 0):
+                t_c = time.perf_counter()
+                m.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
+                tm["time/collapse_s"] = time.perf_counter() - t_c
+            t1 = time.perf_counter()
+            # one trajectory per group: no in-group std to filter by (said once at start)
+            mode = a.filter_mode if r.group_size > 1 else "none"
+            filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode, a.filter_strategy,
+                                     a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
+            # no group kept (top_p's threshold not reached, or only zero-std groups dropped): the
+            # full batch is still scored for its metrics, then the update is skipped
+            skip = filt.indices.numel() == 0
+            batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
+            m["train/filter_kept_ratio"] = filt.kept_ratio
+            m["train/in_group_reward_std_kept"] = filt.std_after
+            m["train/filter_zero_std_groups"] = filt.zero_std_groups
+            ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
+            masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
+            for mk in masks:
+                mk[0] = False
+            samp = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_logprobs]
+            old_lp, ent, vals, ref = self.compute_old(ids, masks)
+            tm["time/old_logprob_s"] = time.perf_counter() - t1
+            allm = torch.cat(masks)
+            gap = (torch.cat(old_lp) - torch.cat(samp))[allm].abs()
+            m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+            m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+            m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
+            if skip:
+                self.console.print(f"[yellow]warning[/]: iteration {it}: the {a.filter_strategy} filter kept no env "
+                                   f"group ({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); "
+                                   "update skipped")
+                m.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
+                return m
+            t2 = time.perf_counter()
+            adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
+            m.update(am)
+            if a.soft_advantage_reweight:
+                w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
+                adv = [x * w[i] for i, x in enumerate(adv)]
+                m.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
+                          "train/soft_reweight_mean": float(w.mean())})
+            tm["time/advantage_s"] = time.perf_counter() - t2
+        self._weights_touched = True
         t3 = time.perf_counter()
         um = self.update(it, ids, masks, old_lp, adv, vals, returns, ref)
         self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
@@ -677,21 +808,66 @@ class Trainer:
         return m
 
     def _request_stop(self, signum, frame) -> None:
+        """The SIGINT / SIGTERM handler (see the module docstring); a second signal aborts at once
+        without saving (Stopped)."""
+        signum = signum or signal.SIGINT
         if self._stop_requested:
-            raise KeyboardInterrupt
+            raise Stopped(signum)
         self._stop_requested = self.interrupted = True
-        self.console.print("[yellow]Ctrl-C[/]: finishing this iteration, saving a checkpoint, then exiting "
-                           "(press again to abort without saving)")
+        self.stop_signal = signum
+        if signum == signal.SIGTERM:
+            self.console.print("[yellow]SIGTERM[/]: stopping: the current rollout or evaluation is dropped (an update "
+                               "under way finishes), the last complete iteration is saved, then exit (signal again "
+                               "to abort without saving)")
+            if self._droppable_now:
+                self._droppable_now = False
+                raise _Drop
+        else:
+            self.console.print("[yellow]Ctrl-C[/]: finishing this iteration, saving a checkpoint, then exiting "
+                               "(press again to abort without saving)")
 
-    def _save(self, it: int) -> str:
+    @contextlib.contextmanager
+    def _droppable(self):
+        """Around work that changes no weight (a rollout and what follows it up to the update, an
+        evaluation): a SIGTERM inside raises _Drop out of it at once."""
+        self._droppable_now = True
+        try:
+            yield
+        finally:
+            self._droppable_now = False
+
+    def _term_requested(self) -> bool:
+        return self._stop_requested and self.stop_signal == signal.SIGTERM
+
+    def _save(self, it: int, rng: Optional[dict] = None, eval_pending: bool = False) -> str:
+        """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume
+        restores; `eval_pending` marks an evaluation of `it` still to run on resume."""
         t0 = time.perf_counter()
         path = save_checkpoint(self.out, it, model=self.model, tokenizer=self.tokenizer,
                                optimizers={"actor": self.actor_opt, **({"critic": self.critic_opt} if self.critic_opt else {})},
-                               state={"last_eval": self.last_eval}, config_yaml=dump_yaml(self.cfg),
-                               critic_backbone=self.critic_body, value_head=self.value_head,
-                               keep=self.cfg.trainer.keep_checkpoints)
+                               state={"last_eval": self.last_eval, "eval_pending": eval_pending},
+                               config_yaml=dump_yaml(self.cfg), critic_backbone=self.critic_body,
+                               value_head=self.value_head, keep=self.cfg.trainer.keep_checkpoints, rng=rng)
         self.console.print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f} s)")
         return path
+
+    def _run_pending_eval(self) -> bool:
+        """The evaluation of the resumed checkpoint's iteration that a SIGTERM stopped: run it and
+        add it to that iteration's record. False when stopped again (it stays pending)."""
+        it = self.start_iteration - 1
+        self.console.print(f"evaluating iteration {it} (postponed by the SIGTERM that stopped the run)")
+        try:
+            with self._droppable():
+                ev = self.evaluate(it)
+        except _Drop:
+            return False
+        self.last_eval = ev
+        if self.logger.records and self.logger.records[-1].get("iteration") == it:
+            self.logger.extend_last(ev)
+        else:
+            self.logger.log(it, ev)
+        self._eval_pending = False
+        return True
 
     def run(self) -> list[dict]:
         """Train; returns the metric records (also in OUT/metrics.jsonl)."""
@@ -700,40 +876,77 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         self.setup()
         total = t.iterations
-        old_handler = None
-        if hasattr(signal, "SIGINT") and _in_main_thread():
-            old_handler = signal.signal(signal.SIGINT, self._request_stop)
+        old_handlers = {}
+        if _in_main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old_handlers[sig] = signal.signal(sig, self._request_stop)
         last_saved = self.start_iteration - 1
-        updated, consistent = last_saved, True
+        updated = self.start_iteration - 1  # the last iteration whose update is complete
         it = self.start_iteration - 1
+        rng_at_start = None
         try:
+            if self._eval_pending:
+                if not self._run_pending_eval():
+                    self.console.print("stopped again; the evaluation stays pending in the checkpoint")
+                    return self.logger.records
+                if self.start_iteration > total:
+                    self._save(updated)  # the finished run's checkpoint, without the pending mark
             if self.start_iteration > total:
                 self.console.print(f"[yellow]{self.out} already ran {self.start_iteration - 1} iterations "
                                    f"(trainer.iterations = {total}): nothing to train; pass --iterations N with "
                                    f"N > {self.start_iteration - 1} to train further[/]")
                 return self.logger.records
             if t.eval_before_training and self.start_iteration == 1:
-                ev = self.evaluate(0)
-                self.last_eval = ev
-                self.logger.log(0, ev)
+                try:
+                    with self._droppable():
+                        ev = self.evaluate(0)
+                    self.last_eval = ev
+                    self.logger.log(0, ev)
+                except _Drop:
+                    pass
             with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                           TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                           console=self.console, disable=not t.progress) as progress:
                 task = progress.add_task("train", total=total, completed=self.start_iteration - 1, stats="")
                 for it in range(self.start_iteration, total + 1):
-                    if self._stop_requested:  # Ctrl-C before this iteration began (the initial eval)
-                        self.console.print(f"stopped before iteration {it}; nothing new to save")
+                    if self._stop_requested:  # a signal before this iteration began (e.g. the initial eval)
+                        if updated > last_saved:
+                            self._save(updated)
+                            last_saved = updated
+                        self.console.print(f"stopped before iteration {it}" +
+                                           ("" if updated > self.start_iteration - 1 else "; nothing new to save"))
                         break
                     t_it = time.perf_counter()
-                    consistent = False  # an error inside iteration() may leave a half-applied update
-                    m = self.iteration(it)
-                    updated, consistent = it, True  # the weights now hold this iteration's update
+                    rng_at_start = rng_state()  # what a resume restores if this iteration is dropped
+                    self._weights_touched = True  # until iteration() says its update has not begun
+                    try:
+                        m = self.iteration(it)
+                    except _Drop:
+                        if updated > last_saved:
+                            self._save(updated, rng=rng_at_start)
+                            last_saved = updated
+                        self.console.print(f"stopped in iteration {it} before its update: dropped (a resume redoes "
+                                           f"it); resume with `fastpo train --resume {self.out}`")
+                        break
+                    updated = it  # the weights now hold this iteration's update
                     if self.stop_after is not None and it >= self.stop_after:
                         self._stop_requested = True
+                    eval_pending, rng_before_eval = False, None
                     if t.eval_every and (it % t.eval_every == 0 or it == total):
-                        ev = self.evaluate(it)
-                        self.last_eval = ev
-                        m.update(ev)
+                        rng_before_eval = rng_state()
+                        ev = None
+                        if not self._term_requested():
+                            try:
+                                with self._droppable():
+                                    ev = self.evaluate(it)
+                            except _Drop:
+                                pass
+                        if ev is None:  # SIGTERM: the resume runs it (the record gets it then)
+                            eval_pending = True
+                            self.console.print(f"evaluation of iteration {it} postponed to the resume")
+                        else:
+                            self.last_eval = ev
+                            m.update(ev)
                     m["time/iteration_s"] = time.perf_counter() - t_it
                     m["echo_trap_warning"] = 0
                     rec = self.logger.log(it, m)
@@ -751,32 +964,36 @@ class Trainer:
                     if t.plots and (("eval/success_rate" in m) or it == total):
                         plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
                     if (t.save_every and it % t.save_every == 0) or it == total or self._stop_requested:
-                        self._save(it)
+                        self._save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)
                         last_saved = it
-                    if self._stop_requested and it < total:
+                    if self._stop_requested and (it < total or eval_pending):
                         self.console.print(f"stopped after iteration {it}; resume with "
                                            f"`fastpo train --resume {self.out}`")
                         break
                     self.interrupted = False  # a Ctrl-C in the last iteration still finished the run
         except KeyboardInterrupt:
-            # A second Ctrl-C: the current iteration is incomplete; keep the last saved checkpoint.
+            # A second signal: the current iteration is incomplete; keep the last saved checkpoint.
             self.console.print(f"[yellow]aborted[/]; the last checkpoint is iteration {last_saved}")
             raise
-        except Exception:
-            # An error after an update (eval, logging, plots, disk): keep the trained iterations.
-            if consistent and updated > last_saved:
+        except Exception as e:
+            # An error after an update (eval, logging, plots, disk) or before one began: keep the
+            # trained iterations. (Not when the failure was that very save: it would fail again.)
+            consistent = updated == it or not self._weights_touched
+            if consistent and updated > last_saved and not isinstance(e, CheckpointSaveError):
                 try:
-                    self._save(updated)
+                    self._save(updated, rng=rng_at_start if updated < it else None)
                     self.console.print(f"[red]error after iteration {updated}[/]: emergency checkpoint saved; "
                                        f"resume with `fastpo train --resume {self.out}`")
                 except Exception as e2:  # the original error matters more than the failed save
-                    self.console.print(f"[red]emergency checkpoint failed[/]: {e2}")
+                    self.console.print(f"[red]emergency checkpoint failed[/]: {e2}", markup=False)
             raise
         finally:
-            if old_handler is not None:
-                signal.signal(signal.SIGINT, old_handler)
+            self._droppable_now = False
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
             self.logger.close()
             self._shutdown_engine()
+            self._release_lock()
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
@@ -795,7 +1012,7 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
 
     A new run (resume=False) refuses an output folder that already holds a run
     (FileExistsError) unless `overwrite` is true, which clears that run first. Raises
-    KeyboardInterrupt after a Ctrl-C stop, once that iteration's checkpoint is saved.
+    Stopped (a KeyboardInterrupt) after a Ctrl-C or SIGTERM stop, once the checkpoint is saved.
     """
     from rich.console import Console
 
@@ -805,7 +1022,7 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
     trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite)
     records = trainer.run()
     if trainer.interrupted:
-        raise KeyboardInterrupt  # after the checkpoint: callers (the CLI's exit code 130) can tell
+        raise Stopped(trainer.stop_signal)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)
     return records
 
 

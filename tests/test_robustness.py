@@ -112,7 +112,7 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
         def evaluate(self, it):
             raise OSError("disk full while writing eval samples")
 
-        def _save(self, it):
+        def _save(self, it, **kw):
             saved.append(it)
 
     with pytest.raises(OSError, match="disk full"):
@@ -145,8 +145,10 @@ def _resumable(tmp_path):
 
     out = tmp_path / "run"
     cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}"])
-    (out / "checkpoints" / "iter_000002").mkdir(parents=True)
-    (out / "checkpoints" / "iter_000002" / "state.pt").write_bytes(b"")
+    ckpt = out / "checkpoints" / "iter_000002"
+    (ckpt / "model").mkdir(parents=True)
+    for f in ("state.pt", "optimizer.pt", "model/config.json"):  # what a checkpoint without a manifest needs
+        (ckpt / f).write_bytes(b"")
     (out / "config.yaml").write_text(dump_yaml(cfg))
     return str(out)
 

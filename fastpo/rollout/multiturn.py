@@ -196,6 +196,24 @@ class MultiTurnRollout:
         text = self.chat.prime + self.tokenizer.decode(body, skip_special_tokens=False)
         return cut_at_stop(text, stop_strings), eot
 
+    def _first_messages(self, env, obs) -> list:
+        """Turn 1's user message of each trajectory of the freshly reset `env` (states `obs`)."""
+        c = self.cfg
+        instructions = env.instructions()
+        return [first_user_message(instructions[b], obs[b], c.max_actions_per_traj, c.max_actions_per_turn, c.think,
+                                   c.max_new_tokens, env.action_names(b)) for b in range(len(obs))]
+
+    def prompt_lengths(self, seeds) -> list:
+        """Tokens of the first prompt (chat template, system and first user message, assistant
+        header and prime) of the env group of each of `seeds`; needs the tokenizer, not the
+        engine. Raises ValueError for bad seeds, like `generate`."""
+        from fastpo.envs_native import make_env
+
+        seeds = _check_seeds(seeds)
+        env = make_env(self.env_name, len(seeds), **self.env_config)
+        obs = env.reset(np.asarray(seeds, dtype=np.int64))
+        return [len(self.chat.prompt_ids(m)) for m in self._first_messages(env, obs)]
+
     def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0) -> TrajectoryBatch:
         """Roll out len(seeds) env groups x group_size trajectories.
 
@@ -229,11 +247,8 @@ class MultiTurnRollout:
         env = make_env(self.env_name, B, **self.env_config)
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
         obs = env.reset(traj_seeds)
-        instructions = env.instructions()
-        think, k_turn = cfg.think, cfg.max_actions_per_turn
-        users = [[first_user_message(instructions[b], obs[b], cfg.max_actions_per_traj, k_turn, think, cfg.max_new_tokens,
-                                     env.action_names(b))]
-                 for b in range(B)]
+        think = cfg.think
+        users = [[m] for m in self._first_messages(env, obs)]
         group_prompts = [self.chat.prompt_ids(users[g * N][0]) for g in range(P)]
 
         ids = [list(group_prompts[b // N]) for b in range(B)]
