@@ -349,7 +349,7 @@ def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = N
             ax.plot(*zip(*pts(key)), style, ms=3, lw=1.2, label=label)
     ax.set_xlabel("iteration")
     ax.set_ylabel("nats per token")
-    ax.set_title(plot_title("collapse metrics (first turn)", model_label), fontsize=9)
+    ax.set_title("collapse metrics (first turn)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5)
     for key, label in (("train/success_rate", "train success rate"), ("train/rollout_entropy", "rollout entropy (nats)"),
@@ -357,9 +357,11 @@ def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = N
         if pts(key):
             ax2.plot(*zip(*pts(key)), "-o", ms=3, lw=1.2, label=label)
     ax2.set_xlabel("iteration")
-    ax2.set_title(plot_title("the paper's signals", model_label), fontsize=9)
+    ax2.set_title("the paper's signals", fontsize=9)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=6.5)
+    if model_label:
+        fig.suptitle(model_label, fontsize=9)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
