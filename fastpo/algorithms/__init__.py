@@ -10,7 +10,8 @@ from fastpo.algorithms.advantages import (
     masked_whiten,
     place_rewards,
 )
-from fastpo.algorithms.filtering import FilterResult, filter_groups, group_reward_std
+from fastpo.algorithms.filtering import (FilterResult, filter_groups, group_reward_std, select_groups,
+                                        soft_advantage_weights)
 from fastpo.algorithms.losses import aggregate_loss, clipped_value_loss
 
 __all__ = [
@@ -22,6 +23,8 @@ __all__ = [
     "FilterResult",
     "filter_groups",
     "group_reward_std",
+    "select_groups",
+    "soft_advantage_weights",
     "aggregate_loss",
     "clipped_value_loss",
 ]
