@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """fastpo's side-by-side benchmarks: one run, one table, one JSON.
 
-    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|all] [--quick]
+    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|all|collapse] [--quick]
                                [--device cpu|cuda] [--model NAME] [--json PATH]
 
 Each part lives in bench/part_<name>.py and exposes `run(ctx) -> list[Record]`.
@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import BenchContext, Record, fix_malloc_threshold  # noqa: E402
 
 PARTS = ["envs", "kernels", "rollout", "train", "e2e"]
+# measured on their own (--part NAME), not in "all"
+EXTRA_PARTS = ["collapse"]
 
 
 def machine_header(ctx: BenchContext) -> dict:
@@ -83,7 +85,7 @@ def print_table(header: dict, records: list[Record]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", default="all", choices=PARTS + ["all"])
+    ap.add_argument("--part", default="all", choices=PARTS + ["all"] + EXTRA_PARTS)
     ap.add_argument("--quick", action="store_true", help="small sizes, for CI smoke tests (< 2 minutes)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--model", default="smollm2-135m-instruct")

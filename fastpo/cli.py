@@ -143,7 +143,8 @@ def cmd_train(args) -> int:
 
     console.print(f"[bold]fastpo train[/] env={cfg.env.name} preset={cfg.preset} "
                   f"algorithm={'PPO (GAE, critic ' + cfg.algorithm.critic + ')' if cfg.algorithm.adv_estimator == 'gae' else cfg.algorithm.adv_estimator.upper()} "
-                  f"filter={cfg.algorithm.filter_mode}:{cfg.algorithm.filter_ratio} "
+                  f"filter={cfg.algorithm.filter_mode}:{cfg.algorithm.filter_ratio}"
+                  f"{'' if cfg.algorithm.filter_strategy == 'top_k' else ':' + cfg.algorithm.filter_strategy} "
                   f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}, "
                   f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
     try:

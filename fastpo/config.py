@@ -166,6 +166,13 @@ class AlgorithmConfig:
     turn's last model token).
     `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
     with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
+    `filter_strategy` (RAGEN head's rollout filters, fastpo/algorithms/filtering.py):
+    "top_k" (default, the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
+    groups whose stds make up `filter_ratio` of the total, `filter_top_p_mode` "linear"
+    with slack `filter_eps`, or "softmax" mass), "min_p" (std >= filter_ratio x the best).
+    `filter_keep_zero_std` false drops groups without reward spread first.
+    `soft_advantage_reweight`: scale each trajectory's advantages by its group's reward std
+    / the batch's largest group std (RAGEN head), with or without filtering.
     `kl_coef` > 0 penalises KL to a frozen reference model (plain StarPO), estimator k1 or k3,
     either per token on the reward before the advantages (`kl_in_reward` true: verl's
     `apply_kl_penalty`, r_t - kl_coef * kl_t on every model token, what RAGEN's PPO runs did)
@@ -194,6 +201,11 @@ class AlgorithmConfig:
     whiten_advantages: bool = True
     filter_mode: Literal["top", "bottom", "none"] = "top"
     filter_ratio: float = 0.25
+    filter_strategy: Literal["top_k", "top_p", "min_p"] = "top_k"
+    filter_top_p_mode: Literal["linear", "softmax"] = "linear"
+    filter_eps: float = 0.01
+    filter_keep_zero_std: bool = True
+    soft_advantage_reweight: bool = False
     clip_low: float = 0.2
     clip_high: float = 0.28
     dual_clip: Optional[float] = 3.0
@@ -255,6 +267,8 @@ class TrainerSection:
     plots: bool = True
     echo_trap_drop: float = 0.5
     echo_trap_window: int = 5
+    # mutual-information collapse metrics (fastpo/collapse.py): iteration 1 and every N-th; 0 = off
+    collapse_every: int = 5
     kernel_impl: str = "auto"
     progress: bool = True
 
@@ -276,11 +290,13 @@ class TrainConfig:
 
     @property
     def kept_groups(self) -> int:
-        """Env groups left after StarPO-S filtering (at least 1; all of them with group_size 1,
-        where in-group std is undefined and filtering is skipped)."""
-        if self.rollout.group_size == 1:
+        """Env groups left after StarPO-S filtering, at most: int(ratio x groups) (at least 1)
+        for the top_k strategy; all of them for top_p and min_p, whose count depends on the
+        batch, and with group_size 1, where in-group std is undefined and filtering is skipped."""
+        a = self.algorithm
+        if self.rollout.group_size == 1 or a.filter_strategy != "top_k":
             return self.rollout.env_groups
-        return kept_group_count(self.rollout.env_groups, self.algorithm.filter_mode, self.algorithm.filter_ratio)
+        return kept_group_count(self.rollout.env_groups, a.filter_mode, a.filter_ratio)
 
     @property
     def kl_in_reward(self) -> bool:
@@ -303,6 +319,8 @@ class TrainConfig:
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_pp")
 #: Estimators whose baseline is the env group's other trajectories: they need group_size >= 2.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
+#: Rollout-filter strategies (fastpo/algorithms/filtering.py; RAGEN head's `rollout_filter_strategy`).
+FILTER_STRATEGIES = ("top_k", "top_p", "min_p")
 
 
 def kept_group_count(groups: int, mode: str, ratio: float) -> int:
@@ -538,6 +556,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
     need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
     need(0 < a.filter_ratio <= 1, "algorithm.filter_ratio", a.filter_ratio, "must be in (0, 1]")
+    need(a.filter_eps >= 0, "algorithm.filter_eps", a.filter_eps, "must be >= 0")
     need(a.clip_low > 0, "algorithm.clip_low", a.clip_low, "must be > 0")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
@@ -577,6 +596,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in (0, 1)")
     need(0 < t.echo_trap_drop < 1, "trainer.echo_trap_drop", t.echo_trap_drop, "must be in (0, 1)")
     need(t.echo_trap_window >= 1, "trainer.echo_trap_window", t.echo_trap_window, "must be >= 1")
+    need(t.collapse_every >= 0, "trainer.collapse_every", t.collapse_every, "must be >= 0 (0 = never)")
     need(t.kernel_impl in ("auto", "reference", "chunked", "triton"), "trainer.kernel_impl", t.kernel_impl,
          "must be auto, reference, chunked or triton")
     need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device) is not None, "trainer.device", t.device,

@@ -181,18 +181,27 @@ class MetricsLogger:
 class EchoTrapDetector:
     """Early warning of the "Echo Trap" (RAGEN Sec. 4.1): the policy collapses onto repetitive
     reasoning, which shows first as in-group reward std and rollout entropy falling, before
-    the reward does.
+    the reward does; and, with the collapse metrics (fastpo/collapse.py, RAGEN's head), which
+    collapse it is: *entropy collapse* (H(Z|X), the reasoning's variety for a given state,
+    fell) or *template collapse* (I(X;Z), how much the reasoning depends on the state, fell).
 
-    The early values are the means over the first `window` iterations. From then on, at each
-    iteration the warning is raised when the EMA of in-group reward std AND of entropy have
-    both fallen to at most (1 - drop) x their early values while the EMA of success has not
-    risen above its early value. `update` returns the warning text (or None) and the state is
-    rebuilt by replaying records, so resume reproduces it.
+    The early values are the means over the first `window` iterations (for the collapse
+    metrics, measured every `trainer.collapse_every` iterations, over those measured within
+    them, at least the first). From then on, at each iteration the warning is raised when,
+    while the EMA of success has not risen above its early value, any of these has fallen to
+    at most (1 - drop) x its early value: the EMA of in-group reward std AND of entropy
+    (the paper's sign); I(X;Z) per token (template collapse); H(Z|X) per token (entropy
+    collapse). The collapse metrics are compared at their latest measurement (each is over
+    the whole batch, not smoothed). `update` returns the warning text, naming what it sees,
+    or None; the state is rebuilt by replaying records, so resume reproduces it.
     """
 
     STD_KEY = "train/in_group_reward_std"
     ENT_KEY = "train/rollout_entropy"
     SUCCESS_KEY = "train/success_rate"
+    MI_KEY = "collapse/mi_estimate"
+    HZX_KEY = "collapse/conditional_entropy_est"
+    BOUND_KEY = "collapse/mi_upper_bound"
 
     def __init__(self, drop: float = 0.5, window: int = 5):
         if not 0 < drop < 1:
@@ -201,10 +210,29 @@ class EchoTrapDetector:
             raise ValueError(f"echo-trap window must be >= 1, got {window}")
         self.drop, self.window = drop, window
         self.early: list[dict] = []
+        self.early_collapse: dict[str, list] = {self.MI_KEY: [], self.HZX_KEY: []}
+        self.latest: dict[str, float] = {}
+        self.first_iteration: Optional[int] = None
         self.warned = False
+
+    def _collapse_values(self, rec: dict) -> None:
+        it = rec.get("iteration")
+        if self.first_iteration is None and isinstance(it, int):
+            self.first_iteration = it
+        for k in (self.MI_KEY, self.HZX_KEY, self.BOUND_KEY):
+            if not _is_number(rec.get(k)):
+                continue
+            self.latest[k] = float(rec[k])
+            if k == self.BOUND_KEY:
+                continue
+            early = self.early_collapse[k]
+            within = isinstance(it, int) and self.first_iteration is not None and it < self.first_iteration + self.window
+            if not early or within:
+                early.append(float(rec[k]))
 
     def update(self, rec: dict) -> Optional[str]:
         """Feed one logged record (with its `ema/` copies); returns a warning string or None."""
+        self._collapse_values(rec)
         vals = {k: rec.get(k) for k in (self.STD_KEY, self.ENT_KEY, self.SUCCESS_KEY)}
         if any(not _is_number(v) for v in vals.values()):
             return None
@@ -214,14 +242,43 @@ class EchoTrapDetector:
         base = {k: sum(e[k] for e in self.early) / len(self.early) for k in vals}
         cur = {k: rec.get(f"ema/{k}", vals[k]) for k in vals}
         limit = 1.0 - self.drop
-        collapsed = (base[self.STD_KEY] > 0 and cur[self.STD_KEY] <= limit * base[self.STD_KEY]
-                     and base[self.ENT_KEY] > 0 and cur[self.ENT_KEY] <= limit * base[self.ENT_KEY]
-                     and cur[self.SUCCESS_KEY] <= base[self.SUCCESS_KEY] + 1e-9)
-        if not collapsed:
+        if cur[self.SUCCESS_KEY] > base[self.SUCCESS_KEY] + 1e-9:
+            return None  # learning, not a trap
+
+        def fell(now, early) -> bool:
+            return early > 0 and now <= limit * early
+
+        echo = fell(cur[self.STD_KEY], base[self.STD_KEY]) and fell(cur[self.ENT_KEY], base[self.ENT_KEY])
+        seen, early_c = {}, {}
+        for k in (self.MI_KEY, self.HZX_KEY):
+            if k in self.latest and self.early_collapse[k]:
+                seen[k] = self.latest[k]
+                early_c[k] = sum(self.early_collapse[k]) / len(self.early_collapse[k])
+        template = self.MI_KEY in seen and fell(seen[self.MI_KEY], early_c[self.MI_KEY])
+        entropy = self.HZX_KEY in seen and fell(seen[self.HZX_KEY], early_c[self.HZX_KEY])
+        if not (echo or template or entropy):
             return None
-        return (f"Echo Trap warning: in-group reward std {cur[self.STD_KEY]:.3g} (early {base[self.STD_KEY]:.3g}) "
-                f"and entropy {cur[self.ENT_KEY]:.3g} (early {base[self.ENT_KEY]:.3g}) fell by >= {self.drop:.0%} "
-                f"while success {cur[self.SUCCESS_KEY]:.3g} did not rise (early {base[self.SUCCESS_KEY]:.3g}). "
+        parts = []
+        if template:
+            bound = self.latest.get(self.BOUND_KEY)
+            parts.append(f"template collapse: I(X;Z) {seen[self.MI_KEY]:.3g} nats/token (early {early_c[self.MI_KEY]:.3g}"
+                         + (f", at most {bound:.3g}" if bound is not None else "")
+                         + f") fell by >= {self.drop:.0%}: the reasoning no longer depends on the state")
+        if entropy:
+            parts.append(f"entropy collapse: H(Z|X) {seen[self.HZX_KEY]:.3g} nats/token (early "
+                         f"{early_c[self.HZX_KEY]:.3g}) fell by >= {self.drop:.0%}: the reasoning for a given state "
+                         "no longer varies")
+        if echo:
+            parts.append(f"in-group reward std {cur[self.STD_KEY]:.3g} (early {base[self.STD_KEY]:.3g}) and entropy "
+                         f"{cur[self.ENT_KEY]:.3g} (early {base[self.ENT_KEY]:.3g}) fell by >= {self.drop:.0%}")
+            if not seen:
+                parts.append("which collapse is unknown: no collapse metrics (trainer.collapse_every=0)")
+            elif not (template or entropy):
+                parts.append(f"the collapse metrics show neither entropy nor template collapse (H(Z|X) "
+                             f"{seen.get(self.HZX_KEY, float('nan')):.3g}, I(X;Z) {seen.get(self.MI_KEY, float('nan')):.3g} "
+                             "nats/token, less than that below their early values)")
+        return (f"Echo Trap warning: {'; '.join(parts)}; while success "
+                f"{cur[self.SUCCESS_KEY]:.3g} did not rise (early {base[self.SUCCESS_KEY]:.3g}). "
                 "Consider StarPO-S filtering (algorithm.filter_mode=top), a higher entropy_coef or a lower lr.")
 
 
@@ -266,7 +323,50 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+    if keys is None and any(_is_number(r.get("collapse/mi_estimate")) for r in records):
+        written.append(plot_collapse(records, os.path.join(out_dir, "collapse.png"), model_label))
     return written
+
+
+def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
+    """The collapse metrics of a run in one figure (matplotlib, Agg), written to `path`:
+    H(Z|X), H(Z) and I(X;Z) per token (nats) with I's bound log N, and beside them train
+    success and rollout entropy. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    def pts(key):
+        return [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
+    for key, label, style in (("collapse/conditional_entropy_est", "H(Z|X): variety for a given state", "-o"),
+                              ("collapse/reasoning_entropy_est", "H(Z): variety over the batch", "-s"),
+                              ("collapse/mi_estimate", "I(X;Z) = H(Z) - H(Z|X): dependence on the state", "-^"),
+                              ("collapse/mi_upper_bound", "log N (I's bound)", ":")):
+        if pts(key):
+            ax.plot(*zip(*pts(key)), style, ms=3, lw=1.2, label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("nats per token")
+    ax.set_title("collapse metrics (first turn)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6.5)
+    for key, label in (("train/success_rate", "train success rate"), ("train/rollout_entropy", "rollout entropy (nats)"),
+                       ("train/in_group_reward_std", "in-group reward std")):
+        if pts(key):
+            ax2.plot(*zip(*pts(key)), "-o", ms=3, lw=1.2, label=label)
+    ax2.set_xlabel("iteration")
+    ax2.set_title("the paper's signals", fontsize=9)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=6.5)
+    if model_label:
+        fig.suptitle(model_label, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "",

@@ -525,6 +525,17 @@ class Trainer:
                     sc.scatter(rlp.float(), ref)
         return old_lp, ent, vals, ref
 
+    def collapse_metrics(self, batch) -> dict:
+        """`collapse/*` (fastpo/collapse.py) of a rollout batch's first turns, scored by the
+        current policy at the rollout temperature with the trainer's packing and kernels."""
+        from fastpo.collapse import batch_collapse_metrics
+
+        r = self.cfg.rollout
+        return batch_collapse_metrics(self.model, self.tokenizer, batch, think=r.think, temperature=r.temperature,
+                                      token_budget=self.cfg.optim.micro_token_budget,
+                                      share_prompt=self.cfg.optim.share_prefix, impl=self.cfg.trainer.kernel_impl,
+                                      autocast=self._autocast)
+
     def compute_advantages(self, batch, masks, vals, old_lp=None, ref=None) -> tuple[list, Optional[list], dict]:
         """Per-trajectory advantages (and returns for PPO), [T_i] fp32 each, zero off the loss mask.
 
@@ -738,13 +749,23 @@ class Trainer:
                     f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
                     f"{longest + r.max_new_tokens}")
             m = rollout_metrics(full, prefix="train")
+            every = cfg.trainer.collapse_every
+            if every and (it == 1 or it % every == 0):
+                t_c = time.perf_counter()
+                m.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
+                tm["time/collapse_s"] = time.perf_counter() - t_c
             t1 = time.perf_counter()
             # one trajectory per group: no in-group std to filter by (said once at start)
             mode = a.filter_mode if r.group_size > 1 else "none"
-            filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode)
-            batch = full.select(filt.indices) if filt.indices.numel() < len(full.input_ids) else full
+            filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode, a.filter_strategy,
+                                     a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
+            # no group kept (top_p's threshold not reached, or only zero-std groups dropped): the
+            # full batch is still scored for its metrics, then the update is skipped
+            skip = filt.indices.numel() == 0
+            batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
             m["train/filter_kept_ratio"] = filt.kept_ratio
             m["train/in_group_reward_std_kept"] = filt.std_after
+            m["train/filter_zero_std_groups"] = filt.zero_std_groups
             ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
             masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
             for mk in masks:
@@ -757,9 +778,20 @@ class Trainer:
             m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
             m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
             m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
+            if skip:
+                self.console.print(f"[yellow]warning[/]: iteration {it}: the {a.filter_strategy} filter kept no env "
+                                   f"group ({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); "
+                                   "update skipped")
+                m.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
+                return m
             t2 = time.perf_counter()
             adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
             m.update(am)
+            if a.soft_advantage_reweight:
+                w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
+                adv = [x * w[i] for i, x in enumerate(adv)]
+                m.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
+                          "train/soft_reweight_mean": float(w.mean())})
             tm["time/advantage_s"] = time.perf_counter() - t2
         self._weights_touched = True
         t3 = time.perf_counter()

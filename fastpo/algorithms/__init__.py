@@ -15,7 +15,8 @@ from fastpo.algorithms.advantages import (
     rloo_advantages,
 )
 from fastpo.algorithms.correction import IS_CORRECTIONS, IS_LEVELS, RolloutCorrection, rollout_correction
-from fastpo.algorithms.filtering import FilterResult, filter_groups, group_reward_std
+from fastpo.algorithms.filtering import (FilterResult, filter_groups, group_reward_std, select_groups,
+                                         soft_advantage_weights)
 from fastpo.algorithms.losses import aggregate_loss, clipped_value_loss
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "FilterResult",
     "filter_groups",
     "group_reward_std",
+    "select_groups",
+    "soft_advantage_weights",
     "aggregate_loss",
     "clipped_value_loss",
 ]

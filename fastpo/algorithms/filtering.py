@@ -1,8 +1,42 @@
-"""StarPO-S rollout filtering: keep the env groups whose in-group reward std is highest.
+"""Rollout filtering: which env groups the update trains on, chosen by in-group reward std.
 
 RAGEN (arXiv 2504.20073, Sec. 4.2): trajectories from prompts whose outcomes vary little
 teach little and feed the "Echo Trap"; StarPO-S keeps the top p% of env groups by the
-standard deviation of their trajectories' rewards (p = 25% by default).
+standard deviation of their trajectories' rewards (p = 25% by default). RAGEN's current
+head (`ragen/trainer/rollout_filter.py`, its guide `docs/guide_rollout_filtering.md`)
+widened that into a family of strategies, and added soft advantage reweighting. fastpo's
+names, beside RAGEN head's (`actor_rollout_ref.rollout.rollout_filter_*` and
+`algorithm.soft_advantage_reweight` there, `algorithm.*` here):
+
+| fastpo | RAGEN head | meaning |
+|---|---|---|
+| `filter_strategy` | `rollout_filter_strategy` | `top_k`, `top_p` or `min_p` (below) |
+| `filter_ratio` | `rollout_filter_value` | the strategy's number: fraction of groups, probability mass or ratio to the best |
+| `filter_mode` `top` / `bottom` / `none` | `rollout_filter_type` `largest` / `smallest` (no filter: `top_p` with value 1 and include_zero) | rank high-std groups first, low-std first, or keep all |
+| `filter_keep_zero_std` | `rollout_filter_include_zero` | whether groups of zero reward std may be kept |
+| `filter_top_p_mode` `linear` / `softmax` | `rollout_filter_top_p_prob_mode` | how `top_p` turns stds into mass |
+| `filter_eps` | `rollout_filter_selection_eps` | slack of the linear `top_p` threshold |
+| `soft_advantage_reweight` | `algorithm.soft_advantage_reweight` | scale advantages by std / max std instead of dropping |
+
+The strategies, for the candidate groups (all groups, or those with std > 1e-10 when
+zero-std groups are not kept), ranked by std (mode top: highest first; bottom: lowest
+first; ties by lower group id), r = `filter_ratio`, G = all env groups:
+
+- `top_k` (default; the paper's StarPO-S): the first max(1, int(r * G)) ranked candidates
+  (the floor, as RAGEN at the paper's commit; 0.35 of 8 groups keeps 2), at most all.
+- `top_p`, mode `linear` (RAGEN's recommended rule): walk the ranked candidates adding their
+  stds until the sum reaches r * (sum of all candidates' stds) - eps, stopping early at a
+  std <= 0; if the sum never reaches that threshold, no group is kept (the update is
+  skipped; an all-zero-std batch under mode top is such a case). r >= 1 keeps every
+  candidate.
+- `top_p`, mode `softmax`: probabilities softmax(std) (softmax(-std) for mode bottom); the
+  fewest ranked candidates whose probability mass reaches r (always at least one).
+- `min_p`: mode top keeps the candidates with std >= r * max std; mode bottom those with
+  std <= min std / r.
+
+`soft_advantage_weights` gives RAGEN's soft reweighting: every trajectory's advantages are
+multiplied by its group's std / (the largest group std of the batch + 1e-6), so a group
+without reward spread contributes nothing and none is dropped.
 """
 from __future__ import annotations
 
@@ -11,15 +45,21 @@ import warnings
 
 import torch
 
-from fastpo.config import kept_group_count
+from fastpo.config import FILTER_STRATEGIES, kept_group_count
+
+#: A group std at or below this counts as zero (RAGEN's test, |std| > 1e-10).
+ZERO_STD = 1e-10
 
 
 @dataclasses.dataclass
 class FilterResult:
     """Outcome of `filter_groups`.
 
-    `indices` [B'] int64: trajectories kept, in their original order. `kept_groups` [G']:
-    group ids kept. `group_std` {group id: std}. `kept_ratio` = B' / B.
+    `indices` [B'] int64: trajectories kept, in their original order (B' = 0 when the
+    strategy keeps no group: the caller skips the update). `kept_groups` [G']: group ids
+    kept. `group_std` {group id: std}. `kept_ratio` = B' / B. `std_before` / `std_after`:
+    mean group std over all groups / over the kept ones (0 when none is kept).
+    `zero_std_groups`: groups whose std is zero (<= 1e-10).
     """
 
     indices: torch.Tensor
@@ -28,6 +68,7 @@ class FilterResult:
     kept_ratio: float
     std_before: float
     std_after: float
+    zero_std_groups: int = 0
 
 
 def group_reward_std(scores: torch.Tensor, group_ids: torch.Tensor) -> dict:
@@ -45,18 +86,74 @@ def group_reward_std(scores: torch.Tensor, group_ids: torch.Tensor) -> dict:
     return out
 
 
-def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, ratio: float = 0.25,
-                  mode: str = "top") -> FilterResult:
-    """Select env groups by in-group reward std (StarPO-S).
+def select_groups(stds: dict, strategy: str = "top_k", mode: str = "top", ratio: float = 0.25,
+                  top_p_mode: str = "linear", eps: float = 0.01, keep_zero_std: bool = True) -> list:
+    """The env groups a strategy keeps, from their in-group reward stds (module docstring).
 
-    mode "top" keeps the max(1, int(ratio * G)) groups with the highest std (the floor, as
-    RAGEN at the paper's commit; ties broken by lower group id, so the choice is
-    deterministic), "bottom" the lowest (the paper's reverse ablation), "none" keeps
-    everything. When every group holds one trajectory the in-group std is undefined: all
-    groups are kept, with a RuntimeWarning.
+    Args: stds {group id: std >= 0}; strategy "top_k" | "top_p" | "min_p"; mode "top" |
+    "bottom" | "none" (none keeps all); ratio > 0; top_p_mode "linear" | "softmax"; eps >= 0
+    (linear top_p); keep_zero_std. Returns the kept group ids, sorted (possibly empty).
+    Raises ValueError for an unknown strategy, mode or top_p_mode, or a ratio <= 0.
+    """
+    if strategy not in FILTER_STRATEGIES:
+        raise ValueError(f"unknown filter strategy {strategy!r}; use one of {', '.join(FILTER_STRATEGIES)}")
+    if mode not in ("top", "bottom", "none"):
+        raise ValueError(f"unknown filter mode {mode!r}; use 'top', 'bottom' or 'none'")
+    if top_p_mode not in ("linear", "softmax"):
+        raise ValueError(f"unknown top_p mode {top_p_mode!r}; use 'linear' or 'softmax'")
+    if not ratio > 0:
+        raise ValueError(f"filter ratio {ratio} must be > 0")
+    groups = sorted(stds)
+    if mode == "none":
+        return groups
+    cand = [g for g in groups if keep_zero_std or abs(stds[g]) > ZERO_STD]
+    if not cand:
+        return []
+    sign = -1.0 if mode == "top" else 1.0
+    ranked = sorted(cand, key=lambda g: (sign * stds[g], g))
+    if strategy == "top_k":
+        k = kept_group_count(len(groups), mode, ratio)
+        return sorted(ranked[:min(k, len(ranked))])
+    if strategy == "min_p":
+        if mode == "top":
+            bound = max(stds[g] for g in cand) * ratio
+            return [g for g in cand if stds[g] >= bound - ZERO_STD]
+        bound = min(stds[g] for g in cand) / (ratio + ZERO_STD)
+        return [g for g in cand if stds[g] <= bound + ZERO_STD]
+    # top_p
+    if ratio >= 1:
+        return cand
+    if top_p_mode == "softmax":
+        logits = torch.tensor([-sign * stds[g] for g in ranked], dtype=torch.float64)
+        mass = torch.cumsum(torch.softmax(logits, 0), 0)
+        k = int((mass < ratio).sum()) + 1  # the first prefix whose mass reaches the ratio
+        return sorted(ranked[:min(k, len(ranked))])
+    threshold = ratio * sum(stds[g] for g in cand) - eps
+    total, count = 0.0, 0
+    for g in ranked:
+        if total >= threshold or stds[g] <= 0:
+            break
+        total += stds[g]
+        count += 1
+    return sorted(ranked[:count]) if total >= threshold else []
 
-    Args: scores [B] float (trajectory rewards), group_ids [B] int. Returns FilterResult.
-    Raises ValueError for an unknown mode or a ratio outside (0, 1].
+
+def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, ratio: float = 0.25, mode: str = "top",
+                  strategy: str = "top_k", top_p_mode: str = "linear", eps: float = 0.01,
+                  keep_zero_std: bool = True) -> FilterResult:
+    """Select env groups by in-group reward std (StarPO-S and RAGEN head's strategies).
+
+    The defaults are the paper's StarPO-S: mode "top" with strategy "top_k" keeps the
+    max(1, int(ratio * G)) groups with the highest std (the floor, as RAGEN at the paper's
+    commit; ties broken by lower group id, so the choice is deterministic); "bottom" the
+    lowest (the paper's reverse ablation); "none" keeps everything. The other strategies
+    and options are described in the module docstring (`select_groups`). When every group
+    holds one trajectory the in-group std is undefined: all groups are kept, with a
+    RuntimeWarning.
+
+    Args: scores [B] float (trajectory rewards), group_ids [B] int. Returns FilterResult
+    (its `indices` may be empty: see `select_groups`). Raises ValueError for an unknown
+    mode, strategy or top_p_mode, or a ratio outside (0, 1].
     """
     if mode not in ("top", "bottom", "none"):
         raise ValueError(f"unknown filter mode {mode!r}; use 'top', 'bottom' or 'none'")
@@ -64,22 +161,31 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, ratio: float = 
         raise ValueError(f"filter ratio {ratio} must be in (0, 1]")
     stds = group_reward_std(scores, group_ids)
     groups = sorted(stds)
-    k = kept_group_count(len(groups), mode, ratio)
     if mode != "none" and groups and int(torch.unique(group_ids, return_counts=True)[1].max()) == 1:
         warnings.warn(f"filter mode {mode!r} with one trajectory per env group: the in-group reward std is "
                       "undefined, so filtering is skipped (every group kept)", RuntimeWarning, stacklevel=2)
-        mode, k = "none", len(groups)
-    if mode == "top":
-        chosen = sorted(groups, key=lambda g: (-stds[g], g))[:k]
-    elif mode == "bottom":
-        chosen = sorted(groups, key=lambda g: (stds[g], g))[:k]
-    else:
-        chosen = groups
+        mode = "none"
+    chosen = select_groups(stds, strategy, mode, ratio, top_p_mode, eps, keep_zero_std)
     keep = torch.zeros_like(group_ids, dtype=torch.bool)
     for g in chosen:
         keep |= group_ids == g
     idx = torch.nonzero(keep, as_tuple=False).flatten()
     mean = lambda gs: float(sum(stds[g] for g in gs) / len(gs)) if gs else 0.0  # noqa: E731
-    return FilterResult(indices=idx, kept_groups=sorted(chosen), group_std=stds,
+    return FilterResult(indices=idx, kept_groups=list(chosen), group_std=stds,
                         kept_ratio=float(idx.numel()) / max(1, scores.numel()),
-                        std_before=mean(groups), std_after=mean(chosen))
+                        std_before=mean(groups), std_after=mean(chosen),
+                        zero_std_groups=sum(1 for g in groups if abs(stds[g]) <= ZERO_STD))
+
+
+def soft_advantage_weights(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RAGEN head's soft advantage reweighting: per trajectory, its group's reward std divided
+    by (the largest group std in the batch + eps).
+
+    Args: scores [B] float (trajectory rewards), group_ids [B] int. Returns weights [B]
+    float32 in [0, 1) (all 0 when no group has reward spread). Multiply each trajectory's
+    advantages by its weight. Raises ValueError on shape mismatch.
+    """
+    stds = group_reward_std(scores, group_ids)
+    top = max(stds.values(), default=0.0)
+    w = {g: s / (top + eps) for g, s in stds.items()}
+    return torch.tensor([w[int(g)] for g in group_ids.tolist()], dtype=torch.float32)
