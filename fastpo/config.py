@@ -146,6 +146,9 @@ class AlgorithmConfig:
     `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
     with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
     `kl_coef` > 0 adds KL to a frozen reference model (plain StarPO), estimator k1 or k3.
+    `old_logprob`: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
+    from the "sampler", or "auto": the sampler's exactly when they are the same quantity
+    (native engine on the trained fp32 module; fastpo.old_logprob).
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo"] = "gae"
@@ -162,6 +165,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = 0.5
