@@ -129,3 +129,14 @@ def test_real_trl_step_does_the_same_work_as_fastpo():
     names = [r.name for r in recs]
     assert "Bandit: seconds per iteration" in names and all(r.fastpo > 0 and r.baseline > 0 for r in recs)
     assert "2 trajectories, 8 generated tokens" in recs[0].notes
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(part_peers._missing("trl", part_peers.TRL_VERSION) is not None, reason="needs the bench extra")
+def test_real_trl_multi_turn_rollout_func_does_the_same_turns_and_tokens():
+    """FrozenLake through TRL's rollout_func: every trajectory takes both turns on both sides
+    (the goal is out of the action budget's reach), 3 new tokens each."""
+    ctx = BenchContext(quick=True, model="random:tiny-llama", repeats=1, parts=("peers", "x"))
+    recs = part_peers._trl_vs_fastpo(ctx, part_peers.Sizes("frozenlake", 1, 2, 3, turns=2))
+    assert recs[0].name == "FrozenLake 2 turns: seconds per iteration"
+    assert "2 trajectories, 12 generated tokens" in recs[0].notes and "rollout_func" in recs[0].baseline_name
