@@ -59,20 +59,22 @@ def same_quantity(engine, model: torch.nn.Module, temperature: float, autocast: 
 
 
 def resolve_old_logprob(mode: str, engine, model: torch.nn.Module, temperature: float,
-                        autocast: bool) -> tuple[str, str]:
-    """("sampler" | "recompute", why) for `algorithm.old_logprob` = `mode` (see module doc).
+                        autocast: bool) -> tuple[str, str, bool]:
+    """("sampler" | "recompute", why, warn) for `algorithm.old_logprob` = `mode` (module doc).
 
     Raises ValueError for a mode outside MODES. A forced "sampler" where the quantities
-    differ is honoured; `why` then says what differs (the trainer prints it as a warning).
+    differ is honoured; `why` then says what differs and `warn` is True (the trainer prints
+    it as a warning).
     """
     if mode not in MODES:
         raise ValueError(f"algorithm.old_logprob must be one of {MODES}, got {mode!r}")
     if mode == "recompute":
-        return "recompute", "algorithm.old_logprob=recompute"
+        return "recompute", "algorithm.old_logprob=recompute", False
     why_not = same_quantity(engine, model, temperature, autocast)
     if mode == "sampler":
-        return "sampler", ("the sampler's log-probs are the trainer's (algorithm.old_logprob=sampler)" if why_not is None
-                           else f"forced by algorithm.old_logprob=sampler although {why_not}")
+        if why_not is None:
+            return "sampler", "the sampler's log-probs are the trainer's (algorithm.old_logprob=sampler)", False
+        return "sampler", f"forced by algorithm.old_logprob=sampler although {why_not}", True
     if why_not is None:
-        return "sampler", "auto: the native engine samples from the trained fp32 module, full-vocabulary log-probs"
-    return "recompute", f"auto: {why_not}"
+        return "sampler", "auto: the native engine samples from the trained fp32 module, full-vocabulary log-probs", False
+    return "recompute", f"auto: {why_not}", False

@@ -307,10 +307,9 @@ class Trainer:
         from fastpo.old_logprob import resolve_old_logprob
 
         autocast = self.device.type == "cuda" and self.cfg.model.dtype == "auto"  # as _autocast()
-        self.old_logprob_source, why = resolve_old_logprob(self.cfg.algorithm.old_logprob, self.engine, self.model,
-                                                           self.cfg.rollout.temperature, autocast)
-        warn = "[yellow]warning[/]: " if "although" in why else ""
-        self.console.print(f"{warn}old log-probs: {self.old_logprob_source} ({why})")
+        self.old_logprob_source, why, warn = resolve_old_logprob(
+            self.cfg.algorithm.old_logprob, self.engine, self.model, self.cfg.rollout.temperature, autocast)
+        self.console.print(f"{'[yellow]warning[/]: ' if warn else ''}old log-probs: {self.old_logprob_source} ({why})")
 
     def _shutdown_engine(self) -> None:
         """Stop an engine that runs its own processes (SGLang); the native one has none."""

@@ -99,8 +99,9 @@ def test_the_rule_itself():
     assert resolve_old_logprob("auto", eng, model, 1.0, autocast=True)[0] == "recompute"
     assert resolve_old_logprob("auto", eng, copy.deepcopy(model), 1.0, autocast=False)[0] == "recompute"
     assert resolve_old_logprob("recompute", eng, model, 1.0, autocast=False)[0] == "recompute"
-    src, why = resolve_old_logprob("sampler", eng, model, 1.0, autocast=True)
-    assert src == "sampler" and "although" in why and "autocast" in why
+    src, why, warn = resolve_old_logprob("sampler", eng, model, 1.0, autocast=True)
+    assert src == "sampler" and warn and "autocast" in why
+    assert resolve_old_logprob("sampler", eng, model, 1.0, autocast=False)[2] is False
     with pytest.raises(ValueError, match="old_logprob"):
         resolve_old_logprob("cached", eng, model, 1.0, autocast=False)
 
