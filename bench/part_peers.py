@@ -49,9 +49,9 @@ both are missing).
    difference above 1e-3 relative fails the comparison), then fwd+bwd time (runs alternating
    between the methods) and peak memory beyond inputs and gradients.
 
-Sizes: CPU Bandit 2 env groups x 4 completions x 32 new tokens; FrozenLake 1 x 4, 2 turns x
-24 new tokens (the full run skips FrozenLake: it does not fit its 10 minutes; `--part
-peers` runs it); --quick: Bandit 1 x 2 x 8 tokens only, Liger at N=512.
+Sizes: `--part peers` on the CPU: Bandit 2 env groups x 4 completions x 32 new tokens;
+FrozenLake 1 x 4, 2 turns x 24 new tokens. The full run (10 minutes for every part): Bandit
+1 x 4 x 32 only. --quick: Bandit 1 x 2 x 8 tokens only, Liger at N=512.
 The full run times 1 iteration per side after the warm-up, `--part peers` 2 (median and
 spread). On CUDA only the Liger comparison runs (TRL is compared on the CPU).
 """
@@ -141,10 +141,9 @@ class Sizes:
 def _sizes(ctx: BenchContext) -> list[Sizes]:
     if ctx.quick:  # a smoke test under 2 minutes (the FrozenLake path has its own test)
         return [Sizes("bandit", 1, 2, 8)]
-    out = [Sizes("bandit", 2, 4, 32)]
-    if len(ctx.parts) == 1:  # --part peers; the full run has no time left for it
-        out.append(Sizes("frozenlake", 1, 4, 24, turns=2))
-    return out
+    if len(ctx.parts) > 1:  # the full run: what fits in its 10 minutes
+        return [Sizes("bandit", 1, 4, 32)]
+    return [Sizes("bandit", 2, 4, 32), Sizes("frozenlake", 1, 4, 24, turns=2)]
 
 
 def _fastpo_trainer(ctx: BenchContext, s: Sizes, out: str):
