@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.fastpo-installed
+BENCH_STAMP := $(VENV)/.fastpo-bench-installed
 TORCH_SPEC ?= torch==2.13.0
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 
@@ -32,7 +33,14 @@ train: setup
 test: setup
 	$(BIN)/python -m pytest -q
 
-bench: setup
+# The peers benchmark's libraries (TRL, Liger-Kernel: the `bench` extra), on top of setup's
+# environment only here, so that `make setup` / `make test` (CI) stay without them; torch,
+# transformers and the CPU wheel are already there and are not touched.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python bench/throughput.py
 
 clean:

@@ -25,6 +25,12 @@ class BenchContext:
     repeats_given: bool = False  # --repeats was passed (parts with minutes-long figures default to 1)
     seed: int = 0
     parts: tuple = ()  # every part this run measures (a part may skip what another one covers)
+    skipped: dict = dataclasses.field(default_factory=dict)  # "part: what" -> one-line reason, written to the JSON
+
+
+class PartSkipped(Exception):
+    """Raised by a part's `run(ctx)` that cannot measure anything here (e.g. an optional
+    benchmark dependency is missing); the message is the one-line reason."""
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check: the CUDA tests, then every benchmark part with --device cuda at the paper's
 # scale on random:qwen2.5-0.5b. Installs nothing from the network; finishes in < 8 minutes on
-# one H100/H200: every step has a time limit (tests 150 s, benchmark parts 70 + 100 + 40 + 70 s)
-# and 5 s more to die after it (timeout -k 5): 7.6 minutes at most, plus the wheel install.
+# one H100/H200: every step has a time limit (tests 150 s, benchmark parts 70 + 80 + 40 + 60 + 40 s;
+# peers = Liger's fused GRPO loss at equal numerics, eager and compiled, last) and 5 s more to
+# die after it (timeout -k 5): 7.8 minutes at most, plus the wheel install.
 # Figures land as JSON in $OUT (default bench/results/gpu-DATE).
 #
 # Carried in, in the ignored folder $FASTPO_GPU_CARRY (default .gpucarry), prepared on a
@@ -23,7 +24,7 @@ if [ "${1:-}" = "--prepare" ]; then
         grep -qx "/$rel/" .git/info/exclude 2>/dev/null || echo "/$rel/" >> .git/info/exclude ;; esac
     plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
-        -d "$CARRY/whl" gguf liger-kernel || exit 1
+        -d "$CARRY/whl" gguf liger-kernel==0.8.5 || exit 1
     if [ -n "${FASTPO_CARRY_NUMBA:-}" ]; then
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
             -d "$CARRY/whl/numba" $FASTPO_CARRY_NUMBA || exit 1
@@ -69,7 +70,7 @@ tests_rc=${PIPESTATUS[0]}
 echo "== benchmarks (cuda, random:qwen2.5-0.5b, paper scale), one process and one time limit per part"
 # Part by part, most wanted first, so a part that overruns costs only itself; each writes its JSON.
 bench_rc=0
-for spec in kernels:70 rollout:100 train:40 e2e:70; do
+for spec in kernels:70 rollout:80 train:40 e2e:60 peers:40; do
     part=${spec%%:*}; limit=${spec##*:}
     timeout -k 5 "$limit" $PY bench/throughput.py --part "$part" --device cuda --model random:qwen2.5-0.5b --repeats 2 \
         --json "$OUT/throughput_cuda_$part.json" 2>&1 | tee "$OUT/throughput_cuda_$part.log"

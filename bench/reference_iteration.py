@@ -165,6 +165,9 @@ class ReferenceTrainer(Trainer):
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
         self.micro_batch_size = micro_batch_size
 
+    def _resolve_old_logprob(self) -> None:
+        self.old_logprob_source = "recompute"  # the reference recomputes them (RAGEN / verl's default)
+
     def setup(self) -> None:
         from fastpo.rollout.reference import ReferenceRollout
 

@@ -64,6 +64,10 @@ def render(result: dict, path: str, parts: list[str] | None = None) -> str:
         target = "-" if r.get("target") is None else f"≥ {r['target']:g}x " + ("met" if r.get("met") else "**missed**")
         lines.append(f"| {r['part']} | {name} | {fmt(r['fastpo'], r.get('fastpo_spread'))} | "
                      f"{fmt(r.get('baseline'), r.get('baseline_spread'))} | {ratio} | {target} | {r['unit']} |")
+    for what, why in (result.get("skipped") or {}).items():
+        part = what.split(":", 1)[0]
+        if part != what and (parts is None or part in parts):  # a piece of a part shown here
+            lines.append(f"\n`{what.split(':', 1)[1].strip()}` ({part}) skipped in this run: {why}")
     if parts is not None and set(parts) != {r["part"] for r in result["records"]}:
         lines.append(f"\n(From this run: {', '.join(parts)}; its other parts are shown from a newer run.)")
     for part, err in (result.get("errors") or {}).items():
@@ -111,7 +115,8 @@ def section(results_dir: str) -> str:
         shown += [render(r, p, parts_of[p]) for p, r in picked]
         failed = {}
         for _, result in newest_first:  # a part no run measured: say why, from its newest try
-            for part, err in (result.get("errors") or {}).items():
+            whole = {k: f"skipped: {v}" for k, v in (result.get("skipped") or {}).items() if ":" not in k}
+            for part, err in {**(result.get("errors") or {}), **whole}.items():
                 if part not in covered and part not in failed:
                     failed[part] = err
         shown += [f"Part `{part}` ({dev}) did not run: {err}" for part, err in sorted(failed.items())]

@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """fastpo's side-by-side benchmarks: one run, one table, one JSON.
 
-    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|all|collapse] [--quick]
+    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|peers|all|collapse] [--quick]
                                [--device cpu|cuda] [--model NAME] [--json PATH]
 
-Each part lives in bench/part_<name>.py and exposes `run(ctx) -> list[Record]`.
+Each part lives in bench/part_<name>.py and exposes `run(ctx) -> list[Record]`; a part that
+cannot measure anything here (a missing optional dependency) raises `PartSkipped` with a
+one-line reason, which the JSON keeps under "skipped".
 """
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import BenchContext, Record, fix_malloc_threshold  # noqa: E402
+from _common import BenchContext, PartSkipped, Record, fix_malloc_threshold  # noqa: E402
 
-PARTS = ["envs", "kernels", "rollout", "train", "e2e"]
+PARTS = ["envs", "kernels", "rollout", "train", "e2e", "peers"]
 # measured on their own (--part NAME), not in "all"
 EXTRA_PARTS = ["collapse"]
 
@@ -51,6 +53,13 @@ def machine_header(ctx: BenchContext) -> dict:
             info[mod] = importlib.import_module(mod).__version__
         except Exception:  # a missing optional library is reported, not fatal
             info[mod] = None
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("trl", "liger-kernel"):  # the peers part's (the bench extra); not imported here
+        try:
+            info[dist.replace("-", "_")] = version(dist)
+        except PackageNotFoundError:
+            info[dist.replace("-", "_")] = None
     try:
         import torch
 
@@ -122,26 +131,32 @@ def main(argv: list[str] | None = None) -> int:
             raise
         try:
             records.extend(mod.run(ctx))
+        except PartSkipped as e:
+            ctx.skipped[name] = str(e)
+            print(f"part {name}: skipped: {e}", file=sys.stderr, flush=True)
         except Exception as e:  # one broken part must not hide the others' figures
             traceback.print_exc()
             errors[name] = f"{type(e).__name__}: {e}"
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"part {name}: {seconds[name]:.0f} s", file=sys.stderr, flush=True)
         if args.json:  # after every part: a run stopped by a time limit keeps what it measured
-            write_json(args.json, header, vars(args), records, errors, seconds)
+            write_json(args.json, header, vars(args), records, errors, seconds, ctx.skipped)
     print_table(header, records)
     for name, err in errors.items():
         print(f"part {name}: {err}", file=sys.stderr)
+    for name, why in ctx.skipped.items():
+        print(f"skipped {name}: {why}", file=sys.stderr)
     return 1 if errors and not records else 0
 
 
-def write_json(path: str, header: dict, args: dict, records: list[Record], errors: dict, seconds: dict) -> None:
+def write_json(path: str, header: dict, args: dict, records: list[Record], errors: dict, seconds: dict,
+               skipped: dict | None = None) -> None:
     """Write the run so far to `path` atomically (a reader never sees half a file)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump({"machine": header, "args": args, "records": [r.to_dict() for r in records],
-                   "errors": errors, "part_seconds": seconds}, f, indent=2)
+                   "errors": errors, "part_seconds": seconds, "skipped": dict(skipped or {})}, f, indent=2)
     os.replace(tmp, path)
 
 

@@ -185,6 +185,9 @@ class AlgorithmConfig:
     token mean, then the mean over trajectories, so a long trajectory weighs as much as a
     short one. "token-mean" (verl's default; fastpo's before) divides by all tokens of the
     mini-batch; "seq-mean-token-sum" sums each trajectory's tokens.
+    `old_logprob`: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
+    from the "sampler", or "auto": the sampler's exactly when they are the same quantity
+    (native engine on the trained fp32 module; fastpo.old_logprob).
     `ratio_level`: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
     arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
     trajectory; its objective is seq-mean-token-mean's).
@@ -214,6 +217,7 @@ class AlgorithmConfig:
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
+    old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
     ratio_level: Literal["token", "sequence"] = "token"
     is_correction: Literal["none", "tis", "mis"] = "none"
     is_level: Literal["token", "sequence"] = "token"

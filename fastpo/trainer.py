@@ -6,7 +6,10 @@ One iteration:
    native engine sharing the policy module (so step 6 needs no weight transfer);
 2. filter: StarPO-S keeps the env groups with the highest in-group reward std;
 3. old log-probs (and values, reference log-probs) recomputed by the trainer on packed
-   micro-batches; the gap to the sampling log-probs is logged (`train/logprob_gap_*`);
+   micro-batches, the gap to the sampling log-probs logged (`train/logprob_gap_*`); or,
+   where they are the same quantity (`algorithm.old_logprob`, fastpo.old_logprob), the
+   sampler's own log-probs and entropies, with a shared critic's values read out in the
+   sampling pass, and only what is still missing computed;
 4. advantages: GAE over model tokens with the critic (PPO) or group-normalized scores (GRPO);
 5. updates: `ppo_epochs` passes over shuffled mini-batches of trajectories, each split into
    token-budget micro-batches with gradient accumulation, fused policy loss from
@@ -362,6 +365,7 @@ class Trainer:
                                                 lr=o.critic_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.rollout_cfg = cfg.rollout.rollout_config()
         self.engine = self._make_engine(model, tok)
+        self._resolve_old_logprob()
         self.rollout = ro.MultiTurnRollout(self.engine, tok, cfg.env.name, dict(cfg.env.options), self.rollout_cfg)
         self.echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
         if ckpt is not None:
@@ -422,6 +426,15 @@ class Trainer:
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
+    def _resolve_old_logprob(self) -> None:
+        """Set `self.old_logprob_source` ("sampler" | "recompute") from `algorithm.old_logprob`."""
+        from fastpo.old_logprob import resolve_old_logprob
+
+        autocast = self.device.type == "cuda" and self.cfg.model.dtype == "auto"  # as _autocast()
+        self.old_logprob_source, why, warn = resolve_old_logprob(
+            self.cfg.algorithm.old_logprob, self.engine, self.model, self.cfg.rollout.temperature, autocast)
+        self.console.print(f"{'[yellow]warning[/]: ' if warn else ''}old log-probs: {self.old_logprob_source} ({why})")
+
     def _shutdown_engine(self) -> None:
         """Stop an engine that runs its own processes (SGLang); the native one has none."""
         engine = getattr(self, "engine", None)
@@ -467,8 +480,18 @@ class Trainer:
     # ------------------------------------------------------------------ phases
     def _generate(self, seeds: list[int], group_size: int, temperature: float, seed: int):
         self.model.eval()
-        with torch.no_grad(), self._autocast(), self._engine_awake():
-            return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
+        # old log-probs from the sampler: a critic on the policy's trunk reads its values off
+        # the sampling pass's hidden states, so no pass over the batch is left to do
+        readout = (getattr(self, "old_logprob_source", "recompute") == "sampler" and self.value_head is not None
+                   and self.critic_body is None and hasattr(self.engine, "readout"))
+        if readout:
+            self.engine.readout = self.value_head
+        try:
+            with torch.no_grad(), self._autocast(), self._engine_awake():
+                return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
+        finally:
+            if readout:
+                self.engine.readout = None
 
     def _micro_batches(self, ids: list[torch.Tensor], indices: list[int], masks: list[torch.Tensor]):
         """Packed micro-batches of the trajectories `indices`; an env group's shared prompt is
@@ -490,31 +513,39 @@ class Trainer:
                                    device=self.device, prefix_lengths=prefix, prefix_groups=groups)
 
     @torch.no_grad()
-    def compute_old(self, ids, masks) -> tuple[list, list, list, list]:
+    def compute_old(self, ids, masks, logprobs: bool = True, values: bool = True) -> tuple[list, list, list, list]:
         """Old log-probs, entropies, values and reference log-probs per trajectory ([T_i] fp32 each).
 
         Log-prob/entropy of token t sit at index t (0 off the loss mask); values likewise.
+        `logprobs=False` skips the policy's LM head (log-probs and entropies stay None),
+        `values=False` the critic (values None): what the sampler already gave.
         """
         from fastpo.kernels import linear_logprob_entropy
 
         temp = self.cfg.rollout.temperature
         impl = self.cfg.trainer.kernel_impl
         n = len(ids)
-        old_lp = [torch.zeros(int(x.numel())) for x in ids]
-        ent = [torch.zeros(int(x.numel())) for x in ids]
-        vals = [torch.zeros(int(x.numel())) for x in ids] if self.value_head is not None else None
+        values = values and self.value_head is not None
+        old_lp = [torch.zeros(int(x.numel())) for x in ids] if logprobs else None
+        ent = [torch.zeros(int(x.numel())) for x in ids] if logprobs else None
+        vals = [torch.zeros(int(x.numel())) for x in ids] if values else None
         ref = [torch.zeros(int(x.numel())) for x in ids] if self.ref_model is not None else None
+        if not (logprobs or values or ref is not None):
+            return old_lp, ent, vals, ref
+        policy_body = logprobs or (values and self.critic_body is None)
         self.model.eval()
         for pb in self._micro_batches(ids, list(range(n)), masks):
             sc = pb.scored(masks)  # token t is scored from the hidden state at t - 1
             if sc.count == 0:
                 continue
             with self._autocast():
-                h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                lp, e = linear_logprob_entropy(h[sc.hidden], _lm_head_weight(self.model), sc.targets, temp, impl=impl)
-                sc.scatter(lp.float(), old_lp)
-                sc.scatter(e.float(), ent)
-                if self.value_head is not None:
+                h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0] if policy_body else None
+                if logprobs:
+                    lp, e = linear_logprob_entropy(h[sc.hidden], _lm_head_weight(self.model), sc.targets, temp,
+                                                   impl=impl)
+                    sc.scatter(lp.float(), old_lp)
+                    sc.scatter(e.float(), ent)
+                if values:
                     hv = h if self.critic_body is None else self.critic_body(
                         **pb.model_inputs(), use_cache=False).last_hidden_state[0]
                     sc.scatter(self.value_head(hv[sc.hidden]).float(), vals)
@@ -524,6 +555,19 @@ class Trainer:
                                                     impl=impl)
                     sc.scatter(rlp.float(), ref)
         return old_lp, ent, vals, ref
+
+    def _old_from_sampler(self, batch, ids, masks, samp):
+        """(old_lp, ent, vals, ref, recomputed log-probs or None) with the sampler's log-probs as
+        old_lp; entropies and a shared critic's values from the rollout where it recorded them,
+        and one pass over the batch for only what is still missing (a separate critic, a
+        reference model, or an engine that records no entropies)."""
+        ent = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_entropies] or None
+        vals = None
+        if self.value_head is not None and self.critic_body is None and batch.sample_values:
+            vals = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_values]
+        lp2, ent2, vals2, ref = self.compute_old(ids, masks, logprobs=ent is None,
+                                                 values=self.value_head is not None and vals is None)
+        return samp, ent if ent is not None else ent2, vals if vals is not None else vals2, ref, lp2
 
     def collapse_metrics(self, batch) -> dict:
         """`collapse/*` (fastpo/collapse.py) of a rollout batch's first turns, scored by the
@@ -771,12 +815,18 @@ class Trainer:
             for mk in masks:
                 mk[0] = False
             samp = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_logprobs]
-            old_lp, ent, vals, ref = self.compute_old(ids, masks)
+            if getattr(self, "old_logprob_source", "recompute") == "sampler":
+                old_lp, ent, vals, ref, recomputed = self._old_from_sampler(batch, ids, masks, samp)
+            else:
+                old_lp, ent, vals, ref = self.compute_old(ids, masks)
+                recomputed = old_lp
             tm["time/old_logprob_s"] = time.perf_counter() - t1
             allm = torch.cat(masks)
-            gap = (torch.cat(old_lp) - torch.cat(samp))[allm].abs()
-            m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-            m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+            m["train/old_logprob_from_sampler"] = float(old_lp is samp)
+            if recomputed is not None:  # both available: how far the sampler's are from the trainer's
+                gap = (torch.cat(recomputed) - torch.cat(samp))[allm].abs()
+                m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+                m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
             m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
             if skip:
                 self.console.print(f"[yellow]warning[/]: iteration {it}: the {a.filter_strategy} filter kept no env "

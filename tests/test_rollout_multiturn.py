@@ -47,9 +47,9 @@ class _Recorder:
         self.feed = ScriptedLogits(model, None)
 
         def sample(*a, **k):
-            tok, lp = self._orig(*a, **k)
-            self.sampled.extend(tok.tolist())
-            return tok, lp
+            out = self._orig(*a, **k)  # (tokens, logprobs[, entropies])
+            self.sampled.extend(out[0].tolist())
+            return out
 
         engine_mod.sample_tokens = sample
 

@@ -53,8 +53,9 @@ def test_bandit_grpo_one_iteration_writes_everything(tmp_path, capsys):
                 "train/effective_action_rate", "time/rollout_s", "time/update_s", "perf/train_tokens_per_s",
                 "eval/success_rate", "eval/pass@1", "ema/train/success_rate", "echo_trap_warning"):
         assert key in rec, key
-    # on-policy first step: the trainer's recomputed log-probs equal the sampler's
-    assert rec["train/logprob_gap_max"] < 1e-3
+    # on-policy first step: the old log-probs are the sampler's (old_logprob=auto, fp32 native
+    # engine), and the update's log-probs equal them: ratio 1
+    assert rec["train/old_logprob_from_sampler"] == 1.0
     assert rec["actor/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
     assert rec["actor/updates"] == 1 and rec["actor/skipped_updates"] == 0
     assert math.isfinite(rec["actor/grad_norm"]) and rec["actor/grad_norm"] > 0

@@ -17,6 +17,12 @@ class TrajectoryBatch:
         sample_logprobs: float32 [L_i], log-prob (nats) of each sampled token at the sampling
             temperature, 0 where loss_mask is False; turn_index: int64 [L_i], k on the
             response tokens of turn k (0-based), -1 elsewhere.
+        sample_entropies: float32 [L_i], entropy (nats) of the full distribution each sampled
+            token was drawn from, at the sampling temperature, 0 off the loss mask; an empty
+            list when the engine did not record it (SGLang).
+        sample_values: float32 [L_i], the engine's readout (the critic's V(s_t)) of the hidden
+            state each sampled token came from, 0 off the loss mask; an empty list when no
+            readout was set (see NativeEngine.readout).
     Per-trajectory fields:
         turn_rewards: float32 [B, max_turns], env reward + format penalty per turn, 0 after
             the last turn; format_penalty: float32 [B, max_turns], the penalty part;
@@ -63,6 +69,8 @@ class TrajectoryBatch:
     invalid_actions: torch.Tensor | None = None
     effective_actions: torch.Tensor | None = None
     penalised_turns: torch.Tensor | None = None
+    sample_entropies: list = dataclasses.field(default_factory=list)
+    sample_values: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -112,6 +120,8 @@ class TrajectoryBatch:
             turn_stop_reasons=[self.turn_stop_reasons[i] for i in il] if self.turn_stop_reasons else [],
             valid_actions=pick(self.valid_actions), invalid_actions=pick(self.invalid_actions),
             effective_actions=pick(self.effective_actions), penalised_turns=pick(self.penalised_turns),
+            sample_entropies=[self.sample_entropies[i] for i in il] if self.sample_entropies else [],
+            sample_values=[self.sample_values[i] for i in il] if self.sample_values else [],
         )
 
     def response_lengths(self) -> torch.Tensor:

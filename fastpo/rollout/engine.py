@@ -65,11 +65,17 @@ class TurnOutput:
     over the full vocabulary (NativeEngine; see the module docstring for SGLang's).
     stop_reason: "eot" (a stop token), "stop_string", "length" (max_new_tokens) or
     "context" (the session reached max_context; possibly with no tokens).
+    entropies: entropy (nats) of the full distribution each token was drawn from, at the
+    sampling temperature (NativeEngine; empty where an engine does not record it).
+    values: `NativeEngine.readout` of the hidden state each token was sampled from (e.g. a
+    critic's V(s_t)); empty when no readout is set.
     """
 
     token_ids: list
     logprobs: list
     stop_reason: str
+    entropies: list = dataclasses.field(default_factory=list)
+    values: list = dataclasses.field(default_factory=list)
 
 
 def unsupported_attention(config) -> str | None:
@@ -162,6 +168,11 @@ class NativeEngine:
     Counters (cumulative, reset with ``reset_stats()``): ``stats["prefilled_tokens"]``
     (real tokens fed in prefill forwards), ``stats["generated_tokens"]`` (sampled tokens),
     ``stats["forward_passes"]``, ``stats["seconds"]``.
+
+    ``readout``: None, or a callable mapping the final hidden states [R, H] (the LM head's
+    input) to a float tensor [R]; while set, every sampled token also records the readout of
+    the hidden state it was sampled from (``TurnOutput.values``). A trainer sets it to its
+    value head to get the critic's values from the sampling pass itself.
     """
 
     def __init__(self, model, tokenizer):
@@ -178,6 +189,9 @@ class NativeEngine:
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self._stop_char_masks: dict = {}
+        self.readout = None
+        self._hidden = None  # the LM head's input of the last forward, while a readout is set
+        self._values = None  # the readout of the last forward [rows], or None
         self.reset_stats()
         self._clear()
 
@@ -195,6 +209,7 @@ class NativeEngine:
         self._cached: dict = {}  # session -> tokens in the KV cache
         self._pending: dict = {}  # session -> tokens not yet fed (the last sampled token)
         self._start_logits: dict = {}  # session -> logits [V] after the shared prompt prefill
+        self._start_values: dict = {}  # session -> readout after the shared prompt prefill (readout set)
         self._num_sessions = 0
 
     def finish(self) -> None:
@@ -222,13 +237,28 @@ class NativeEngine:
             self.stats["seconds"] += time.perf_counter() - t0
 
     def _forward(self, ids, attn, pos, rows: int, length: int):
-        """One forward of `rows` rows; writes K/V at columns [length, length + n). Returns logits [rows, V]."""
+        """One forward of `rows` rows; writes K/V at columns [length, length + n). Returns logits [rows, V]
+        (and sets ``self._values`` [rows] fp32 from the readout, or None)."""
         for layer in self._layers:
             layer.bind(layer.kbuf, layer.vbuf, rows, length, layer.capacity)
         cache = DynamicCache()
         cache.layers = self._layers
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                         **{self._cache_kw: cache})
+        hook = None
+        if self.readout is not None:
+            def keep(_module, args):
+                self._hidden = args[0][:, -1, :]
+
+            hook = self.model.get_output_embeddings().register_forward_pre_hook(keep)
+        try:
+            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
+                             **{self._cache_kw: cache})
+        finally:
+            if hook is not None:
+                hook.remove()
+        self._values = None
+        if hook is not None:
+            self._values = self.readout(self._hidden).float().reshape(rows)
+            self._hidden = None
         self.stats["forward_passes"] += 1
         return out.logits[:, -1, :]
 
@@ -276,6 +306,8 @@ class NativeEngine:
             self._cached[s] = len(prompts[g])
             self._pending[s] = []
             self._start_logits[s] = logits[g]
+            if self._values is not None:
+                self._start_values[s] = self._values[g]
 
     def _compact(self, sessions: list, capacity: int) -> int:
         """Move the sessions' KV rows, holes removed and right-aligned, into fresh buffers of
@@ -358,7 +390,7 @@ class NativeEngine:
 
     def _keep_only(self, sessions) -> None:
         keep = set(sessions)
-        for d in (self._cached, self._pending, self._start_logits, self._row_of):
+        for d in (self._cached, self._pending, self._start_logits, self._start_values, self._row_of):
             for s in [s for s in d if s not in keep]:
                 del d[s]
 
@@ -376,7 +408,7 @@ class NativeEngine:
         cached = [self._cached[s] for s in sess]
         if any(nb == 0 for nb in n) and any(s not in self._start_logits for s, nb in zip(sess, n) if nb == 0):
             raise RuntimeError("a session with nothing to feed has no logits (fastpo engine bug)")
-        logits = None
+        logits = values = None
         if n_max > 0:
             ids = torch.full((R, n_max), self.pad_id, dtype=torch.long)
             pos = torch.zeros((R, n_max), dtype=torch.long)
@@ -387,16 +419,25 @@ class NativeEngine:
             cm = torch.arange(n_max)[None, :] >= (n_max - torch.tensor(n))[:, None]
             self._mask[:, T:T + n_max] = cm.to(dev)
             logits = self._forward(ids.to(dev), self._mask[:, :T + n_max].long(), pos.to(dev), R, T).float()
+            values = self._values
             self.stats["prefilled_tokens"] += sum(n)
         L = T + n_max
+        readout = self.readout is not None
         for r, s in enumerate(sess):
             if n[r] == 0:
                 row = self._start_logits[s].float()[None]
                 logits = row.expand(R, -1).clone() if logits is None else logits
                 logits[r] = row[0]
+                if readout:
+                    v0 = self._start_values.get(s)
+                    if v0 is None:
+                        raise RuntimeError("readout set after the session started (fastpo engine bug)")
+                    values = v0.expand(R).clone() if values is None else values
+                    values[r] = v0
             cached[r] += n[r]
             self._pending[s] = []
             self._start_logits.pop(s, None)
+            self._start_values.pop(s, None)
 
         # Per output row limits: max_new_tokens and the context.
         limit = [min(params.max_new_tokens, params.max_context - cached[r]) for r in range(R)]
@@ -406,18 +447,24 @@ class NativeEngine:
         window = max((len(self.tokenizer.encode(s, add_special_tokens=False)) for s in stop_strs), default=0) + 2
         resp = [[] for _ in range(R)]
         lps = [[] for _ in range(R)]
+        ents = [[] for _ in range(R)]
+        vals = [[] for _ in range(R)]
         row_out = list(range(R))  # buffer row -> output row
         live = R
         pos_t = torch.tensor(cached, dtype=torch.long, device=dev)  # next position per buffer row
         while live > 0:
-            tok, lp = sample_tokens(logits[:live], params, generator)
-            tl, ll = tok.tolist(), lp.tolist()
+            tok, lp, ent = sample_tokens(logits[:live], params, generator, entropy=True)
+            tl, ll, el = tok.tolist(), lp.tolist(), ent.tolist()
+            vl = values[:live].tolist() if readout else None
             stopped = []
             for r in range(live):
                 o = row_out[r]
                 t = tl[r]
                 resp[o].append(t)
                 lps[o].append(ll[r])
+                ents[o].append(el[r])
+                if vl is not None:
+                    vals[o].append(vl[r])
                 reason = None
                 if t in stop_ids:
                     reason = STOP_EOT
@@ -438,6 +485,7 @@ class NativeEngine:
                 break
             self._mask[:live, L] = True
             logits = self._forward(tok[:live, None], self._mask[:live, :L + 1].long(), pos_t[:live, None], live, L).float()
+            values = self._values
             pos_t[:live] += 1
             L += 1
         for r in range(R):
@@ -447,6 +495,8 @@ class NativeEngine:
             self._cached[s] = int(pos_t[r])
             outputs[run[o]].token_ids = resp[o]
             outputs[run[o]].logprobs = lps[o]
+            outputs[run[o]].entropies = ents[o]
+            outputs[run[o]].values = vals[o]
         self._L = L
         self._rows = R
 

@@ -254,6 +254,9 @@ class MultiTurnRollout:
         ids = [list(group_prompts[b // N]) for b in range(B)]
         mask = [[False] * len(x) for x in ids]
         lps = [[0.0] * len(x) for x in ids]
+        ents = [[0.0] * len(x) for x in ids]
+        vals = [[0.0] * len(x) for x in ids]
+        recorded = {"entropies": True, "values": True}  # did the engine record them for every token?
         tix = [[-1] * len(x) for x in ids]
         responses = [[] for _ in range(B)]
         resp_texts = [[] for _ in range(B)]
@@ -302,6 +305,13 @@ class MultiTurnRollout:
                 ids[b].extend(r)
                 mask[b].extend([True] * len(r))
                 lps[b].extend(float(x) for x in out.logprobs)
+                for key, dest in (("entropies", ents), ("values", vals)):
+                    got = getattr(out, key, None) or []
+                    if len(got) == len(r):
+                        dest[b].extend(float(x) for x in got)
+                    else:
+                        recorded[key] = False
+                        dest[b].extend([0.0] * len(r))
                 tix[b].extend([turn] * len(r))
                 responses[b].append(torch.tensor(r, dtype=torch.long))
                 turn_stops[b].append(out.stop_reason)
@@ -343,6 +353,8 @@ class MultiTurnRollout:
                 ids[b].extend(between)
                 mask[b].extend([False] * len(between))
                 lps[b].extend([0.0] * len(between))
+                ents[b].extend([0.0] * len(between))
+                vals[b].extend([0.0] * len(between))
                 tix[b].extend([-1] * len(between))
                 new_active.append(b)
                 new_append.append(between)
@@ -372,6 +384,8 @@ class MultiTurnRollout:
             input_ids=[torch.tensor(x, dtype=torch.long) for x in ids],
             loss_mask=[torch.tensor(x, dtype=torch.bool) for x in mask],
             sample_logprobs=[torch.tensor(x, dtype=torch.float32) for x in lps],
+            sample_entropies=[torch.tensor(x, dtype=torch.float32) for x in ents] if recorded["entropies"] else [],
+            sample_values=[torch.tensor(x, dtype=torch.float32) for x in vals] if recorded["values"] else [],
             turn_index=[torch.tensor(x, dtype=torch.long) for x in tix],
             turn_rewards=torch.from_numpy(turn_rewards), format_penalty=torch.from_numpy(penalties),
             num_turns=torch.from_numpy(num_turns), scores=torch.from_numpy(scores.astype(np.float32)),

@@ -66,22 +66,33 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return out
 
 
-def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
+def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+                  entropy: bool = False):
     """Draw one token per row and return its fp32 log-prob at the sampling temperature.
 
     logits: [R, V] any float dtype. Returns (tokens int64 [R], logprobs float32 [R]), both on
-    logits' device. Deterministic for a given generator state (CPU and CUDA).
+    logits' device; with `entropy=True` also the fp32 entropy [R] (nats) of the full
+    distribution softmax(logits / T) the log-prob is taken from (T = 1 when greedy), the
+    quantity the trainer's `linear_logprob_entropy` computes. Deterministic for a given
+    generator state (CPU and CUDA).
     """
     x = logits.float()
     if params.temperature == 0:
         logp = torch.log_softmax(x, dim=-1)
         tok = torch.argmax(x, dim=-1)
-        return tok, logp.gather(1, tok[:, None])[:, 0]
-    x = x / params.temperature
-    logp = torch.log_softmax(x, dim=-1)
-    if params.top_k or params.top_p < 1.0:
-        probs = torch.softmax(filter_logits(x, params.top_k, params.top_p), dim=-1)
+        probs = None
     else:
-        probs = logp.exp()
-    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return tok, logp.gather(1, tok[:, None])[:, 0]
+        x = x / params.temperature
+        logp = torch.log_softmax(x, dim=-1)
+        if params.top_k or params.top_p < 1.0:
+            probs = torch.softmax(filter_logits(x, params.top_k, params.top_p), dim=-1)
+        else:
+            probs = logp.exp()
+        tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    lp = logp.gather(1, tok[:, None])[:, 0]
+    if not entropy:
+        return tok, lp
+    full = logp.exp() if probs is None or params.top_k or params.top_p < 1.0 else probs
+    # -sum p log p with 0 * log 0 = 0 (log_softmax gives -inf where p underflows)
+    ent = -(full * torch.where(full > 0, logp, torch.zeros_like(logp))).sum(-1)
+    return tok, lp, ent
