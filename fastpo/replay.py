@@ -34,6 +34,14 @@ def _cpu_copy(item: dict) -> dict:
     return out
 
 
+def _draw(items: list, k: int, generator: torch.Generator) -> list:
+    """min(k, len(items)) distinct items, uniformly, in the drawn order."""
+    k = min(k, len(items))
+    if k == 0:
+        return []
+    return [items[i] for i in torch.randperm(len(items), generator=generator)[:k].tolist()]
+
+
 class ReplayBuffer:
     """First-in first-out store of at most `capacity` trajectories, drawn uniformly.
 
@@ -85,11 +93,7 @@ class ReplayBuffer:
         themselves, not copies: do not modify them."""
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"number of replayed trajectories must be an integer >= 0, got {k!r}")
-        k = min(k, len(self._items))
-        if k == 0:
-            return []
-        idx = torch.randperm(len(self._items), generator=generator)[:k].tolist()
-        return [self._items[i] for i in idx]
+        return _draw(self._items, k, generator)
 
     def items(self) -> list[dict]:
         """Every stored item, oldest first (the stored objects)."""
@@ -120,12 +124,13 @@ class RolloutSchedule:
     that batch (`current`), whose items keep the old log-probs of the policy that sampled
     them. replay N >= 0 batches: when a new batch starts, the previous one goes into a
     ReplayBuffer of N x batch_size trajectories (so the buffer never holds the batch being
-    trained on), and each iteration draws round(fraction x len(current)) of them
+    trained on), and each iteration draws round(fraction x its batch size) of them
     (`replayed`), with a generator seeded from (seed, it), so a resumed run draws the same.
 
     A batch is a list of items, one per trajectory (dicts of CPU tensors and numbers, see
-    ReplayBuffer). `state_dict` holds the current batch, its start and the buffer, for
-    checkpoints. Raises ValueError on reuse < 1, replay < 0 or a fraction outside [0, 1].
+    ReplayBuffer), with the metrics of its rollout (`metrics`, logged again by the
+    iterations that reuse it). `state_dict` holds the current batch, its start, its metrics
+    and the buffer, for checkpoints. Raises ValueError on reuse < 1, replay < 0 or a fraction outside [0, 1].
     """
 
     def __init__(self, reuse: int = 1, replay: int = 0, fraction: float = 0.0, batch_size: int = 1,
@@ -140,33 +145,49 @@ class RolloutSchedule:
         self.buffer = ReplayBuffer(replay * max(0, int(batch_size)))
         self.current: list[dict] | None = None
         self.started = 0  # iteration that rolled out `current`
+        self.metrics: dict = {}
 
     def needs_rollout(self, it: int) -> bool:
         """Whether iteration `it` starts with a fresh rollout."""
         return self.current is None or (it - 1) % self.reuse == 0
 
-    def reuse_index(self, it: int) -> int:
-        """0 for the iteration that rolled the current batch out, then 1, ..., K - 1."""
-        return it - self.started
+    def reuse_index(self, it: int, fresh: bool = False) -> int:
+        """0 for the iteration that rolls (`fresh`) or rolled the current batch out, then 1, ..., K - 1."""
+        return 0 if fresh else it - self.started
 
-    def start(self, it: int, items: list[dict]) -> None:
-        """Iteration `it` rolled out `items`: the previous batch goes to the replay buffer."""
+    def start(self, it: int, items: list[dict], metrics: dict | None = None) -> None:
+        """Iteration `it` rolled out `items` (with the rollout's `metrics`, plain numbers): the
+        previous batch goes to the replay buffer."""
         if self.current is not None and self.buffer.capacity > 0:
             self.buffer.add(self.current)
         self.current = [_cpu_copy(x) for x in items]
         self.started = it
+        self.metrics = dict(metrics or {})
 
-    def replayed(self, it: int) -> list[dict]:
-        """The replayed items of iteration `it`: round(fraction x len(current)), fewer while the
-        buffer holds fewer (none when it is empty or replay is off)."""
-        if self.current is None or self.buffer.capacity == 0 or not len(self.buffer):
+    def pool(self, fresh: bool = False) -> list[dict]:
+        """The replayable items (see `replayed` for `fresh`), oldest first."""
+        cap = self.buffer.capacity
+        pool = self.buffer.items()
+        if fresh and self.current is not None and cap > 0:
+            pool = (pool + self.current)[-cap:]
+        return pool
+
+    def replayed(self, it: int, batch_size: int, fresh: bool = False) -> list[dict]:
+        """The replayed items of iteration `it`: round(fraction x batch_size), fewer while the
+        buffer holds fewer (none when it is empty or replay is off). `fresh`: `it` rolled out
+        a new batch that `start` has not taken yet; the draw is then from the buffer as
+        `start` will leave it (the batch being replaced included, the oldest beyond capacity
+        not), so the previous batch is replayable at once, without changing anything yet."""
+        pool = self.pool(fresh)
+        k = int(round(self.fraction * batch_size))
+        if not pool or k == 0:
             return []
-        k = int(round(self.fraction * len(self.current)))
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + it * 7919 + 104_723) % 2**63)
-        return self.buffer.sample(k, g)
+        return _draw(pool, k, g)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"current": self.current, "started": self.started, "buffer": self.buffer.state_dict()}
+        return {"current": self.current, "started": self.started, "metrics": dict(self.metrics),
+                "buffer": self.buffer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict` (a resumed run continues the reuse cycle and the buffer)."""
@@ -174,4 +195,5 @@ class RolloutSchedule:
             raise ValueError("not a RolloutSchedule state_dict (needs current, started, buffer)")
         self.current = None if state.get("current") is None else [_cpu_copy(x) for x in state["current"]]
         self.started = int(state.get("started", 0))
+        self.metrics = dict(state.get("metrics") or {})
         self.buffer.load_state_dict(state["buffer"])

@@ -311,14 +311,17 @@ def test_rollout_schedule_reuse_and_replay():
     s = RolloutSchedule(reuse=3, replay=2, fraction=0.5, batch_size=4, seed=1)
     rolled = []
     for it in range(1, 11):
-        if s.needs_rollout(it):
+        fresh = s.needs_rollout(it)
+        if fresh:
             rolled.append(it)
-            s.start(it, _items(10 * it, 4))
-        assert s.reuse_index(it) == (it - 1) % 3
-        rep = s.replayed(it)
-        # the buffer holds earlier batches only, never the one being trained on
+        assert s.reuse_index(it, fresh) == (it - 1) % 3
+        # drawn before `start` takes the new batch: the batch it replaces is already replayable
+        rep = s.replayed(it, 4, fresh)
+        assert len(rep) == (0 if it < 4 else 2) and len(s.pool(fresh)) == (0 if it < 4 else 4 if it < 7 else 8)
+        if fresh:
+            s.start(it, _items(10 * it, 4), {"train/success_rate": it / 10})
+        # the replayed are from earlier batches only, never the one being trained on
         assert all(x["iteration"] < 10 * s.started for x in rep)
-        assert len(rep) == (0 if it < 4 else 2)
     assert rolled == [1, 4, 7, 10]
     # 2 batches x 4 kept: the batches of iterations 4 and 7 (1's was dropped)
     assert sorted({x["iteration"] // 10 for x in s.buffer.items()}) == [4, 7]
@@ -326,13 +329,14 @@ def test_rollout_schedule_reuse_and_replay():
     t = RolloutSchedule(reuse=3, replay=2, fraction=0.5, batch_size=4, seed=1)
     t.load_state_dict(torch.load(_save(s.state_dict()), weights_only=True))
     assert not t.needs_rollout(11) and t.needs_rollout(13) and t.reuse_index(11) == 1
-    assert [x["iteration"] for x in t.replayed(11)] == [x["iteration"] for x in s.replayed(11)]
+    assert t.metrics == {"train/success_rate": 1.0}
+    assert [x["iteration"] for x in t.replayed(11, 4)] == [x["iteration"] for x in s.replayed(11, 4)]
     # reuse 1 and no replay: a rollout every iteration, nothing replayed
     u = RolloutSchedule()
     for it in (1, 2, 3):
         assert u.needs_rollout(it)
         u.start(it, _items(it, 2))
-        assert u.replayed(it) == [] and len(u.buffer) == 0
+        assert u.replayed(it, 2) == [] and len(u.buffer) == 0
     with pytest.raises(ValueError, match="reuse"):
         RolloutSchedule(reuse=0)
     with pytest.raises(ValueError, match="fraction"):
