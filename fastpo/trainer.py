@@ -10,7 +10,12 @@ One iteration:
    where they are the same quantity (`algorithm.old_logprob`, fastpo.old_logprob), the
    sampler's own log-probs and entropies, with a shared critic's values read out in the
    sampling pass, and only what is still missing computed;
-4. advantages: GAE over model tokens with the critic (PPO) or group-normalized scores (GRPO);
+4. advantages: GAE over model tokens with the critic (PPO), group-baselined scores (GRPO,
+   Dr.GRPO, RLOO, REINFORCE++-baseline) or batch-normalised returns (REINFORCE++);
+   off-policy data (fastpo.replay): with `rollout.reuse` = K > 1 the next K - 1 iterations
+   skip steps 1-4 and train again on this batch; `rollout.replay` mixes in trajectories of
+   earlier batches (old log-probs recomputed); `algorithm.is_correction` weighs the
+   sampler -> trainer gap (fastpo.algorithms.correction);
 5. updates: `ppo_epochs` passes over shuffled mini-batches of trajectories, each split into
    token-budget micro-batches with gradient accumulation, fused policy loss from
    `fastpo.kernels`, clipped value loss, gradient clipping; a non-finite loss or gradient
