@@ -24,7 +24,8 @@ def test_collapse_metrics_every_n_and_empty_filter_skips_the_update(tmp_path):
     # the random model never answers in format: every trajectory scores -0.2 (two penalised turns), so no group
     # has reward spread and linear top_p keeps none
     tr, console = _trainer(tmp_path, "trainer.iterations=3", "trainer.collapse_every=2",
-                           "algorithm.filter_mode=top", "algorithm.filter_strategy=top_p", "algorithm.filter_ratio=0.9")
+                           "algorithm.filter_mode=top", "algorithm.filter_strategy=top_p", "algorithm.filter_ratio=0.9",
+                           "algorithm.old_logprob=recompute")  # recomputed, so the sampler gap is measured
     tr.setup()
     start = copy.deepcopy(tr.model.state_dict())
     m1 = tr.iteration(1)
