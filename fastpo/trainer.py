@@ -918,7 +918,9 @@ class Trainer:
         """The update phase of an iteration: `update`, then its metrics into `m` and its time into `tm`."""
         self._weights_touched = True
         t3 = time.perf_counter()
-        um = self.update(it, ids, masks, old_lp, adv, vals, returns, ref, isw)
+        # (is_weights only when there are some: subclasses such as bench's ReferenceTrainer override update)
+        extra = {} if isw is None else {"is_weights": isw}
+        um = self.update(it, ids, masks, old_lp, adv, vals, returns, ref, **extra)
         self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
         train_tokens = um.pop("_train_tokens")
         um.pop("actor/pg_loss_micro", None)
