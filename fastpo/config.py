@@ -128,12 +128,22 @@ class RolloutSection(RolloutConfig):
     "native" (fastpo's sampler on the trained module itself) or "sglang" (an `sglang.Engine`
     holding a bf16 copy of the weights, refreshed after each update; CUDA only,
     `pip install "fastpo[sglang]"`), with `sglang_mem_fraction` of the GPU memory for its
-    weights and KV cache (released while training)."""
+    weights and KV cache (released while training).
+
+    Off-policy data (RAGEN's rollout frequency and replay, arXiv 2504.20073): `reuse` K >= 1
+    trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a fresh batch
+    every iteration), its old log-probs staying those of the policy that sampled it.
+    `replay` N >= 0 keeps the trajectories of the last N rollout batches (their sampler
+    log-probs with them; fastpo.replay) and mixes round(`replay_fraction` x fresh batch
+    size) of them, `replay_fraction` in [0, 1], into each update (0 = no buffer)."""
 
     env_groups: int = 8
     group_size: int = 16
     engine: Literal["native", "sglang"] = "native"
     sglang_mem_fraction: float = 0.4
+    reuse: int = 1
+    replay: int = 0
+    replay_fraction: float = 0.5
 
     def rollout_config(self, **changes: Any) -> RolloutConfig:
         """The plain RolloutConfig of this section (batch shape dropped), with `changes` applied."""
@@ -146,8 +156,11 @@ class RolloutSection(RolloutConfig):
 class AlgorithmConfig:
     """StarPO / StarPO-S algorithm settings.
 
-    `adv_estimator`: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env group)
-    or "drgrpo" (R - mean, no std division; Dr.GRPO).
+    `adv_estimator`: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env group),
+    "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean of the group's
+    other trajectories; RLOO), "reinforce_pp" (each model token's discounted return,
+    normalised over the batch; REINFORCE++) or "reinforce_pp_baseline" (R - group mean,
+    normalised over the batch's tokens); fastpo.algorithms.advantages.
     `reward_position`: where a trajectory's reward sits for GAE: "last_token" (the last model
     token of the trajectory, the paper's default) or "turn" (each turn's reward on that
     turn's last model token).
@@ -164,7 +177,9 @@ class AlgorithmConfig:
     either per token on the reward before the advantages (`kl_in_reward` true: verl's
     `apply_kl_penalty`, r_t - kl_coef * kl_t on every model token, what RAGEN's PPO runs did)
     or as a loss term (false: + kl_coef * kl_t in the policy loss, what its GRPO runs did).
-    `kl_in_reward` null (default) picks the reward for gae and the loss for grpo/drgrpo.
+    `kl_in_reward` null (default) picks the reward for gae and reinforce_pp (token-level
+    returns: REINFORCE++ puts the KL on the reward) and the loss for the group estimators
+    (grpo, drgrpo, rloo, reinforce_pp_baseline).
     `loss_agg`: how token losses become the mini-batch loss. "seq-mean-token-mean" (default,
     every preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each trajectory's
     token mean, then the mean over trajectories, so a long trajectory weighs as much as a
@@ -173,9 +188,16 @@ class AlgorithmConfig:
     `old_logprob`: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
     from the "sampler", or "auto": the sampler's exactly when they are the same quantity
     (native engine on the trained fp32 module; fastpo.old_logprob).
+    `ratio_level`: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
+    arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
+    trajectory; its objective is seq-mean-token-mean's).
+    `is_correction`: importance-sampling correction of the sampler -> trainer gap
+    (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
+    pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves [1/is_cap, is_cap]
+    dropped from the loss), per token or per trajectory (`is_level`); `is_cap` > 1.
     """
 
-    adv_estimator: Literal["gae", "grpo", "drgrpo"] = "gae"
+    adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
     gamma: float = 1.0
     lam: float = 1.0
     reward_position: Literal["last_token", "turn"] = "last_token"
@@ -196,6 +218,10 @@ class AlgorithmConfig:
     kl_in_reward: Optional[bool] = None
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
     old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
+    ratio_level: Literal["token", "sequence"] = "token"
+    is_correction: Literal["none", "tis", "mis"] = "none"
+    is_level: Literal["token", "sequence"] = "token"
+    is_cap: float = 2.0
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = 0.5
@@ -279,9 +305,12 @@ class TrainConfig:
     @property
     def kl_in_reward(self) -> bool:
         """Whether the KL penalty (kl_coef > 0) goes on the reward (True) or into the loss:
-        `algorithm.kl_in_reward`, or when null, True for gae and False for grpo/drgrpo."""
+        `algorithm.kl_in_reward`, or when null, True for the token-level estimators (gae,
+        reinforce_pp) and False for the group ones (grpo, drgrpo, rloo, reinforce_pp_baseline)."""
         a = self.algorithm
-        return (a.adv_estimator == "gae") if a.kl_in_reward is None else bool(a.kl_in_reward)
+        if a.kl_in_reward is None:
+            return a.adv_estimator in TOKEN_LEVEL_ESTIMATORS
+        return bool(a.kl_in_reward)
 
     @property
     def train_batch_size(self) -> int:
@@ -289,6 +318,11 @@ class TrainConfig:
         return self.kept_groups * self.rollout.group_size
 
 
+#: Advantage estimators that score each model token from token rewards (the rest score whole
+#: trajectories against their env group).
+TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_pp")
+#: Estimators whose baseline is the env group's other trajectories: they need group_size >= 2.
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 #: Rollout-filter strategies (fastpo/algorithms/filtering.py; RAGEN head's `rollout_filter_strategy`).
 FILTER_STRATEGIES = ("top_k", "top_p", "min_p")
 
@@ -535,9 +569,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     need(a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0")
     need(a.value_coef >= 0, "algorithm.value_coef", a.value_coef, "must be >= 0")
-    if a.adv_estimator in ("grpo", "drgrpo"):
+    if a.adv_estimator in GROUP_ESTIMATORS:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
-             f"must be >= 2 for adv_estimator={a.adv_estimator!r} (group-normalized advantages)")
+             f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
+    _check_off_policy(cfg, need)
     need(o.actor_lr > 0, "optim.actor_lr", o.actor_lr, "must be > 0")
     need(o.critic_lr > 0, "optim.critic_lr", o.critic_lr, "must be > 0")
     need(o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0")
@@ -582,6 +617,21 @@ def validate(cfg: TrainConfig) -> TrainConfig:
              "wandb is not installed (pip install wandb)")
     _check_env_options(cfg.env.name, cfg.env.options)
     return cfg
+
+
+def _check_off_policy(cfg: TrainConfig, need) -> None:
+    """Rollout reuse, replay and the importance-sampling correction (issue 13's keys)."""
+    r, a = cfg.rollout, cfg.algorithm
+    need(r.reuse >= 1, "rollout.reuse", r.reuse, "must be >= 1 (1 = a fresh rollout batch every iteration)")
+    need(r.replay >= 0, "rollout.replay", r.replay, "must be >= 0 rollout batches (0 = no replay buffer)")
+    need(0 <= r.replay_fraction <= 1, "rollout.replay_fraction", r.replay_fraction,
+         "must be in [0, 1] (replayed trajectories per update, as a fraction of the fresh batch)")
+    need(a.is_cap > 1, "algorithm.is_cap", a.is_cap,
+         "must be > 1 (importance weights are truncated at is_cap, and mis keeps [1/is_cap, is_cap])")
+    need(not (a.ratio_level == "sequence" and a.is_correction != "none" and a.is_level == "token"),
+         "algorithm.is_level", a.is_level,
+         f"contradicts algorithm.ratio_level='sequence' (GSPO) with is_correction={a.is_correction!r}: a "
+         "trajectory's one ratio cannot take per-token weights; use algorithm.is_level=sequence")
 
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).

@@ -10,7 +10,12 @@ One iteration:
    where they are the same quantity (`algorithm.old_logprob`, fastpo.old_logprob), the
    sampler's own log-probs and entropies, with a shared critic's values read out in the
    sampling pass, and only what is still missing computed;
-4. advantages: GAE over model tokens with the critic (PPO) or group-normalized scores (GRPO);
+4. advantages: GAE over model tokens with the critic (PPO), group-baselined scores (GRPO,
+   Dr.GRPO, RLOO, REINFORCE++-baseline) or batch-normalised returns (REINFORCE++);
+   off-policy data (fastpo.replay): with `rollout.reuse` = K > 1 the next K - 1 iterations
+   skip steps 1-4 and train again on this batch; `rollout.replay` mixes in trajectories of
+   earlier batches (old log-probs recomputed); `algorithm.is_correction` weighs the
+   sampler -> trainer gap (fastpo.algorithms.correction);
 5. updates: `ppo_epochs` passes over shuffled mini-batches of trajectories, each split into
    token-budget micro-batches with gradient accumulation, fused policy loss from
    `fastpo.kernels`, clipped value loss, gradient clipping; a non-finite loss or gradient
@@ -192,6 +197,27 @@ def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
     return inner.get_output_embeddings().weight
 
 
+def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-trajectory 1-D tensors -> [B, T] right-padded with zeros (False)."""
+    out = torch.zeros(len(rows), max((int(x.numel()) for x in rows), default=0), dtype=dtype)
+    for i, x in enumerate(rows):
+        out[i, : x.numel()] = x.to(dtype)
+    return out
+
+
+def _traj_items(it: int, ids, masks, samp, old_lp, adv, returns, vals, ref) -> list[dict]:
+    """One dict per trajectory of what training on it again needs (fastpo.replay's items)."""
+    items = []
+    for i in range(len(ids)):
+        item = {"input_ids": ids[i], "loss_mask": masks[i], "sample_logprobs": samp[i], "old_logprobs": old_lp[i],
+                "advantages": adv[i], "iteration": it}
+        for key, col in (("returns", returns), ("values", vals), ("ref_logprobs", ref)):
+            if col is not None:
+                item[key] = col[i]
+        items.append(item)
+    return items
+
+
 class Trainer:
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`.
 
@@ -368,6 +394,12 @@ class Trainer:
         self._resolve_old_logprob()
         self.rollout = ro.MultiTurnRollout(self.engine, tok, cfg.env.name, dict(cfg.env.options), self.rollout_cfg)
         self.echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
+        self.schedule = None  # rollout reuse (Online-K) and replay (fastpo.replay); None: a fresh batch each time
+        if cfg.rollout.reuse > 1 or cfg.rollout.replay > 0:
+            from fastpo.replay import RolloutSchedule
+
+            self.schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
+                                            cfg.train_batch_size, cfg.trainer.seed)
         if ckpt is not None:
             state, opts = load_state(ckpt)
             self.actor_opt.load_state_dict(opts["actor"])
@@ -383,6 +415,8 @@ class Trainer:
             self.start_iteration = int(state["iteration"]) + 1
             self.last_eval = state.get("last_eval", {})
             self._eval_pending = bool(state.get("eval_pending"))
+            if self.schedule is not None and state.get("rollout_schedule") is not None:
+                self.schedule.load_state_dict(state["rollout_schedule"])
             c.print(f"[bold]resumed[/] from {ckpt} at iteration {self.start_iteration}")
         self.logger = MetricsLogger(self.out, cfg.trainer.ema_decay, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                     resume_from=self.start_iteration - 1 if ckpt is not None else None,
@@ -583,10 +617,14 @@ class Trainer:
     def compute_advantages(self, batch, masks, vals, old_lp=None, ref=None) -> tuple[list, Optional[list], dict]:
         """Per-trajectory advantages (and returns for PPO), [T_i] fp32 each, zero off the loss mask.
 
+        Estimators (algorithm.adv_estimator): gae (critic), reinforce_pp (token returns
+        normalised over the batch), and the group ones on trajectory scores: grpo, drgrpo,
+        rloo, reinforce_pp_baseline (fastpo.algorithms.advantages).
         With algorithm.kl_coef > 0 and the KL on the reward (`TrainConfig.kl_in_reward`), old_lp
         and ref (the policy's and the reference model's log-probs, [T_i] each) give each model
-        token's KL, subtracted (times kl_coef) from its reward before GAE, or, for GRPO, from
-        the trajectory's score (the sum of its token rewards) before group normalization.
+        token's KL, subtracted (times kl_coef) from its reward before GAE or REINFORCE++, or,
+        for the group estimators, from the trajectory's score (the sum of its token rewards)
+        before the group baseline.
         """
         a = self.cfg.algorithm
         B = len(masks)
@@ -605,10 +643,8 @@ class Trainer:
             n = M.sum(1)
             # verl's critic/kl: the mean over trajectories of each one's mean token KL
             metrics["train/kl_reward"] = float((KL.sum(1)[n > 0] / n[n > 0]).mean()) if bool((n > 0).any()) else 0.0
-        if a.adv_estimator == "gae":
-            V = torch.zeros(B, T)
-            for i, v in enumerate(vals):
-                V[i, : v.numel()] = v
+        R = None
+        if a.adv_estimator in ("gae", "reinforce_pp"):  # token rewards
             turn = None
             if a.reward_position == "turn":
                 turn = torch.full((B, T), -1, dtype=torch.long)
@@ -620,15 +656,29 @@ class Trainer:
             R = alg.place_rewards(M, batch.scores.float(), a.reward_position, turn, turn_rewards)
             if KL is not None:
                 R = R - a.kl_coef * KL
+        scores = None if R is not None else (
+            batch.scores.float() if KL is None else batch.scores.float() - a.kl_coef * KL.sum(1))
+        if a.adv_estimator == "gae":
+            V = torch.zeros(B, T)
+            for i, v in enumerate(vals):
+                V[i, : v.numel()] = v
             adv, ret = alg.compute_gae(R, V, M, a.gamma, a.lam)
             metrics["critic/return_mean"] = float(ret[M].mean()) if M.any() else 0.0
             metrics["critic/value_mean"] = float(V[M].mean()) if M.any() else 0.0
             if a.whiten_advantages:
                 adv = alg.masked_whiten(adv, M)
             returns = [ret[i, : masks[i].numel()] for i in range(B)]
+        elif a.adv_estimator == "reinforce_pp":  # REINFORCE++: returns normalised over the batch
+            adv, _ = alg.reinforce_pp_advantages(R, M, a.gamma)
+            returns = None
+        elif a.adv_estimator == "reinforce_pp_baseline":
+            adv = alg.reinforce_pp_baseline_advantages(scores, batch.group_ids, M)
+            returns = None
         else:
-            scores = batch.scores.float() if KL is None else batch.scores.float() - a.kl_coef * KL.sum(1)
-            per_traj = alg.grpo_advantages(scores, batch.group_ids, scale_by_std=a.adv_estimator == "grpo")
+            if a.adv_estimator == "rloo":
+                per_traj = alg.rloo_advantages(scores, batch.group_ids)
+            else:
+                per_traj = alg.grpo_advantages(scores, batch.group_ids, scale_by_std=a.adv_estimator == "grpo")
             adv = per_traj[:, None] * M
             returns = None
         metrics["train/advantage_mean"] = float(adv[M].mean()) if M.any() else 0.0
@@ -648,8 +698,10 @@ class Trainer:
                 sum(1 for i in mb if bool(masks[i][1:].any())) or 1)
             yield mb, n_tok, denom
 
-    def update(self, it: int, ids, masks, old_lp, adv, vals, returns, ref) -> dict:
-        """PPO epochs over shuffled mini-batches; returns averaged update metrics."""
+    def update(self, it: int, ids, masks, old_lp, adv, vals, returns, ref, is_weights=None) -> dict:
+        """PPO epochs over shuffled mini-batches; returns averaged update metrics. `is_weights`
+        ([T_i] fp32 per trajectory, or None): the importance-sampling correction's weights on
+        the policy-gradient term (fastpo.algorithms.rollout_correction)."""
         from fastpo.kernels import linear_policy_loss
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
@@ -679,6 +731,7 @@ class Trainer:
                     old = sc.take(old_lp)
                     A = sc.take(adv)
                     rl = sc.take(ref) if (ref is not None and not kl_reward) else None
+                    isw = sc.take(is_weights) if is_weights is not None else None
                     sid = sc.seq
                     train_tokens += pb.trajectory_tokens
                     with self._autocast():
@@ -690,7 +743,8 @@ class Trainer:
                             entropy_coef=a.entropy_coef, kl_coef=0.0 if kl_reward else a.kl_coef,
                             kl_estimator=a.kl_estimator,
                             temperature=cfg.rollout.temperature, loss_agg=a.loss_agg, seq_ids=sid,
-                            denominator=denom, impl=cfg.trainer.kernel_impl)
+                            denominator=denom, ratio_level=a.ratio_level, is_weights=isw,
+                            impl=cfg.trainer.kernel_impl)
                         loss = out.loss
                         vloss = None
                         if self.value_head is not None:
@@ -776,10 +830,13 @@ class Trainer:
         (raises _Drop; nothing has changed). Raises NothingToTrain when no trajectory had room
         for a response."""
         cfg, r, a = self.cfg, self.cfg.rollout, self.cfg.algorithm
+        if self.schedule is not None and not self.schedule.needs_rollout(it):
+            return self._reuse_iteration(it)
         tm: dict[str, float] = {}
         t0 = time.perf_counter()
         self.weight_sync_seconds = 0.0
         self._weights_touched = False
+        isw = items = None
         with self._droppable():
             seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
             batch = self._generate(seeds, r.group_size, r.temperature, seed=cfg.trainer.seed * 1_000_003 + it)
@@ -843,19 +900,105 @@ class Trainer:
                 m.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
                           "train/soft_reweight_mean": float(w.mean())})
             tm["time/advantage_s"] = time.perf_counter() - t2
+            if self.schedule is not None or a.is_correction != "none":
+                rollout_m = dict(m)  # what the iterations reusing this batch log again
+                if self.schedule is not None:
+                    items = _traj_items(it, ids, masks, samp, old_lp, adv, returns, vals, ref)
+                ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
+                    it, m, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh=True)
+        if items is not None:  # past the droppable part: a dropped iteration leaves the schedule as it was
+            self.schedule.start(it, items, rollout_m)
+        self._train(it, m, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
+        gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
+        m["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
+        m.update(tm)
+        return m
+
+    def _train(self, it: int, m: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
+        """The update phase of an iteration: `update`, then its metrics into `m` and its time into `tm`."""
         self._weights_touched = True
         t3 = time.perf_counter()
-        um = self.update(it, ids, masks, old_lp, adv, vals, returns, ref)
+        # (is_weights only when there are some: subclasses such as bench's ReferenceTrainer override update)
+        extra = {} if isw is None else {"is_weights": isw}
+        um = self.update(it, ids, masks, old_lp, adv, vals, returns, ref, **extra)
         self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
         train_tokens = um.pop("_train_tokens")
         um.pop("actor/pg_loss_micro", None)
         m.update(um)
         tm["time/update_s"] = time.perf_counter() - t3
         m["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
-        gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
-        m["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
+
+    def _reuse_iteration(self, it: int) -> dict:
+        """An iteration inside a reuse cycle (rollout.reuse = K > 1): no rollout; the batch the
+        cycle's first iteration sampled is trained on again with its old log-probs (those of
+        the policy that sampled it), advantages and rollout metrics (logged again, with
+        `rollout/reuse_index` 1..K-1), plus this iteration's replayed trajectories."""
+        tm: dict[str, float] = {"time/rollout_s": 0.0, "time/weight_sync_s": 0.0}
+        self.weight_sync_seconds = 0.0
+        self._weights_touched = False
+        with self._droppable():
+            t1 = time.perf_counter()
+            m = dict(self.schedule.metrics)
+            cur = self.schedule.current
+
+            def col(key):
+                return [x[key] for x in cur] if cur and key in cur[0] else None
+
+            ids, masks, samp, old_lp, adv = (col(k) or [] for k in (
+                "input_ids", "loss_mask", "sample_logprobs", "old_logprobs", "advantages"))
+            returns, vals, ref = col("returns"), col("values"), col("ref_logprobs")
+            ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
+                it, m, ids, masks, samp, old_lp, adv, vals, returns, ref)
+            tm["time/old_logprob_s"] = time.perf_counter() - t1
+        self._train(it, m, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
         m.update(tm)
         return m
+
+    def _off_policy(self, it: int, m: dict, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh: bool = False):
+        """Mix this iteration's replayed trajectories into the batch and apply the importance-
+        sampling correction (algorithm.is_correction); `fresh`: the batch was just rolled out
+        (the schedule takes it after the droppable part). Per-trajectory lists in, the same
+        lists (replayed ones appended; with "mis", trajectories left with no token dropped)
+        and the IS weights (None without correction) out; metrics into `m`.
+
+        Replayed trajectories keep their sampler log-probs, advantages and returns; their old
+        log-probs (the ratio's anchor), values and reference log-probs are the current
+        models', so the weights pi_old / pi_sampler correct the policy lag (decoupled PPO)."""
+        a, sched = self.cfg.algorithm, self.schedule
+        rep = sched.replayed(it, len(ids), fresh) if sched is not None else []
+        if sched is not None:
+            m["rollout/reuse_index"] = sched.reuse_index(it, fresh)
+            m["replay/size"] = len(sched.pool(fresh))
+            m["replay/trajectories"] = len(rep)
+            if rep:
+                m["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
+        if rep:
+            r_ids, r_masks = [x["input_ids"] for x in rep], [x["loss_mask"] for x in rep]
+            r_old, _, r_vals, r_ref = self.compute_old(r_ids, r_masks)
+            ids, masks, old_lp = ids + r_ids, masks + r_masks, old_lp + r_old
+            samp, adv = samp + [x["sample_logprobs"] for x in rep], adv + [x["advantages"] for x in rep]
+            returns = None if returns is None else returns + [x["returns"] for x in rep]
+            vals = None if vals is None else vals + r_vals
+            ref = None if ref is None else ref + r_ref
+        corr = alg.rollout_correction(_pad(old_lp), _pad(samp), _pad(masks, torch.bool), a.is_correction, a.is_level,
+                                      a.is_cap)
+        for k in ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "is_weight_mean", "is_truncated_frac"):
+            m[f"actor/{k}"] = corr.metrics[k]
+        m["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
+        if a.is_correction == "none":
+            return ids, masks, old_lp, adv, vals, returns, ref, None
+        n = [int(x.numel()) for x in ids]
+        isw = [corr.weights[i, : n[i]] for i in range(len(ids))]
+        if a.is_correction == "mis":  # dropped tokens leave the loss (and the loss's normalisation)
+            masks = [corr.keep[i, : n[i]] for i in range(len(ids))]
+            kept = [i for i in range(len(ids)) if bool(masks[i].any())]
+            if len(kept) < len(ids):
+                def sel(xs):
+                    return None if xs is None else [xs[i] for i in kept]
+
+                ids, masks, old_lp, adv, vals, returns, ref, isw = map(
+                    sel, (ids, masks, old_lp, adv, vals, returns, ref, isw))
+        return ids, masks, old_lp, adv, vals, returns, ref, isw
 
     def _request_stop(self, signum, frame) -> None:
         """The SIGINT / SIGTERM handler (see the module docstring); a second signal aborts at once
@@ -895,7 +1038,9 @@ class Trainer:
         t0 = time.perf_counter()
         path = save_checkpoint(self.out, it, model=self.model, tokenizer=self.tokenizer,
                                optimizers={"actor": self.actor_opt, **({"critic": self.critic_opt} if self.critic_opt else {})},
-                               state={"last_eval": self.last_eval, "eval_pending": eval_pending},
+                               state={"last_eval": self.last_eval, "eval_pending": eval_pending,
+                                      **({} if self.schedule is None else
+                                         {"rollout_schedule": self.schedule.state_dict()})},
                                config_yaml=dump_yaml(self.cfg), critic_backbone=self.critic_body,
                                value_head=self.value_head, keep=self.cfg.trainer.keep_checkpoints, rng=rng)
         self.console.print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f} s)")

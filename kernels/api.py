@@ -24,8 +24,9 @@ import torch
 
 from . import chunked as _chunked
 from .chunked import OutOfMemoryError
-from .reference import (KL_ESTIMATORS, LOSS_AGGS, aggregation_weights, policy_loss_terms, policy_metrics, zero_rows,
-                        reference_logprob_entropy, reference_policy_loss)
+from .reference import (KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS, aggregation_weights, policy_loss_terms,
+                        policy_metrics, reference_logprob_entropy, reference_policy_loss, sequence_log_ratio,
+                        zero_rows)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -360,6 +361,19 @@ def _check_mask(loss_mask: torch.Tensor) -> None:
         raise ValueError(f"loss_mask must be finite and >= 0, found {loss_mask[i].item()} at index {i}")
 
 
+def _check_is_weights(is_weights: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    """Importance-sampling weights: real, finite and >= 0 where loss_mask is set (masked-out
+    entries may hold anything, like the other per-token inputs)."""
+    if not is_weights.dtype.is_floating_point:
+        raise TypeError(f"is_weights must be a float tensor, got {is_weights.dtype}")
+    sel = loss_mask.to(torch.float32) > 0
+    bad = sel & (~torch.isfinite(is_weights) | (is_weights < 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise ValueError(f"is_weights must be finite and >= 0 on masked-in tokens, found {is_weights[i].item()} "
+                         f"at index {i}")
+
+
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -380,10 +394,12 @@ def linear_policy_loss(
     seq_ids: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     denominator: float | None = None,
+    ratio_level: str = "token",
+    is_weights: torch.Tensor | None = None,
     impl: str = "auto",
     chunk_size: int | None = None,
 ) -> PolicyLossOutput:
-    """Clipped PPO / GRPO policy loss straight from hidden states, fused with the LM head.
+    """Clipped PPO / GRPO / GSPO policy loss straight from hidden states, fused with the LM head.
 
     hidden [N, H] bf16/fp16/fp32, weight [V, H], targets [N] int64; old_logprob,
     advantages, ref_logprob [N] float (nats); loss_mask [N] bool/float (1 = token trained
@@ -394,6 +410,11 @@ def linear_policy_loss(
     "seq-mean-token-sum", "seq-mean-token-mean"} over sequences given by seq_ids [N] int64
     or cu_seqlens [S+1] (offsets into N); `denominator` overrides the normalizer (see
     `reference.aggregation_weights`). Log-prob and entropy use softmax(logits / temperature).
+    `ratio_level` "sequence" is GSPO (arXiv 2507.18071): every token's ratio is its
+    sequence's exp(mean_t log ratio) (`reference.sequence_log_ratio`), clipped per sequence;
+    it needs seq_ids or cu_seqlens. `is_weights` [N] float (finite, >= 0 on masked-in
+    tokens; constants, no gradient) multiplies each token's policy-gradient term: the
+    importance-sampling correction for a sampler that is not the trainer.
 
     Returns PolicyLossOutput(loss scalar fp32 differentiable wrt hidden and weight,
     logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats, see
@@ -403,15 +424,19 @@ def linear_policy_loss(
 
     Memory and cost: the [N, V] logits are never held (impl != "reference"). On the
     chunked/Triton paths the gradient is formed during this call, in the same pass that
-    computes each logits tile, and held until `.backward()`: d hidden [N, H] and a full
+    computes each logits tile (the sequence ratio needs every token's log-prob first: with
+    ratio_level "sequence" the chunked path makes two passes, the forward and then the
+    gradient pass recomputing the logits, as the Triton path always does), and held until
+    `.backward()`: d hidden [N, H] and a full
     d weight [V, H] per call. So call `.backward()` per micro-batch (summing k losses before
     one backward holds k copies of d weight), run loss-only evaluation under
     `torch.no_grad()` (otherwise the backward's work is paid even if never used), and
     backward once (no retain_graph=True second pass).
     Raises ValueError/TypeError naming a bad argument: shapes, dtypes, devices, targets out
-    of [0, V), a negative or non-finite loss_mask, non-integer seq_ids/cu_seqlens, offsets
-    that do not run from 0 to N, unknown loss_agg/kl_estimator/impl, out-of-range
-    coefficients.
+    of [0, V), a negative or non-finite loss_mask or is_weights, non-integer
+    seq_ids/cu_seqlens, offsets that do not run from 0 to N, unknown
+    loss_agg/kl_estimator/ratio_level/impl, out-of-range coefficients, ratio_level
+    "sequence" without seq_ids or cu_seqlens.
     """
     _check_linear(hidden, weight, targets, temperature)
     n, dev = hidden.shape[0], hidden.device
@@ -420,6 +445,11 @@ def linear_policy_loss(
     _check_vec("loss_mask", loss_mask, n, dev)
     _check_mask(loss_mask)
     _check_vec("ref_logprob", ref_logprob, n, dev, allow_none=True)
+    _check_vec("is_weights", is_weights, n, dev, allow_none=True)
+    if is_weights is not None:
+        _check_is_weights(is_weights, loss_mask)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
     if kl_estimator not in KL_ESTIMATORS:
@@ -452,6 +482,8 @@ def linear_policy_loss(
         _check_int("seq_ids", seq_ids)  # any integer values, negative ones included, name sequences
     if loss_agg != "token-mean" and seq_ids is None:
         raise ValueError(f"loss_agg={loss_agg!r} needs seq_ids or cu_seqlens")
+    if ratio_level == "sequence" and seq_ids is None:
+        raise ValueError("ratio_level='sequence' (GSPO) needs seq_ids or cu_seqlens")
     if denominator is not None and not (isinstance(denominator, (int, float)) and denominator > 0):
         raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
     hidden, weight = _harmonize(hidden, weight)
@@ -461,7 +493,8 @@ def linear_policy_loss(
     if impl == "reference":
         loss, lp, ent, metrics = reference_policy_loss(
             hidden, weight, targets, old_logprob, advantages, loss_mask, ref_logprob, temperature=temperature,
-            loss_agg=loss_agg, seq_ids=seq_ids, denominator=denominator, **opts)
+            loss_agg=loss_agg, seq_ids=seq_ids, denominator=denominator, ratio_level=ratio_level,
+            is_weights=is_weights, **opts)
         return PolicyLossOutput(loss, lp, ent, metrics)
 
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.long().contiguous()
@@ -473,10 +506,20 @@ def linear_policy_loss(
     old = torch.where(sel, old_logprob.to(cd), zero)
     adv = torch.where(sel, advantages.to(cd), zero)
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(cd), zero)
+    isw = None if is_weights is None else torch.where(sel, is_weights.to(cd), zero)
     w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(cd)
+    # GSPO's sequence log-ratio [N]: set from all N log-probs before any term is formed
+    seq = {"log_ratio": None}
 
     def terms_of(sl, lp, ent):
-        return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl], **opts)
+        slr = seq["log_ratio"]
+        return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl],
+                                 seq_log_ratio=None if slr is None else slr[sl],
+                                 is_weights=None if isw is None else isw[sl], **opts)
+
+    def set_seq_ratio(lp):
+        if ratio_level == "sequence":
+            seq["log_ratio"] = sequence_log_ratio(lp.to(cd), old, loss_mask, seq_ids)
 
     def coef_fn(sl, lp, ent):
         """Elementwise d loss / d logprob and d loss / d entropy for tokens `sl`."""
@@ -489,8 +532,11 @@ def linear_policy_loss(
 
     def run(need_h, need_w):
         need = need_h or need_w
-        if impl in ("triton", "triton-auto"):
+        # Two passes (forward, then gradients recomputing the logits): always on the Triton path;
+        # on the chunked path when the sequence ratio needs every log-prob before any gradient.
+        if impl in ("triton", "triton-auto") or (need and ratio_level == "sequence"):
             lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
+            set_seq_ratio(lp)
             dh = dw = None
             if need:
                 g_lp, g_ent = coef_fn(slice(None), lp, ent)
@@ -506,6 +552,7 @@ def linear_policy_loss(
             lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
                                                      coef_fn if need else None, chunk_size, need_h, need_w,
                                                      grad_rows=sel if some_masked else None)
+            set_seq_ratio(lp)
         terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
         loss = torch.where(sel, terms["loss"] * w, zero).sum()
         metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)

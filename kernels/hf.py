@@ -87,17 +87,20 @@ def _scatter(values: torch.Tensor, idx: torch.Tensor, b: int, t: int) -> torch.T
 def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
                           loss_mask: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
                           position_ids: torch.Tensor | None = None, ref_logprob: torch.Tensor | None = None,
-                          seq_ids: torch.Tensor | None = None, **options) -> PolicyLossOutput:
+                          seq_ids: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
+                          **options) -> PolicyLossOutput:
     """The fused policy loss of a causal LM on a padded or packed batch.
 
-    input_ids [B, T] int64; old_logprob, advantages, ref_logprob [B, T] float and loss_mask
-    [B, T] bool/float, all aligned with input_ids (entry t is about token t, scored from the
+    input_ids [B, T] int64; old_logprob, advantages, ref_logprob, is_weights [B, T] float and
+    loss_mask [B, T] bool/float, all aligned with input_ids (entry t is about token t, scored from the
     hidden state at t - 1); loss_mask[:, 0] must be 0, and 0 at every packed sequence start.
     seq_ids [B, T] integer names the sequences for the seq-mean-* aggregations (taken per
     row, so ids may restart in each row; any values, negative ones included); default: one
     sequence per row. `options` are
     `linear_policy_loss`'s keywords (clip_low, clip_high, dual_clip, entropy_coef, kl_coef,
-    kl_estimator, temperature, loss_agg, denominator, impl, chunk_size). The LM head weight
+    kl_estimator, temperature, loss_agg, denominator, ratio_level, impl, chunk_size); a
+    sequence (for the seq-mean-* aggregations and GSPO's ratio_level "sequence") is a
+    seq_ids run within one row. The LM head weight
     (tied to the embeddings or not) gets its gradient through the fused function.
     Returns PolicyLossOutput with logprob / entropy [B, T] fp32 (0 where not scored).
     As with `linear_policy_loss`, the gradient is formed during this call and held until
@@ -111,6 +114,7 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
     for name, x in (("old_logprob", old_logprob), ("advantages", advantages), ("loss_mask", loss_mask)):
         _check_bt(name, x, (b, t))
     _check_bt("ref_logprob", ref_logprob, (b, t), allow_none=True)
+    _check_bt("is_weights", is_weights, (b, t), allow_none=True)
     _check_bt("seq_ids", seq_ids, (b, t), allow_none=True)
     if seq_ids is not None and (seq_ids.dtype.is_floating_point or seq_ids.dtype == torch.bool):
         raise TypeError(f"seq_ids must be an integer tensor, got {seq_ids.dtype}")
@@ -139,7 +143,7 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
         pairs = torch.stack([rows.reshape(-1), seq_ids.reshape(-1).long()], 1)
         sid = torch.unique(pairs, dim=0, return_inverse=True)[1].view(b, t)
     out = linear_policy_loss(h, weight, pick(input_ids), pick(old_logprob), pick(advantages), pick(loss_mask),
-                             pick(ref_logprob), seq_ids=pick(sid), **options)
+                             pick(ref_logprob), seq_ids=pick(sid), is_weights=pick(is_weights), **options)
     return PolicyLossOutput(out.loss, _scatter(out.logprob, idx, b, t), _scatter(out.entropy, idx, b, t),
                             out.metrics)
 

@@ -27,6 +27,8 @@ def zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 KL_ESTIMATORS = ("k1", "k3")
+# "token": PPO's per-token ratio; "sequence": GSPO's length-normalised sequence ratio.
+RATIO_LEVELS = ("token", "sequence")
 # Log-ratios are clamped to this range before exp(): a token whose probability moved by
 # more than e^20 would otherwise overflow the ratio (and its gradient) to inf.
 LOG_RATIO_CLAMP = 20.0
@@ -49,6 +51,30 @@ def reference_logprob_entropy(
     return logprob, entropy
 
 
+def sequence_log_ratio(
+    logprob: torch.Tensor, old_logprob: torch.Tensor, loss_mask: torch.Tensor, seq_ids: torch.Tensor
+) -> torch.Tensor:
+    """GSPO's sequence log-ratio (arXiv 2507.18071, eq. 7), broadcast back to the tokens.
+
+    For sequence i with tokens t (loss_mask m_t > 0, a float mask weighting them):
+        log s_i = sum_t m_t (logprob_t - old_logprob_t) / sum_t m_t,
+    the log of the geometric mean of the token ratios, so s_i does not grow with length.
+    logprob, old_logprob [N] float (nats), loss_mask [N] bool/float, seq_ids [N] int (equal
+    ids form one sequence). Returns [N] in logprob's dtype, detached: entry t is log s of
+    t's sequence (0 for a sequence without a masked-in token). Not clamped; the caller
+    clamps the ratio as for token ratios. Masked-out entries may hold anything.
+    """
+    lp = logprob.detach()
+    m = loss_mask.to(lp.dtype)
+    sel = m > 0
+    d = torch.where(sel, lp - old_logprob.to(lp.dtype), torch.zeros((), dtype=lp.dtype, device=lp.device))
+    _, inv = torch.unique(seq_ids, return_inverse=True)
+    n_ids = int(inv.max().item()) + 1 if inv.numel() else 0
+    num = torch.zeros(n_ids, dtype=lp.dtype, device=lp.device).index_add_(0, inv, d * torch.where(sel, m, 0.0))
+    den = torch.zeros(n_ids, dtype=lp.dtype, device=lp.device).index_add_(0, inv, torch.where(sel, m, 0.0))
+    return (num / den.clamp(min=1e-12))[inv]
+
+
 def policy_loss_terms(
     logprob: torch.Tensor,
     entropy: torch.Tensor,
@@ -62,6 +88,8 @@ def policy_loss_terms(
     entropy_coef: float = 0.0,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    seq_log_ratio: torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token clipped PPO / GRPO objective (a loss: lower is better), all tensors [N].
 
@@ -69,16 +97,30 @@ def policy_loss_terms(
     pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017,
          eq. 7, with separate low/high epsilons: "clip-higher", DAPO arXiv 2503.14476),
     dual clip (Ye et al. 2020, arXiv 1912.09729): for A < 0, pg = min(pg, -A c), c > 1,
+    pg *= is_weights (when given: importance-sampling weights for a sampler that is not
+         the trainer, constants, as verl's rollout correction; see
+         fastpo.algorithms.rollout_correction),
     kl = logprob - ref_logprob (k1) or exp(ref - lp) - (ref - lp) - 1 (k3, Schulman's
          unbiased low-variance estimator of KL(pi || pi_ref)),
     loss = pg - entropy_coef * entropy + kl_coef * kl.
+
+    GSPO (arXiv 2507.18071): with `seq_log_ratio` [N] (`sequence_log_ratio`, detached),
+    the ratio is the sequence's, r_t = s_i * pi(y_t) / sg[pi(y_t)] (the paper's GSPO-token):
+    its value is s_i for every token of sequence i, so the clipping decides per sequence
+    (for a sequence-constant advantage), and its gradient flows through token t's own
+    log-prob only. With "seq-mean-token-mean" aggregation and one advantage per sequence
+    this is exactly GSPO's sequence objective and gradient.
 
     Returns a dict with "loss", "pg", "kl" (zeros when no ref_logprob), "ratio", and boolean
     "clip_low" (A < 0 and the lower clip is active), "clip_high" (A > 0 and the upper clip is
     active), "dual_clip" (the dual clip is active). Differentiable with respect to logprob
     and entropy.
     """
-    log_ratio = (logprob - old_logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if seq_log_ratio is None:
+        log_ratio = logprob - old_logprob
+    else:
+        log_ratio = seq_log_ratio + (logprob - logprob.detach())  # value s_i, gradient d logprob_t
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -92,6 +134,8 @@ def policy_loss_terms(
         pg = torch.where(is_dual, pg_dual, pg)
     else:
         is_dual = torch.zeros_like(clipped)
+    if is_weights is not None:
+        pg = pg * is_weights
     if ref_logprob is not None:
         if kl_estimator == "k1":
             kl = logprob - ref_logprob
@@ -211,6 +255,8 @@ def reference_policy_loss(
     loss_agg: str = "token-mean",
     seq_ids: torch.Tensor | None = None,
     denominator: float | None = None,
+    ratio_level: str = "token",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """The whole policy loss on materialized logits: (loss, logprob, entropy, metrics).
 
@@ -228,9 +274,11 @@ def reference_policy_loss(
     old = torch.where(sel, old_logprob.to(logprob.dtype), zero)
     adv = torch.where(sel, advantages.to(logprob.dtype), zero)
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(logprob.dtype), zero)
+    isw = None if is_weights is None else torch.where(sel, is_weights.to(logprob.dtype), zero)
+    slr = sequence_log_ratio(logprob, old, loss_mask, seq_ids) if ratio_level == "sequence" else None
     terms = policy_loss_terms(logprob, entropy, old, adv, ref, clip_low=clip_low, clip_high=clip_high,
                               dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
-                              kl_estimator=kl_estimator)
+                              kl_estimator=kl_estimator, seq_log_ratio=slr, is_weights=isw)
     w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(logprob.dtype)
     loss = torch.where(sel, terms["loss"] * w, zero).sum()
     metrics = policy_metrics(terms, entropy, logprob, old, loss_mask, w, ref_logprob is not None)

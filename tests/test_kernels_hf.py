@@ -166,6 +166,46 @@ def test_packed_row_gradients_equal_logits_computation():
         torch.testing.assert_close(fused[n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
 
 
+def test_packed_row_sequence_ratio_and_is_weights_equal_logits_computation():
+    """GSPO's ratio over each packed sequence (seq_ids) and per-token IS weights [B, T] go
+    through the adapter: same loss and gradients as the obvious computation."""
+    from fastpo.kernels import sequence_log_ratio
+
+    model = _model(True)
+    ids, seg, mask4d, pos, loss_mask, g = _packed_pair()
+    with torch.no_grad():
+        lp0, _ = causal_lm_logprob_entropy(model, ids, attention_mask=mask4d, position_ids=pos, mask=loss_mask)
+    shift = torch.where(seg == seg[0], 0.4, -0.3)[None]  # sequence 0 moved up, sequence 1 down
+    old = lp0 - shift + 0.05 * torch.randn(lp0.shape, generator=g)
+    adv = torch.cat([torch.full((7,), 1.5), torch.full((9,), -0.7)])[None]
+    isw = torch.rand(ids.shape, generator=g) + 0.5
+    kw = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.05)
+    out = causal_lm_policy_loss(model, ids, old, adv, loss_mask, attention_mask=mask4d, position_ids=pos,
+                                seq_ids=seg[None], is_weights=isw, ratio_level="sequence",
+                                loss_agg="seq-mean-token-mean", temperature=0.7, **kw)
+    out.loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logits = model(input_ids=ids, attention_mask=mask4d, position_ids=pos).logits.float()[0, :-1] / 0.7
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    m = loss_mask[0, 1:] > 0
+    sid = seg[1:][m]
+    slr = sequence_log_ratio(lp[m], old[0, 1:][m], torch.ones(int(m.sum())), sid)
+    terms = policy_loss_terms(lp[m], ent[m], old[0, 1:][m], adv[0, 1:][m], seq_log_ratio=slr,
+                              is_weights=isw[0, 1:][m], **kw)
+    w = aggregation_weights(torch.ones(int(m.sum())), "seq-mean-token-mean", sid)
+    loss = (terms["loss"] * w).sum()
+    loss.backward()
+    torch.testing.assert_close(out.loss, loss, atol=1e-6, rtol=1e-5)
+    assert out.metrics["clipfrac"] > 0
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, atol=1e-6, rtol=1e-4, msg=n)
+    with pytest.raises(ValueError, match="is_weights must be a tensor of shape"):
+        causal_lm_policy_loss(model, ids, old, adv, loss_mask, is_weights=isw[:, 1:])
+
+
 def test_negative_seq_ids_stay_apart_across_rows():
     model = _model(True)
     ids, attn, mask, g = _batch()

@@ -513,3 +513,175 @@ def test_sequence_ids_offsets_and_mask_validation():
         linear_policy_loss(hidden, weight, targets, old, adv, torch.tensor([-2, 1, 1, 1, 1, 1, 1, 1, 1, 1]))
     with pytest.raises(ValueError, match="dual_clip must be None or a finite constant > 1, got inf"):
         linear_policy_loss(hidden, weight, targets, old, adv, mask, dual_clip=math.inf)
+
+
+# ---- GSPO's sequence ratio and importance-sampling weights (issue 13) ----
+
+def test_sequence_log_ratio_by_hand():
+    from fastpo.kernels import sequence_log_ratio
+
+    lp = torch.tensor([-1.0, -2.0, -0.5, -1.0, -3.0, -1.0])
+    old = torch.tensor([-1.2, -2.6, -0.5, -0.4, math.nan, -1.0])  # token 4 masked out: NaN must not leak
+    mask = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 2.0])  # a float mask weights the mean
+    sid = torch.tensor([5, 5, 5, 8, 8, 8])
+    # sequence 5: (0.2 + 0.6 + 0) / 3; sequence 8: (1 * -0.6 + 2 * 0) / 3
+    expected = torch.tensor([0.8 / 3] * 3 + [-0.2] * 3)
+    torch.testing.assert_close(sequence_log_ratio(lp, old, mask, sid), expected)
+    # a sequence with no masked-in token gets 0
+    assert sequence_log_ratio(lp[:3], old[:3], torch.zeros(3), sid[:3]).abs().sum() == 0
+
+
+def test_policy_terms_sequence_ratio_by_hand():
+    from fastpo.kernels import sequence_log_ratio
+
+    # two sequences; sequence 0 moved up by log 1.5 per token on average, sequence 1 down by log 0.5
+    lp = torch.zeros(4, requires_grad=True)
+    old = torch.log(torch.tensor([1 / 1.2, 1 / 1.875, 1 / 0.5, 1 / 0.5]))  # geometric means 1.5 and 0.5
+    adv = torch.tensor([2.0, 2.0, -1.0, 3.0])
+    sid = torch.tensor([0, 0, 1, 1])
+    slr = sequence_log_ratio(lp, old, torch.ones(4), sid)
+    t = policy_loss_terms(lp, torch.zeros(4), old, adv, clip_low=0.2, clip_high=0.28, seq_log_ratio=slr)
+    # every token carries its sequence's ratio (token ratios 1.2 and 1.875 are not used)
+    torch.testing.assert_close(t["ratio"].detach(), torch.tensor([1.5, 1.5, 0.5, 0.5]))
+    # sequence 0 (A > 0) clipped at 1.28; sequence 1: A < 0 clipped at 0.8, A > 0 not clipped (pessimism)
+    torch.testing.assert_close(t["pg"].detach(), torch.tensor([-2 * 1.28, -2 * 1.28, 1 * 0.8, -3 * 0.5]))
+    assert t["clip_high"].tolist() == [True, True, False, False]
+    assert t["clip_low"].tolist() == [False, False, True, False]
+    # the gradient reaches each token through its own log-prob only: d pg_t / d lp_t = -A s (unclipped)
+    (g,) = torch.autograd.grad(t["pg"].sum(), lp)
+    torch.testing.assert_close(g, torch.tensor([0.0, 0.0, 0.0, -3 * 0.5]))
+
+
+def test_policy_terms_is_weights_by_hand():
+    lp = torch.zeros(3, requires_grad=True)
+    old = torch.log(torch.tensor([1 / 1.1, 1 / 1.5, 1.0]))  # ratios 1.1, 1.5, 1.0
+    adv = torch.tensor([1.0, 1.0, -2.0])
+    ent = torch.tensor([1.0, 2.0, 3.0])
+    w = torch.tensor([0.5, 2.0, 0.0])
+    t = policy_loss_terms(lp, ent, old, adv, clip_low=0.2, clip_high=0.28, entropy_coef=0.1, is_weights=w)
+    # the weight multiplies the policy-gradient term only, not the entropy bonus
+    torch.testing.assert_close(t["pg"].detach(), torch.tensor([-1.1 * 0.5, -1.28 * 2.0, 0.0]))
+    torch.testing.assert_close(t["loss"].detach(), t["pg"].detach() - 0.1 * ent)
+    (g,) = torch.autograd.grad(t["pg"].sum(), lp)
+    torch.testing.assert_close(g, torch.tensor([-1.1 * 0.5, 0.0, 0.0]))
+
+
+def _gspo_by_hand(hidden, weight, targets, old, adv_seq, mask, sid, clip_low, clip_high, temperature):
+    """GSPO's objective written plainly (arXiv 2507.18071, no stop-gradient):
+    mean over sequences of max(-A s, -A clip(s)), s = exp(mean_t log ratio)."""
+    lp, _ = reference_logprob_entropy(hidden, weight, targets, temperature)
+    seqs = torch.unique(sid[mask > 0])
+    loss = 0.0
+    for i in seqs.tolist():
+        sel = (sid == i) & (mask > 0)
+        s = torch.exp((lp[sel] - old[sel]).mean())
+        a = adv_seq[i]
+        loss = loss + torch.maximum(-a * s, -a * s.clamp(1 - clip_low, 1 + clip_high))
+    return loss / len(seqs)
+
+
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_gspo_equals_the_sequence_objective_by_hand(impl):
+    n = 42
+    hidden, weight, targets = _data(n, 12, 61, dtype=torch.float64, seed=21, scale=2.0)
+    g = torch.Generator().manual_seed(22)
+    with torch.no_grad():
+        lp, _ = reference_logprob_entropy(hidden, weight, targets, 0.7)
+    sid = torch.arange(n) // 6  # 7 sequences
+    # per-sequence shifts put some sequences past each clip bound
+    shift = torch.tensor([0.5, -0.5, 0.02, -0.02, 0.3, -0.4, 0.0], dtype=torch.float64)
+    old = lp - shift[sid] + 0.05 * torch.randn(n, generator=g, dtype=torch.float64)
+    adv_seq = torch.tensor([1.0, -1.0, 0.5, -2.0, -1.0, 1.0, 0.7], dtype=torch.float64)
+    mask = torch.ones(n, dtype=torch.bool)
+    mask[[4, 13, 30]] = False
+    hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    want = _gspo_by_hand(hh, ww, targets, old, adv_seq, mask, sid, 0.2, 0.28, 0.7)
+    want.backward()
+    h2, w2 = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    out = linear_policy_loss(h2, w2, targets, old, adv_seq[sid], mask, clip_low=0.2, clip_high=0.28,
+                             temperature=0.7, loss_agg="seq-mean-token-mean", seq_ids=sid,
+                             ratio_level="sequence", impl=impl, chunk_size=8)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, want, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(h2.grad, hh.grad, atol=1e-7, rtol=1e-5)
+    torch.testing.assert_close(w2.grad, ww.grad, atol=1e-7, rtol=1e-5)
+    assert bool((h2.grad[~mask] == 0).all())
+    # some sequences clipped high and low, whole sequences at once
+    assert out.metrics["clipfrac_high"] > 0 and out.metrics["clipfrac_low"] > 0
+    # the token-level ratio (PPO) gives another gradient
+    h3 = hidden.clone().requires_grad_(True)
+    linear_policy_loss(h3, weight, targets, old, adv_seq[sid], mask, clip_low=0.2, clip_high=0.28, temperature=0.7,
+                       loss_agg="seq-mean-token-mean", seq_ids=sid, impl=impl).loss.backward()
+    assert (h3.grad - h2.grad).norm() > 0.02 * h2.grad.norm()
+
+
+def test_sequence_ratio_and_is_weights_chunked_match_reference():
+    n, h, v = 300, 32, 1001
+    hidden, weight, targets = _data(n, h, v, seed=23, scale=2.0)
+    g = torch.Generator().manual_seed(24)
+    with torch.no_grad():
+        lp, _ = reference_logprob_entropy(hidden, weight, targets, 0.7)
+    sid = torch.arange(n) // 23
+    old = lp + 0.3 * torch.randn(n, generator=g) + 0.2 * torch.randn(int(sid.max()) + 1, generator=g)[sid]
+    adv = torch.randn(n, generator=g)  # per-token advantages (GAE): GSPO-token's general form
+    ref = lp + 0.3 * torch.randn(n, generator=g)
+    mask = torch.rand(n, generator=g) > 0.2
+    isw = torch.where(mask, torch.rand(n, generator=g) * 2, torch.full((n,), math.nan))  # NaN where masked out
+    for ratio_level in ("token", "sequence"):
+        kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, entropy_coef=0.001, kl_coef=0.05, temperature=0.7,
+                  loss_agg="seq-mean-token-mean", seq_ids=sid, ratio_level=ratio_level, is_weights=isw)
+        outs, grads = {}, {}
+        for impl in ("reference", "chunked"):
+            hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+            outs[impl] = linear_policy_loss(hh, ww, targets, old, adv, mask, ref, impl=impl, chunk_size=64, **kw)
+            outs[impl].loss.backward()
+            grads[impl] = (hh.grad, ww.grad)
+        a, b = outs["chunked"], outs["reference"]
+        torch.testing.assert_close(a.loss, b.loss, atol=1e-6, rtol=1e-5)
+        for x, y in zip(grads["chunked"], grads["reference"]):
+            torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-4)
+        for k, val in b.metrics.items():
+            assert a.metrics[k] == pytest.approx(val, abs=1e-5, rel=1e-4), (ratio_level, k)
+        assert torch.isfinite(a.loss) and a.metrics["clipfrac"] > 0
+        # the grad-free evaluation (the one-pass path) gives the same loss
+        with torch.no_grad():
+            c = linear_policy_loss(hidden, weight, targets, old, adv, mask, ref, impl="chunked", **kw)
+        torch.testing.assert_close(c.loss, a.loss.detach(), atol=1e-6, rtol=1e-6)
+
+
+def test_unit_is_weights_change_nothing():
+    n = 50
+    hidden, weight, targets = _data(n, 16, 97, seed=25, scale=2.0)
+    g = torch.Generator().manual_seed(26)
+    old, adv = -torch.rand(n, generator=g) - 4.0, torch.randn(n, generator=g)
+    mask, sid = torch.ones(n, dtype=torch.bool), torch.arange(n) // 10
+    for impl in ("reference", "chunked"):
+        res = []
+        for w in (None, torch.ones(n)):
+            hh = hidden.clone().requires_grad_(True)
+            out = linear_policy_loss(hh, weight, targets, old, adv, mask, clip_high=0.28, entropy_coef=0.01,
+                                     loss_agg="seq-mean-token-mean", seq_ids=sid, is_weights=w, impl=impl)
+            out.loss.backward()
+            res.append((out.loss, hh.grad, out.metrics))
+        assert res[0][0].item() == res[1][0].item() and torch.equal(res[0][1], res[1][1]) and res[0][2] == res[1][2]
+
+
+def test_sequence_ratio_and_is_weights_bad_inputs():
+    hidden, weight, targets = _data(4, 8, 10)
+    z, sid = torch.zeros(4), torch.tensor([0, 0, 1, 1])
+    with pytest.raises(ValueError, match="'seq'"):
+        linear_policy_loss(hidden, weight, targets, z, z, z, ratio_level="seq", seq_ids=sid)
+    with pytest.raises(ValueError, match="ratio_level='sequence'.*seq_ids"):
+        linear_policy_loss(hidden, weight, targets, z, z, torch.ones(4), ratio_level="sequence")
+    with pytest.raises(ValueError, match="is_weights.*-1.0 at index 2"):
+        linear_policy_loss(hidden, weight, targets, z, z, torch.ones(4), is_weights=torch.tensor([1, 1, -1.0, 1]))
+    with pytest.raises(ValueError, match="is_weights.*nan"):
+        linear_policy_loss(hidden, weight, targets, z, z, torch.ones(4), is_weights=torch.tensor([math.nan, 1, 1, 1]))
+    with pytest.raises(ValueError, match="is_weights must have shape"):
+        linear_policy_loss(hidden, weight, targets, z, z, torch.ones(4), is_weights=torch.ones(3))
+    with pytest.raises(TypeError, match="is_weights must be a float"):
+        linear_policy_loss(hidden, weight, targets, z, z, torch.ones(4), is_weights=torch.ones(4, dtype=torch.long))
+    # anything where the mask is 0
+    out = linear_policy_loss(hidden, weight, targets, z, z, torch.tensor([1, 1, 0, 1]),
+                             is_weights=torch.tensor([1, 1, math.nan, 1]))
+    assert torch.isfinite(out.loss)

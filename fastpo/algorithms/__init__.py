@@ -1,4 +1,5 @@
-"""StarPO / StarPO-S algorithm pieces: advantages (GAE, GRPO, Dr.GRPO), rollout filtering, value loss.
+"""StarPO / StarPO-S algorithm pieces: advantages (GAE, GRPO, Dr.GRPO, RLOO, REINFORCE++), rollout
+filtering, value loss, importance-sampling correction for a sampler that is not the trainer.
 
 The policy loss itself (clipped ratio, clip-higher, dual clip, entropy bonus, KL, aggregation)
 is computed from hidden states by `fastpo.kernels`; these functions prepare its inputs.
@@ -9,9 +10,13 @@ from fastpo.algorithms.advantages import (
     grpo_advantages,
     masked_whiten,
     place_rewards,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
 )
+from fastpo.algorithms.correction import IS_CORRECTIONS, IS_LEVELS, RolloutCorrection, rollout_correction
 from fastpo.algorithms.filtering import (FilterResult, filter_groups, group_reward_std, select_groups,
-                                        soft_advantage_weights)
+                                         soft_advantage_weights)
 from fastpo.algorithms.losses import aggregate_loss, clipped_value_loss
 
 __all__ = [
@@ -20,6 +25,13 @@ __all__ = [
     "grpo_advantages",
     "masked_whiten",
     "place_rewards",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "IS_CORRECTIONS",
+    "IS_LEVELS",
+    "RolloutCorrection",
+    "rollout_correction",
     "FilterResult",
     "filter_groups",
     "group_reward_std",

@@ -1,4 +1,5 @@
-"""Advantages for StarPO: GAE over model tokens (PPO) and group-normalized scores (GRPO, Dr.GRPO).
+"""Advantages for StarPO: GAE over model tokens (PPO), group-normalized scores (GRPO, Dr.GRPO),
+leave-one-out baselines (RLOO) and REINFORCE++ (batch-normalised returns, or a group baseline).
 
 All per-token tensors are [B, T] (B trajectories, right-padded to T tokens) and aligned with
 the trajectory's input ids; `loss_mask` [B, T] bool is True on the tokens the model sampled.
@@ -138,10 +139,13 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Te
     return adv, ret
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
+                  unbiased: bool = False) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the entries where `mask` is True; zero elsewhere.
 
-    Mean and (biased) variance are taken over all masked tokens of the batch. With
+    Mean and variance are taken over all masked tokens of the batch; the variance is the
+    biased one (divided by n), or with `unbiased` the sample variance (n - 1; verl's
+    `masked_whiten`, used by REINFORCE++; a single masked token then has variance 0). With
     `shift_mean=False` the mean is added back (scale only). Returns fp32, same shape as x.
     Raises ValueError on shape mismatch.
     """
@@ -152,7 +156,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
         return torch.zeros_like(x, dtype=torch.float32)
     xf = x.to(torch.float32)
     mean = (xf * m).sum() / n
-    var = (((xf - mean) ** 2) * m).sum() / n
+    var = (((xf - mean) ** 2) * m).sum() / (n - 1 if unbiased and n > 1 else n)
     out = (xf - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean
@@ -189,3 +193,80 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, scale_by_std:
             a = a / (x.std(unbiased=True) + eps)
         out[sel] = a
     return out.to(torch.float32)
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor):
+    """(scores in float64, [(index mask, group scores)] per group); ValueError on shape mismatch."""
+    if scores.dim() != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
+    s = scores.to(torch.float64)
+    return s, [(group_ids == g, s[group_ids == g]) for g in torch.unique(group_ids)]
+
+
+def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """REINFORCE Leave-One-Out (RLOO; Ahmadian et al. 2024, arXiv 2402.14740; verl's "rloo").
+
+    For trajectory b in env group g of n trajectories, the baseline is the mean score of the
+    other n - 1: A_b = R_b - (sum_g R - R_b) / (n - 1) = n / (n - 1) * (R_b - mean_g). No std
+    division. A group of one trajectory has no other member to compare with: advantage 0
+    (as verl's vectorised RLOO; its loop version keeps the raw score). Group statistics in
+    float64 (see `grpo_advantages`).
+
+    Args: scores [B] float; group_ids [B] int. Returns [B] fp32, broadcast over model tokens
+    with `adv[:, None] * loss_mask`. Raises ValueError on shape mismatch.
+    """
+    s, groups = _group_stats(scores, group_ids)
+    out = torch.zeros_like(s)
+    for sel, x in groups:
+        n = x.numel()
+        if n < 2:
+            continue
+        out[sel] = (x * n - x.sum()) / (n - 1)
+    return out.to(torch.float32)
+
+
+@torch.no_grad()
+def reinforce_pp_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor,
+                            gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al. 2025, arXiv 2501.03262; verl's "reinforce_plus_plus"): no critic,
+    no group: each model token's discounted return, normalised over the whole batch.
+
+    returns: G(t_i) = r(t_i) + gamma * G(t_{i+1}) over the model tokens t_1 < ... < t_M of a
+    trajectory (observation tokens between turns are skipped, as in `compute_gae`; verl,
+    single-turn, runs over the response), so with gamma = 1 and the reward on the last token
+    every token's return is the trajectory's score. Token rewards [B, T] come from
+    `place_rewards` (minus the per-token KL penalty when it is on the reward, as the paper).
+    advantages: (G - mean) / sqrt(var + 1e-8), mean and sample variance (n - 1) over every
+    model token of the batch (verl's masked_whiten).
+
+    Args: rewards [B, T] float; loss_mask [B, T] bool; gamma in [0, 1]. Returns (advantages,
+    returns), each [B, T] fp32, zero off the loss mask. Raises ValueError on shape mismatch
+    or gamma outside [0, 1].
+    """
+    returns, _ = compute_gae(rewards, torch.zeros_like(rewards, dtype=torch.float32), loss_mask, gamma, 1.0)
+    return masked_whiten(returns, loss_mask, unbiased=True), returns
+
+
+@torch.no_grad()
+def reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tensor,
+                                     loss_mask: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ with a group baseline (arXiv 2501.03262; verl's "reinforce_plus_plus_baseline").
+
+    Each trajectory's score minus its env group's mean score (a group of one: baseline 0, so
+    the score itself, as verl), put on every model token, then normalised over all model
+    tokens of the batch: (x - mean) / sqrt(var + 1e-8) with the sample variance (n - 1).
+    Token-weighted: a long trajectory's tokens count more in the batch statistics.
+
+    Args: scores [B] float; group_ids [B] int; loss_mask [B, T] bool. Returns [B, T] fp32,
+    zero off the loss mask. Raises ValueError on shape mismatch.
+    """
+    s, groups = _group_stats(scores, group_ids)
+    mask = loss_mask.bool()
+    if mask.shape[0] != s.numel():
+        raise ValueError(f"loss_mask has {mask.shape[0]} rows, scores {s.numel()}")
+    centred = s.clone()
+    for sel, x in groups:
+        if x.numel() > 1:
+            centred[sel] = x - x.mean()
+    per_token = centred.to(torch.float32)[:, None] * mask
+    return masked_whiten(per_token, mask, unbiased=True)
