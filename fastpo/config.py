@@ -90,6 +90,11 @@ class RolloutConfig:
     end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
     (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
     actions were invalid in the next user message.
+    context_window: "full" (default: every turn stays in the context) or K >= 1, the last K
+    turns (user observation + response) kept in the context, the system prompt and the
+    first user message (task rules, initial state) always kept; RAGEN's
+    `limited_multi_turn` with `max_context_window: K`. fastpo evicts the dropped turns'
+    KV entries and keeps positions (see fastpo/window.py for the design).
     """
 
     max_turns: int = 5
@@ -107,6 +112,7 @@ class RolloutConfig:
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
     feedback_invalid: bool = True
+    context_window: int | str = "full"
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens", "max_context"):
@@ -118,6 +124,20 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
         if self.format_rule not in ("ragen", "strict"):
             raise ValueError(f"RolloutConfig.format_rule must be 'ragen' or 'strict', got {self.format_rule!r}")
+        context_window_turns(self.context_window, owner="RolloutConfig.context_window")
+
+
+def context_window_turns(value: Any, owner: str = "'rollout.context_window'") -> int | None:
+    """None for "full", else the number of kept turns K (an int >= 1).
+
+    Raises ValueError naming `owner` and the value for anything else (0, negatives, floats,
+    bools, strings other than "full").
+    """
+    if isinstance(value, str) and value == "full":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{owner} must be 'full' or an integer K >= 1 (the last K turns kept), got {value!r}")
+    return int(value)
 
 
 @dataclass
@@ -573,6 +593,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
     _check_off_policy(cfg, need)
+    try:
+        context_window_turns(r.context_window)
+    except ValueError as e:
+        raise ConfigError(f"config key {e}") from None
+    need(r.context_window == "full" or (r.reuse == 1 and r.replay == 0), "rollout.context_window",
+         r.context_window, "a bounded context window does not support rollout.reuse > 1 or rollout.replay > 0 yet")
+    need(r.context_window == "full" or r.engine == "native", "rollout.context_window", r.context_window,
+         "a bounded context window needs rollout.engine=native (it evicts KV entries per session)")
     need(o.actor_lr > 0, "optim.actor_lr", o.actor_lr, "must be > 0")
     need(o.critic_lr > 0, "optim.critic_lr", o.critic_lr, "must be > 0")
     need(o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0")
