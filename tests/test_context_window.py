@@ -226,3 +226,20 @@ def test_mask_and_segment_packing_agree_under_a_window(tiny):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="varlen"):
         pack_micro_batch(ids, [0, 1], attention="varlen", windows=wins)
+
+
+def test_bench_part_runs_quick():
+    """`bench/throughput.py --part window` end to end at --quick sizes on the tiny model."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import part_window
+    from _common import BenchContext
+
+    recs = part_window.run(BenchContext(quick=True, model="random:tiny-llama", repeats=1, parts=("window",)))
+    assert [r.unit for r in recs] == ["bytes", "s", "s", "tokens", "bytes"]
+    kv_full, pre_refill = recs[0], recs[3]
+    assert kv_full.baseline > kv_full.fastpo > 0  # 6 turns, K = 2: the window holds less than everything
+    assert pre_refill.baseline > pre_refill.fastpo > 0  # re-prefilling feeds the kept turns again
+    assert "refill:" in kv_full.notes and "peak KV" in kv_full.notes
