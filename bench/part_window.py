@@ -12,13 +12,15 @@ that never ends it first) rolled out three ways in the same run, same model, sam
   `limited_multi_turn` (`MultiTurnRollout.refill_window`; the sampler side only).
 
 Reported: the largest KV buffer the engine held (bytes, `peak_kv_bytes`), rollout wall time
-(median of the repeats, 1 unless --repeats, after a one-turn warm-up) and, in the notes, the
+(median of the repeats, 1 unless --repeats, the three interleaved round by round,
+after a one-turn warm-up) and, in the notes, the
 turns run, tokens generated and prefilled. The three rollouts sample different responses
 (their contexts differ), so the notes give the per-token figures too.
 """
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -66,9 +68,12 @@ def run(ctx: BenchContext) -> list:
     warm = RolloutConfig(max_turns=1, max_new_tokens=4, context_window=K)
     MultiTurnRollout(NativeEngine(model, tok), tok, "sokoban", env_cfg, warm).generate([ctx.seed + 7], 1, seed=0)
     runs = {"full": rollout("full", "full"), "evict": rollout("evict", K), "refill": rollout("refill", K, True)}
-    times = {}
-    for name, fn in runs.items():
-        times[name] = measure(fn, reps, warmup=0, sync=sync)
+    # rounds interleave the three (a shared machine's load drifts over minutes)
+    laps = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            laps[name].append(measure(fn, 1, warmup=0, sync=sync)[0])
+    times = {n: (statistics.median(v), max(v) - min(v)) for n, v in laps.items()}
 
     def note(name):
         b = out[name]
