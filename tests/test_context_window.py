@@ -243,3 +243,27 @@ def test_bench_part_runs_quick():
     assert kv_full.baseline > kv_full.fastpo > 0  # 6 turns, K = 2: the window holds less than everything
     assert pre_refill.baseline > pre_refill.fastpo > 0  # re-prefilling feeds the kept turns again
     assert "refill:" in kv_full.notes and "peak KV" in kv_full.notes
+
+
+def test_engine_evict_and_rewind_refuse_bad_calls(tiny):
+    from fastpo.rollout import SamplingParams
+
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    eng.start([[1, 2, 3, 4, 5]], 2)
+    with pytest.raises(ValueError, match="has not generated yet"):
+        eng.evict(0, 1, 3)  # its KV row is still the group's shared prompt row
+    eng.generate([0, 1], None, SamplingParams(max_new_tokens=3, max_context=64))
+    with pytest.raises(ValueError, match="not open"):
+        eng.evict(7, 0, 1)
+    with pytest.raises(ValueError, match="lo <= hi"):
+        eng.evict(0, 3, 1)
+    with pytest.raises(ValueError, match="rewind length"):
+        eng.rewind(0, 0)
+    ids, pos = eng.session_context(0)
+    assert pos == list(range(len(pos))) and ids[:5] == [1, 2, 3, 4, 5]
+    eng.evict(0, 1, 3)
+    ids2, pos2 = eng.session_context(0)
+    assert pos2 == [p for p in pos if not 1 <= p < 3] and ids2 == [ids[p] for p in pos2]
+    ids1, pos1 = eng.session_context(1)  # the other session of the group is untouched
+    assert ids1[:5] == [1, 2, 3, 4, 5] and pos1 == list(range(len(pos1)))
