@@ -107,9 +107,22 @@ def batch_sys(batch):
     return SYSTEM_PROMPT
 
 
-@pytest.mark.parametrize("K", [1, 2])
-def test_the_kv_context_is_the_head_and_the_last_k_turns_exactly(tiny, K):
+@pytest.mark.parametrize("K,eot", [(1, False), (2, False), (1, True)])
+def test_the_kv_context_is_the_head_and_the_last_k_turns_exactly(tiny, K, eot, monkeypatch):
     model, tok = tiny
+    if eot:  # row 0 of every 4th draw samples the end-of-turn token (a random model never does)
+        import fastpo.rollout.engine as engine_mod
+
+        orig, calls = engine_mod.sample_tokens, [0]
+
+        def sample(*a, **k):
+            out = orig(*a, **k)
+            calls[0] += 1
+            if calls[0] % 4 == 0:
+                out[0][0] = tok.convert_tokens_to_ids("<|im_end|>")
+            return out
+
+        monkeypatch.setattr(engine_mod, "sample_tokens", sample)
     eng = _Recording(model, tok)
     ro = MultiTurnRollout(eng, tok, "sokoban", {}, RolloutConfig(max_turns=5, max_new_tokens=12, context_window=K))
     batch = ro.generate([1, 2], 2, seed=0)
@@ -124,6 +137,8 @@ def test_the_kv_context_is_the_head_and_the_last_k_turns_exactly(tiny, K):
             last = int(torch.nonzero(batch.turn_index[b] == j - 1).flatten()[-1])  # turn j's last token
             assert pos == sorted(set(pos)) and pos[-1] == last - 1
     assert batch.metrics["peak_kv_bytes"] > 0
+    if eot:
+        assert "eot" in {r for rs in batch.turn_stop_reasons for r in rs}
 
 
 def test_refill_baseline_rebuilds_the_same_window_with_fresh_positions(tiny):
@@ -267,3 +282,20 @@ def test_engine_evict_and_rewind_refuse_bad_calls(tiny):
     assert pos2 == [p for p in pos if not 1 <= p < 3] and ids2 == [ids[p] for p in pos2]
     ids1, pos1 = eng.session_context(1)  # the other session of the group is untouched
     assert ids1[:5] == [1, 2, 3, 4, 5] and pos1 == list(range(len(pos1)))
+
+
+def test_turn_boundaries_on_the_chat_template(tiny):
+    from fastpo.rollout.prompts import ChatFormat
+
+    _, tok = tiny
+    chat = ChatFormat(tok)
+    special, eot = tok.all_special_ids, chat.eot_token_ids
+    for emitted, closing in ((False, "<|im_end|>\n"), (True, "\n")):
+        between = chat.between_turn_ids("Turn 2: state", emitted)
+        c = ctxwin.closing_length(between, special, eot)
+        assert tok.decode(between[:c]) == closing  # closes the previous response
+        assert tok.decode(between[c:]).startswith("<|im_start|>user\nTurn 2")
+    prompt = chat.prompt_ids("rules and state")
+    h = ctxwin.head_length(chat, "rules and state", prompt)
+    assert tok.decode(prompt[:h]).endswith("rules and state<|im_end|>\n")
+    assert tok.decode(prompt[h:]) == "<|im_start|>assistant\n<think>"
