@@ -18,7 +18,9 @@ Design: evict and keep positions.
   turn(y) >= f(x) - K + 1. Tokens of kept turns were themselves computed while older turns
   were visible; that information stays in their keys and values, exactly as in the sampler
   (the window bounds what is attended to, not what was ever seen, as in StreamingLLM-style
-  eviction).
+  eviction). The position ids jump over the evicted turns (RoPE sees the gap), so the
+  context differs from RAGEN's re-rendered text; what matters for PPO is that the sampler
+  and the trainer compute the same policy over it.
 - Trainer. The trajectory stays one sequence with its own position ids (0..T-1), one loss
   mask, one advantage per token: filtering, advantages and loss aggregation are unchanged.
   Only the attention inside the trajectory changes: `window_mask` builds the rule above from
