@@ -32,7 +32,8 @@ import torch
 
 from fastpo import algorithms as alg
 from fastpo.envs_native import make_env as _batched_make_env
-from fastpo.trainer import Trainer, _body, _lm_head_weight
+from fastpo.kernels.hf import decoder_body, lm_head_weight
+from fastpo.trainer import Trainer
 
 
 class PlainPythonEnv:
@@ -196,8 +197,8 @@ class ReferenceTrainer(Trainer):
 
     def _forward(self, x, att):
         """Hidden states [k, T, H] and the full materialized logits [k, T, V] (as HF's forward)."""
-        h = _body(self.model)(input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
-        return h, torch.nn.functional.linear(h, _lm_head_weight(self.model))
+        h = decoder_body(self.model)(input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
+        return h, torch.nn.functional.linear(h, lm_head_weight(self.model))
 
     @torch.no_grad()
     def compute_old(self, ids, masks):

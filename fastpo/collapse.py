@@ -143,8 +143,9 @@ def first_turn_pairs(batch, tokenizer, think: bool = True) -> ReasoningPairs:
 
 
 def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor]:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.base_model, inner.get_output_embeddings().weight
+    from fastpo.kernels.hf import decoder_body, lm_head_weight
+
+    return decoder_body(model), lm_head_weight(model)
 
 
 @dataclasses.dataclass

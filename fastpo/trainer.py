@@ -50,6 +50,7 @@ from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_w
                                search_checkpoints, set_rng_state, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
 from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds
+from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
                             write_samples)
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
@@ -185,16 +186,6 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(h.to(self.proj.weight.dtype)).squeeze(-1).float()
-
-
-def _body(model: torch.nn.Module) -> torch.nn.Module:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.base_model
-
-
-def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.get_output_embeddings().weight
 
 
 def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -342,6 +333,11 @@ class Trainer:
         t0 = time.perf_counter()
         model, tok, info = load_model_checked(cfg.model.name, device=str(self.device), dtype=dtype, tokenizer=tok)
         self.info = info
+        try:  # the fused kernels compute plain linear heads only (fastpo.kernels.hf.lm_head_weight)
+            lm_head_weight(model)
+            decoder_body(model)
+        except ValueError as e:
+            raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
         if ckpt is not None and cfg.model.lora_rank == 0:
             # (with LoRA the base stays frozen; only the adapter is restored, below)
             self._load_weights(model, os.path.join(ckpt, "model"))
@@ -363,7 +359,7 @@ class Trainer:
             self.value_head = ValueHead(hidden).to(self.device)
             if a.critic == "separate":
                 # A copy of the policy's architecture (initialised from the policy, as RAGEN/verl do).
-                self.critic_body = copy.deepcopy(_body(model)).to(self.device)
+                self.critic_body = copy.deepcopy(decoder_body(model)).to(self.device)
                 self.critic_body.requires_grad_(True)
         if cfg.model.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
@@ -573,9 +569,9 @@ class Trainer:
             if sc.count == 0:
                 continue
             with self._autocast():
-                h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0] if policy_body else None
+                h = decoder_body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0] if policy_body else None
                 if logprobs:
-                    lp, e = linear_logprob_entropy(h[sc.hidden], _lm_head_weight(self.model), sc.targets, temp,
+                    lp, e = linear_logprob_entropy(h[sc.hidden], lm_head_weight(self.model), sc.targets, temp,
                                                    impl=impl)
                     sc.scatter(lp.float(), old_lp)
                     sc.scatter(e.float(), ent)
@@ -584,8 +580,8 @@ class Trainer:
                         **pb.model_inputs(), use_cache=False).last_hidden_state[0]
                     sc.scatter(self.value_head(hv[sc.hidden]).float(), vals)
                 if self.ref_model is not None:
-                    hr = _body(self.ref_model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                    rlp, _ = linear_logprob_entropy(hr[sc.hidden], _lm_head_weight(self.ref_model), sc.targets, temp,
+                    hr = decoder_body(self.ref_model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
+                    rlp, _ = linear_logprob_entropy(hr[sc.hidden], lm_head_weight(self.ref_model), sc.targets, temp,
                                                     impl=impl)
                     sc.scatter(rlp.float(), ref)
         return old_lp, ent, vals, ref
@@ -735,9 +731,9 @@ class Trainer:
                     sid = sc.seq
                     train_tokens += pb.trajectory_tokens
                     with self._autocast():
-                        h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
+                        h = decoder_body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                         out = linear_policy_loss(
-                            h[sc.hidden], _lm_head_weight(self.model), sc.targets, old, A,
+                            h[sc.hidden], lm_head_weight(self.model), sc.targets, old, A,
                             torch.ones_like(old, dtype=torch.bool), rl,
                             clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                             entropy_coef=a.entropy_coef, kl_coef=0.0 if kl_reward else a.kl_coef,
