@@ -22,7 +22,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 import yaml
 
@@ -57,15 +57,53 @@ class EnvConfig:
     options: dict = field(default_factory=dict)
 
 
-def check_sampling(temperature: Any, top_p: Any, top_k: Any, owner: str = "") -> None:
-    """Raise ValueError naming `owner` + the option for a temperature < 0, a top_p outside
-    (0, 1] or a top_k that is not an integer >= 0 (shared by RolloutConfig and SamplingParams)."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"{owner}temperature must be >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"{owner}top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"{owner}top_k must be an integer >= 0, got {top_k!r}")
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A constraint on one config field: `ok(value)` must hold for a value of the field's
+    annotated type; `why` says the rule in the error ("must be > 0")."""
+
+    ok: Callable[[Any], bool]
+    why: str
+
+
+def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
+    """A dataclass field with `default` whose values must have the annotated type and satisfy
+    `ok` (see `check_fields`)."""
+    return field(default=default, metadata={"rule": Rule(ok, why)})
+
+
+def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
+    """Check every field of dataclass `obj` that carries a `Rule` (made with `checked`): its
+    type (the annotation, as `apply_dict` reads it), then the rule. The one validator of
+    field constraints, for `validate` and for the dataclasses' own `__post_init__`.
+
+    Raises ConfigError (a ValueError) "config key 'rollout.top_p' = 2: must be in (0, 1]",
+    naming `prefix` + the field and the value.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("rule")
+        if rule is None:
+            continue
+        value, key = getattr(obj, f.name), repr(f"{prefix}{f.name}")
+        key = f"{what} {key}" if what else key
+        ok, _ = _type_ok(value, hints[f.name])
+        if not ok:
+            raise ConfigError(f"{key}: expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})")
+        if not rule.ok(value):
+            raise ConfigError(f"{key} = {value!r}: {rule.why}")
+
+
+#: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
+MAX_ACTIONS_PER_TURN = 64
+
+# Sampling rules shared by the rollout config and the engine's SamplingParams.
+TOP_P_RULE = Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
+TOP_K_RULE = Rule(lambda v: v >= 0, "must be >= 0 (0 = off)")
+
+
+def _at_least(n: int) -> Callable[[Any], bool]:
+    return lambda v: v >= n
 
 
 @dataclass
@@ -92,32 +130,30 @@ class RolloutConfig:
     actions were invalid in the next user message.
     """
 
-    max_turns: int = 5
-    max_actions_per_turn: int = 5
-    max_actions_per_traj: int = 10
-    max_new_tokens: int = 400
-    max_context: int = 3600
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_turns: int = checked(5, _at_least(1), "must be >= 1")
+    max_actions_per_turn: int = checked(5, lambda v: 1 <= v <= MAX_ACTIONS_PER_TURN,
+                                        f"must be >= 1 and <= {MAX_ACTIONS_PER_TURN}")
+    max_actions_per_traj: int = checked(10, _at_least(1), "must be >= 1")
+    max_new_tokens: int = checked(400, _at_least(1), "must be >= 1")
+    max_context: int = checked(3600, _at_least(1), "must be >= 1")
+    # > 0: the recorded log-probs and the trainer's loss divide the logits by it (greedy
+    # decoding is the engine's SamplingParams(temperature=0), not a rollout setting)
+    temperature: float = checked(1.0, lambda v: v > 0, "must be > 0 (the logits are divided by it)")
+    top_p: float = checked(1.0, TOP_P_RULE.ok, TOP_P_RULE.why)
+    top_k: int = checked(0, TOP_K_RULE.ok, TOP_K_RULE.why)
     think: bool = True
-    format_penalty: float = -0.1
-    format_rule: Literal["ragen", "strict"] = "ragen"
+    format_penalty: float = checked(-0.1, lambda v: v <= 0, "must be <= 0")
+    format_rule: Literal["ragen", "strict"] = checked("ragen")
     run_valid_actions_on_format_error: bool = True
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
     feedback_invalid: bool = True
 
+    #: how `check_fields` names this class's fields in its errors
+    KEY_PREFIX: ClassVar[str] = "RolloutConfig."
+
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens", "max_context"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {v!r}")
-        check_sampling(self.temperature, self.top_p, self.top_k, owner="RolloutConfig.")
-        if not isinstance(self.format_penalty, (int, float)):
-            raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
-        if self.format_rule not in ("ragen", "strict"):
-            raise ValueError(f"RolloutConfig.format_rule must be 'ragen' or 'strict', got {self.format_rule!r}")
+        check_fields(self, self.KEY_PREFIX)
 
 
 @dataclass
@@ -137,13 +173,16 @@ class RolloutSection(RolloutConfig):
     log-probs with them; fastpo.replay) and mixes round(`replay_fraction` x fresh batch
     size) of them, `replay_fraction` in [0, 1], into each update (0 = no buffer)."""
 
-    env_groups: int = 8
-    group_size: int = 16
+    env_groups: int = checked(8, _at_least(1), "must be >= 1")
+    group_size: int = checked(16, _at_least(1), "must be >= 1")
     engine: Literal["native", "sglang"] = "native"
-    sglang_mem_fraction: float = 0.4
-    reuse: int = 1
-    replay: int = 0
-    replay_fraction: float = 0.5
+    sglang_mem_fraction: float = checked(0.4, lambda v: 0 < v < 1, "must be in (0, 1)")
+    reuse: int = checked(1, _at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)")
+    replay: int = checked(0, _at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)")
+    replay_fraction: float = checked(0.5, lambda v: 0 <= v <= 1, "must be in [0, 1] (replayed trajectories per "
+                                     "update, as a fraction of the fresh batch)")
+
+    KEY_PREFIX: ClassVar[str] = "rollout."
 
     def rollout_config(self, **changes: Any) -> RolloutConfig:
         """The plain RolloutConfig of this section (batch shape dropped), with `changes` applied."""
@@ -543,18 +582,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
                         id(o): "optim", id(t): "trainer"}[id(section)]
                 raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number")
-    for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                "max_new_tokens", "max_context"):
-        need(getattr(r, key) >= 1, f"rollout.{key}", getattr(r, key), "must be >= 1")
-    need(r.max_actions_per_turn <= MAX_ACTIONS_PER_TURN, "rollout.max_actions_per_turn", r.max_actions_per_turn,
-         f"must be <= {MAX_ACTIONS_PER_TURN}")
+    check_fields(r, "rollout.")
     need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
          f"must be below rollout.max_context ({r.max_context})")
-    need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
-    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
-    need(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 = off)")
-    need(r.format_penalty <= 0, "rollout.format_penalty", r.format_penalty, "must be <= 0")
-    need(0 < r.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction", r.sglang_mem_fraction, "must be in (0, 1)")
     need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
          "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
     need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
@@ -621,21 +651,13 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _check_off_policy(cfg: TrainConfig, need) -> None:
     """Rollout reuse, replay and the importance-sampling correction (issue 13's keys)."""
-    r, a = cfg.rollout, cfg.algorithm
-    need(r.reuse >= 1, "rollout.reuse", r.reuse, "must be >= 1 (1 = a fresh rollout batch every iteration)")
-    need(r.replay >= 0, "rollout.replay", r.replay, "must be >= 0 rollout batches (0 = no replay buffer)")
-    need(0 <= r.replay_fraction <= 1, "rollout.replay_fraction", r.replay_fraction,
-         "must be in [0, 1] (replayed trajectories per update, as a fraction of the fresh batch)")
+    a = cfg.algorithm
     need(a.is_cap > 1, "algorithm.is_cap", a.is_cap,
          "must be > 1 (importance weights are truncated at is_cap, and mis keeps [1/is_cap, is_cap])")
     need(not (a.ratio_level == "sequence" and a.is_correction != "none" and a.is_level == "token"),
          "algorithm.is_level", a.is_level,
          f"contradicts algorithm.ratio_level='sequence' (GSPO) with is_correction={a.is_correction!r}: a "
          "trajectory's one ratio cannot take per-token weights; use algorithm.is_level=sequence")
-
-
-#: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
-MAX_ACTIONS_PER_TURN = 64
 
 
 def _check_env_options(name: str, options: dict) -> None:

@@ -127,3 +127,31 @@ def test_unknown_key_of_any_yaml_type_is_a_config_error():
             apply_dict(TrainConfig(), updates)
     with pytest.raises(ConfigError, match="did you mean model.name or env.name"):
         apply_dict(TrainConfig(), {"name": "x"})
+
+
+@pytest.mark.parametrize("key,bad", [("temperature", 0), ("format_penalty", 0.5), ("max_actions_per_turn", 65),
+                                     ("top_p", 0), ("top_k", -1), ("max_turns", 0)])
+def test_rollout_fields_have_one_rule_and_one_message(key, bad):
+    """RolloutConfig (used on its own by library users) and the training config's rollout
+    section refuse the same values with the same words: one rule per field. (RolloutConfig
+    accepted temperature 0, a positive format penalty and 65 actions per turn before.)"""
+    from fastpo.config import RolloutConfig
+
+    with pytest.raises(ConfigError) as train_err:
+        load_config(env="frozenlake", overrides=[f"rollout.{key}={bad}"])
+    with pytest.raises(ValueError) as lib_err:
+        RolloutConfig(**{key: bad})
+    why = str(train_err.value).split(": ", 1)[1]
+    assert str(train_err.value).startswith(f"config key 'rollout.{key}' = ")
+    assert str(lib_err.value) == f"config key 'RolloutConfig.{key}' = {bad!r}: {why}"
+
+
+def test_greedy_decoding_is_the_engines_not_a_rollout_setting():
+    from fastpo.config import RolloutConfig
+    from fastpo.rollout.sampling import SamplingParams
+
+    assert SamplingParams(temperature=0).temperature == 0  # the engine's greedy decoding stays
+    with pytest.raises(ValueError, match="SamplingParams.temperature' = -1: must be >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="RolloutConfig.temperature' = 0: must be > 0"):
+        RolloutConfig(temperature=0)
