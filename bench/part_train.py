@@ -82,7 +82,7 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
             with autocast:
                 h = body(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                 z = torch.zeros(sc.count, device=dev)
-                out = linear_policy_loss(h[sc.hidden], weight, sc.targets, z - 1.0, z + 0.5,
+                out = linear_policy_loss(h[sc.rows], weight, sc.targets, z - 1.0, z + 0.5,
                                          torch.ones_like(z, dtype=torch.bool),
                                          clip_low=0.2, clip_high=0.28, entropy_coef=0.001, denominator=float(n_tok))
             out.loss.backward()

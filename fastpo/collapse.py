@@ -221,7 +221,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[torch.Tensor], resp
             sc = pb.scored(masks)
             with autocast():
                 h = body(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                lp, _ = linear_logprob_entropy(h[sc.hidden], head, sc.targets, temperature, impl=impl)
+                lp, _ = linear_logprob_entropy(h[sc.rows], head, sc.targets, temperature, impl=impl)
             per_member = torch.zeros(len(pb.members), dtype=torch.float64, device=lp.device)
             per_member.index_add_(0, sc.seq, lp.double())
             sums[torch.tensor(sc.indices)] = per_member.cpu()

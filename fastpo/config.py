@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
@@ -234,6 +235,9 @@ class AlgorithmConfig:
     (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
     pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves [1/is_cap, is_cap]
     dropped from the loss), per token or per trajectory (`is_level`); `is_cap` > 1.
+    `value_loss_agg`: the critic's clipped value loss aggregated like `loss_agg` (the same
+    function, fastpo.kernels.aggregate; verl's critic has its own setting too), "token-mean"
+    by default: over all model tokens of the mini-batch.
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
@@ -265,6 +269,7 @@ class AlgorithmConfig:
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = 0.5
     value_coef: float = 0.5
+    value_loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
 @dataclass
@@ -339,6 +344,8 @@ class TrainConfig:
         a = self.algorithm
         if self.rollout.group_size == 1 or a.filter_strategy != "top_k":
             return self.rollout.env_groups
+        from fastpo.algorithms.filtering import kept_group_count  # the filter's rule, owned there
+
         return kept_group_count(self.rollout.env_groups, a.filter_mode, a.filter_ratio)
 
     @property
@@ -362,16 +369,6 @@ class TrainConfig:
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_pp")
 #: Estimators whose baseline is the env group's other trajectories: they need group_size >= 2.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
-#: Rollout-filter strategies (fastpo/algorithms/filtering.py; RAGEN head's `rollout_filter_strategy`).
-FILTER_STRATEGIES = ("top_k", "top_p", "min_p")
-
-
-def kept_group_count(groups: int, mode: str, ratio: float) -> int:
-    """Number of env groups StarPO-S keeps: all for mode "none", else int(ratio * groups)
-    (the floor, as RAGEN at the paper's commit: 0.35 of 8 groups keeps 2), at least 1."""
-    if mode == "none":
-        return groups
-    return max(1, min(groups, int(ratio * groups)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -718,6 +715,23 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     return validate(cfg)
 
 
+def parse_config_yaml(text: Any, where: str) -> dict:
+    """The mapping in config YAML `text` (a string or an open file): the one reader of
+    config files, run folders' and checkpoints' config.yaml. An empty document is {}.
+
+    Raises ConfigError naming `where`: invalid YAML or a top level that is not a mapping.
+    """
+    try:
+        d = yaml.safe_load(text)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping, got {type(d).__name__}")
+    return d
+
+
 def read_config_file(file: str) -> dict:
     """The mapping in YAML config file `file`; `env: NAME` (a string) is read as `env: {name: NAME}`.
 
@@ -726,21 +740,50 @@ def read_config_file(file: str) -> dict:
     """
     try:
         with open(file) as f:
-            d = yaml.safe_load(f) or {}
+            d = dict(parse_config_yaml(f, f"config file {file}"))
     except FileNotFoundError:
         raise
     except OSError as e:  # a folder, no permission, ...
         raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {file}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{file}: the top level must be a mapping")
-    d = dict(d)
     if isinstance(d.get("env"), str):
         d["env"] = {"name": d["env"]}
     elif d.get("env") is not None and not isinstance(d["env"], dict):
         raise ConfigError(f"config file {file}: 'env' must be an env name or a mapping such as "
                           f"{{name: frozenlake, options: {{}}}}, got {d['env']!r}")
+    return d
+
+
+def read_run_config(path: str) -> TrainConfig:
+    """The validated TrainConfig in a run's (or a checkpoint's) config.yaml at `path`.
+
+    Raises FileNotFoundError when it is missing; ConfigError when it cannot be read, is not
+    valid YAML or not a valid fastpo configuration (each naming `path`).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
+    try:
+        with open(path) as f:
+            d = parse_config_yaml(f, path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None
+    try:
+        return config_from_dict(d)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path}: not a valid fastpo configuration ({e})") from None
+
+
+def load_run_config(out_dir: str) -> TrainConfig:
+    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
+    return read_run_config(os.path.join(out_dir, "config.yaml"))
+
+
+def run_settings(config_yaml: str) -> dict:
+    """A run's settings from its config.yaml text, without what a resume may change freely
+    (the folder's spelling, the iteration count): two runs with equal settings train alike.
+    Raises ConfigError for text that is not a YAML mapping."""
+    d = parse_config_yaml(config_yaml, "config.yaml")
+    for key in ("output_dir", "iterations"):
+        (d.get("trainer") or {}).pop(key, None)
     return d
 
 
