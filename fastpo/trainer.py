@@ -557,10 +557,10 @@ class Trainer:
         """
         a = self.cfg.algorithm
         B = len(masks)
-        T = max(int(m.numel()) for m in masks)
+        T = max(int(mask.numel()) for mask in masks)
         M = torch.zeros(B, T, dtype=torch.bool)
-        for i, m in enumerate(masks):
-            M[i, : m.numel()] = m
+        for i, mask in enumerate(masks):
+            M[i, : mask.numel()] = mask
         metrics: dict = {}
         KL = None
         if a.kl_coef > 0 and self.cfg.kl_in_reward and ref is not None:
@@ -767,11 +767,11 @@ class Trainer:
                     f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
                     f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
                     f"{longest + r.max_new_tokens}")
-            m = rollout_metrics(full, prefix="train")
+            metrics = rollout_metrics(full, prefix="train")
             every = cfg.trainer.collapse_every
             if every and (it == 1 or it % every == 0):
                 t_c = time.perf_counter()
-                m.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
+                metrics.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
                 tm["time/collapse_s"] = time.perf_counter() - t_c
             t1 = time.perf_counter()
             # one trajectory per group: no in-group std to filter by (said once at start)
@@ -782,9 +782,9 @@ class Trainer:
             # full batch is still scored for its metrics, then the update is skipped
             skip = filt.indices.numel() == 0
             batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
-            m["train/filter_kept_ratio"] = filt.kept_ratio
-            m["train/in_group_reward_std_kept"] = filt.std_after
-            m["train/filter_zero_std_groups"] = filt.zero_std_groups
+            metrics["train/filter_kept_ratio"] = filt.kept_ratio
+            metrics["train/in_group_reward_std_kept"] = filt.std_after
+            metrics["train/filter_zero_std_groups"] = filt.zero_std_groups
             ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
             masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
             for mk in masks:
@@ -797,42 +797,42 @@ class Trainer:
                 recomputed = old_lp
             tm["time/old_logprob_s"] = time.perf_counter() - t1
             allm = torch.cat(masks)
-            m["train/old_logprob_from_sampler"] = float(old_lp is samp)
+            metrics["train/old_logprob_from_sampler"] = float(old_lp is samp)
             if recomputed is not None:  # both available: how far the sampler's are from the trainer's
                 gap = (torch.cat(recomputed) - torch.cat(samp))[allm].abs()
-                m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-                m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-            m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
+                metrics["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+                metrics["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+            metrics["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
             if skip:
                 self._warn(f"iteration {it}: the {a.filter_strategy} filter kept no env group "
                            f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
-                m.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
-                return m
+                metrics.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
+                return metrics
             t2 = time.perf_counter()
             adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
-            m.update(am)
+            metrics.update(am)
             if a.soft_advantage_reweight:
                 w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
                 adv = [x * w[i] for i, x in enumerate(adv)]
-                m.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
+                metrics.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
                           "train/soft_reweight_mean": float(w.mean())})
             tm["time/advantage_s"] = time.perf_counter() - t2
             if self.schedule is not None or a.is_correction != "none":
-                rollout_m = dict(m)  # what the iterations reusing this batch log again
+                rollout_m = dict(metrics)  # what the iterations reusing this batch log again
                 if self.schedule is not None:
                     items = _traj_items(it, ids, masks, samp, old_lp, adv, returns, vals, ref)
                 ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
-                    it, m, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh=True)
+                    it, metrics, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh=True)
         if items is not None:  # past the droppable part: a dropped iteration leaves the schedule as it was
             self.schedule.start(it, items, rollout_m)
-        self._train(it, m, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
+        self._train(it, metrics, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
         gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
-        m["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
-        m.update(tm)
-        return m
+        metrics["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
+        metrics.update(tm)
+        return metrics
 
-    def _train(self, it: int, m: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
-        """The update phase of an iteration: `update`, then its metrics into `m` and its time into `tm`."""
+    def _train(self, it: int, metrics: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
+        """The update phase of an iteration: `update`, then its metrics into `metrics` and its time into `tm`."""
         self._weights_touched = True
         t3 = time.perf_counter()
         # (is_weights only when there are some: subclasses such as bench's ReferenceTrainer override update)
@@ -841,9 +841,9 @@ class Trainer:
         self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
         train_tokens = um.pop("_train_tokens")
         um.pop("actor/pg_loss_micro", None)
-        m.update(um)
+        metrics.update(um)
         tm["time/update_s"] = time.perf_counter() - t3
-        m["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
+        metrics["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
 
     def _reuse_iteration(self, it: int) -> dict:
         """An iteration inside a reuse cycle (rollout.reuse = K > 1): no rollout; the batch the
@@ -855,7 +855,7 @@ class Trainer:
         self._weights_touched = False
         with self._droppable():
             t1 = time.perf_counter()
-            m = dict(self.schedule.metrics)
+            metrics = dict(self.schedule.metrics)
             cur = self.schedule.current
 
             def col(key):
@@ -865,18 +865,18 @@ class Trainer:
                 "input_ids", "loss_mask", "sample_logprobs", "old_logprobs", "advantages"))
             returns, vals, ref = col("returns"), col("values"), col("ref_logprobs")
             ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
-                it, m, ids, masks, samp, old_lp, adv, vals, returns, ref)
+                it, metrics, ids, masks, samp, old_lp, adv, vals, returns, ref)
             tm["time/old_logprob_s"] = time.perf_counter() - t1
-        self._train(it, m, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
-        m.update(tm)
-        return m
+        self._train(it, metrics, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
+        metrics.update(tm)
+        return metrics
 
-    def _off_policy(self, it: int, m: dict, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh: bool = False):
+    def _off_policy(self, it: int, metrics: dict, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh: bool = False):
         """Mix this iteration's replayed trajectories into the batch and apply the importance-
         sampling correction (algorithm.is_correction); `fresh`: the batch was just rolled out
         (the schedule takes it after the droppable part). Per-trajectory lists in, the same
         lists (replayed ones appended; with "mis", trajectories left with no token dropped)
-        and the IS weights (None without correction) out; metrics into `m`.
+        and the IS weights (None without correction) out; metrics into `metrics`.
 
         Replayed trajectories keep their sampler log-probs, advantages and returns; their old
         log-probs (the ratio's anchor), values and reference log-probs are the current
@@ -884,11 +884,11 @@ class Trainer:
         a, sched = self.cfg.algorithm, self.schedule
         rep = sched.replayed(it, len(ids), fresh) if sched is not None else []
         if sched is not None:
-            m["rollout/reuse_index"] = sched.reuse_index(it, fresh)
-            m["replay/size"] = len(sched.pool(fresh))
-            m["replay/trajectories"] = len(rep)
+            metrics["rollout/reuse_index"] = sched.reuse_index(it, fresh)
+            metrics["replay/size"] = len(sched.pool(fresh))
+            metrics["replay/trajectories"] = len(rep)
             if rep:
-                m["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
+                metrics["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
         if rep:
             r_ids, r_masks = [x["input_ids"] for x in rep], [x["loss_mask"] for x in rep]
             r_old, _, r_vals, r_ref = self.compute_old(r_ids, r_masks)
@@ -900,8 +900,8 @@ class Trainer:
         corr = alg.rollout_correction(_pad(old_lp), _pad(samp), _pad(masks, torch.bool), a.is_correction, a.is_level,
                                       a.is_cap)
         for k in ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "is_weight_mean", "is_truncated_frac"):
-            m[f"actor/{k}"] = corr.metrics[k]
-        m["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
+            metrics[f"actor/{k}"] = corr.metrics[k]
+        metrics["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
         if a.is_correction == "none":
             return ids, masks, old_lp, adv, vals, returns, ref, None
         n = [int(x.numel()) for x in ids]
@@ -1029,7 +1029,7 @@ class Trainer:
                     rng_at_start = rng_state()  # what a resume restores if this iteration is dropped
                     self._weights_touched = True  # until iteration() says its update has not begun
                     try:
-                        m = self.iteration(it)
+                        metrics = self.iteration(it)
                     except _Drop:
                         if updated > last_saved:
                             self._save(updated, rng=rng_at_start)
@@ -1055,22 +1055,22 @@ class Trainer:
                             self.console.print(f"evaluation of iteration {it} postponed to the resume")
                         else:
                             self.last_eval = ev
-                            m.update(ev)
-                    m["time/iteration_s"] = time.perf_counter() - t_it
-                    m["echo_trap_warning"] = 0
-                    rec = self.logger.log(it, m)
+                            metrics.update(ev)
+                    metrics["time/iteration_s"] = time.perf_counter() - t_it
+                    metrics["echo_trap_warning"] = 0
+                    rec = self.logger.log(it, metrics)
                     warn = self.echo.update(rec)
                     if warn:
                         self.logger.amend_last({"echo_trap_warning": 1})
                         self.console.print(f"[bold red]iteration {it}: {warn}[/]")
-                    stats = (f"success {m['train/success_rate']:.2f} | score {m['train/score_mean']:.3f} | "
-                             f"entropy {m['train/rollout_entropy']:.2f} | {m['time/iteration_s']:.0f} s/it")
-                    if "eval/success_rate" in m:
-                        stats += f" | eval {m['eval/success_rate']:.2f}"
+                    stats = (f"success {metrics['train/success_rate']:.2f} | score {metrics['train/score_mean']:.3f} | "
+                             f"entropy {metrics['train/rollout_entropy']:.2f} | {metrics['time/iteration_s']:.0f} s/it")
+                    if "eval/success_rate" in metrics:
+                        stats += f" | eval {metrics['eval/success_rate']:.2f}"
                     progress.update(task, completed=it, stats=stats)
                     if not t.progress:
                         self.console.print(f"iteration {it}/{total}: {stats}")
-                    if t.plots and (("eval/success_rate" in m) or it == total):
+                    if t.plots and (("eval/success_rate" in metrics) or it == total):
                         plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
                     if (t.save_every and it % t.save_every == 0) or it == total or self._stop_requested:
                         self._save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)

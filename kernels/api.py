@@ -24,9 +24,8 @@ import torch
 
 from . import chunked as _chunked
 from .chunked import OutOfMemoryError
-from .reference import (KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS, PolicyLossSettings, aggregate, aggregation_weights,
-                        policy_loss_terms, policy_metrics, reference_logprob_entropy, reference_policy_loss, sequence_log_ratio,
-                        zero_rows)
+from .reference import (PolicyLossSettings, aggregate, aggregation_weights, policy_loss_terms, policy_metrics,
+                        reference_logprob_entropy, reference_policy_loss, sequence_log_ratio, zero_rows)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -484,7 +483,6 @@ def linear_policy_loss(
         raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
     hidden, weight = _harmonize(hidden, weight)
     impl = _auto_impl(impl, resolve_impl(impl, dev, hidden.dtype))
-    opts = given.term_options()
     if impl == "reference":
         loss, lp, ent, metrics = reference_policy_loss(
             hidden, weight, targets, old_logprob, advantages, loss_mask, ref_logprob, seq_ids=seq_ids,
@@ -509,7 +507,7 @@ def linear_policy_loss(
         slr = seq["log_ratio"]
         return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl],
                                  seq_log_ratio=None if slr is None else slr[sl],
-                                 is_weights=None if isw is None else isw[sl], **opts)
+                                 is_weights=None if isw is None else isw[sl], settings=given)
 
     def set_seq_ratio(lp):
         if ratio_level == "sequence":

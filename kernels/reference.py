@@ -78,23 +78,15 @@ def sequence_log_ratio(
     return (num / den.clamp(min=1e-12))[inv]
 
 
-def policy_loss_terms(
-    logprob: torch.Tensor,
-    entropy: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    ref_logprob: torch.Tensor | None = None,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    seq_log_ratio: torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+                      ref_logprob: torch.Tensor | None = None, *, seq_log_ratio: torch.Tensor | None = None,
+                      is_weights: torch.Tensor | None = None, settings: PolicyLossSettings | None = None,
+                      **options) -> dict[str, torch.Tensor]:
     """Per-token clipped PPO / GRPO objective (a loss: lower is better), all tensors [N].
+
+    The settings (clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator; the
+    others of `PolicyLossSettings` are not used here) come as `settings` or as its keywords
+    in `options` (defaults: PolicyLossSettings'), not checked here.
 
     ratio r = exp(logprob - old_logprob) (log-ratio clamped to +-20),
     pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017,
@@ -119,6 +111,8 @@ def policy_loss_terms(
     active), "dual_clip" (the dual clip is active). Differentiable with respect to logprob
     and entropy.
     """
+    s = settings if settings is not None else PolicyLossSettings(**options)
+    clip_low, clip_high, dual_clip = s.clip_low, s.clip_high, s.dual_clip
     if seq_log_ratio is None:
         log_ratio = logprob - old_logprob
     else:
@@ -140,14 +134,14 @@ def policy_loss_terms(
     if is_weights is not None:
         pg = pg * is_weights
     if ref_logprob is not None:
-        if kl_estimator == "k1":
+        if s.kl_estimator == "k1":
             kl = logprob - ref_logprob
         else:
             d = (ref_logprob - logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
             kl = torch.exp(d) - d - 1.0
     else:
         kl = torch.zeros_like(logprob)
-    loss = pg - entropy_coef * entropy + kl_coef * kl
+    loss = pg - s.entropy_coef * entropy + s.kl_coef * kl
     return {"loss": loss, "pg": pg, "kl": kl, "ratio": ratio,
             "clip_low": is_clip_low, "clip_high": is_clip_high, "dual_clip": is_dual}
 
@@ -249,11 +243,6 @@ class PolicyLossSettings:
         if d is not None and not (isinstance(d, (int, float)) and math.isfinite(d) and d > 1.0):
             raise ValueError(f"dual_clip must be None or a finite constant > 1, got {d!r}")
 
-    def term_options(self) -> dict:
-        """The keywords of `policy_loss_terms` (the per-token objective's settings)."""
-        return dict(clip_low=float(self.clip_low), clip_high=float(self.clip_high), dual_clip=self.dual_clip,
-                    entropy_coef=float(self.entropy_coef), kl_coef=float(self.kl_coef),
-                    kl_estimator=self.kl_estimator)
 
 
 def policy_metrics(
@@ -306,21 +295,11 @@ def policy_metrics(
     return dict(zip(keys, out))
 
 
-def reference_policy_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    ref_logprob: torch.Tensor | None = None,
-    *,
-    seq_ids: torch.Tensor | None = None,
-    denominator: float | None = None,
-    is_weights: torch.Tensor | None = None,
-    settings: PolicyLossSettings | None = None,
-    **options,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+def reference_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, old_logprob: torch.Tensor,
+                          advantages: torch.Tensor, loss_mask: torch.Tensor, ref_logprob: torch.Tensor | None = None, *,
+                          seq_ids: torch.Tensor | None = None, denominator: float | None = None,
+                          is_weights: torch.Tensor | None = None, settings: PolicyLossSettings | None = None,
+                          **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """The whole policy loss on materialized logits: (loss, logprob, entropy, metrics).
 
     Same arguments and meaning as `fastpo.kernels.linear_policy_loss` (no validation here);
@@ -342,8 +321,7 @@ def reference_policy_loss(
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(logprob.dtype), zero)
     isw = None if is_weights is None else torch.where(sel, is_weights.to(logprob.dtype), zero)
     slr = sequence_log_ratio(logprob, old, loss_mask, seq_ids) if s.ratio_level == "sequence" else None
-    terms = policy_loss_terms(logprob, entropy, old, adv, ref, seq_log_ratio=slr, is_weights=isw,
-                              **s.term_options())
+    terms = policy_loss_terms(logprob, entropy, old, adv, ref, seq_log_ratio=slr, is_weights=isw, settings=s)
     w = aggregation_weights(loss_mask, s.loss_agg, seq_ids, denominator).to(logprob.dtype)
     loss = aggregate(terms["loss"], loss_mask, weights=w)
     metrics = policy_metrics(terms, entropy, logprob, old, loss_mask, w, ref_logprob is not None)
