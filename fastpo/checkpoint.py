@@ -363,22 +363,20 @@ def _load_weights(module: torch.nn.Module, folder: str, body: bool = False) -> N
 class ResumePlan:
     """How `--resume` continues a run, for the CLI and the trainer alike: `checkpoint`, the
     newest intact checkpoint folder; `iteration`, the one it holds; `note`, one line naming
-    damaged newer checkpoints that were skipped (None when there were none);
-    `eval_pending`, its evaluation was stopped (by SIGTERM) and is still to run."""
+    damaged newer checkpoints that were skipped (None when there were none)."""
 
     checkpoint: str
     iteration: int
     note: Optional[str]
-    eval_pending: bool
 
-    @property
-    def start_iteration(self) -> int:
-        """The first iteration the resumed run trains."""
-        return self.iteration + 1
+    def eval_pending(self) -> bool:
+        """Whether its evaluation was stopped (by SIGTERM) and is still to run (reads its state)."""
+        state, _ = load_state(self.checkpoint, optimizers=False)
+        return bool(state.get("eval_pending"))
 
     def nothing_to_do(self, iterations: int) -> bool:
         """Whether a resume with `iterations` in all has nothing to train or evaluate."""
-        return self.iteration >= iterations and not self.eval_pending
+        return self.iteration >= iterations and not self.eval_pending()
 
 
 def plan_resume(out_dir: str) -> ResumePlan:
@@ -391,8 +389,7 @@ def plan_resume(out_dir: str) -> ResumePlan:
         why = f" ({found.note()})" if found.note() else ""
         raise FileNotFoundError(f"--resume {out_dir}: no checkpoint found under {os.path.join(out_dir, 'checkpoints')}"
                                 f"{why}; if nothing was trained yet, start again with --out {out_dir} --overwrite")
-    state, _ = load_state(found.folder, optimizers=False)
-    return ResumePlan(found.folder, checkpoint_iteration(found.folder), found.note(), bool(state.get("eval_pending")))
+    return ResumePlan(found.folder, checkpoint_iteration(found.folder), found.note())
 
 
 def nothing_to_train_note(out_dir: str, done: int, iterations: int) -> str:
