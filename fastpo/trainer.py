@@ -462,8 +462,8 @@ class Trainer:
         # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         mdtype = torch.bool if impl == "sdpa" else torch.float32
-        for members in plan:
-            yield pack_micro_batch(ids, [indices[j] for j in members], attention=attention, mask_dtype=mdtype,
+        for mb in plan:
+            yield pack_micro_batch(ids, [indices[j] for j in mb], attention=attention, mask_dtype=mdtype,
                                    device=self.device, prefix_lengths=prefix, prefix_groups=groups)
 
     @staticmethod
