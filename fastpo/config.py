@@ -32,32 +32,6 @@ class ConfigError(ValueError):
     """A configuration key is unknown, has the wrong type or an impossible value."""
 
 
-@dataclass
-class ModelConfig:
-    """Which policy model to train and how.
-
-    `name`: "smollm2-135m-instruct" (embedded), an HF id or local path, or "random:<shape>".
-    `dtype`: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
-    `lora_rank` > 0 trains LoRA adapters through peft instead of the full weights.
-    """
-
-    name: str = "smollm2-135m-instruct"
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    gradient_checkpointing: bool = False
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-
-
-@dataclass
-class EnvConfig:
-    """The environment: `name` in {bandit, sokoban, frozenlake}; `options` go to `make_env`."""
-
-    name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
-    options: dict = field(default_factory=dict)
-
-
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A constraint on one config field: `ok(value)` must hold for a value of the field's
@@ -105,6 +79,40 @@ TOP_K_RULE = Rule(lambda v: v >= 0, "must be >= 0 (0 = off)")
 
 def _at_least(n: int) -> Callable[[Any], bool]:
     return lambda v: v >= n
+
+
+def _in_unit(v: Any) -> bool:
+    return 0 <= v <= 1
+
+
+def _seed_range(v: Any) -> bool:  # env and torch seeds are 32-bit
+    return 0 <= v < 2**32
+
+
+@dataclass
+class ModelConfig:
+    """Which policy model to train and how.
+
+    `name`: "smollm2-135m-instruct" (embedded), an HF id or local path, or "random:<shape>".
+    `dtype`: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
+    `lora_rank` > 0 trains LoRA adapters through peft instead of the full weights.
+    """
+
+    name: str = checked("smollm2-135m-instruct", bool, "must not be empty")
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    gradient_checkpointing: bool = False
+    lora_rank: int = checked(0, _at_least(0), "must be >= 0 (0 = full fine-tuning)")
+    lora_alpha: int = checked(16, lambda v: v > 0, "must be > 0")
+    lora_dropout: float = checked(0.0, lambda v: 0 <= v < 1, "must be in [0, 1)")
+    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class EnvConfig:
+    """The environment: `name` in {bandit, sokoban, frozenlake}; `options` go to `make_env`."""
+
+    name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
+    options: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -241,22 +249,22 @@ class AlgorithmConfig:
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = checked(1.0, _in_unit, "must be in [0, 1]")
+    lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
     reward_position: Literal["last_token", "turn"] = "last_token"
     whiten_advantages: bool = True
     filter_mode: Literal["top", "bottom", "none"] = "top"
-    filter_ratio: float = 0.25
+    filter_ratio: float = checked(0.25, lambda v: 0 < v <= 1, "must be in (0, 1]")
     filter_strategy: Literal["top_k", "top_p", "min_p"] = "top_k"
     filter_top_p_mode: Literal["linear", "softmax"] = "linear"
-    filter_eps: float = 0.01
+    filter_eps: float = checked(0.01, _at_least(0), "must be >= 0")
     filter_keep_zero_std: bool = True
     soft_advantage_reweight: bool = False
-    clip_low: float = 0.2
+    clip_low: float = checked(0.2, lambda v: v > 0, "must be > 0")
     clip_high: float = 0.28
-    dual_clip: Optional[float] = 3.0
-    entropy_coef: float = 0.001
-    kl_coef: float = 0.0
+    dual_clip: Optional[float] = checked(3.0, lambda v: v is None or v > 1, "must be > 1 or null")
+    entropy_coef: float = checked(0.001, _at_least(0), "must be >= 0")
+    kl_coef: float = checked(0.0, _at_least(0), "must be >= 0")
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
@@ -264,11 +272,12 @@ class AlgorithmConfig:
     ratio_level: Literal["token", "sequence"] = "token"
     is_correction: Literal["none", "tis", "mis"] = "none"
     is_level: Literal["token", "sequence"] = "token"
-    is_cap: float = 2.0
+    is_cap: float = checked(2.0, lambda v: v > 1, "must be > 1 (importance weights are truncated at is_cap, and "
+                                               "mis keeps [1/is_cap, is_cap])")
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
-    value_clip: float = 0.5
-    value_coef: float = 0.5
+    value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
+    value_coef: float = checked(0.5, _at_least(0), "must be >= 0")
     value_loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
@@ -280,14 +289,14 @@ class OptimConfig:
     (fastpo.packing.shared_prefixes); the same log-probs and gradients, less compute.
     """
 
-    actor_lr: float = 1e-6
-    critic_lr: float = 1e-5
-    weight_decay: float = 0.01
+    actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0")
+    critic_lr: float = checked(1e-5, lambda v: v > 0, "must be > 0")
+    weight_decay: float = checked(0.01, _at_least(0), "must be >= 0")
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    mini_batch_size: int = 32
-    micro_token_budget: int = 8192
+    grad_clip: float = checked(1.0, lambda v: v > 0, "must be > 0")
+    ppo_epochs: int = checked(1, _at_least(1), "must be >= 1")
+    mini_batch_size: int = checked(32, _at_least(1), "must be >= 1")
+    micro_token_budget: int = checked(8192, _at_least(16), "must be >= 16 tokens")
     # compute an env group's shared prompt once per micro-batch (needs fastpo's segment attention)
     share_prefix: bool = True
 
@@ -296,28 +305,30 @@ class OptimConfig:
 class TrainerSection:
     """Loop length, evaluation, logging, checkpoints, Echo-Trap warning."""
 
-    iterations: int = 200
-    seed: int = 0
-    device: str = "auto"
+    iterations: int = checked(200, _at_least(1), "must be >= 1")
+    seed: int = checked(0, _seed_range, "must be in [0, 2**32)")
+    device: str = checked("auto", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None,
+                          "must be auto, cpu or cuda[:N]")
     output_dir: str = ""
-    eval_every: int = 10
-    eval_seeds: int = 256
-    eval_seed_offset: int = 1_000_000
-    eval_temperature: float = 0.5
-    eval_group_size: int = 1
+    eval_every: int = checked(10, _at_least(0), "must be >= 0 (0 = never)")
+    eval_seeds: int = checked(256, _at_least(1), "must be >= 1")
+    eval_seed_offset: int = checked(1_000_000, _seed_range, "must be in [0, 2**32)")
+    eval_temperature: float = checked(0.5, lambda v: v > 0, "must be > 0")
+    eval_group_size: int = checked(1, _at_least(1), "must be >= 1")
     eval_before_training: bool = False
-    save_every: int = 10
-    keep_checkpoints: int = 2
-    num_samples: int = 4
-    ema_decay: float = 0.9
+    save_every: int = checked(10, _at_least(0), "must be >= 0 (0 = only at the end)")
+    keep_checkpoints: int = checked(2, _at_least(1), "must be >= 1")
+    num_samples: int = checked(4, _at_least(0), "must be >= 0")
+    ema_decay: float = checked(0.9, lambda v: 0 < v < 1, "must be in (0, 1)")
     tensorboard: bool = False
     wandb: bool = False
     plots: bool = True
-    echo_trap_drop: float = 0.5
-    echo_trap_window: int = 5
+    echo_trap_drop: float = checked(0.5, lambda v: 0 < v < 1, "must be in (0, 1)")
+    echo_trap_window: int = checked(5, _at_least(1), "must be >= 1")
     # mutual-information collapse metrics (fastpo/collapse.py): iteration 1 and every N-th; 0 = off
-    collapse_every: int = 5
-    kernel_impl: str = "auto"
+    collapse_every: int = checked(5, _at_least(0), "must be >= 0 (0 = never)")
+    kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
+                               "must be auto, reference, chunked or triton")
     progress: bool = True
 
 
@@ -579,64 +590,27 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
                         id(o): "optim", id(t): "trainer"}[id(section)]
                 raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number")
-    check_fields(r, "rollout.")
+    # single-field rules live on the fields (`checked`); what follows relates fields
+    for section, name in ((cfg.model, "model"), (cfg.env, "env"), (r, "rollout"), (a, "algorithm"), (o, "optim"),
+                          (t, "trainer")):
+        check_fields(section, f"{name}.")
     need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
          f"must be below rollout.max_context ({r.max_context})")
     need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
          "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
-    need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
-    need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
-    need(0 < a.filter_ratio <= 1, "algorithm.filter_ratio", a.filter_ratio, "must be in (0, 1]")
-    need(a.filter_eps >= 0, "algorithm.filter_eps", a.filter_eps, "must be >= 0")
-    need(a.clip_low > 0, "algorithm.clip_low", a.clip_low, "must be > 0")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
-    need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 or null")
-    need(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "must be >= 0")
-    need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
-    need(a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0")
-    need(a.value_coef >= 0, "algorithm.value_coef", a.value_coef, "must be >= 0")
     if a.adv_estimator in GROUP_ESTIMATORS:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
     _check_off_policy(cfg, need)
-    need(o.actor_lr > 0, "optim.actor_lr", o.actor_lr, "must be > 0")
-    need(o.critic_lr > 0, "optim.critic_lr", o.critic_lr, "must be > 0")
-    need(o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0")
     need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
          "optim.betas", o.betas, "must be two numbers in [0, 1)")
-    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    need(o.ppo_epochs >= 1, "optim.ppo_epochs", o.ppo_epochs, "must be >= 1")
-    need(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "must be >= 1")
     need(o.mini_batch_size <= cfg.train_batch_size, "optim.mini_batch_size", o.mini_batch_size,
          f"is larger than the training batch ({cfg.kept_groups} kept env groups x {r.group_size} "
          f"trajectories = {cfg.train_batch_size})")
-    need(o.micro_token_budget >= 16, "optim.micro_token_budget", o.micro_token_budget, "must be >= 16 tokens")
-    need(0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32)")
-    need(0 <= t.eval_seed_offset < 2**32, "trainer.eval_seed_offset", t.eval_seed_offset, "must be in [0, 2**32)")
     need(t.eval_seed_offset + t.eval_seeds <= 2**32, "trainer.eval_seed_offset", t.eval_seed_offset,
          f"+ trainer.eval_seeds ({t.eval_seeds}) must be <= 2**32 (env seeds are 32-bit)")
-    need(t.iterations >= 1, "trainer.iterations", t.iterations, "must be >= 1")
-    need(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
-    need(t.eval_seeds >= 1, "trainer.eval_seeds", t.eval_seeds, "must be >= 1")
-    need(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
-    need(t.eval_group_size >= 1, "trainer.eval_group_size", t.eval_group_size, "must be >= 1")
-    need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)")
-    need(t.num_samples >= 0, "trainer.num_samples", t.num_samples, "must be >= 0")
-    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
-    need(0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in (0, 1)")
-    need(0 < t.echo_trap_drop < 1, "trainer.echo_trap_drop", t.echo_trap_drop, "must be in (0, 1)")
-    need(t.echo_trap_window >= 1, "trainer.echo_trap_window", t.echo_trap_window, "must be >= 1")
-    need(t.collapse_every >= 0, "trainer.collapse_every", t.collapse_every, "must be >= 0 (0 = never)")
-    need(t.kernel_impl in ("auto", "reference", "chunked", "triton"), "trainer.kernel_impl", t.kernel_impl,
-         "must be auto, reference, chunked or triton")
-    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device) is not None, "trainer.device", t.device,
-         "must be auto, cpu or cuda[:N]")
-    m = cfg.model
-    need(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0 = full fine-tuning)")
-    need(bool(m.name), "model.name", m.name, "must not be empty")
-    need(m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "must be > 0")
-    need(0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout, "must be in [0, 1)")
     if t.wandb:
         import importlib.util
 
@@ -649,8 +623,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 def _check_off_policy(cfg: TrainConfig, need) -> None:
     """Rollout reuse, replay and the importance-sampling correction (issue 13's keys)."""
     a = cfg.algorithm
-    need(a.is_cap > 1, "algorithm.is_cap", a.is_cap,
-         "must be > 1 (importance weights are truncated at is_cap, and mis keeps [1/is_cap, is_cap])")
     need(not (a.ratio_level == "sequence" and a.is_correction != "none" and a.is_level == "token"),
          "algorithm.is_level", a.is_level,
          f"contradicts algorithm.ratio_level='sequence' (GSPO) with is_correction={a.is_correction!r}: a "

@@ -155,3 +155,21 @@ def test_greedy_decoding_is_the_engines_not_a_rollout_setting():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="RolloutConfig.temperature' = 0: must be > 0"):
         RolloutConfig(temperature=0)
+
+
+@pytest.mark.parametrize("key,bad", [("algorithm.gamma", 1.5), ("optim.micro_token_budget", 8), ("trainer.seed", -1),
+                                     ("trainer.device", "tpu"), ("model.lora_dropout", 1.0),
+                                     ("algorithm.is_cap", 1.0), ("rollout.replay", -1)])
+def test_single_field_rules_live_on_the_fields(key, bad):
+    """validate() reads each field's own rule (config.checked metadata): the error from a full
+    load equals the one check_fields gives for the section alone."""
+    from fastpo.config import TrainConfig, check_fields
+
+    with pytest.raises(ConfigError) as full:
+        load_config(env="frozenlake", overrides=[f"{key}={bad}"])
+    section, name = key.split(".")
+    part = getattr(TrainConfig(), section)
+    setattr(part, name, float(bad) if isinstance(getattr(part, name), float) else bad)  # as apply_dict coerces
+    with pytest.raises(ConfigError) as alone:
+        check_fields(part, f"{section}.")
+    assert str(full.value) == str(alone.value) and key in str(full.value)
