@@ -151,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_json(path: str, header: dict, args: dict, records: list[Record], errors: dict, seconds: dict,
                skipped: dict | None = None) -> None:
-    """Write the run so far to `path` atomically (a reader never sees half a file)."""
+    """Write the run so far to `path` atomically (a reader never sees half a file; fastpo's
+    `atomic_write_text`)."""
+    from fastpo.checkpoint import atomic_write_text
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"machine": header, "args": args, "records": [r.to_dict() for r in records],
-                   "errors": errors, "part_seconds": seconds, "skipped": dict(skipped or {})}, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"machine": header, "args": args, "records": [r.to_dict() for r in records],
+                                        "errors": errors, "part_seconds": seconds,
+                                        "skipped": dict(skipped or {})}, indent=2))
 
 
 if __name__ == "__main__":

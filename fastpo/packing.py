@@ -185,14 +185,14 @@ class PackedMember:
 class ScoredTokens:
     """The trained tokens of a packed micro-batch, in member order, M in all.
 
-    hidden [M] int64: row offset of the hidden state that predicts each token (its position
+    rows [M] int64: row offset of the hidden state that predicts each token (its position
     minus one, which may lie in a shared prefix); targets [M] int64: the token ids;
     seq [M] int64: the member number 0..k-1 (for per-sequence loss aggregation), all on the
     batch's device. positions: per member, the token positions [M_j] (CPU int64).
     indices: per member, the trajectory's index in the full batch.
     """
 
-    hidden: torch.Tensor
+    rows: torch.Tensor
     targets: torch.Tensor
     seq: torch.Tensor
     positions: list
@@ -200,14 +200,14 @@ class ScoredTokens:
 
     @property
     def count(self) -> int:
-        return int(self.hidden.numel())
+        return int(self.rows.numel())
 
     def take(self, per_traj: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """per_traj[i][t] for every scored token -> [M] of `dtype` on the batch's device."""
         if self.count == 0:
-            return torch.zeros(0, dtype=dtype, device=self.hidden.device)
+            return torch.zeros(0, dtype=dtype, device=self.rows.device)
         parts = [torch.as_tensor(per_traj[i])[pos] for i, pos in zip(self.indices, self.positions)]
-        return torch.cat(parts).to(device=self.hidden.device, dtype=dtype)
+        return torch.cat(parts).to(device=self.rows.device, dtype=dtype)
 
     def scatter(self, values: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
         """Write values [M] into out[i][t] (per-trajectory tensors, typically CPU fp32) in place."""
