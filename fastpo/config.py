@@ -81,6 +81,14 @@ def _at_least(n: int) -> Callable[[Any], bool]:
     return lambda v: v >= n
 
 
+def _window_ok(value: Any) -> bool:
+    """rollout.context_window: "full" or an int K >= 1 (the type is checked before)."""
+    return value == "full" if isinstance(value, str) else (not isinstance(value, bool) and value >= 1)
+
+
+CONTEXT_WINDOW_WHY = "must be 'full' or an integer K >= 1 (the last K turns kept)"
+
+
 def _in_unit(v: Any) -> bool:
     return 0 <= v <= 1
 
@@ -137,6 +145,11 @@ class RolloutConfig:
     end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
     (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
     actions were invalid in the next user message.
+    context_window: "full" (default: every turn stays in the context) or K >= 1, the last K
+    turns (user observation + response) kept in the context, the system prompt and the
+    first user message (task rules, initial state) always kept; RAGEN's
+    `limited_multi_turn` with `max_context_window: K`. fastpo evicts the dropped turns'
+    KV entries and keeps positions (see fastpo/window.py for the design).
     """
 
     max_turns: int = checked(5, _at_least(1), "must be >= 1")
@@ -157,12 +170,24 @@ class RolloutConfig:
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
     feedback_invalid: bool = True
+    context_window: int | str = checked("full", _window_ok, CONTEXT_WINDOW_WHY)
 
     #: how `check_fields` names this class's fields in its errors
     KEY_PREFIX: ClassVar[str] = "RolloutConfig."
 
     def __post_init__(self) -> None:
         check_fields(self, self.KEY_PREFIX)
+
+
+def context_window_turns(value: Any, owner: str = "'rollout.context_window'") -> int | None:
+    """None for "full", else the number of kept turns K (an int >= 1).
+
+    Raises ValueError naming `owner` and the value for anything else (0, negatives, floats,
+    bools, strings other than "full").
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not _window_ok(value):
+        raise ValueError(f"{owner} = {value!r}: {CONTEXT_WINDOW_WHY}")
+    return None if value == "full" else int(value)
 
 
 @dataclass
@@ -604,6 +629,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
     _check_off_policy(cfg, need)
+    need(r.context_window == "full" or (r.reuse == 1 and r.replay == 0), "rollout.context_window",
+         r.context_window, "a bounded context window does not support rollout.reuse > 1 or rollout.replay > 0 yet")
+    need(r.context_window == "full" or r.engine == "native", "rollout.context_window", r.context_window,
+         "a bounded context window needs rollout.engine=native (it evicts KV entries per session)")
     need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
          "optim.betas", o.betas, "must be two numbers in [0, 1)")
     need(o.mini_batch_size <= cfg.train_batch_size, "optim.mini_batch_size", o.mini_batch_size,

@@ -53,6 +53,7 @@ from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.models import ModelLoadError, load_model_checked, resolve_device
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table, warn_user,
                             write_samples)
+from fastpo import window as ctxwin
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
                             use_segment_attention)
 from fastpo.seeds import iteration_seeds, mini_batch_generator_seed, rollout_sampling_seed
@@ -288,6 +289,10 @@ class Trainer:
                 f"{self.device} (loaded in {self.load_seconds:.1f} s)")
         # packed rows attend per trajectory (sum of L_i^2, not N^2); generation still runs sdpa
         use_segment_attention(model)
+        if cfg.rollout.context_window != "full" and packing_attention(model) == "varlen":
+            raise ConfigError(f"config key 'rollout.context_window' = {cfg.rollout.context_window!r} needs a "
+                              "per-token attention mask, which flash-attn's varlen packing cannot take; load the "
+                              "model with sdpa or eager attention")
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.ref_model = None
@@ -462,9 +467,16 @@ class Trainer:
         # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         mdtype = torch.bool if impl == "sdpa" else torch.float32
+        windows = None
+        if self.cfg.rollout.context_window != "full":  # each turn attends as the sampler's window did
+            windows = {i: ctxwin.labels(ids[i]) for i in indices}
+            missing = [i for i, w in windows.items() if w is None]
+            if missing:
+                raise RuntimeError(f"trajectories {missing[:5]} carry no context-window labels "
+                                   "(fastpo.window.attach); they cannot be scored as the sampler saw them")
         for mb in plan:
             yield pack_micro_batch(ids, [indices[j] for j in mb], attention=attention, mask_dtype=mdtype,
-                                   device=self.device, prefix_lengths=prefix, prefix_groups=groups)
+                                   device=self.device, prefix_lengths=prefix, prefix_groups=groups, windows=windows)
 
     @staticmethod
     def _hidden(body: torch.nn.Module, micro) -> torch.Tensor:
@@ -786,6 +798,8 @@ class Trainer:
             metrics["train/in_group_reward_std_kept"] = filt.std_after
             metrics["train/filter_zero_std_groups"] = filt.zero_std_groups
             ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
+            for x, tn, vf in zip(ids, batch.context_turns, batch.visible_from):  # context window only
+                ctxwin.attach(x, tn, vf)
             masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
             for mk in masks:
                 mk[0] = False
