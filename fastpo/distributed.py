@@ -5,7 +5,9 @@ on the CPU, NCCL on CUDA) with a timeout on every collective, so that a rank tha
 hangs ends the whole job instead of leaving the others waiting; rank-0-only side effects
 (metrics, checkpoints) with the result shared; the split of env groups across ranks (whole
 groups, seeds independent of the world size); the StarPO-S filter on the global batch from
-all-gathered per-group reward stds; global token/sequence counts for the loss normalisation.
+all-gathered per-group reward stds; global token/sequence counts for the loss normalisation;
+the gradient exchange of a data-parallel update (`all_reduce_gradients`, DDP-equivalent:
+replicated parameters, summed gradients). FSDP2 sharding is not used yet.
 
 The trainer does not use these yet: `require_trainer_support` refuses a world size above 1.
 With one process and no torchrun nothing here initialises `torch.distributed`
@@ -353,3 +355,35 @@ def global_loss_denominator(ctx: DistContext, loss_agg: str, masks: list, indice
     (`fastpo.trainer.loss_denominator` on the concatenation)."""
     tokens, seqs = global_counts(ctx, masks, indices)
     return float(max(1, tokens)) if loss_agg == "token-mean" else float(seqs or 1)
+
+
+def all_reduce_gradients(ctx: DistContext, params) -> None:
+    """Sum every parameter's `.grad` over ranks, in place (one flat all-reduce per dtype).
+
+    The data-parallel update's gradient exchange, as DDP's all-reduce but summed, not
+    averaged: each rank's loss is already divided by the global count
+    (`global_loss_denominator`), so the sum is the one-process gradient of the whole
+    mini-batch, and clipping it afterwards (`torch.nn.utils.clip_grad_norm_`) clips the
+    global norm. A parameter without a gradient on this rank contributes zeros (and gets
+    the others' sum). params: an iterable of tensors (requires_grad ones are reduced, in
+    order; every rank must pass the same parameters in the same order). No-op for one process.
+    """
+    params = [p for p in params if p.requires_grad]
+    if not ctx.initialized or not params:
+        return
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    by_dtype: dict = {}
+    for p in params:
+        by_dtype.setdefault(p.grad.dtype, []).append(p)
+    for group in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group]).to(ctx.device)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in group:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n

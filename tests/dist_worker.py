@@ -4,7 +4,10 @@
 
 CASE "checks": each rank takes its env groups of `global_batch()` and writes what
 fastpo.distributed computes to OUTDIR/rank<R>.json; "raise": rank 1 raises before a
-collective rank 0 waits in; "hang": rank 1 sleeps through it (rank 0's collective times out).
+collective rank 0 waits in; "hang": rank 1 sleeps through it (rank 0's collective times out);
+"grads": each rank accumulates the fused policy loss's gradient of its trajectories of
+`grad_batch()` on `tiny_model()` with global denominators, all-reduces it and takes one
+clipped AdamW step (`data_parallel_step`), saving gradients and parameters to OUTDIR/grads_rank<R>.pt.
 """
 import json
 import os
@@ -31,6 +34,74 @@ def global_batch():
     masks = [torch.rand(int(torch.randint(3, 10, (1,), generator=g)), generator=g) < 0.6 for _ in range(b)]
     masks[5] = torch.tensor([True, False, False])
     return scores, group_ids, masks
+
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+
+
+def tiny_model():
+    """A tiny random Llama (2 layers, hidden 32, vocab 256, tied embeddings), fp32, seed 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def grad_batch(model):
+    """3 env groups x 2 trajectories: (group ids [6], per trajectory (ids [T], loss mask [T],
+    old log-probs [T] near the model's own, advantages [T])), T from 5 to 12."""
+    from fastpo.kernels import causal_lm_logprob_entropy
+
+    g = torch.Generator().manual_seed(5)
+    items = []
+    for _ in range(6):
+        t = int(torch.randint(5, 13, (1,), generator=g))
+        ids = torch.randint(0, 256, (1, t), generator=g)
+        mask = torch.rand(1, t, generator=g) < 0.7
+        mask[:, :2] = False
+        with torch.no_grad():
+            lp, _ = causal_lm_logprob_entropy(model, ids, temperature=1.0)
+        old = lp + 0.2 * torch.randn(1, t, generator=g)
+        adv = torch.randn(1, 1, generator=g).expand(1, t).contiguous()
+        items.append((ids, mask, old, adv))
+    return [0, 0, 1, 1, 2, 2], items
+
+
+def data_parallel_step(ctx, model, items, mine, loss_agg):
+    """Gradient of trajectories `mine` (accumulated one per micro-batch, divided by the global
+    denominator), all-reduced over ranks; returns ({name: grad}, {name: param after one
+    clipped AdamW step})."""
+    from fastpo import distributed as fd
+    from fastpo.kernels import causal_lm_policy_loss
+
+    masks = [m[0] for _, m, _, _ in items]
+    denom = fd.global_loss_denominator(ctx, loss_agg, masks, mine)
+    model.zero_grad(set_to_none=True)
+    for i in mine:
+        ids, mask, old, adv = items[i]
+        out = causal_lm_policy_loss(model, ids, old, adv, mask, clip_low=0.2, clip_high=0.28, entropy_coef=0.001,
+                                    loss_agg=loss_agg, denominator=denom, impl="chunked")
+        out.loss.backward()
+    fd.all_reduce_gradients(ctx, model.parameters())
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def grads(out):
+    from fastpo import distributed as fd
+
+    ctx = fd.init_from_env("cpu")
+    group_ids, items = grad_batch(tiny_model())
+    groups = fd.split_groups(3, ctx.world_size, ctx.rank)
+    mine = [i for i, gid in enumerate(group_ids) if gid in groups]
+    res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg) for agg in LOSS_AGGS}
+    torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"grads_rank{ctx.rank}.pt"))
+    fd.shutdown(ctx)
 
 
 def checks(out):
@@ -82,4 +153,5 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     case, outdir = sys.argv[1], sys.argv[2]
-    record(checks if case == "checks" else lambda o: failing(o, case == "hang"))(outdir)
+    cases = {"checks": checks, "grads": grads}
+    record(cases.get(case) or (lambda o: failing(o, case == "hang")))(outdir)
