@@ -6,8 +6,10 @@ hangs ends the whole job instead of leaving the others waiting; rank-0-only side
 (metrics, checkpoints) with the result shared; the split of env groups across ranks (whole
 groups, seeds independent of the world size); the StarPO-S filter on the global batch from
 all-gathered per-group reward stds; global token/sequence counts for the loss normalisation;
-the gradient exchange of a data-parallel update (`all_reduce_gradients`, DDP-equivalent:
-replicated parameters, summed gradients). FSDP2 sharding is not used yet.
+the gradient exchange of a data-parallel update, either DDP-equivalent
+(`all_reduce_gradients`: replicated parameters, summed gradients) or FSDP2
+(`shard_for_data_parallel`: sharded parameters, summed reduce-scatter, equal micro-batch
+counts per rank via `micro_batch_count`); rank 0's full state dict (`full_state_dict`).
 
 The trainer does not use these yet: `require_trainer_support` refuses a world size above 1.
 With one process and no torchrun nothing here initialises `torch.distributed`
@@ -387,3 +389,43 @@ def all_reduce_gradients(ctx: DistContext, params) -> None:
             n = p.grad.numel()
             p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
             offset += n
+
+
+def micro_batch_count(ctx: DistContext, n: int) -> int:
+    """The number of micro-batches every rank runs in a mini-batch: the largest rank's `n`.
+    FSDP's collectives run in each forward and backward, so a rank with fewer micro-batches
+    runs empty ones (loss mask all zero: no gradient) up to this count instead of waiting."""
+    return int(all_reduce(ctx, [n], "max")[0])
+
+
+def shard_for_data_parallel(ctx: DistContext, root: torch.nn.Module, layers) -> torch.nn.Module:
+    """FSDP2 (`torch.distributed.fsdp.fully_shard`) on each module of `layers` (the decoder
+    layers), then on `root`, the module whose forward computes the loss (its forward must
+    also run every use of the parameters outside `layers`, e.g. the fused loss's LM head, so
+    that they are gathered then). Gradients are summed over ranks, not averaged (divide
+    factor 1, plain SUM reductions, which gloo supports): each rank's loss is already
+    divided by the global count (`global_loss_denominator`). Returns `root`; the parameters
+    become DTensors sharded over the ranks (`p.full_tensor()` gathers one;
+    `torch.nn.utils.clip_grad_norm_` clips the global norm). One process: returned unchanged.
+    """
+    if not ctx.initialized:
+        return root
+    from torch.distributed.fsdp import fully_shard
+
+    mods = [fully_shard(m) for m in layers] + [fully_shard(root)]
+    for m in mods:
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    return root
+
+
+def full_state_dict(ctx: DistContext, model: torch.nn.Module) -> dict:
+    """The full (unsharded) state dict of `model` on the CPU, on rank 0 (the other ranks get
+    {}; every rank must call it: it gathers), from
+    `torch.distributed.checkpoint.state_dict.get_model_state_dict`, for rank 0 to write one
+    HF-format checkpoint. One process: `model.state_dict()` detached on the CPU."""
+    if not ctx.initialized:
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

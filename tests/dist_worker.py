@@ -7,7 +7,8 @@ fastpo.distributed computes to OUTDIR/rank<R>.json; "raise": rank 1 raises befor
 collective rank 0 waits in; "hang": rank 1 sleeps through it (rank 0's collective times out);
 "grads": each rank accumulates the fused policy loss's gradient of its trajectories of
 `grad_batch()` on `tiny_model()` with global denominators, all-reduces it and takes one
-clipped AdamW step (`data_parallel_step`), saving gradients and parameters to OUTDIR/grads_rank<R>.pt.
+clipped AdamW step (`data_parallel_step`), saving gradients and parameters to
+OUTDIR/grads_rank<R>.pt; "fsdp": the same with the model sharded by FSDP2.
 """
 import json
 import os
@@ -70,36 +71,61 @@ def grad_batch(model):
     return [0, 0, 1, 1, 2, 2], items
 
 
-def data_parallel_step(ctx, model, items, mine, loss_agg):
+class PolicyLoss(torch.nn.Module):
+    """The root module of the update: its forward runs the model's body and the fused policy
+    loss (LM head included), so FSDP gathers every parameter in it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, mask, old, adv, loss_agg, denom):
+        from fastpo.kernels import causal_lm_policy_loss
+
+        return causal_lm_policy_loss(self.model, ids, old, adv, mask, clip_low=0.2, clip_high=0.28,
+                                     entropy_coef=0.001, loss_agg=loss_agg, denominator=denom, impl="chunked").loss
+
+
+def data_parallel_step(ctx, model, items, mine, loss_agg, fsdp=False):
     """Gradient of trajectories `mine` (accumulated one per micro-batch, divided by the global
-    denominator), all-reduced over ranks; returns ({name: grad}, {name: param after one
+    denominator) summed over ranks: all-reduced (replicated parameters) or, fsdp=True,
+    reduce-scattered by FSDP2; returns ({name: full grad}, {name: full param after one
     clipped AdamW step})."""
     from fastpo import distributed as fd
-    from fastpo.kernels import causal_lm_policy_loss
 
     masks = [m[0] for _, m, _, _ in items]
     denom = fd.global_loss_denominator(ctx, loss_agg, masks, mine)
+    root = PolicyLoss(model)
+    if fsdp:
+        fd.shard_for_data_parallel(ctx, root, model.model.layers)
+        assert not ctx.initialized or all(hasattr(p, "full_tensor") for p in model.parameters()), "not sharded"
     model.zero_grad(set_to_none=True)
-    for i in mine:
-        ids, mask, old, adv = items[i]
-        out = causal_lm_policy_loss(model, ids, old, adv, mask, clip_low=0.2, clip_high=0.28, entropy_coef=0.001,
-                                    loss_agg=loss_agg, denominator=denom, impl="chunked")
-        out.loss.backward()
-    fd.all_reduce_gradients(ctx, model.parameters())
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for k in range(fd.micro_batch_count(ctx, len(mine)) if fsdp else len(mine)):
+        ids, mask, old, adv = items[mine[min(k, len(mine) - 1)]]
+        if k >= len(mine):
+            mask = torch.zeros_like(mask)  # an empty micro-batch (see fd.micro_batch_count)
+        root(ids, mask, old, adv, loss_agg, denom).backward()
+    if not fsdp:
+        fd.all_reduce_gradients(ctx, model.parameters())
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+    state = fd.full_state_dict(ctx, model)  # rank 0's checkpoint view
+    assert ctx.rank != 0 or all(torch.equal(state[n], params[n]) for n in params), "full state dict"
+    assert ctx.rank == 0 or state == {}
+    return grads, params
 
 
-def grads(out):
+def grads(out, fsdp=False):
     from fastpo import distributed as fd
 
     ctx = fd.init_from_env("cpu")
     group_ids, items = grad_batch(tiny_model())
     groups = fd.split_groups(3, ctx.world_size, ctx.rank)
     mine = [i for i, gid in enumerate(group_ids) if gid in groups]
-    res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg) for agg in LOSS_AGGS}
+    res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp) for agg in LOSS_AGGS}
     torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"grads_rank{ctx.rank}.pt"))
     fd.shutdown(ctx)
 
@@ -153,5 +179,5 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     case, outdir = sys.argv[1], sys.argv[2]
-    cases = {"checks": checks, "grads": grads}
+    cases = {"checks": checks, "grads": grads, "fsdp": lambda o: grads(o, fsdp=True)}
     record(cases.get(case) or (lambda o: failing(o, case == "hang")))(outdir)

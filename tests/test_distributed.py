@@ -186,13 +186,16 @@ def test_plain_torchrun_with_two_processes_is_refused_by_each_rank(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
-def test_two_process_gradient_and_update_equal_one_process(tmp_path):
+@pytest.mark.parametrize("case", ["grads", "fsdp"])
+def test_two_process_gradient_and_update_equal_one_process(tmp_path, case):
     """Data-parallel update pieces on a tiny random Llama: 2 ranks each hold whole env groups,
-    divide by the global denominator and all-reduce (sum) their gradients; the gradient
+    divide by the global denominator and sum their gradients (all-reduce with replicated
+    parameters, or FSDP2's reduce-scatter with sharded ones, 4 vs 2 micro-batches padded by
+    empty ones); the gradient
     equals the one-process gradient of the whole batch within 1e-5 relative (norm per
     parameter) and the parameters after one clipped AdamW step within 1e-5, for token-mean
     and seq-mean-token-mean."""
-    rc, out, _ = _torchrun(["tests/dist_worker.py", "grads", str(tmp_path)], tmp_path)
+    rc, out, _ = _torchrun(["tests/dist_worker.py", case, str(tmp_path)], tmp_path)
     assert rc == 0, out
     ranks = [torch.load(tmp_path / f"grads_rank{r}.pt") for r in range(2)]
     assert ranks[0]["trajectories"] == [0, 1, 2, 3] and ranks[1]["trajectories"] == [4, 5]
