@@ -429,3 +429,17 @@ def full_state_dict(ctx: DistContext, model: torch.nn.Module) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_hf_model(ctx: DistContext, model: torch.nn.Module, folder: str) -> str:
+    """Write one HF-format model folder (config + safetensors, loadable by
+    `AutoModelForCausalLM.from_pretrained`) from the full state dict, by rank 0 only; every
+    rank must call it (the state dict is gathered) and gets `folder` back once it is written.
+    model: a transformers PreTrainedModel, sharded by `shard_for_data_parallel` or not."""
+    state = full_state_dict(ctx, model)
+
+    def write() -> str:
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        return folder
+
+    return on_main(ctx, write)

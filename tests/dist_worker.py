@@ -86,7 +86,7 @@ class PolicyLoss(torch.nn.Module):
                                      entropy_coef=0.001, loss_agg=loss_agg, denominator=denom, impl="chunked").loss
 
 
-def data_parallel_step(ctx, model, items, mine, loss_agg, fsdp=False):
+def data_parallel_step(ctx, model, items, mine, loss_agg, fsdp=False, save_to=None):
     """Gradient of trajectories `mine` (accumulated one per micro-batch, divided by the global
     denominator) summed over ranks: all-reduced (replicated parameters) or, fsdp=True,
     reduce-scattered by FSDP2; returns ({name: full grad}, {name: full param after one
@@ -115,6 +115,8 @@ def data_parallel_step(ctx, model, items, mine, loss_agg, fsdp=False):
     state = fd.full_state_dict(ctx, model)  # rank 0's checkpoint view
     assert ctx.rank != 0 or all(torch.equal(state[n], params[n]) for n in params), "full state dict"
     assert ctx.rank == 0 or state == {}
+    if save_to is not None:
+        assert fd.save_hf_model(ctx, model, save_to) == save_to
     return grads, params
 
 
@@ -125,7 +127,8 @@ def grads(out, fsdp=False):
     group_ids, items = grad_batch(tiny_model())
     groups = fd.split_groups(3, ctx.world_size, ctx.rank)
     mine = [i for i, gid in enumerate(group_ids) if gid in groups]
-    res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp) for agg in LOSS_AGGS}
+    res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp,
+                                   save_to=os.path.join(out, f"model-{agg}")) for agg in LOSS_AGGS}
     torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"grads_rank{ctx.rank}.pt"))
     fd.shutdown(ctx)
 

@@ -194,7 +194,7 @@ def test_two_process_gradient_and_update_equal_one_process(tmp_path, case):
     empty ones); the gradient
     equals the one-process gradient of the whole batch within 1e-5 relative (norm per
     parameter) and the parameters after one clipped AdamW step within 1e-5, for token-mean
-    and seq-mean-token-mean."""
+    and seq-mean-token-mean; the HF folder rank 0 writes loads with those parameters."""
     rc, out, _ = _torchrun(["tests/dist_worker.py", case, str(tmp_path)], tmp_path)
     assert rc == 0, out
     ranks = [torch.load(tmp_path / f"grads_rank{r}.pt") for r in range(2)]
@@ -211,6 +211,12 @@ def test_two_process_gradient_and_update_equal_one_process(tmp_path, case):
                 assert err <= 1e-5, (agg, name, err)
                 perr = ((got_p[name] - want_p[name]).norm() / want_p[name].norm()).item()
                 assert perr <= 1e-5, (agg, name, perr)
+        # rank 0 wrote one HF folder from the full state dict: it loads, with the updated weights
+        from transformers import AutoModelForCausalLM
+
+        saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / f"model-{agg}").named_parameters())
+        for name, p in want_p.items():
+            assert ((saved[name].detach() - p).norm() / p.norm()).item() <= 1e-5, (agg, name)
         for name in want_g:  # both ranks hold the same gradient and parameters
             assert torch.equal(ranks[0]["res"][agg][0][name], ranks[1]["res"][agg][0][name])
             assert torch.equal(ranks[0]["res"][agg][1][name], ranks[1]["res"][agg][1][name])
