@@ -9,7 +9,9 @@ all-gathered per-group reward stds; global token/sequence counts for the loss no
 the gradient exchange of a data-parallel update, either DDP-equivalent
 (`all_reduce_gradients`: replicated parameters, summed gradients) or FSDP2
 (`shard_for_data_parallel`: sharded parameters, summed reduce-scatter, equal micro-batch
-counts per rank via `micro_batch_count`); rank 0's full state dict (`full_state_dict`).
+counts per rank via `micro_batch_count`); rank 0's full state dict (`full_state_dict`) and
+one HF-format folder written by rank 0 (`save_hf_model`); global metrics (`weighted_means`,
+`per_rank`).
 
 The trainer does not use these yet: `require_trainer_support` refuses a world size above 1.
 With one process and no torchrun nothing here initialises `torch.distributed`
@@ -443,3 +445,27 @@ def save_hf_model(ctx: DistContext, model: torch.nn.Module, folder: str) -> str:
         return folder
 
     return on_main(ctx, write)
+
+
+def weighted_means(ctx: DistContext, values: dict, weight: float) -> dict:
+    """Global metrics: each value's mean over ranks weighted by `weight` (this rank's share,
+    e.g. its trajectories or tokens): sum_r w_r x_r / sum_r w_r (0 where the weights sum to
+    0). Every rank must pass the same keys (sent in sorted order); raises DistributedError
+    when the key counts differ. One process: the values as floats."""
+    keys = sorted(values)
+    if not ctx.initialized:
+        return {k: float(values[k]) for k in keys}
+    lo, hi = all_reduce(ctx, [-len(keys), len(keys)], "max")
+    if -lo != hi:
+        raise DistributedError(f"ranks report different metrics ({int(-lo)} to {int(hi)} keys); every rank must "
+                               f"report the same ones")
+    sums = all_reduce(ctx, [float(weight)] + [float(weight) * float(values[k]) for k in keys], "sum")
+    total = sums[0]
+    return {k: (s / total if total else 0.0) for k, s in zip(keys, sums[1:])}
+
+
+def per_rank(ctx: DistContext, value: float) -> list[float]:
+    """One number from every rank, in rank order (e.g. each rank's peak memory or phase time)."""
+    if not ctx.initialized:
+        return [float(value)]
+    return [row[0] for row in _all_gather_rows(ctx, torch.tensor([[float(value)]], dtype=torch.float64)).tolist()]

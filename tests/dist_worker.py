@@ -161,6 +161,9 @@ def checks(out):
         return f"written by rank {ctx.rank}"
 
     res["on_main"] = fd.on_main(ctx, write)
+    # metrics: rank r reports x = r + 1 and y = 10 (r + 1) with weight len(mine)
+    res["means"] = fd.weighted_means(ctx, {"x": ctx.rank + 1, "y": 10.0 * (ctx.rank + 1)}, len(mine))
+    res["per_rank"] = fd.per_rank(ctx, 100 + ctx.rank)
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as fh:
         json.dump(res, fh)
     fd.shutdown(ctx)

@@ -93,6 +93,8 @@ def test_one_process_is_todays_path(monkeypatch):
         for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
             assert fd.global_loss_denominator(ctx, agg, masks, mini) == loss_denominator(agg, masks, mini)
     assert fd.on_main(ctx, lambda x: x + 1, 1) == 2
+    assert fd.weighted_means(ctx, {"b": 2, "a": 1}, 5) == {"a": 1.0, "b": 2.0}
+    assert fd.per_rank(ctx, 3) == [3.0]
 
 
 # --- two processes (torchrun, gloo) -------------------------------------------------------
@@ -124,6 +126,10 @@ def test_two_processes_match_one_process_on_the_global_batch(tmp_path):
                 assert r["denominators"][f"{m}:{agg}"] == loss_denominator(agg, masks, mini)
     assert [r["on_main"] for r in ranks] == ["written by rank 0"] * 2
     assert open(tmp_path / "main_writes.txt").read() == "rank 0\n"  # written once, by rank 0
+    n0, n1 = (len(r["trajectories"]) for r in ranks)
+    for r in ranks:
+        assert r["means"] == pytest.approx({"x": (n0 + 2 * n1) / (n0 + n1), "y": 10 * (n0 + 2 * n1) / (n0 + n1)})
+        assert r["per_rank"] == [100.0, 101.0]
 
 
 @pytest.mark.parametrize("case", ["raise", "hang"])
