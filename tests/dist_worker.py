@@ -8,7 +8,7 @@ collective rank 0 waits in; "hang": rank 1 sleeps through it (rank 0's collectiv
 "grads": each rank accumulates the fused policy loss's gradient of its trajectories of
 `grad_batch()` on `tiny_model()` with global denominators, all-reduces it and takes one
 clipped AdamW step (`data_parallel_step`), saving gradients and parameters to
-OUTDIR/grads_rank<R>.pt; "fsdp": the same with the model sharded by FSDP2.
+OUTDIR/grads_rank<R>.pt, then the same with the model sharded by FSDP2 (OUTDIR/fsdp_rank<R>.pt).
 """
 import json
 import os
@@ -120,16 +120,17 @@ def data_parallel_step(ctx, model, items, mine, loss_agg, fsdp=False, save_to=No
     return grads, params
 
 
-def grads(out, fsdp=False):
+def grads(out):
     from fastpo import distributed as fd
 
     ctx = fd.init_from_env("cpu")
     group_ids, items = grad_batch(tiny_model())
     groups = fd.split_groups(3, ctx.world_size, ctx.rank)
     mine = [i for i, gid in enumerate(group_ids) if gid in groups]
-    res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp,
-                                   save_to=os.path.join(out, f"model-{agg}")) for agg in LOSS_AGGS}
-    torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"grads_rank{ctx.rank}.pt"))
+    for name, fsdp in (("grads", False), ("fsdp", True)):
+        res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp,
+                                       save_to=os.path.join(out, f"{name}-model-{agg}")) for agg in LOSS_AGGS}
+        torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"{name}_rank{ctx.rank}.pt"))
     fd.shutdown(ctx)
 
 
@@ -185,5 +186,5 @@ if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     case, outdir = sys.argv[1], sys.argv[2]
-    cases = {"checks": checks, "grads": grads, "fsdp": lambda o: grads(o, fsdp=True)}
+    cases = {"checks": checks, "grads": grads}
     record(cases.get(case) or (lambda o: failing(o, case == "hang")))(outdir)

@@ -192,8 +192,17 @@ def test_plain_torchrun_with_two_processes_is_refused_by_each_rank(tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.fixture(scope="module")
+def grad_run(tmp_path_factory):
+    """One 2-process run of dist_worker's "grads" case (both exchanges): its folder."""
+    out = tmp_path_factory.mktemp("grads")
+    rc, log, _ = _torchrun(["tests/dist_worker.py", "grads", str(out)], out)
+    assert rc == 0, log
+    return out
+
+
 @pytest.mark.parametrize("case", ["grads", "fsdp"])
-def test_two_process_gradient_and_update_equal_one_process(tmp_path, case):
+def test_two_process_gradient_and_update_equal_one_process(grad_run, case):
     """Data-parallel update pieces on a tiny random Llama: 2 ranks each hold whole env groups,
     divide by the global denominator and sum their gradients (all-reduce with replicated
     parameters, or FSDP2's reduce-scatter with sharded ones, 4 vs 2 micro-batches padded by
@@ -201,9 +210,7 @@ def test_two_process_gradient_and_update_equal_one_process(tmp_path, case):
     equals the one-process gradient of the whole batch within 1e-5 relative (norm per
     parameter) and the parameters after one clipped AdamW step within 1e-5, for token-mean
     and seq-mean-token-mean; the HF folder rank 0 writes loads with those parameters."""
-    rc, out, _ = _torchrun(["tests/dist_worker.py", case, str(tmp_path)], tmp_path)
-    assert rc == 0, out
-    ranks = [torch.load(tmp_path / f"grads_rank{r}.pt") for r in range(2)]
+    ranks = [torch.load(grad_run / f"{case}_rank{r}.pt") for r in range(2)]
     assert ranks[0]["trajectories"] == [0, 1, 2, 3] and ranks[1]["trajectories"] == [4, 5]
     group_ids, items = dist_worker.grad_batch(dist_worker.tiny_model())
     for agg in dist_worker.LOSS_AGGS:
@@ -220,7 +227,7 @@ def test_two_process_gradient_and_update_equal_one_process(tmp_path, case):
         # rank 0 wrote one HF folder from the full state dict: it loads, with the updated weights
         from transformers import AutoModelForCausalLM
 
-        saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / f"model-{agg}").named_parameters())
+        saved = dict(AutoModelForCausalLM.from_pretrained(grad_run / f"{case}-model-{agg}").named_parameters())
         for name, p in want_p.items():
             assert ((saved[name].detach() - p).norm() / p.norm()).item() <= 1e-5, (agg, name)
         for name in want_g:  # both ranks hold the same gradient and parameters
