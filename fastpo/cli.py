@@ -1,7 +1,7 @@
 """The `fastpo` command line: `fastpo train` and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
-                 [--out DIR [--overwrite]] [--resume DIR [--iterations N]] [section.key=value ...]
+                 [--out DIR [--overwrite]] [--resume DIR [--iterations N]] [--nproc N] [section.key=value ...]
     fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T]
 
 The configuration (defaults, presets, file, dotted overrides) is validated before any model
@@ -13,6 +13,12 @@ A new run never destroys an old one: without --out, a folder that already holds 
 replaced by the first free `runs/<env>-2`, `-3`, ...; a named --out holding a run is refused
 unless --overwrite, and so is a folder another fastpo process is writing (naming its pid).
 On --resume only --iterations, --device and non-env/model overrides apply.
+
+`python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
+(`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`);
+--nproc 1 (the default) is the one-process path. Data-parallel training is not wired into the
+trainer yet, so N > 1 (and `torchrun --nproc_per_node N -m fastpo train` with N > 1) is
+refused with exit status 2 before anything starts (fastpo.distributed.require_trainer_support).
 
 Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
 full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
@@ -224,6 +230,29 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def _check_processes(args, argv: list[str]) -> int | None:
+    """`--nproc` and torchrun: None to go on in this process, else the exit status (2 for bad
+    input). --nproc N > 1 replaces this process by torchrun (`os.execv`: torchrun gets the
+    signals and gives the exit status) once the trainer supports it."""
+    from fastpo import distributed as fdist
+
+    try:
+        if args.command == "train" and args.nproc is not None:
+            fdist.check_nproc(args.nproc, args.device)
+        where = fdist.torchrun_env()
+        world = where[1] if where is not None else (getattr(args, "nproc", None) or 1)
+        if args.command == "eval" and world > 1:
+            raise fdist.DistributedError(f"fastpo eval runs in one process, not {world}")
+        fdist.require_trainer_support(world)
+    except fdist.DistributedError as e:
+        print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "train" and (args.nproc or 1) > 1:  # once the trainer takes N > 1: become torchrun
+        cmd = fdist.torchrun_command(args.nproc, fdist.strip_nproc(argv))
+        os.execv(cmd[0], cmd)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -234,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="delete the run already in --out (without it such a folder is refused)")
     tr.add_argument("--iterations", type=int, default=None)
     tr.add_argument("--resume", default=None, metavar="OUT", help="continue the run in folder OUT from its latest checkpoint")
+    tr.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="processes, one per GPU (CPU processes with gloo under --device cpu), run by torchrun; "
+                         "1 (default): one process. N > 1 is refused for now: data-parallel training is not "
+                         "wired into the trainer yet")
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
     _add_common(ev)
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
@@ -242,7 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--samples", default=None, help="folder to write sample trajectories to")
     ev.add_argument("--json", default=None, metavar="PATH",
                     help="write the metrics, the model's label and the settings used to PATH as JSON")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    status = _check_processes(args, argv)
+    if status is not None:
+        return status
     if args.command == "train":
         return cmd_train(args)
     return cmd_eval(args)

@@ -32,6 +32,8 @@ with these after a CUDA out-of-memory error.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import time
 
@@ -259,7 +261,32 @@ def _alloc(shape, dtype: torch.dtype, device, zero: bool = False) -> torch.Tenso
     return (torch.zeros if zero else torch.empty)(shape, dtype=dtype, device=device)
 
 
+def launch_device(t: torch.Tensor):
+    """A context manager under which Triton launches run on `t`'s GPU.
+
+    Triton launches on the current CUDA device (`torch.cuda.current_device()`), not on the
+    device of the tensors passed: with tensors on cuda:1 and cuda:0 current (no
+    `torch.cuda.set_device`, as in a process that drives two GPUs) a kernel would run on
+    GPU 0 with GPU 1's addresses. Off CUDA (CPU tensors under TRITON_INTERPRET) a no-op.
+    """
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
+
+
+def _on_tensor_device(fn):
+    """Run `fn(hidden, ...)` with every launch inside under `launch_device(hidden)`."""
+    @functools.wraps(fn)
+    def run(hidden, *args, **kwargs):
+        with launch_device(hidden):
+            return fn(hidden, *args, **kwargs)
+    return run
+
+
 def _check(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    if hidden.device != weight.device:
+        raise ValueError(f"the Triton path needs hidden and weight on one device, got {hidden.device} and "
+                         f"{weight.device}")
     if hidden.dtype == torch.float64 or weight.dtype == torch.float64:
         raise TypeError("the Triton path takes bf16/fp16/fp32 inputs, got float64 (use impl='chunked')")
     if hidden.dtype != weight.dtype:
@@ -267,6 +294,7 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 @torch.no_grad()
+@_on_tensor_device
 def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                  max_rows: int | None = None, tuned: bool | None = None):
     """(logprob [N], entropy [N], lse [N]) fp32 of softmax(hidden @ weight.T / T); no logits held.
@@ -275,7 +303,7 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     max_rows: launch over row chunks of at most this many rows (rounded up to whole row
     blocks, at least one), for less memory ([4, V / 2048, rows] fp32 partial sums per chunk);
     every row keeps its place in its row block, so the results are bitwise those of one
-    launch. tuned: autotune (default AUTOTUNE).
+    launch. tuned: autotune (default AUTOTUNE). Launched on hidden's device (`launch_device`).
     """
     _check(hidden, weight)
     n, d = hidden.shape
@@ -336,6 +364,7 @@ def slice_columns(n: int, v: int, block_v: int, itemsize: int, chunk_bytes: int 
 
 
 @torch.no_grad()
+@_on_tensor_device
 def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature: float = 1.0,
                  need_hidden: bool = True, need_weight: bool = True, chunk_bytes: int | None = None,
                  tuned: bool | None = None):
@@ -344,7 +373,8 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
     lse, entropy [N] fp32 from `triton_stats`; g_lp, g_ent [N] upstream gradients of
     log-prob and entropy. The vocabulary is processed in slices whose [N, slice] dlogits
     buffer fits `chunk_bytes` (default: see `slice_columns`). tuned: autotune (default
-    AUTOTUNE). Raises torch.OutOfMemoryError as is (see `chunked.mm_f32`).
+    AUTOTUNE). Launched on hidden's device (`launch_device`). Raises torch.OutOfMemoryError
+    as is (see `chunked.mm_f32`); ValueError for hidden and weight on different devices.
     """
     _check(hidden, weight)
     n, d = hidden.shape

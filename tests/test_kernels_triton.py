@@ -754,3 +754,88 @@ def test_gpu_autotune_off_matches_reference(monkeypatch):
     with torch.no_grad():  # one fixed configuration: batch composition changes nothing either
         lp_sub, _ = linear_logprob_entropy(case[0][300:1000], case[1], case[2][300:1000], 0.5, impl="triton")
     assert torch.equal(res[0].logprob[300:1000], lp_sub)
+
+
+# --- launches under the tensors' device (issue 14) ---------------------------------------
+
+def test_launch_device_enters_the_tensors_cuda_device(monkeypatch):
+    """A tensor on cuda:1 makes `launch_device` enter torch.cuda.device(cuda:1) (a fake
+    torch.cuda.device records it, so this runs without a second GPU); CPU tensors get no guard."""
+    from fastpo.kernels import _triton
+
+    entered = []
+
+    class FakeCudaDevice:
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def __enter__(self):
+            entered.append(("enter", self.device))
+
+        def __exit__(self, *exc):
+            entered.append(("exit", self.device))
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", FakeCudaDevice)
+
+    class FakeTensor:
+        device = torch.device("cuda", 1)
+
+    with _triton.launch_device(FakeTensor()):
+        assert entered == [("enter", torch.device("cuda", 1))]
+    assert entered[-1] == ("exit", torch.device("cuda", 1))
+    entered.clear()
+    with _triton.launch_device(torch.zeros(1)):
+        pass
+    assert entered == []
+
+
+def test_every_kernel_launch_runs_under_the_hidden_states_device(monkeypatch):
+    """triton_stats and triton_grads launch every kernel inside launch_device(hidden)."""
+    from fastpo.kernels import _triton
+
+    active, launches, guarded = [], [], []
+    real_guard = _triton.launch_device
+
+    class Guard:
+        def __init__(self, t):
+            self.t = t
+
+        def __enter__(self):
+            guarded.append(self.t.device)
+            active.append(self.t.device)
+            return real_guard(self.t).__enter__()
+
+        def __exit__(self, *exc):
+            active.pop()
+            return False
+
+    class Spy:  # kernel[grid](...) records the device guard active at the launch
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                launches.append(list(active))
+                return self.kernel[grid](*a, **k)
+            return launch
+
+    real_kernel = _triton._kernel
+    monkeypatch.setattr(_triton, "launch_device", Guard)
+    monkeypatch.setattr(_triton, "_kernel", lambda *a, **k: Spy(real_kernel(*a, **k)))
+    monkeypatch.setattr(_triton, "_combine_kernel", Spy(_triton._combine_kernel))
+    hidden, weight, targets = _data(24, 32, 300, torch.float32)
+    lp, ent, lse = _triton.triton_stats(hidden, weight, targets, 0.7, max_rows=16, tuned=False)
+    g = torch.ones_like(lp)
+    _triton.triton_grads(hidden, weight, targets, lse, ent, g, g, 0.7, chunk_bytes=24 * 4 * 128, tuned=False)
+    assert len(launches) >= 6  # 2 row chunks x (forward + combine), 2+ vocabulary slices
+    assert all(stack == [hidden.device] for stack in launches), launches
+    assert guarded == [hidden.device, hidden.device] and active == []
+
+
+def test_triton_path_refuses_tensors_on_two_devices():
+    from fastpo.kernels import _triton
+
+    hidden, weight, targets = _data(4, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="one device.*meta"):
+        _triton.triton_stats(hidden, weight.to("meta"), targets, tuned=False)
