@@ -325,7 +325,59 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
         written.append(path)
     if keys is None and any(_is_number(r.get("collapse/mi_estimate")) for r in records):
         written.append(plot_collapse(records, os.path.join(out_dir, "collapse.png"), model_label))
+    if keys is None and any(_is_number(r.get("eval/success_rate")) for r in records):
+        written.append(plot_eval(records, os.path.join(out_dir, "eval.png"), model_label))
     return written
+
+
+def plot_eval(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
+    """The evaluations of a run in one figure (matplotlib, Agg), written to `path`: eval
+    success with the random and the optimal policy's success on the same seeds as dashed
+    lines, the format-valid rate (1 - format-penalty rate) and the score mean; each eval point
+    with +-1 standard error bars where logged (`eval/<name>_se`), the train batch's value per
+    iteration as a thin line. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    def pts(key):
+        return [(r["iteration"], r[key], r.get(f"{key}_se")) for r in records if _is_number(r.get(key))]
+
+    def last(key):
+        vals = [r[key] for r in records if _is_number(r.get(key))]
+        return vals[-1] if vals else None
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), dpi=100)
+    panels = (("success rate", "eval/success_rate", "train/success_rate"),
+              ("format-valid rate", "eval/format_valid", "train/format_valid"),
+              ("score mean", "eval/score_mean", "train/score_mean"))
+    for ax, (title, ekey, tkey) in zip(axes, panels):
+        tr = pts(tkey)
+        if tr:
+            ax.plot([p[0] for p in tr], [p[1] for p in tr], "-", color="0.6", lw=1, label="train batch")
+        ev = pts(ekey)
+        if ev:
+            err = [p[2] if _is_number(p[2]) else 0.0 for p in ev]
+            ax.errorbar([p[0] for p in ev], [p[1] for p in ev], yerr=err, fmt="-o", ms=4, capsize=3, color="C0",
+                        label="eval (+-1 SE)")
+        if ekey == "eval/success_rate":
+            for key, label, color in (("eval/optimal_success", "optimal policy", "C2"),
+                                      ("eval/random_success", "random policy", "C3")):
+                v = last(key)
+                if v is not None:
+                    ax.axhline(v, ls="--", lw=1.2, color=color, label=f"{label} ({v:.2f})")
+        ax.set_xlabel("iteration")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5)
+    if model_label:
+        fig.suptitle(model_label, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
@@ -391,6 +443,7 @@ SUMMARY_KEYS = [
     ("train/success_rate", "train success rate"),
     ("eval/success_rate", "eval success rate"),
     ("train/score_mean", "train score mean"),
+    ("train/format_valid", "train format-valid rate"),
     ("train/in_group_reward_std", "in-group reward std"),
     ("train/rollout_entropy", "rollout entropy (nats)"),
     ("train/response_length", "response length (tokens)"),
@@ -417,6 +470,65 @@ def summary_table(records: list[dict], title: str = "fastpo run summary"):
     return table
 
 
+#: Rows of the end-of-run before/after table: (metric, label, has a standard error).
+BEFORE_AFTER_KEYS = [
+    ("eval/success_rate", "eval success rate", True),
+    ("eval/random_success", "  random policy, same seeds", False),
+    ("eval/optimal_success", "  optimal policy, same seeds", False),
+    ("eval/format_valid", "eval format-valid rate", True),
+    ("eval/score_mean", "eval score mean", True),
+]
+
+
+def before_after(records: list[dict]) -> Optional[dict]:
+    """The first and the last evaluation of a run, compared: None with fewer than two
+    evaluations, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
+    "before", "after", "before_se", "after_se", "change", "z"}]} where z = change /
+    sqrt(before_se^2 + after_se^2), the change in standard errors of the difference of two
+    independent means (None where a standard error is missing or both are 0)."""
+    evals = [r for r in records if _is_number(r.get("eval/success_rate"))]
+    if len(evals) < 2:
+        return None
+    a, b = evals[0], evals[-1]
+    rows = []
+    for key, label, has_se in BEFORE_AFTER_KEYS:
+        if not (_is_number(a.get(key)) and _is_number(b.get(key))):
+            continue
+        row = {"key": key, "label": label, "before": float(a[key]), "after": float(b[key]),
+               "before_se": None, "after_se": None, "change": float(b[key]) - float(a[key]), "z": None}
+        if has_se and _is_number(a.get(f"{key}_se")) and _is_number(b.get(f"{key}_se")):
+            row["before_se"], row["after_se"] = float(a[f"{key}_se"]), float(b[f"{key}_se"])
+            se = math.hypot(row["before_se"], row["after_se"])
+            row["z"] = row["change"] / se if se > 0 else None
+        rows.append(row)
+    return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
+
+
+def before_after_table(records: list[dict], title: str = "evaluation before and after training"):
+    """A rich Table of `before_after(records)` (None with fewer than two evaluations): value
+    +- standard error before and after, the change, and the change in standard errors."""
+    from rich.table import Table
+
+    ba = before_after(records)
+    if ba is None:
+        return None
+    n = next((r.get("eval/num_seeds") for r in records if _is_number(r.get("eval/num_seeds"))), None)
+    caption = ("change / SE: the change over sqrt(SE_before^2 + SE_after^2); above 2: higher beyond two "
+               "standard errors" + (f"; {int(n)} fixed eval seeds" if n else ""))
+    table = Table(title=title, caption=caption)
+    for col in ("metric", f"before (iteration {ba['before']})", f"after (iteration {ba['after']})", "change",
+                "change / SE"):
+        table.add_column(col)
+
+    def fmt(v, se):
+        return f"{v:.3f}" + (f" +- {se:.3f}" if se is not None else "")
+
+    for row in ba["rows"]:
+        table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
+                      f"{row['change']:+.3f}", f"{row['z']:+.1f}" if row["z"] is not None else "")
+    return table
+
+
 def rollout_metrics(batch, prefix: str = "train") -> dict:
     """Scalars describing a TrajectoryBatch: success rate, score mean/std, in-group reward std,
     response length (model tokens per trajectory), tokens per trajectory, turns, format-penalty
@@ -438,7 +550,8 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
     fp = batch.format_penalty
     turns = batch.num_turns.clamp_min(1).float()
     out[f"{prefix}/format_penalty_rate"] = float(((fp != 0).float().sum(dim=1) / turns).mean())
-    mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate"}
+    out[f"{prefix}/format_valid"] = 1.0 - out[f"{prefix}/format_penalty_rate"]
+    mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate", "format_valid"}
     for k, v in (batch.metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in mine:
             # the engine's response_length is per turn; ours (above) is per trajectory

@@ -50,8 +50,8 @@ from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_w
                                search_checkpoints, set_rng_state, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
 from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds
-from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table,
-                            write_samples)
+from fastpo.metrics import (EchoTrapDetector, MetricsLogger, before_after_table, plot_curves, rollout_metrics,
+                            summary_table, write_samples)
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
                             use_segment_attention)
 
@@ -1192,6 +1192,9 @@ class Trainer:
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
+        ba = before_after_table(self.logger.records)
+        if ba is not None:
+            self.console.print(ba)
         self.console.print(f"outputs in {self.out}/: metrics.jsonl, plots/, samples/, checkpoints/")
         return self.logger.records
 

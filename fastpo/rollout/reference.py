@@ -24,7 +24,7 @@ from fastpo.config import RolloutConfig
 from .batch import TrajectoryBatch
 from .multiturn import TurnCounters, end_reason, env_turn
 from .parsing import cut_at_stop
-from .prompts import ChatFormat, first_user_message, next_user_message
+from .prompts import ChatFormat, first_user_message, move_question, next_user_message
 
 
 class ReferenceRollout:
@@ -62,8 +62,13 @@ class ReferenceRollout:
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
         obs = env.reset(traj_seeds)
         instr = env.instructions()
+
+        def question(b: int) -> str:
+            return move_question(env.action_names(b), cfg.max_actions_per_turn) if cfg.prompt_examples else ""
+
         msgs = [self.chat.messages(first_user_message(instr[b], obs[b], cfg.max_actions_per_traj, cfg.max_actions_per_turn,
-                                                      cfg.think, cfg.max_new_tokens, env.action_names(b)))
+                                                      cfg.think, cfg.max_new_tokens, env.action_names(b),
+                                                      question=question(b)))
                 for b in range(B)]
         T = cfg.max_turns
         turn_rewards = np.zeros((B, T), dtype=np.float32)
@@ -136,7 +141,7 @@ class ReferenceRollout:
                         continue
                     msgs[b].append({"role": "user", "content": next_user_message(
                         turn + 2, float(turn_rewards[b, turn]), obs_now[b], int(actions_left[b]), cfg.think,
-                        cfg.max_new_tokens, note=res.notes[b])})
+                        cfg.max_new_tokens, note=res.notes[b], question=question(b))})
                     nxt.append(b)
                 active = nxt
         finally:
