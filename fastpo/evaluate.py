@@ -56,7 +56,9 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     trajectories of the share of their turns without the format penalty), the standard errors
     "eval/success_rate_se", "eval/score_mean_se", "eval/format_valid_se" (sample std / sqrt(n)
     over the n = len(seeds) x group_size trajectories), "_batch": the first chunk's
-    TrajectoryBatch (for samples)}. Seeds run `chunk` at a time to bound memory.
+    TrajectoryBatch (for samples), "_per_trajectory": {"seed", "success_rate", "score_mean",
+    "format_valid"}: one list entry per trajectory, in seed order}. Seeds run `chunk` at a
+    time to bound memory.
     """
     if model is not None:
         model.eval()
@@ -64,6 +66,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     metrics_acc: dict[str, list] = {}
     first = None
     per_traj: dict[str, list] = {"success_rate": [], "score_mean": [], "format_valid": []}
+    traj_seeds: list = []
     for s in range(0, len(seeds), chunk):
         part = seeds[s:s + chunk]
         with torch.no_grad(), autocast():
@@ -76,6 +79,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
         per_traj["success_rate"] += ok.float().tolist()
         per_traj["score_mean"] += b.scores.float().tolist()
         per_traj["format_valid"] += format_valid_per_trajectory(b).tolist()
+        traj_seeds += [int(x) for x in b.seeds.tolist()]
         for g in torch.unique(b.group_ids).tolist():
             succ.append(ok[b.group_ids == g].tolist())
     res = {k: sum(v * w for v, w in vals) / sum(w for _, w in vals) for k, vals in metrics_acc.items()}
@@ -88,6 +92,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
         res[f"eval/pass@{n}"] = float(np.mean([pass_at_k(len(x), sum(x), n) for x in succ]))
     res["eval/num_seeds"] = len(seeds)
     res["_batch"] = first
+    res["_per_trajectory"] = {"seed": traj_seeds, **per_traj}
     return res
 
 
@@ -328,6 +333,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     res["eval/seconds"] = time.perf_counter() - t0
     res.update(success_bounds(cfg.env.name, cfg.env.options, seeds, eval_horizon(rcfg)))
     batch = res.pop("_batch")
+    res.pop("_per_trajectory")
     if samples_dir:
         it = info.iteration if info.iteration is not None else 0
         path = write_samples(samples_dir, it, batch.texts()[: max(1, t.num_samples)],

@@ -49,7 +49,7 @@ from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_w
                                clear_run_folder, load_state, rng_state, run_folder_in_use, save_checkpoint,
                                search_checkpoints, set_rng_state, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
-from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds
+from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds, write_json
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, before_after_table, plot_curves, rollout_metrics,
                             summary_table, write_samples)
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
@@ -817,6 +817,8 @@ class Trainer:
                 self._success_bounds = {}
         res.update(self._success_bounds)
         batch = res.pop("_batch")
+        # per-trajectory outcomes, for the paired before/after comparison (metrics.before_after)
+        write_json(os.path.join(self.out, "eval", f"iter_{it:06d}.json"), res.pop("_per_trajectory"))
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
                              f"(temperature {t.eval_temperature}, {len(seeds)} seeds)",
@@ -1192,7 +1194,7 @@ class Trainer:
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
-        ba = before_after_table(self.logger.records)
+        ba = before_after_table(self.logger.records, run_dir=self.out)
         if ba is not None:
             self.console.print(ba)
         self.console.print(f"outputs in {self.out}/: metrics.jsonl, plots/, samples/, checkpoints/")

@@ -85,3 +85,23 @@ def test_prompt_examples_is_answer_only():
         load_config(env="frozenlake", preset="paper", overrides=["rollout.prompt_examples=true"])
     c = load_config(env="frozenlake", preset="paper", overrides=["rollout.prompt_examples=true", "rollout.think=false"])
     assert c.rollout.prompt_examples and not c.rollout.think
+
+
+def test_before_after_pairs_by_seed_when_the_outcomes_are_there(tmp_path):
+    import json
+
+    (tmp_path / "eval").mkdir()
+    before = {"seed": [1, 2, 3, 4], "success_rate": [0, 0, 1, 0], "score_mean": [-0.1, 0, 1, 0],
+              "format_valid": [0.5, 1, 1, 1]}
+    after = {"seed": [1, 2, 3, 4], "success_rate": [1, 0, 1, 1], "score_mean": [1, 0, 1, 1],
+             "format_valid": [1, 1, 1, 1]}
+    (tmp_path / "eval" / "iter_000000.json").write_text(json.dumps(before))
+    (tmp_path / "eval" / "iter_000002.json").write_text(json.dumps(after))
+    rows = {r["key"]: r for r in before_after(_records(), run_dir=str(tmp_path))["rows"]}
+    d = np.array([1, 0, 0, 1.0])
+    assert rows["eval/success_rate"]["z_paired"] == pytest.approx(d.mean() / (d.std(ddof=1) / 2))
+    assert rows["eval/random_success"]["z_paired"] is None
+    after["seed"] = [1, 2, 3, 5]  # other seeds: no pairing
+    (tmp_path / "eval" / "iter_000002.json").write_text(json.dumps(after))
+    assert all(r["z_paired"] is None for r in before_after(_records(), run_dir=str(tmp_path))["rows"])
+    assert before_after_table(_records(), run_dir=str(tmp_path)).row_count == 5
