@@ -358,12 +358,15 @@ ENV_PRESETS: dict[str, dict] = {
 #: frozenlake` on 2 cores in under 10 minutes.
 PRESETS: dict[str, dict] = {
     "paper": {},
+    # measured choices: README "The CPU preset" (answer-only with answer examples, Dr.GRPO, 64 eval
+    # seeds before and after)
     "cpu": {
-        "rollout": {"env_groups": 2, "group_size": 4, "max_turns": 3, "max_new_tokens": 48, "max_context": 1536},
-        "algorithm": {"filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 8, "micro_token_budget": 2048},
-        "trainer": {"iterations": 3, "eval_every": 3, "eval_seeds": 8, "save_every": 3, "num_samples": 2,
-                    "echo_trap_window": 1},
+        "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 3, "max_new_tokens": 16, "max_context": 1536,
+                    "think": False, "prompt_examples": True, "temperature": 0.7},
+        "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},
+        "optim": {"actor_lr": 2e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},
+        "trainer": {"iterations": 8, "eval_every": 8, "eval_seeds": 64, "eval_before_training": True, "save_every": 8,
+                    "num_samples": 2, "echo_trap_window": 1},
     },
     # StarPO (no -S): KL 0.001 (k1) to a frozen reference, on the reward with PPO and in the loss
     # with GRPO (kl_in_reward null), symmetric clipping, no filtering: RAGEN's train_all.sh
@@ -387,12 +390,15 @@ def cpu_preset_note(cfg: "TrainConfig") -> str:
     filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
     critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
         if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
+    prompt = "think prompt" if r.think else ("answer-only prompt with answer examples" if r.prompt_examples
+                                              else "answer-only prompt")
+    evals = f"eval on {t.eval_seeds} seeds" + (" before and after training" if t.eval_before_training else "")
     return (
         "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
         "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
         f"-> this run: {r.env_groups} groups x {r.group_size} trajectories, {r.max_turns} turn{'s' if r.max_turns != 1 else ''}, "
-        f"{r.max_new_tokens} new tokens/turn, {t.iterations} iterations, {filt}, {critic}, actor lr {o.actor_lr:g}, "
-        f"eval on {t.eval_seeds} seeds. For the paper's scale use `--preset paper` on a GPU "
+        f"{r.max_new_tokens} new tokens/turn, {prompt}, temperature {r.temperature:g}, {t.iterations} iterations, "
+        f"{filt}, {critic}, actor lr {o.actor_lr:g}, {evals}. For the paper's scale use `--preset paper` on a GPU "
         "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
     )
 
