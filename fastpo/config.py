@@ -89,10 +89,11 @@ class RolloutConfig:
     template's end-of-turn token is then appended, loss mask 0; RAGEN generates on to the
     end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
     (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
-    actions were invalid in the next user message. prompt_examples (answer-only mode only):
-    end every user message with a question and three answers in the exact format built from
-    the game's action names (prompts.move_question) instead of RAGEN's "<answer> [your
-    answer] </answer>" reminder (False); the CPU preset turns it on (README, "The CPU preset").
+    actions were invalid in the next user message. prompt_examples: in answer-only mode, end
+    every user message with a question and three answers in the exact format built from the
+    game's action names (prompts.move_question) instead of RAGEN's "<answer> [your answer]
+    </answer>" reminder (False; no effect with think=True, whose format it does not show);
+    the CPU preset turns it on (README, "The main job on 2 CPU cores").
     """
 
     max_turns: int = 5
@@ -122,9 +123,6 @@ class RolloutConfig:
             raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
         if self.format_rule not in ("ragen", "strict"):
             raise ValueError(f"RolloutConfig.format_rule must be 'ragen' or 'strict', got {self.format_rule!r}")
-        if self.prompt_examples and self.think:
-            raise ValueError("RolloutConfig.prompt_examples=True needs think=False (its examples are answer-only "
-                             "answers); set rollout.think=false or rollout.prompt_examples=false")
 
 
 @dataclass
@@ -568,9 +566,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     need(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 = off)")
     need(r.format_penalty <= 0, "rollout.format_penalty", r.format_penalty, "must be <= 0")
     need(0 < r.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction", r.sglang_mem_fraction, "must be in (0, 1)")
-    need(not (r.prompt_examples and r.think), "rollout.prompt_examples", r.prompt_examples,
-         "needs rollout.think=false (its examples are answer-only answers); with rollout.think=true "
-         "also set rollout.prompt_examples=false")
     need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
          "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
     need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")

@@ -205,9 +205,12 @@ class MultiTurnRollout:
                 for b in range(len(obs))]
 
     def _question(self, env, b: int) -> str:
-        """The closing question of trajectory b's user messages ("" without rollout.prompt_examples)."""
+        """The closing question of trajectory b's user messages ("" without rollout.prompt_examples
+        or in think mode)."""
         c = self.cfg
-        return move_question(env.action_names(b), c.max_actions_per_turn) if c.prompt_examples else ""
+        if not c.prompt_examples or c.think:
+            return ""
+        return move_question(env.action_names(b), c.max_actions_per_turn)
 
     def prompt_lengths(self, seeds) -> list:
         """Tokens of the first prompt (chat template, system and first user message, assistant

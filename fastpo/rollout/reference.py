@@ -64,7 +64,9 @@ class ReferenceRollout:
         instr = env.instructions()
 
         def question(b: int) -> str:
-            return move_question(env.action_names(b), cfg.max_actions_per_turn) if cfg.prompt_examples else ""
+            if not cfg.prompt_examples or cfg.think:
+                return ""
+            return move_question(env.action_names(b), cfg.max_actions_per_turn)
 
         msgs = [self.chat.messages(first_user_message(instr[b], obs[b], cfg.max_actions_per_traj, cfg.max_actions_per_turn,
                                                       cfg.think, cfg.max_new_tokens, env.action_names(b),
