@@ -362,7 +362,7 @@ PRESETS: dict[str, dict] = {
         "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 3, "max_new_tokens": 16, "max_context": 1536,
                     "think": False, "prompt_examples": True, "temperature": 0.7},
         "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 2e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},
+        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},
         "trainer": {"iterations": 8, "eval_every": 8, "eval_seeds": 64, "eval_before_training": True, "save_every": 8,
                     "num_samples": 2, "echo_trap_window": 1},
     },
