@@ -472,11 +472,11 @@ def summary_table(records: list[dict], title: str = "fastpo run summary"):
 
 #: Rows of the end-of-run before/after table: (metric, label, has a standard error).
 BEFORE_AFTER_KEYS = [
-    ("eval/success_rate", "eval success rate", True),
-    ("eval/random_success", "  random policy, same seeds", False),
-    ("eval/optimal_success", "  optimal policy, same seeds", False),
-    ("eval/format_valid", "eval format-valid rate", True),
-    ("eval/score_mean", "eval score mean", True),
+    ("eval/success_rate", "success", True),
+    ("eval/random_success", " random policy", False),
+    ("eval/optimal_success", " optimal policy", False),
+    ("eval/format_valid", "format-valid", True),
+    ("eval/score_mean", "score mean", True),
 ]
 
 
@@ -531,7 +531,7 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
     return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
 
 
-def before_after_table(records: list[dict], title: str = "evaluation before and after training",
+def before_after_table(records: list[dict], title: Optional[str] = None,
                        run_dir: Optional[str] = None):
     """A rich Table of `before_after(records, run_dir)` (None with fewer than two
     evaluations): value +- standard error before and after, the change, and the change in
@@ -542,12 +542,13 @@ def before_after_table(records: list[dict], title: str = "evaluation before and 
     if ba is None:
         return None
     n = next((r.get("eval/num_seeds") for r in records if _is_number(r.get("eval/num_seeds"))), None)
-    caption = ("change / SE: the change over sqrt(SE_before^2 + SE_after^2); paired: over the standard error of "
-               "the per-seed differences; above 2: higher by more than two standard errors"
-               + (f"; {int(n)} fixed eval seeds" if n else ""))
+    if title is None:
+        title = "eval before and after training" + (f" ({int(n)} fixed seeds, +- 1 SE)" if n else " (+- 1 SE)")
+    caption = ("z: the change over sqrt(SE_before^2 + SE_after^2); paired z: over the standard error of the "
+               "per-seed differences; above 2: higher by more than two standard errors. Random and optimal "
+               "policy: their success on the same seeds and action horizon")
     table = Table(title=title, caption=caption)
-    for col in ("metric", f"before (iteration {ba['before']})", f"after (iteration {ba['after']})", "change",
-                "change / SE", "paired"):
+    for col in ("eval", f"iter {ba['before']}", f"iter {ba['after']}", "change", "z", "paired z"):
         table.add_column(col)
 
     def fmt(v, se):
