@@ -326,7 +326,7 @@ def _trl_trainer(ctx: BenchContext, s: Sizes, fastpo_tr, folder: str, out: str, 
 def _trl_vs_fastpo(ctx: BenchContext, s: Sizes) -> list[Record]:
     from transformers import TrainerCallback
 
-    from fastpo.trainer import iteration_seeds
+    from fastpo.seeds import iteration_seeds
 
     warmup = 1
     timed = max(1, min(ctx.repeats, 2)) if len(ctx.parts) == 1 and not ctx.quick else 1

@@ -32,7 +32,7 @@ def _lengths(n: int, rng: np.random.Generator, prompt: int, per_turn: int, max_t
 
 
 def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
-    from fastpo.kernels import causal_lm_policy_loss, linear_policy_loss
+    from fastpo.kernels import causal_lm_policy_loss, decoder_body, linear_policy_loss, lm_head_weight
     from fastpo.models import load_model_and_tokenizer
     from fastpo.packing import (pack_micro_batch, packing_attention, pad_micro_batch, plan_micro_batches,
                                 shared_prefixes, use_segment_attention)
@@ -65,8 +65,8 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     real_tokens = sum(lengths)
     n_tok = sum(int(m[1:].sum()) for m in masks)
     prefix, groups = shared_prefixes(ids, masks) if attention == "segments" else (None, None)
-    weight = model.get_output_embeddings().weight
-    body = model.base_model
+    weight = lm_head_weight(model)
+    body = decoder_body(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if ctx.device == "cuda" else torch.autocast("cpu", enabled=False)
 
     computed: list[int] = []
@@ -82,7 +82,7 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
             with autocast:
                 h = body(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
                 z = torch.zeros(sc.count, device=dev)
-                out = linear_policy_loss(h[sc.hidden], weight, sc.targets, z - 1.0, z + 0.5,
+                out = linear_policy_loss(h[sc.rows], weight, sc.targets, z - 1.0, z + 0.5,
                                          torch.ones_like(z, dtype=torch.bool),
                                          clip_low=0.2, clip_high=0.28, entropy_coef=0.001, denominator=float(n_tok))
             out.loss.backward()

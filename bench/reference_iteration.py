@@ -32,7 +32,9 @@ import torch
 
 from fastpo import algorithms as alg
 from fastpo.envs_native import make_env as _batched_make_env
-from fastpo.trainer import Trainer, _body, _lm_head_weight
+from fastpo.kernels.hf import decoder_body, lm_head_weight
+from fastpo.seeds import mini_batch_generator_seed
+from fastpo.trainer import Trainer
 
 
 class PlainPythonEnv:
@@ -196,8 +198,8 @@ class ReferenceTrainer(Trainer):
 
     def _forward(self, x, att):
         """Hidden states [k, T, H] and the full materialized logits [k, T, V] (as HF's forward)."""
-        h = _body(self.model)(input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
-        return h, torch.nn.functional.linear(h, _lm_head_weight(self.model))
+        h = decoder_body(self.model)(input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
+        return h, torch.nn.functional.linear(h, lm_head_weight(self.model))
 
     @torch.no_grad()
     def compute_old(self, ids, masks):
@@ -236,7 +238,7 @@ class ReferenceTrainer(Trainer):
         from fastpo.kernels.reference import aggregation_weights, policy_loss_terms
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
-        g = torch.Generator().manual_seed(int(np.random.default_rng([cfg.trainer.seed, it, 104729]).integers(2**62)))
+        g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
         temp = cfg.rollout.temperature
 
         def shifted(per_traj, sel, T):  # [k, T-1]: the value for token t+1 at position t

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """fastpo's side-by-side benchmarks: one run, one table, one JSON.
 
-    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|peers|all|collapse] [--quick]
+    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|peers|all|collapse|window] [--quick]
                                [--device cpu|cuda] [--model NAME] [--json PATH]
 
 Each part lives in bench/part_<name>.py and exposes `run(ctx) -> list[Record]`; a part that
@@ -25,7 +25,7 @@ from _common import BenchContext, PartSkipped, Record, fix_malloc_threshold  # n
 
 PARTS = ["envs", "kernels", "rollout", "train", "e2e", "peers"]
 # measured on their own (--part NAME), not in "all"
-EXTRA_PARTS = ["collapse"]
+EXTRA_PARTS = ["collapse", "window"]
 
 
 def machine_header(ctx: BenchContext) -> dict:
@@ -151,13 +151,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_json(path: str, header: dict, args: dict, records: list[Record], errors: dict, seconds: dict,
                skipped: dict | None = None) -> None:
-    """Write the run so far to `path` atomically (a reader never sees half a file)."""
+    """Write the run so far to `path` atomically (a reader never sees half a file; fastpo's
+    `atomic_write_text`)."""
+    from fastpo.checkpoint import atomic_write_text
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"machine": header, "args": args, "records": [r.to_dict() for r in records],
-                   "errors": errors, "part_seconds": seconds, "skipped": dict(skipped or {})}, f, indent=2)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"machine": header, "args": args, "records": [r.to_dict() for r in records],
+                                        "errors": errors, "part_seconds": seconds,
+                                        "skipped": dict(skipped or {})}, indent=2))
 
 
 if __name__ == "__main__":

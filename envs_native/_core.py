@@ -434,6 +434,7 @@ class BatchedTextEnv:
     """
 
     name = "base"
+    actions: tuple = ()  # action names in id order, where every instance has the same
 
     def __init__(self, batch_size: int):
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -451,7 +452,8 @@ class BatchedTextEnv:
         return self._B
 
     # -- subclasses implement these -----------------------------------------------------
-    def reset(self, seeds) -> list[str]:  # pragma: no cover - abstract
+    def _reset_kernel(self, seeds: np.ndarray) -> None:  # pragma: no cover - abstract
+        """Draw every instance's start state from `seeds` (uint64 [B], checked)."""
         raise NotImplementedError
 
     def render(self) -> list[str]:  # pragma: no cover - abstract
@@ -460,16 +462,45 @@ class BatchedTextEnv:
     def instructions(self) -> list[str]:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def action_names(self, i: int) -> list[str]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _name_table(self) -> tuple[NameTable, np.ndarray]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def action_names(self, i: int) -> list[str]:
+        """Action names of instance i, in id order (`actions`, the same for every instance,
+        unless a subclass names them per instance). Raises ValueError for an index outside [0, B)."""
+        self._check_index(i)
+        return list(self.actions)
 
     def _step_kernel(self, actions, active, out) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     # -- shared -------------------------------------------------------------------------
+    def reset(self, seeds) -> list[str]:
+        """Reset all B instances from B non-negative integer seeds; returns the B observation
+        texts (`render()`). The start states come from the subclass's `_reset_kernel`.
+
+        Raises TypeError for seeds that are not integers, ValueError for a count other than
+        B, a negative seed or one of 2**64 or more, and what `_reset_kernel` raises
+        (RuntimeError naming the seed where no instance can be built).
+        """
+        self._reset_kernel(seeds_to_array(seeds, self._B))
+        self.done[:] = False
+        self.success[:] = False
+        self.truncated[:] = False
+        self._was_reset = True
+        return self.render()
+
+    def _name_table(self) -> tuple[NameTable, np.ndarray]:
+        """(the action-name table, name id -> action id per instance [B, names]) for parsing."""
+        return self._table, self._name_action
+
+    def _grid_texts(self, fill) -> list[str]:
+        """The B grids as text: `fill(buf)` writes their code points into a uint32
+        [B, R * (C + 1) - 1] buffer (rows of self.size, newline-separated), kept between calls."""
+        self._require_reset()
+        if getattr(self, "_render_buf", None) is None:
+            R, C = self.size
+            self._render_buf = np.zeros((self._B, R * (C + 1) - 1), dtype=np.uint32)
+        fill(self._render_buf)
+        return codes_to_strings(self._render_buf)
+
     def _check_index(self, i) -> int:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self._B:
             raise ValueError(f"instance index must be in [0, {self._B}), got {i!r}")

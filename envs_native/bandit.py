@@ -14,8 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform, seed_list,
-                    seeds_to_array)
+from ._core import BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform, seed_list
 
 # (low-risk, high-risk) pairs. Training pairs and a held-out list for the generalization
 # test (the paper's Phoenix/Dragon style: the model must infer risk from the names).
@@ -141,13 +140,8 @@ class BanditEnv(BatchedTextEnv):
         lo, hi = self.pairs[self._pair[i]]
         return (hi, lo) if self._swapped[i] else (lo, hi)
 
-    def reset(self, seeds) -> list[str]:
-        """Reset all B instances from B non-negative integer seeds; returns the B situation texts.
-
-        Raises TypeError for seeds that are not integers, ValueError for a count other
-        than B, a negative seed or one of 2**64 or more.
-        """
-        s = seeds_to_array(seeds, self._B)
+    def _reset_kernel(self, s: np.ndarray) -> None:
+        """Each instance's arm pair and order from its seed; `reset` returns the situation texts."""
         _bandit_reset(s, len(self.pairs), self._rng, self._pair, self._swapped, self._obs)
         self._name_action[:] = -1
         rows = np.arange(self._B)
@@ -157,11 +151,6 @@ class BanditEnv(BatchedTextEnv):
         self._name_action[rows, hi] = 1 - self._swapped.astype(np.int64)
         self._chosen[:] = -1
         self._reward[:] = 0
-        self.done[:] = False
-        self.success[:] = False
-        self.truncated[:] = False
-        self._was_reset = True
-        return self.render()
 
     def render(self) -> list[str]:
         """Before the pull: which arms there are; after it: which arm was pulled and its reward.
@@ -218,9 +207,6 @@ class BanditEnv(BatchedTextEnv):
         Arguments and errors as `optimal_success`."""
         check_horizon(horizon)
         return np.full(seed_list(seeds).shape[0], 0.5)
-
-    def _name_table(self):
-        return self._table, self._name_action
 
     def _step_kernel(self, acts, active, out) -> None:
         _bandit_step(self._rng, self._swapped, self._chosen, self._obs, self._reward, self.done, self.success, acts,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, codes_to_strings, rng_below, rng_seed_all,
-                    rng_uniform, seed_list, seeds_to_array, symbol_table)
+from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform,
+                    seed_list, symbol_table)
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X",
@@ -315,6 +315,7 @@ class FrozenLakeEnv(BatchedTextEnv):
     """
 
     name = "frozenlake"
+    actions = ACTIONS  # Left, Down, Right, Up: gymnasium's ids
 
     def __init__(self, batch_size: int, size: int = 4, p: float = 0.8, is_slippery: bool = True,
                  success_prob: float = 1.0 / 3.0, desc=None, max_steps: int = 100, symbols: dict | None = None,
@@ -355,22 +356,13 @@ class FrozenLakeEnv(BatchedTextEnv):
         self._name_action = np.tile(np.arange(4, dtype=np.int64), (B, 1))
         self._render_buf = None  # allocated on first render
 
-    def reset(self, seeds) -> list[str]:
-        """Reset all B instances from B non-negative integer seeds; returns the B grid texts.
-
-        Raises TypeError for seeds that are not integers, ValueError for a count other
-        than B, a negative seed or one of 2**64 or more, and RuntimeError naming the seed
-        when no solvable map is found in 100,000 draws (only for tiny p on large maps).
-        """
-        s = seeds_to_array(seeds, self._B)
+    def _reset_kernel(self, s: np.ndarray) -> None:
+        """Each instance's map from its seed (`reset` returns the grid texts). Raises
+        RuntimeError naming the seed when no solvable map is found in 100,000 draws (only for
+        tiny p on large maps)."""
         bad = self._draw(s, self._maps, self._pos, self._start, self._rng, self._steps)
         if bad >= 0:
             raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
-        self.done[:] = False
-        self.success[:] = False
-        self.truncated[:] = False
-        self._was_reset = True
-        return self.render()
 
     def _draw(self, s, maps, pos, start, rng, steps) -> int:
         return _fl_reset(s, self.p, self._fixed, self._fixed_start, self.layout == "ragen", maps, pos, start, rng, steps)
@@ -415,12 +407,7 @@ class FrozenLakeEnv(BatchedTextEnv):
 
     def render(self) -> list[str]:
         """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
-        self._require_reset()
-        if self._render_buf is None:
-            R, C = self.size
-            self._render_buf = np.zeros((self._B, R * (C + 1) - 1), dtype=np.uint32)
-        _fl_render(self._maps, self._pos, self._sym, self._render_buf)
-        return codes_to_strings(self._render_buf)
+        return self._grid_texts(lambda buf: _fl_render(self._maps, self._pos, self._sym, buf))
 
     def instructions(self) -> list[str]:
         """The game description for the prompt (the same for every instance; needs no reset)."""
@@ -436,14 +423,6 @@ class FrozenLakeEnv(BatchedTextEnv):
             f"Valid actions: {', '.join(ACTIONS)}. Separate several actions with ' || '."
         )
         return [text] * self._B
-
-    def action_names(self, i: int) -> list[str]:
-        """Action names of instance i, in id order: Left, Down, Right, Up (gymnasium's ids)."""
-        self._check_index(i)
-        return list(ACTIONS)
-
-    def _name_table(self):
-        return self._table, self._name_action
 
     def _step_kernel(self, acts, active, out) -> None:
         _fl_step(self._maps, self._pos, self._rng, self._steps, self.done, self.success, self.truncated, acts, active,

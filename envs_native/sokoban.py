@@ -46,8 +46,8 @@ import re
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, codes_to_strings, rng_below, rng_seed_all,
-                    rng_uniform, seed_list, seeds_to_array, symbol_table)
+from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform,
+                    seed_list, symbol_table)
 
 ACTIONS = ("Up", "Down", "Left", "Right")
 DEFAULT_SYMBOLS = {"wall": "#", "floor": "_", "target": "O", "box": "X", "box_on_target": "√",
@@ -731,6 +731,7 @@ class SokobanEnv(BatchedTextEnv):
     """
 
     name = "sokoban"
+    actions = ACTIONS  # Up, Down, Left, Right
 
     def __init__(self, batch_size: int, size=6, num_boxes: int = 1, search_depth: int = 300, max_steps: int = 100,
                  num_gen_steps: int | None = None, p_change_directions: float = 0.35, max_states: int = 300_000,
@@ -810,14 +811,10 @@ class SokobanEnv(BatchedTextEnv):
         self._name_action = np.tile(np.arange(4, dtype=np.int64), (B, 1))
         self._render_buf = None  # allocated on first render
 
-    def reset(self, seeds) -> list[str]:
-        """Reset all B instances from B non-negative seeds (generate, or pick level s % n).
-
-        Returns the B grid texts. Raises TypeError for seeds that are not integers,
-        ValueError for a count other than B, a negative seed or one of 2**64 or more, and
-        RuntimeError naming the seed when generation finds no level in max_tries rooms.
-        """
-        s = seeds_to_array(seeds, self._B)
+    def _reset_kernel(self, s: np.ndarray) -> None:
+        """Each instance's level from its seed: generated, or level s % n of `levels` (`reset`
+        returns the grid texts). Raises RuntimeError naming the seed when generation finds no
+        level in max_tries rooms."""
         R, C = self.size
         if self.levels is None:
             nb = self.num_boxes
@@ -845,20 +842,11 @@ class SokobanEnv(BatchedTextEnv):
                 self._n_boxes[b] = lv.num_boxes
         self._n_on[:] = ((self._tiles == TARGET) & (self._boxes > 0)).sum(axis=(1, 2))
         self._steps[:] = 0
-        self.done[:] = False
-        self.success[:] = False
-        self.truncated[:] = False
-        self._was_reset = True
-        return self.render()
 
     def render(self) -> list[str]:
         """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
-        self._require_reset()
-        if self._render_buf is None:
-            R, C = self.size
-            self._render_buf = np.zeros((self._B, R * (C + 1) - 1), dtype=np.uint32)
-        _sokoban_render(self._tiles, self._boxes, self._player, self._rows, self._cols, self._sym, self._render_buf)
-        return codes_to_strings(self._render_buf)
+        return self._grid_texts(lambda buf: _sokoban_render(self._tiles, self._boxes, self._player, self._rows,
+                                                            self._cols, self._sym, buf))
 
     def instructions(self) -> list[str]:
         """The game description for the prompt (the same for every instance; needs no reset)."""
@@ -874,14 +862,6 @@ class SokobanEnv(BatchedTextEnv):
             f"Valid actions: {', '.join(ACTIONS)}. Separate several actions with ' || '."
         )
         return [text] * self._B
-
-    def action_names(self, i: int) -> list[str]:
-        """Action names of instance i, in id order: Up, Down, Left, Right."""
-        self._check_index(i)
-        return list(ACTIONS)
-
-    def _name_table(self):
-        return self._table, self._name_action
 
     def _step_kernel(self, acts, active, out) -> None:
         step, on, off, fin = self.rewards

@@ -311,6 +311,93 @@ def load_state(ckpt: str, optimizers: bool = True) -> tuple[dict, Optional[dict]
     return state, opt
 
 
+def load_checkpoint(ckpt: str, *, model: Optional[torch.nn.Module] = None,
+                    optimizers: Optional[dict[str, torch.optim.Optimizer]] = None,
+                    critic_backbone: Optional[torch.nn.Module] = None, value_head: Optional[torch.nn.Module] = None,
+                    rng: bool = False) -> dict:
+    """Restore into the given objects what `save_checkpoint` wrote into folder `ckpt` (the same
+    keywords); returns the loop's `state` dict (iteration, last_eval, ...).
+
+    model: a peft model gets its LoRA adapter (model/adapter/), any other the full weights of
+    model/ (a tied LM head, stored once, may be missing); optimizers: name -> optimizer, each
+    loaded from its saved state; critic_backbone: the weights of critic/; value_head:
+    critic/value_head.safetensors; rng: set the RNG states saved with it.
+    Raises FileNotFoundError naming a missing file, RuntimeError when the weights do not fit
+    the module (missing or unexpected keys).
+    """
+    from safetensors.torch import load_file
+
+    state, opts = load_state(ckpt, optimizers=bool(optimizers))
+    if model is not None:
+        if hasattr(model, "get_base_model"):  # peft: the base stays as loaded, the adapter is the trained part
+            adapter = os.path.join(ckpt, "model", "adapter", "adapter_model.safetensors")
+            if os.path.isfile(adapter):
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(model, load_file(adapter))
+        else:
+            _load_weights(model, os.path.join(ckpt, "model"))
+    for name, opt in (optimizers or {}).items():
+        opt.load_state_dict(opts[name])
+    if value_head is not None:
+        value_head.load_state_dict(load_file(os.path.join(ckpt, "critic", "value_head.safetensors")))
+    if critic_backbone is not None:
+        _load_weights(critic_backbone, os.path.join(ckpt, "critic"), body=True)
+    if rng:
+        set_rng_state(state["rng"])
+    return state
+
+
+def _load_weights(module: torch.nn.Module, folder: str, body: bool = False) -> None:
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    loaded = (AutoModel if body else AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32)
+    missing, unexpected = module.load_state_dict(loaded.state_dict(), strict=False)
+    # tied LM heads are stored once; anything else missing means a wrong checkpoint
+    bad = [k for k in missing if "lm_head" not in k]
+    if bad or unexpected:
+        raise RuntimeError(f"checkpoint {folder} does not fit the model: missing {bad[:5]}, unexpected {unexpected[:5]}")
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    """How `--resume` continues a run, for the CLI and the trainer alike: `checkpoint`, the
+    newest intact checkpoint folder; `iteration`, the one it holds; `note`, one line naming
+    damaged newer checkpoints that were skipped (None when there were none)."""
+
+    checkpoint: str
+    iteration: int
+    note: Optional[str]
+
+    def eval_pending(self) -> bool:
+        """Whether its evaluation was stopped (by SIGTERM) and is still to run (reads its state)."""
+        state, _ = load_state(self.checkpoint, optimizers=False)
+        return bool(state.get("eval_pending"))
+
+    def nothing_to_do(self, iterations: int) -> bool:
+        """Whether a resume with `iterations` in all has nothing to train or evaluate."""
+        return self.iteration >= iterations and not self.eval_pending()
+
+
+def plan_resume(out_dir: str) -> ResumePlan:
+    """The ResumePlan of `--resume out_dir`: its newest intact checkpoint.
+
+    Raises FileNotFoundError (one line, naming damaged checkpoints) when there is none.
+    """
+    found = search_checkpoints(out_dir)
+    if found.folder is None:
+        why = f" ({found.note()})" if found.note() else ""
+        raise FileNotFoundError(f"--resume {out_dir}: no checkpoint found under {os.path.join(out_dir, 'checkpoints')}"
+                                f"{why}; if nothing was trained yet, start again with --out {out_dir} --overwrite")
+    return ResumePlan(found.folder, checkpoint_iteration(found.folder), found.note())
+
+
+def nothing_to_train_note(out_dir: str, done: int, iterations: int) -> str:
+    """What a resume of a run that already ran `done` of `iterations` iterations says."""
+    return (f"{out_dir} already ran {done} iterations (trainer.iterations = {iterations}): nothing to train; "
+            f"pass --iterations N with N > {done} to train further")
+
+
 # ---------------------------------------------------------------------------------------------
 # Saving and pruning
 # ---------------------------------------------------------------------------------------------
@@ -708,11 +795,11 @@ def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> 
 
 def _model_name(config_yaml: str) -> Optional[str]:
     """`model.name` in a run's config.yaml text, or None when it names none."""
-    import yaml
+    from fastpo.config import ConfigError, parse_config_yaml
 
     try:
-        name = (yaml.safe_load(config_yaml) or {})["model"]["name"]
-    except (yaml.YAMLError, KeyError, TypeError):
+        name = parse_config_yaml(config_yaml, "config.yaml")["model"]["name"]
+    except (ConfigError, KeyError, TypeError):
         return None
     return name if isinstance(name, str) and name else None
 

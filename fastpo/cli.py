@@ -73,14 +73,15 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use,
-                                   tidy_run_folder)
+    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder,
+                                   nothing_to_train_note, plan_resume, run_folder_in_use, tidy_run_folder)
+    from fastpo.metrics import warn_user
     from fastpo.config import ConfigError, apply_dict, parse_override, validate
 
     console = Console()
     try:
         if args.resume is not None:
-            from fastpo.trainer import load_run_config
+            from fastpo.config import load_run_config
 
             if not args.resume.strip():
                 raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
@@ -102,18 +103,14 @@ def cmd_train(args) -> int:
             cfg.trainer.output_dir = args.resume
             validate(cfg)
             RunLock(args.resume).check()
-            from fastpo.trainer import find_resume_point
-
-            point = find_resume_point(args.resume)
-            done = point.iteration
-            if point.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
-                if point.note:
-                    console.print(f"warning: {point.note}", style="yellow", markup=False, soft_wrap=True)
+            plan = plan_resume(args.resume)
+            if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
+                if plan.note:
+                    warn_user(plan.note, console)
                 with RunLock(args.resume):
                     tidy_run_folder(args.resume)
-                console.print(f"[yellow]{args.resume} already ran {done} iterations (trainer.iterations = "
-                              f"{cfg.trainer.iterations}): nothing to train; pass --iterations N with N > {done} "
-                              f"to train further[/]")
+                console.print(nothing_to_train_note(args.resume, plan.iteration, cfg.trainer.iterations),
+                              style="yellow")
                 return 0
         else:
             if args.out is not None and not args.out.strip():
@@ -132,7 +129,7 @@ def cmd_train(args) -> int:
                 fresh = fresh_run_folder(cfg.trainer.output_dir)
                 console.print(f"[yellow]{cfg.trainer.output_dir} already holds a run; writing this one to {fresh}[/]")
                 cfg.trainer.output_dir = fresh
-        from fastpo.trainer import resolve_device
+        from fastpo.models import resolve_device
 
         resolve_device(cfg.trainer.device)
         _check_out_dir(cfg.trainer.output_dir)
@@ -197,7 +194,7 @@ def cmd_eval(args) -> int:
                                values={"model.name": args.model} if args.model is not None else None,
                                warn=lambda text: console.print(f"warning: {text}", style="yellow", markup=False,
                                                               soft_wrap=True))
-        from fastpo.trainer import resolve_device
+        from fastpo.models import resolve_device
 
         resolve_device(cfg.trainer.device)
         if args.samples is not None:

@@ -143,8 +143,9 @@ def first_turn_pairs(batch, tokenizer, think: bool = True) -> ReasoningPairs:
 
 
 def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor]:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.base_model, inner.get_output_embeddings().weight
+    from fastpo.kernels.hf import decoder_body, lm_head_weight
+
+    return decoder_body(model), lm_head_weight(model)
 
 
 @dataclasses.dataclass
@@ -220,7 +221,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[torch.Tensor], resp
             sc = pb.scored(masks)
             with autocast():
                 h = body(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                lp, _ = linear_logprob_entropy(h[sc.hidden], head, sc.targets, temperature, impl=impl)
+                lp, _ = linear_logprob_entropy(h[sc.rows], head, sc.targets, temperature, impl=impl)
             per_member = torch.zeros(len(pb.members), dtype=torch.float64, device=lp.device)
             per_member.index_add_(0, sc.seq, lp.double())
             sums[torch.tensor(sc.indices)] = per_member.cpu()

@@ -18,17 +18,83 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 import yaml
 
 
 class ConfigError(ValueError):
     """A configuration key is unknown, has the wrong type or an impossible value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A constraint on one config field: `ok(value)` must hold for a value of the field's
+    annotated type; `why` says the rule in the error ("must be > 0")."""
+
+    ok: Callable[[Any], bool]
+    why: str
+
+
+def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
+    """A dataclass field with `default` whose values must have the annotated type and satisfy
+    `ok` (see `check_fields`)."""
+    return field(default=default, metadata={"rule": Rule(ok, why)})
+
+
+def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
+    """Check every field of dataclass `obj` that carries a `Rule` (made with `checked`): its
+    type (the annotation, as `apply_dict` reads it), then the rule. The one validator of
+    field constraints, for `validate` and for the dataclasses' own `__post_init__`.
+
+    Raises ConfigError (a ValueError) "config key 'rollout.top_p' = 2: must be in (0, 1]",
+    naming `prefix` + the field and the value.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("rule")
+        if rule is None:
+            continue
+        value, key = getattr(obj, f.name), repr(f"{prefix}{f.name}")
+        key = f"{what} {key}" if what else key
+        ok, _ = _type_ok(value, hints[f.name])
+        if not ok:
+            raise ConfigError(f"{key}: expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})")
+        if not rule.ok(value):
+            raise ConfigError(f"{key} = {value!r}: {rule.why}")
+
+
+#: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
+MAX_ACTIONS_PER_TURN = 64
+
+# Sampling rules shared by the rollout config and the engine's SamplingParams.
+TOP_P_RULE = Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
+TOP_K_RULE = Rule(lambda v: v >= 0, "must be >= 0 (0 = off)")
+
+
+def _at_least(n: int) -> Callable[[Any], bool]:
+    return lambda v: v >= n
+
+
+def _window_ok(value: Any) -> bool:
+    """rollout.context_window: "full" or an int K >= 1 (the type is checked before)."""
+    return value == "full" if isinstance(value, str) else (not isinstance(value, bool) and value >= 1)
+
+
+CONTEXT_WINDOW_WHY = "must be 'full' or an integer K >= 1 (the last K turns kept)"
+
+
+def _in_unit(v: Any) -> bool:
+    return 0 <= v <= 1
+
+
+def _seed_range(v: Any) -> bool:  # env and torch seeds are 32-bit
+    return 0 <= v < 2**32
 
 
 @dataclass
@@ -40,12 +106,12 @@ class ModelConfig:
     `lora_rank` > 0 trains LoRA adapters through peft instead of the full weights.
     """
 
-    name: str = "smollm2-135m-instruct"
+    name: str = checked("smollm2-135m-instruct", bool, "must not be empty")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
+    lora_rank: int = checked(0, _at_least(0), "must be >= 0 (0 = full fine-tuning)")
+    lora_alpha: int = checked(16, lambda v: v > 0, "must be > 0")
+    lora_dropout: float = checked(0.0, lambda v: 0 <= v < 1, "must be in [0, 1)")
     lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
@@ -55,17 +121,6 @@ class EnvConfig:
 
     name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
     options: dict = field(default_factory=dict)
-
-
-def check_sampling(temperature: Any, top_p: Any, top_k: Any, owner: str = "") -> None:
-    """Raise ValueError naming `owner` + the option for a temperature < 0, a top_p outside
-    (0, 1] or a top_k that is not an integer >= 0 (shared by RolloutConfig and SamplingParams)."""
-    if not isinstance(temperature, (int, float)) or temperature < 0:
-        raise ValueError(f"{owner}temperature must be >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ValueError(f"{owner}top_p must be in (0, 1], got {top_p!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"{owner}top_k must be an integer >= 0, got {top_k!r}")
 
 
 @dataclass
@@ -94,35 +149,50 @@ class RolloutConfig:
     game's action names (prompts.move_question) instead of RAGEN's "<answer> [your answer]
     </answer>" reminder (False; no effect with think=True, whose format it does not show);
     the CPU preset turns it on (README, "The main job on 2 CPU cores").
+    context_window: "full" (default: every turn stays in the context) or K >= 1, the last K
+    turns (user observation + response) kept in the context, the system prompt and the
+    first user message (task rules, initial state) always kept; RAGEN's
+    `limited_multi_turn` with `max_context_window: K`. fastpo evicts the dropped turns'
+    KV entries and keeps positions (see fastpo/window.py for the design).
     """
 
-    max_turns: int = 5
-    max_actions_per_turn: int = 5
-    max_actions_per_traj: int = 10
-    max_new_tokens: int = 400
-    max_context: int = 3600
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    max_turns: int = checked(5, _at_least(1), "must be >= 1")
+    max_actions_per_turn: int = checked(5, lambda v: 1 <= v <= MAX_ACTIONS_PER_TURN,
+                                        f"must be >= 1 and <= {MAX_ACTIONS_PER_TURN}")
+    max_actions_per_traj: int = checked(10, _at_least(1), "must be >= 1")
+    max_new_tokens: int = checked(400, _at_least(1), "must be >= 1")
+    max_context: int = checked(3600, _at_least(1), "must be >= 1")
+    # > 0: the recorded log-probs and the trainer's loss divide the logits by it (greedy
+    # decoding is the engine's SamplingParams(temperature=0), not a rollout setting)
+    temperature: float = checked(1.0, lambda v: v > 0, "must be > 0 (the logits are divided by it)")
+    top_p: float = checked(1.0, TOP_P_RULE.ok, TOP_P_RULE.why)
+    top_k: int = checked(0, TOP_K_RULE.ok, TOP_K_RULE.why)
     think: bool = True
-    format_penalty: float = -0.1
-    format_rule: Literal["ragen", "strict"] = "ragen"
+    format_penalty: float = checked(-0.1, lambda v: v <= 0, "must be <= 0")
+    format_rule: Literal["ragen", "strict"] = checked("ragen")
     run_valid_actions_on_format_error: bool = True
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
     feedback_invalid: bool = True
     prompt_examples: bool = False
+    context_window: int | str = checked("full", _window_ok, CONTEXT_WINDOW_WHY)
+
+    #: how `check_fields` names this class's fields in its errors
+    KEY_PREFIX: ClassVar[str] = "RolloutConfig."
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "max_new_tokens", "max_context"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {v!r}")
-        check_sampling(self.temperature, self.top_p, self.top_k, owner="RolloutConfig.")
-        if not isinstance(self.format_penalty, (int, float)):
-            raise ValueError(f"RolloutConfig.format_penalty must be a number, got {self.format_penalty!r}")
-        if self.format_rule not in ("ragen", "strict"):
-            raise ValueError(f"RolloutConfig.format_rule must be 'ragen' or 'strict', got {self.format_rule!r}")
+        check_fields(self, self.KEY_PREFIX)
+
+
+def context_window_turns(value: Any, owner: str = "'rollout.context_window'") -> int | None:
+    """None for "full", else the number of kept turns K (an int >= 1).
+
+    Raises ValueError naming `owner` and the value for anything else (0, negatives, floats,
+    bools, strings other than "full").
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not _window_ok(value):
+        raise ValueError(f"{owner} = {value!r}: {CONTEXT_WINDOW_WHY}")
+    return None if value == "full" else int(value)
 
 
 @dataclass
@@ -142,13 +212,16 @@ class RolloutSection(RolloutConfig):
     log-probs with them; fastpo.replay) and mixes round(`replay_fraction` x fresh batch
     size) of them, `replay_fraction` in [0, 1], into each update (0 = no buffer)."""
 
-    env_groups: int = 8
-    group_size: int = 16
+    env_groups: int = checked(8, _at_least(1), "must be >= 1")
+    group_size: int = checked(16, _at_least(1), "must be >= 1")
     engine: Literal["native", "sglang"] = "native"
-    sglang_mem_fraction: float = 0.4
-    reuse: int = 1
-    replay: int = 0
-    replay_fraction: float = 0.5
+    sglang_mem_fraction: float = checked(0.4, lambda v: 0 < v < 1, "must be in (0, 1)")
+    reuse: int = checked(1, _at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)")
+    replay: int = checked(0, _at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)")
+    replay_fraction: float = checked(0.5, lambda v: 0 <= v <= 1, "must be in [0, 1] (replayed trajectories per "
+                                     "update, as a fraction of the fresh batch)")
+
+    KEY_PREFIX: ClassVar[str] = "rollout."
 
     def rollout_config(self, **changes: Any) -> RolloutConfig:
         """The plain RolloutConfig of this section (batch shape dropped), with `changes` applied."""
@@ -200,25 +273,28 @@ class AlgorithmConfig:
     (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
     pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves [1/is_cap, is_cap]
     dropped from the loss), per token or per trajectory (`is_level`); `is_cap` > 1.
+    `value_loss_agg`: the critic's clipped value loss aggregated like `loss_agg` (the same
+    function, fastpo.kernels.aggregate; verl's critic has its own setting too), "token-mean"
+    by default: over all model tokens of the mini-batch.
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = checked(1.0, _in_unit, "must be in [0, 1]")
+    lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
     reward_position: Literal["last_token", "turn"] = "last_token"
     whiten_advantages: bool = True
     filter_mode: Literal["top", "bottom", "none"] = "top"
-    filter_ratio: float = 0.25
+    filter_ratio: float = checked(0.25, lambda v: 0 < v <= 1, "must be in (0, 1]")
     filter_strategy: Literal["top_k", "top_p", "min_p"] = "top_k"
     filter_top_p_mode: Literal["linear", "softmax"] = "linear"
-    filter_eps: float = 0.01
+    filter_eps: float = checked(0.01, _at_least(0), "must be >= 0")
     filter_keep_zero_std: bool = True
     soft_advantage_reweight: bool = False
-    clip_low: float = 0.2
+    clip_low: float = checked(0.2, lambda v: v > 0, "must be > 0")
     clip_high: float = 0.28
-    dual_clip: Optional[float] = 3.0
-    entropy_coef: float = 0.001
-    kl_coef: float = 0.0
+    dual_clip: Optional[float] = checked(3.0, lambda v: v is None or v > 1, "must be > 1 or null")
+    entropy_coef: float = checked(0.001, _at_least(0), "must be >= 0")
+    kl_coef: float = checked(0.0, _at_least(0), "must be >= 0")
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
     loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
@@ -226,11 +302,13 @@ class AlgorithmConfig:
     ratio_level: Literal["token", "sequence"] = "token"
     is_correction: Literal["none", "tis", "mis"] = "none"
     is_level: Literal["token", "sequence"] = "token"
-    is_cap: float = 2.0
+    is_cap: float = checked(2.0, lambda v: v > 1, "must be > 1 (importance weights are truncated at is_cap, and "
+                                               "mis keeps [1/is_cap, is_cap])")
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
-    value_clip: float = 0.5
-    value_coef: float = 0.5
+    value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
+    value_coef: float = checked(0.5, _at_least(0), "must be >= 0")
+    value_loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
 
 
 @dataclass
@@ -241,14 +319,14 @@ class OptimConfig:
     (fastpo.packing.shared_prefixes); the same log-probs and gradients, less compute.
     """
 
-    actor_lr: float = 1e-6
-    critic_lr: float = 1e-5
-    weight_decay: float = 0.01
+    actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0")
+    critic_lr: float = checked(1e-5, lambda v: v > 0, "must be > 0")
+    weight_decay: float = checked(0.01, _at_least(0), "must be >= 0")
     betas: list = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    ppo_epochs: int = 1
-    mini_batch_size: int = 32
-    micro_token_budget: int = 8192
+    grad_clip: float = checked(1.0, lambda v: v > 0, "must be > 0")
+    ppo_epochs: int = checked(1, _at_least(1), "must be >= 1")
+    mini_batch_size: int = checked(32, _at_least(1), "must be >= 1")
+    micro_token_budget: int = checked(8192, _at_least(16), "must be >= 16 tokens")
     # compute an env group's shared prompt once per micro-batch (needs fastpo's segment attention)
     share_prefix: bool = True
 
@@ -257,28 +335,30 @@ class OptimConfig:
 class TrainerSection:
     """Loop length, evaluation, logging, checkpoints, Echo-Trap warning."""
 
-    iterations: int = 200
-    seed: int = 0
-    device: str = "auto"
+    iterations: int = checked(200, _at_least(1), "must be >= 1")
+    seed: int = checked(0, _seed_range, "must be in [0, 2**32)")
+    device: str = checked("auto", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None,
+                          "must be auto, cpu or cuda[:N]")
     output_dir: str = ""
-    eval_every: int = 10
-    eval_seeds: int = 256
-    eval_seed_offset: int = 1_000_000
-    eval_temperature: float = 0.5
-    eval_group_size: int = 1
+    eval_every: int = checked(10, _at_least(0), "must be >= 0 (0 = never)")
+    eval_seeds: int = checked(256, _at_least(1), "must be >= 1")
+    eval_seed_offset: int = checked(1_000_000, _seed_range, "must be in [0, 2**32)")
+    eval_temperature: float = checked(0.5, lambda v: v > 0, "must be > 0")
+    eval_group_size: int = checked(1, _at_least(1), "must be >= 1")
     eval_before_training: bool = False
-    save_every: int = 10
-    keep_checkpoints: int = 2
-    num_samples: int = 4
-    ema_decay: float = 0.9
+    save_every: int = checked(10, _at_least(0), "must be >= 0 (0 = only at the end)")
+    keep_checkpoints: int = checked(2, _at_least(1), "must be >= 1")
+    num_samples: int = checked(4, _at_least(0), "must be >= 0")
+    ema_decay: float = checked(0.9, lambda v: 0 < v < 1, "must be in (0, 1)")
     tensorboard: bool = False
     wandb: bool = False
     plots: bool = True
-    echo_trap_drop: float = 0.5
-    echo_trap_window: int = 5
+    echo_trap_drop: float = checked(0.5, lambda v: 0 < v < 1, "must be in (0, 1)")
+    echo_trap_window: int = checked(5, _at_least(1), "must be >= 1")
     # mutual-information collapse metrics (fastpo/collapse.py): iteration 1 and every N-th; 0 = off
-    collapse_every: int = 5
-    kernel_impl: str = "auto"
+    collapse_every: int = checked(5, _at_least(0), "must be >= 0 (0 = never)")
+    kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
+                               "must be auto, reference, chunked or triton")
     progress: bool = True
 
 
@@ -305,6 +385,8 @@ class TrainConfig:
         a = self.algorithm
         if self.rollout.group_size == 1 or a.filter_strategy != "top_k":
             return self.rollout.env_groups
+        from fastpo.algorithms.filtering import kept_group_count  # the filter's rule, owned there
+
         return kept_group_count(self.rollout.env_groups, a.filter_mode, a.filter_ratio)
 
     @property
@@ -328,16 +410,6 @@ class TrainConfig:
 TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_pp")
 #: Estimators whose baseline is the env group's other trajectories: they need group_size >= 2.
 GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
-#: Rollout-filter strategies (fastpo/algorithms/filtering.py; RAGEN head's `rollout_filter_strategy`).
-FILTER_STRATEGIES = ("top_k", "top_p", "min_p")
-
-
-def kept_group_count(groups: int, mode: str, ratio: float) -> int:
-    """Number of env groups StarPO-S keeps: all for mode "none", else int(ratio * groups)
-    (the floor, as RAGEN at the paper's commit: 0.35 of 8 groups keeps 2), at least 1."""
-    if mode == "none":
-        return groups
-    return max(1, min(groups, int(ratio * groups)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,73 +626,31 @@ def validate(cfg: TrainConfig) -> TrainConfig:
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
                         id(o): "optim", id(t): "trainer"}[id(section)]
                 raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number")
-    for key in ("env_groups", "group_size", "max_turns", "max_actions_per_turn", "max_actions_per_traj",
-                "max_new_tokens", "max_context"):
-        need(getattr(r, key) >= 1, f"rollout.{key}", getattr(r, key), "must be >= 1")
-    need(r.max_actions_per_turn <= MAX_ACTIONS_PER_TURN, "rollout.max_actions_per_turn", r.max_actions_per_turn,
-         f"must be <= {MAX_ACTIONS_PER_TURN}")
+    # single-field rules live on the fields (`checked`); what follows relates fields
+    for section, name in ((cfg.model, "model"), (cfg.env, "env"), (r, "rollout"), (a, "algorithm"), (o, "optim"),
+                          (t, "trainer")):
+        check_fields(section, f"{name}.")
     need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
          f"must be below rollout.max_context ({r.max_context})")
-    need(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
-    need(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
-    need(r.top_k >= 0, "rollout.top_k", r.top_k, "must be >= 0 (0 = off)")
-    need(r.format_penalty <= 0, "rollout.format_penalty", r.format_penalty, "must be <= 0")
-    need(0 < r.sglang_mem_fraction < 1, "rollout.sglang_mem_fraction", r.sglang_mem_fraction, "must be in (0, 1)")
     need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
          "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
-    need(0 <= a.gamma <= 1, "algorithm.gamma", a.gamma, "must be in [0, 1]")
-    need(0 <= a.lam <= 1, "algorithm.lam", a.lam, "must be in [0, 1]")
-    need(0 < a.filter_ratio <= 1, "algorithm.filter_ratio", a.filter_ratio, "must be in (0, 1]")
-    need(a.filter_eps >= 0, "algorithm.filter_eps", a.filter_eps, "must be >= 0")
-    need(a.clip_low > 0, "algorithm.clip_low", a.clip_low, "must be > 0")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
-    need(a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip", a.dual_clip, "must be > 1 or null")
-    need(a.entropy_coef >= 0, "algorithm.entropy_coef", a.entropy_coef, "must be >= 0")
-    need(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
-    need(a.value_clip > 0, "algorithm.value_clip", a.value_clip, "must be > 0")
-    need(a.value_coef >= 0, "algorithm.value_coef", a.value_coef, "must be >= 0")
     if a.adv_estimator in GROUP_ESTIMATORS:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
     _check_off_policy(cfg, need)
-    need(o.actor_lr > 0, "optim.actor_lr", o.actor_lr, "must be > 0")
-    need(o.critic_lr > 0, "optim.critic_lr", o.critic_lr, "must be > 0")
-    need(o.grad_clip > 0, "optim.grad_clip", o.grad_clip, "must be > 0")
+    need(r.context_window == "full" or (r.reuse == 1 and r.replay == 0), "rollout.context_window",
+         r.context_window, "a bounded context window does not support rollout.reuse > 1 or rollout.replay > 0 yet")
+    need(r.context_window == "full" or r.engine == "native", "rollout.context_window", r.context_window,
+         "a bounded context window needs rollout.engine=native (it evicts KV entries per session)")
     need(len(o.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in o.betas),
          "optim.betas", o.betas, "must be two numbers in [0, 1)")
-    need(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
-    need(o.ppo_epochs >= 1, "optim.ppo_epochs", o.ppo_epochs, "must be >= 1")
-    need(o.mini_batch_size >= 1, "optim.mini_batch_size", o.mini_batch_size, "must be >= 1")
     need(o.mini_batch_size <= cfg.train_batch_size, "optim.mini_batch_size", o.mini_batch_size,
          f"is larger than the training batch ({cfg.kept_groups} kept env groups x {r.group_size} "
          f"trajectories = {cfg.train_batch_size})")
-    need(o.micro_token_budget >= 16, "optim.micro_token_budget", o.micro_token_budget, "must be >= 16 tokens")
-    need(0 <= t.seed < 2**32, "trainer.seed", t.seed, "must be in [0, 2**32)")
-    need(0 <= t.eval_seed_offset < 2**32, "trainer.eval_seed_offset", t.eval_seed_offset, "must be in [0, 2**32)")
     need(t.eval_seed_offset + t.eval_seeds <= 2**32, "trainer.eval_seed_offset", t.eval_seed_offset,
          f"+ trainer.eval_seeds ({t.eval_seeds}) must be <= 2**32 (env seeds are 32-bit)")
-    need(t.iterations >= 1, "trainer.iterations", t.iterations, "must be >= 1")
-    need(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
-    need(t.eval_seeds >= 1, "trainer.eval_seeds", t.eval_seeds, "must be >= 1")
-    need(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
-    need(t.eval_group_size >= 1, "trainer.eval_group_size", t.eval_group_size, "must be >= 1")
-    need(t.save_every >= 0, "trainer.save_every", t.save_every, "must be >= 0 (0 = only at the end)")
-    need(t.num_samples >= 0, "trainer.num_samples", t.num_samples, "must be >= 0")
-    need(t.keep_checkpoints >= 1, "trainer.keep_checkpoints", t.keep_checkpoints, "must be >= 1")
-    need(0 < t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in (0, 1)")
-    need(0 < t.echo_trap_drop < 1, "trainer.echo_trap_drop", t.echo_trap_drop, "must be in (0, 1)")
-    need(t.echo_trap_window >= 1, "trainer.echo_trap_window", t.echo_trap_window, "must be >= 1")
-    need(t.collapse_every >= 0, "trainer.collapse_every", t.collapse_every, "must be >= 0 (0 = never)")
-    need(t.kernel_impl in ("auto", "reference", "chunked", "triton"), "trainer.kernel_impl", t.kernel_impl,
-         "must be auto, reference, chunked or triton")
-    need(re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device) is not None, "trainer.device", t.device,
-         "must be auto, cpu or cuda[:N]")
-    m = cfg.model
-    need(m.lora_rank >= 0, "model.lora_rank", m.lora_rank, "must be >= 0 (0 = full fine-tuning)")
-    need(bool(m.name), "model.name", m.name, "must not be empty")
-    need(m.lora_alpha > 0, "model.lora_alpha", m.lora_alpha, "must be > 0")
-    need(0 <= m.lora_dropout < 1, "model.lora_dropout", m.lora_dropout, "must be in [0, 1)")
     if t.wandb:
         import importlib.util
 
@@ -632,21 +662,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
 def _check_off_policy(cfg: TrainConfig, need) -> None:
     """Rollout reuse, replay and the importance-sampling correction (issue 13's keys)."""
-    r, a = cfg.rollout, cfg.algorithm
-    need(r.reuse >= 1, "rollout.reuse", r.reuse, "must be >= 1 (1 = a fresh rollout batch every iteration)")
-    need(r.replay >= 0, "rollout.replay", r.replay, "must be >= 0 rollout batches (0 = no replay buffer)")
-    need(0 <= r.replay_fraction <= 1, "rollout.replay_fraction", r.replay_fraction,
-         "must be in [0, 1] (replayed trajectories per update, as a fraction of the fresh batch)")
-    need(a.is_cap > 1, "algorithm.is_cap", a.is_cap,
-         "must be > 1 (importance weights are truncated at is_cap, and mis keeps [1/is_cap, is_cap])")
+    a = cfg.algorithm
     need(not (a.ratio_level == "sequence" and a.is_correction != "none" and a.is_level == "token"),
          "algorithm.is_level", a.is_level,
          f"contradicts algorithm.ratio_level='sequence' (GSPO) with is_correction={a.is_correction!r}: a "
          "trajectory's one ratio cannot take per-token weights; use algorithm.is_level=sequence")
-
-
-#: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
-MAX_ACTIONS_PER_TURN = 64
 
 
 def _check_env_options(name: str, options: dict) -> None:
@@ -707,6 +727,23 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     return validate(cfg)
 
 
+def parse_config_yaml(text: Any, where: str) -> dict:
+    """The mapping in config YAML `text` (a string or an open file): the one reader of
+    config files, run folders' and checkpoints' config.yaml. An empty document is {}.
+
+    Raises ConfigError naming `where`: invalid YAML or a top level that is not a mapping.
+    """
+    try:
+        d = yaml.safe_load(text)
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if d is None:
+        return {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping, got {type(d).__name__}")
+    return d
+
+
 def read_config_file(file: str) -> dict:
     """The mapping in YAML config file `file`; `env: NAME` (a string) is read as `env: {name: NAME}`.
 
@@ -715,21 +752,50 @@ def read_config_file(file: str) -> dict:
     """
     try:
         with open(file) as f:
-            d = yaml.safe_load(f) or {}
+            d = dict(parse_config_yaml(f, f"config file {file}"))
     except FileNotFoundError:
         raise
     except OSError as e:  # a folder, no permission, ...
         raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"config file {file}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{file}: the top level must be a mapping")
-    d = dict(d)
     if isinstance(d.get("env"), str):
         d["env"] = {"name": d["env"]}
     elif d.get("env") is not None and not isinstance(d["env"], dict):
         raise ConfigError(f"config file {file}: 'env' must be an env name or a mapping such as "
                           f"{{name: frozenlake, options: {{}}}}, got {d['env']!r}")
+    return d
+
+
+def read_run_config(path: str) -> TrainConfig:
+    """The validated TrainConfig in a run's (or a checkpoint's) config.yaml at `path`.
+
+    Raises FileNotFoundError when it is missing; ConfigError when it cannot be read, is not
+    valid YAML or not a valid fastpo configuration (each naming `path`).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
+    try:
+        with open(path) as f:
+            d = parse_config_yaml(f, path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None
+    try:
+        return config_from_dict(d)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path}: not a valid fastpo configuration ({e})") from None
+
+
+def load_run_config(out_dir: str) -> TrainConfig:
+    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
+    return read_run_config(os.path.join(out_dir, "config.yaml"))
+
+
+def run_settings(config_yaml: str) -> dict:
+    """A run's settings from its config.yaml text, without what a resume may change freely
+    (the folder's spelling, the iteration count): two runs with equal settings train alike.
+    Raises ConfigError for text that is not a YAML mapping."""
+    d = parse_config_yaml(config_yaml, "config.yaml")
+    for key in ("output_dir", "iterations"):
+        (d.get("trainer") or {}).pop(key, None)
     return d
 
 

@@ -17,12 +17,13 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from fastpo.metrics import rollout_metrics
+from fastpo.seeds import eval_sampling_seed
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -119,6 +120,38 @@ def success_bounds(env_name: str, env_options: dict, seeds, horizon: int) -> dic
             "eval/random_success": float(np.mean(env.random_success(seeds, horizon)))}
 
 
+def eval_seeds(cfg) -> list[int]:
+    """The fixed evaluation seeds of TrainConfig `cfg`: trainer.eval_seeds of them from
+    trainer.eval_seed_offset."""
+    t = cfg.trainer
+    return [t.eval_seed_offset + i for i in range(t.eval_seeds)]
+
+
+def evaluate_config(rollout, cfg, autocast=contextlib.nullcontext,
+                    model: Optional[torch.nn.Module] = None) -> tuple[dict, Any]:
+    """The evaluation of TrainConfig `cfg` that training and `fastpo eval` share:
+    `evaluate_policy` on `eval_seeds(cfg)`, trainer.eval_group_size samples each, at
+    trainer.eval_temperature with the run's eval sampling seed. Returns (metrics, the first
+    chunk's TrajectoryBatch for samples)."""
+    t = cfg.trainer
+    res = evaluate_policy(rollout, eval_seeds(cfg), t.eval_group_size, t.eval_temperature,
+                          seed=eval_sampling_seed(t.seed), autocast=autocast, model=model)
+    return res, res.pop("_batch")
+
+
+def config_success_bounds(cfg, warn: Optional[Callable[[str], None]] = None) -> dict:
+    """`success_bounds` of `cfg`'s env on its eval seeds and horizon. With `warn`, a Sokoban
+    search past its state cap (RuntimeError) is said through it and gives {} (no bounds);
+    without, it is raised."""
+    try:
+        return success_bounds(cfg.env.name, cfg.env.options, eval_seeds(cfg), eval_horizon(cfg.rollout))
+    except RuntimeError as e:
+        if warn is None:
+            raise
+        warn(f"no eval/optimal_success or eval/random_success: {e}")
+        return {}
+
+
 @dataclasses.dataclass
 class RunSettings:
     """What `eval_config` took from the run a checkpoint belongs to.
@@ -196,11 +229,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     Raises ConfigError (bad key or value, a run folder without a checkpoint, an unreadable
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
-    import yaml
-
     from fastpo.checkpoint import find_checkpoint
-    from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, _nested, apply_dict,
-                               config_from_dict, load_config, parse_override, read_config_file, validate)
+    from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, _nested, apply_dict, load_config,
+                               parse_override, read_config_file, read_run_config, validate)
 
     overrides = list(overrides or [])
     values = dict(values or {})
@@ -214,12 +245,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if ref.config_path is None:
         return cfg, RunSettings(ref, None, cfg.env.name, {}, {}, False)
     try:
-        with open(ref.config_path) as f:
-            run = config_from_dict(yaml.safe_load(f))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{ref.config_path}: cannot read the run's configuration ({e})") from None
-    except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{ref.config_path}: not a valid fastpo configuration ({e})") from None
+        run = read_run_config(ref.config_path)
+    except FileNotFoundError as e:  # removed since find_checkpoint saw it
+        raise ConfigError(str(e)) from None
 
     explicit: set[str] = set()
     for name in (preset.split(",") if preset else []):
@@ -288,7 +316,7 @@ def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:
         "settings_taken": dict(settings.taken) if settings is not None else {},
         "rollout": res.get("rollout"),
         "eval": {"seeds": t.eval_seeds, "seed_offset": t.eval_seed_offset, "samples_per_seed": t.eval_group_size,
-                 "temperature": t.eval_temperature, "sampling_seed": t.seed + 12345, "device": res.get("device")},
+                 "temperature": t.eval_temperature, "sampling_seed": eval_sampling_seed(t.seed), "device": res.get("device")},
         "metrics": {k[len("eval/"):]: v for k, v in sorted(res.items()) if k.startswith("eval/")},
     }
 
@@ -314,7 +342,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
 
     from fastpo import rollout as ro
     from fastpo.metrics import write_samples
-    from fastpo.trainer import load_model_checked, resolve_device
+    from fastpo.models import load_model_checked, resolve_device
 
     t = cfg.trainer
     device = resolve_device(t.device)
@@ -322,18 +350,17 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
     rcfg = cfg.rollout.rollout_config(temperature=t.eval_temperature)
     rollout = ro.MultiTurnRollout(ro.NativeEngine(model, tok), tok, cfg.env.name, dict(cfg.env.options), rcfg)
-    seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
+    seeds = eval_seeds(cfg)
     if console is not None:
         console.print(f"evaluating {info.label} on {cfg.env.name}: {len(seeds)} seed{'s' if len(seeds) != 1 else ''} x {t.eval_group_size} "
                       f"sample{'s' if t.eval_group_size != 1 else ''}, temperature {t.eval_temperature}, "
                       f"{rcfg.max_turns} turn{'s' if rcfg.max_turns != 1 else ''}, {rcfg.max_new_tokens} new "
                       f"tokens/turn, {'think' if rcfg.think else 'answer-only'} prompt")
     t0 = time.perf_counter()
-    res = evaluate_policy(rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345, model=model)
+    res, batch = evaluate_config(rollout, cfg, model=model)
     res["eval/seconds"] = time.perf_counter() - t0
-    res.update(success_bounds(cfg.env.name, cfg.env.options, seeds, eval_horizon(rcfg)))
-    batch = res.pop("_batch")
     res.pop("_per_trajectory")
+    res.update(config_success_bounds(cfg))
     if samples_dir:
         it = info.iteration if info.iteration is not None else 0
         path = write_samples(samples_dir, it, batch.texts()[: max(1, t.num_samples)],

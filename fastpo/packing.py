@@ -23,6 +23,12 @@ Three ways to get that attention (`packing_attention(model)` picks one):
   (additive form, 0 where attended, dtype-min elsewhere).
 
 Padding is the baseline this replaces (`pad_micro_batch`), kept for the benchmark.
+
+Bounded context windows (`windows=`, fastpo/window.py): a trajectory sampled with
+rollout.context_window = K is not causal within itself (each turn saw the head and the last K
+turns only). "segments" then gives that trajectory's sdpa call a [S, P + S] boolean mask
+(`fastpo_segment_masks`, aligned with the segment table) instead of the causal fast path;
+"mask" puts it in the block mask; "varlen" cannot take it (ValueError).
 """
 from __future__ import annotations
 
@@ -179,14 +185,14 @@ class PackedMember:
 class ScoredTokens:
     """The trained tokens of a packed micro-batch, in member order, M in all.
 
-    hidden [M] int64: row offset of the hidden state that predicts each token (its position
+    rows [M] int64: row offset of the hidden state that predicts each token (its position
     minus one, which may lie in a shared prefix); targets [M] int64: the token ids;
     seq [M] int64: the member number 0..k-1 (for per-sequence loss aggregation), all on the
     batch's device. positions: per member, the token positions [M_j] (CPU int64).
     indices: per member, the trajectory's index in the full batch.
     """
 
-    hidden: torch.Tensor
+    rows: torch.Tensor
     targets: torch.Tensor
     seq: torch.Tensor
     positions: list
@@ -194,14 +200,14 @@ class ScoredTokens:
 
     @property
     def count(self) -> int:
-        return int(self.hidden.numel())
+        return int(self.rows.numel())
 
     def take(self, per_traj: Sequence[torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """per_traj[i][t] for every scored token -> [M] of `dtype` on the batch's device."""
         if self.count == 0:
-            return torch.zeros(0, dtype=dtype, device=self.hidden.device)
+            return torch.zeros(0, dtype=dtype, device=self.rows.device)
         parts = [torch.as_tensor(per_traj[i])[pos] for i, pos in zip(self.indices, self.positions)]
-        return torch.cat(parts).to(device=self.hidden.device, dtype=dtype)
+        return torch.cat(parts).to(device=self.rows.device, dtype=dtype)
 
     def scatter(self, values: torch.Tensor, out: Sequence[torch.Tensor]) -> None:
         """Write values [M] into out[i][t] (per-trajectory tensors, typically CPU fp32) in place."""
@@ -223,7 +229,8 @@ class PackedBatch:
     members: one `PackedMember` per trajectory; segments: (start, end, prefix_start,
     prefix_end) row ranges for "segments" attention (each attends causally to itself and
     fully to its prefix range, empty when prefix_start == prefix_end); attention: "mask",
-    "segments" or "varlen" (module docstring).
+    "segments" or "varlen" (module docstring). segment_masks: None, or one entry per
+    segment: None (causal) or bool [S, P + S] (a context window's visibility, "segments").
     """
 
     input_ids: torch.Tensor
@@ -232,6 +239,7 @@ class PackedBatch:
     members: list
     segments: tuple
     attention: str = "mask"
+    segment_masks: Optional[tuple] = None
 
     @property
     def num_tokens(self) -> int:
@@ -283,6 +291,8 @@ class PackedBatch:
             out["attention_mask"] = self.attention_mask
         elif self.attention == "segments":
             out.update(attention_mask=torch.ones_like(self.input_ids), fastpo_segments=self.segments)
+            if self.segment_masks is not None:
+                out["fastpo_segment_masks"] = self.segment_masks
         return out
 
     def scored(self, loss_masks: Sequence[torch.Tensor]) -> ScoredTokens:
@@ -332,7 +342,7 @@ ATTENTION_MODES = ("mask", "segments", "varlen")
 def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], *, attention: str = "mask",
                      mask_dtype: torch.dtype = torch.float32, device: Optional[torch.device | str] = None,
                      prefix_lengths: Optional[Sequence[int]] = None,
-                     prefix_groups: Optional[Sequence[int]] = None) -> PackedBatch:
+                     prefix_groups: Optional[Sequence[int]] = None, windows=None) -> PackedBatch:
     """Pack the trajectories `indices` of `input_ids` (a list of 1-D int64 tensors) into one row.
 
     attention: "mask" builds the N x N block-causal mask (of `mask_dtype`); "segments" and
@@ -341,14 +351,22 @@ def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], 
     "segments" only: members of one prefix group in this micro-batch store their prefix
     once, [prefix | own tokens of member 1 | own tokens of member 2 | ...]; each member
     keeps its true position ids and attends to the prefix and then causally to itself.
-    Raises ValueError for an empty selection, an unknown `attention`, or members of one
-    prefix group whose prefixes differ.
+    windows: None, or per trajectory (indexed like `input_ids`) None or the (turn,
+    visible_from) labels of a context-window trajectory (fastpo/window.py): its tokens
+    then attend as the sampler's did ("segments" or "mask" attention).
+    Raises ValueError for an empty selection, an unknown `attention`, members of one
+    prefix group whose prefixes differ, or windows with "varlen" attention.
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if len(indices) == 0:
         raise ValueError("a micro-batch needs at least one trajectory")
     share = attention == "segments" and prefix_lengths is not None
+    wins = {i: windows[i] for i in indices if windows is not None and windows[i] is not None}
+    if wins and attention == "varlen":
+        raise ValueError("context-window trajectories need a per-token attention mask, which flash-attn's varlen "
+                         "packing cannot take; load the model with sdpa or eager attention")
+    seg_masks = []
     ids_parts, pos_parts, members, segments = [], [], [], []
     row = 0
     for unit in _units(indices, prefix_lengths if share else None, prefix_groups):
@@ -361,6 +379,7 @@ def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], 
             ids_parts.append(seqs[0][:p])
             pos_parts.append(torch.arange(p))
             segments.append((row, row + p, row, row))
+            seg_masks.append(None)
         prefix_start = row
         row += p
         for i, x in zip(unit, seqs):
@@ -369,11 +388,36 @@ def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], 
             pos_parts.append(torch.arange(p, n))
             members.append(PackedMember(int(i), n, p, prefix_start, row))
             segments.append((row, row + n - p, prefix_start, prefix_start + p))
+            seg_masks.append(_window_rows(wins[i], p, n, device) if i in wins else None)
             row += n - p
     ids = torch.cat(ids_parts).to(device)[None]
     pos = torch.cat(pos_parts).to(device)[None]
-    mask = block_causal_mask([m.length for m in members], mask_dtype, device) if attention == "mask" else None
-    return PackedBatch(ids, pos, mask, members, tuple(segments), attention)
+    mask = None
+    if attention == "mask":
+        if wins:
+            allowed = block_causal_mask([m.length for m in members], torch.bool, device)
+            for m in members:
+                if m.index in wins:
+                    allowed[0, 0, m.start:m.start + m.length, m.start:m.start + m.length] = \
+                        _window_rows(wins[m.index], 0, m.length, device)
+            mask = allowed if mask_dtype == torch.bool else torch.zeros(allowed.shape, dtype=mask_dtype,
+                                                                        device=device).masked_fill_(
+                ~allowed, torch.finfo(mask_dtype).min)
+        else:
+            mask = block_causal_mask([m.length for m in members], mask_dtype, device)
+    masks = tuple(seg_masks) if (attention == "segments" and wins) else None
+    return PackedBatch(ids, pos, mask, members, tuple(segments), attention, masks)
+
+
+def _window_rows(labels, p: int, n: int, device) -> torch.Tensor:
+    """bool [n - p, n]: the context-window visibility of a trajectory's tokens p..n-1 over its
+    tokens 0..n-1 (= its prefix then its own tokens, the segment's key order)."""
+    from fastpo.window import window_mask
+
+    turn, vis = labels
+    if turn.numel() != n:
+        raise ValueError(f"window labels of {turn.numel()} entries for a trajectory of {n} tokens")
+    return window_mask(turn, vis, slice(p, n)).to(device)
 
 
 def pad_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], pad_id: int = 0,
@@ -393,13 +437,16 @@ def pad_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], p
 SEGMENT_ATTENTION = "fastpo_segments"
 
 
-def _segment_attention(module, query, key, value, attention_mask, *, fastpo_segments=None, **kwargs):
+def _segment_attention(module, query, key, value, attention_mask, *, fastpo_segments=None,
+                       fastpo_segment_masks=None, **kwargs):
     """transformers attention function: sdpa per packed segment, plain sdpa otherwise.
 
     query [1, heads, N, D], key/value [1, kv_heads, N, D]; `fastpo_segments`: (start, end,
     prefix_start, prefix_end) row ranges covering [0, N) in order. A segment attends
     causally to itself (sdpa's causal fast path) and, when it has one, fully to its prefix
-    range (then through a [S, P + S] mask). Returns ([1, N, heads, D], None).
+    range (then through a [S, P + S] mask). `fastpo_segment_masks` (None or one entry per
+    segment, None or bool [S, P + S]) replaces a segment's visibility (context windows).
+    Returns ([1, N, heads, D], None).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -413,9 +460,14 @@ def _segment_attention(module, query, key, value, attention_mask, *, fastpo_segm
     if fastpo_segments[0][0] != 0 or fastpo_segments[-1][1] != n:
         raise ValueError(f"fastpo_segments {fastpo_segments[:2]}... do not span the row's {n} tokens")
     outs = []
-    for a, b, pa, pb in fastpo_segments:
+    for s, (a, b, pa, pb) in enumerate(fastpo_segments):
         q = query[:, :, a:b]
-        if pa == pb:
+        own = fastpo_segment_masks[s] if fastpo_segment_masks is not None else None
+        if own is not None:
+            k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)
+            v = torch.cat([value[:, :, pa:pb], value[:, :, a:b]], dim=2)
+            o = sdpa_attention_forward(module, q, k, v, own[None, None], is_causal=False, **kwargs)[0]
+        elif pa == pb:
             o = sdpa_attention_forward(module, q, key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kwargs)[0]
         else:
             k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)

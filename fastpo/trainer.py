@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import os
 import shutil
 import signal
@@ -42,79 +41,27 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import yaml
 
 from fastpo import algorithms as alg
-from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_write_text, checkpoint_iteration,
-                               clear_run_folder, load_state, rng_state, run_folder_in_use, save_checkpoint,
-                               search_checkpoints, set_rng_state, tidy_run_folder)
-from fastpo.config import ConfigError, TrainConfig, config_from_dict, cpu_preset_note, dump_yaml
-from fastpo.evaluate import eval_horizon, evaluate_policy, success_bounds, write_json
+from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_write_text, clear_run_folder,
+                               load_checkpoint, nothing_to_train_note, plan_resume, rng_state, run_folder_in_use,
+                               save_checkpoint, tidy_run_folder)
+from fastpo.config import ConfigError, TrainConfig, cpu_preset_note, dump_yaml, run_settings
+from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
+from fastpo.kernels import PolicyLossSettings, linear_logprob_entropy, linear_policy_loss
+from fastpo.kernels.hf import decoder_body, lm_head_weight
+from fastpo.models import ModelLoadError, load_model_checked, resolve_device
 from fastpo.metrics import (EchoTrapDetector, MetricsLogger, before_after_table, plot_curves, rollout_metrics,
-                            summary_table, write_samples)
+                            summary_table, warn_user, write_samples)
+from fastpo import window as ctxwin
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
                             use_segment_attention)
-
-
-def _settings(config_yaml: str) -> dict:
-    """A run's settings from its config.yaml text, without what a resume may change freely
-    (the folder's spelling, the iteration count)."""
-    d = yaml.safe_load(config_yaml) or {}
-    for key in ("output_dir", "iterations"):
-        d.get("trainer", {}).pop(key, None)
-    return d
+from fastpo.seeds import iteration_seeds, mini_batch_generator_seed, rollout_sampling_seed
 
 
 def _read(path: str) -> str:
     with open(path) as f:
         return f.read()
-
-
-def resolve_device(name: str) -> torch.device:
-    """"auto" -> cuda when available else cpu.
-
-    Raises ConfigError (a ValueError) for a string torch cannot read, cuda on a machine
-    without it, or a cuda index beyond the devices present.
-    """
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ConfigError(f"trainer.device={name!r} is not a device ({e})") from None
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"trainer.device={name!r}: must be auto, cpu or cuda[:N]")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.device={name!r} but torch.cuda.is_available() is False")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"trainer.device={name!r}: only {torch.cuda.device_count()} CUDA device(s)")
-    return dev
-
-
-class ModelLoadError(ConfigError):
-    """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
-
-
-def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
-    """`fastpo.models.load_model_and_tokenizer(name, **kw)` (with `tokenizer_only`,
-    `load_tokenizer(name)`) with its bad-input errors (ValueError, RuntimeError, OSError)
-    raised as ModelLoadError naming `model.name`. A fastpo checkpoint is verified first: one
-    whose model/ is damaged is refused in one line naming the damage (and its run's newest
-    intact checkpoint)."""
-    from fastpo import models
-    from fastpo.checkpoint import find_checkpoint, verify_checkpoint
-
-    try:
-        ref = find_checkpoint(name)
-        problem = verify_checkpoint(ref.folder, part="model/") if ref is not None else None
-        if problem is not None:
-            other = search_checkpoints(ref.run_dir).folder if ref.run_dir else None
-            raise ValueError(f"checkpoint {ref.folder} is damaged: {problem}"
-                             + (f" (the run's newest intact checkpoint: {other})" if other else ""))
-        return models.load_tokenizer(name) if tokenizer_only else models.load_model_and_tokenizer(name, **kw)
-    except (ValueError, RuntimeError, OSError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelLoadError(f"model.name={name!r} cannot be loaded: {msg}") from e
 
 
 class NothingToTrain(ConfigError):
@@ -135,43 +82,39 @@ class _Drop(BaseException):
     evaluation): that work is dropped. A BaseException, so no `except Exception` swallows it."""
 
 
-@dataclasses.dataclass
-class ResumePoint:
-    """Where `--resume` continues a run: `checkpoint`, the newest intact checkpoint folder;
-    `iteration`, the one it holds; `note`, one line naming damaged newer checkpoints that were
-    skipped (None when there were none)."""
-
-    checkpoint: str
-    iteration: int
-    note: Optional[str]
-
-    def eval_pending(self) -> bool:
-        """Whether its evaluation was stopped (by SIGTERM) and is still to run."""
-        state, _ = load_state(self.checkpoint, optimizers=False)
-        return bool(state.get("eval_pending"))
-
-    def nothing_to_do(self, iterations: int) -> bool:
-        """Whether a resume with `iterations` in all has nothing to train or evaluate."""
-        return self.iteration >= iterations and not self.eval_pending()
+def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
+    """The fused policy loss's settings for `cfg` (built once per run): the algorithm's clip,
+    entropy, KL and aggregation settings at the rollout temperature; no KL term in the loss
+    when the KL is on the reward (`TrainConfig.kl_in_reward`)."""
+    a = cfg.algorithm
+    return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+                              entropy_coef=a.entropy_coef, kl_coef=0.0 if cfg.kl_in_reward else a.kl_coef,
+                              kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
+                              ratio_level=a.ratio_level)
 
 
-def find_resume_point(out_dir: str) -> ResumePoint:
-    """The checkpoint that `--resume out_dir` continues from: the newest intact one.
-
-    Raises FileNotFoundError (one line, naming damaged checkpoints) when there is none.
-    """
-    found = search_checkpoints(out_dir)
-    if found.folder is None:
-        why = f" ({found.note()})" if found.note() else ""
-        raise FileNotFoundError(f"--resume {out_dir}: no checkpoint found under {os.path.join(out_dir, 'checkpoints')}"
-                                f"{why}; if nothing was trained yet, start again with --out {out_dir} --overwrite")
-    return ResumePoint(found.folder, checkpoint_iteration(found.folder), found.note())
+def loss_denominator(loss_agg: str, masks: list, indices: list[int]) -> float:
+    """The normaliser of a mini-batch's loss under `loss_agg` (fastpo.kernels.aggregation_weights'
+    `denominator`), so that micro-batch losses accumulate to the mini-batch's: its scored tokens
+    for "token-mean", else its trajectories with a scored token; at least 1."""
+    if loss_agg == "token-mean":
+        return float(max(1, sum(int(masks[i][1:].sum()) for i in indices)))
+    return float(sum(1 for i in indices if bool(masks[i][1:].any())) or 1)
 
 
-def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
-    """The env seeds of iteration `iteration`: a pure function of (seed, iteration), so resume repeats them."""
-    rng = np.random.default_rng([seed, iteration, 7919])
-    return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
+class _MetricMeans:
+    """Running means of named scalars (floats or 0-dim tensors) over an update."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, value) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
 
 class ValueHead(torch.nn.Module):
@@ -185,16 +128,6 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.proj(h.to(self.proj.weight.dtype)).squeeze(-1).float()
-
-
-def _body(model: torch.nn.Module) -> torch.nn.Module:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.base_model
-
-
-def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.get_output_embeddings().weight
 
 
 def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -268,8 +201,9 @@ class Trainer:
             raise
 
     def _warn(self, text: str) -> None:
-        """One line (never wrapped), "warning: " first."""
-        self.console.print(f"warning: {text}", style="yellow", markup=False, soft_wrap=True)
+        """A warning for the user (`fastpo.metrics.warn_user`: the "fastpo" logger, shown on
+        this run's console unless that logger has handlers of its own)."""
+        warn_user(text, self.console)
 
     def _release_lock(self, remove: bool = False) -> None:
         if self._lock is not None:
@@ -311,9 +245,9 @@ class Trainer:
                 raise ConfigError("config key 'rollout.engine' = 'sglang': needs CUDA and sglang "
                                   "(pip install 'fastpo[sglang]'); use rollout.engine=native on this machine")
         if cfg.rollout.group_size == 1 and cfg.algorithm.filter_mode != "none":
-            c.print(f"[yellow]warning[/]: algorithm.filter_mode={cfg.algorithm.filter_mode} with rollout.group_size=1: "
-                    "the in-group reward std is undefined with one trajectory per env group, so StarPO-S "
-                    "filtering is skipped (every group is trained on)")
+            self._warn(f"algorithm.filter_mode={cfg.algorithm.filter_mode} with rollout.group_size=1: "
+                       "the in-group reward std is undefined with one trajectory per env group, so StarPO-S "
+                       "filtering is skipped (every group is trained on)")
         tok = self.check_prompts_fit()
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
@@ -335,21 +269,30 @@ class Trainer:
             dtype = torch.float32  # fp32 master weights; CUDA runs the math under bf16 autocast
         ckpt = None
         if self.resume:
-            point = find_resume_point(self.out)
-            if point.note:
-                self._warn(point.note)
-            ckpt = point.checkpoint
+            plan = plan_resume(self.out)
+            if plan.note:
+                self._warn(plan.note)
+            ckpt = plan.checkpoint
         t0 = time.perf_counter()
         model, tok, info = load_model_checked(cfg.model.name, device=str(self.device), dtype=dtype, tokenizer=tok)
         self.info = info
+        try:  # the fused kernels compute plain linear heads only (fastpo.kernels.hf.lm_head_weight)
+            lm_head_weight(model)
+            decoder_body(model)
+        except ValueError as e:
+            raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
         if ckpt is not None and cfg.model.lora_rank == 0:
             # (with LoRA the base stays frozen; only the adapter is restored, below)
-            self._load_weights(model, os.path.join(ckpt, "model"))
+            load_checkpoint(ckpt, model=model)
         self.load_seconds = time.perf_counter() - t0
         c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
                 f"{self.device} (loaded in {self.load_seconds:.1f} s)")
         # packed rows attend per trajectory (sum of L_i^2, not N^2); generation still runs sdpa
         use_segment_attention(model)
+        if cfg.rollout.context_window != "full" and packing_attention(model) == "varlen":
+            raise ConfigError(f"config key 'rollout.context_window' = {cfg.rollout.context_window!r} needs a "
+                              "per-token attention mask, which flash-attn's varlen packing cannot take; load the "
+                              "model with sdpa or eager attention")
         if cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         self.ref_model = None
@@ -363,7 +306,7 @@ class Trainer:
             self.value_head = ValueHead(hidden).to(self.device)
             if a.critic == "separate":
                 # A copy of the policy's architecture (initialised from the policy, as RAGEN/verl do).
-                self.critic_body = copy.deepcopy(_body(model)).to(self.device)
+                self.critic_body = copy.deepcopy(decoder_body(model)).to(self.device)
                 self.critic_body.requires_grad_(True)
         if cfg.model.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
@@ -372,12 +315,8 @@ class Trainer:
                                                      lora_dropout=cfg.model.lora_dropout,
                                                      target_modules=list(cfg.model.lora_target_modules),
                                                      task_type="CAUSAL_LM"))
-            if ckpt is not None and os.path.isdir(os.path.join(ckpt, "model", "adapter")):
-                from peft import set_peft_model_state_dict
-                from safetensors.torch import load_file
-
-                set_peft_model_state_dict(model, load_file(os.path.join(ckpt, "model", "adapter",
-                                                                        "adapter_model.safetensors")))
+            if ckpt is not None:
+                load_checkpoint(ckpt, model=model)  # the adapter
         self.model, self.tokenizer = model, tok
         o = cfg.optim
         actor_params = [p for p in model.parameters() if p.requires_grad]
@@ -389,6 +328,7 @@ class Trainer:
         if self.critic_body is not None:
             self.critic_opt = torch.optim.AdamW(list(self.critic_body.parameters()) + list(self.value_head.parameters()),
                                                 lr=o.critic_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.loss_settings = policy_loss_settings(cfg)
         self.rollout_cfg = cfg.rollout.rollout_config()
         self.engine = self._make_engine(model, tok)
         self._resolve_old_logprob()
@@ -401,17 +341,8 @@ class Trainer:
             self.schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                             cfg.train_batch_size, cfg.trainer.seed)
         if ckpt is not None:
-            state, opts = load_state(ckpt)
-            self.actor_opt.load_state_dict(opts["actor"])
-            if self.critic_opt is not None:
-                self.critic_opt.load_state_dict(opts["critic"])
-            if self.value_head is not None:
-                from safetensors.torch import load_file
-
-                self.value_head.load_state_dict(load_file(os.path.join(ckpt, "critic", "value_head.safetensors")))
-            if self.critic_body is not None:
-                self._load_weights(self.critic_body, os.path.join(ckpt, "critic"), body=True)
-            set_rng_state(state["rng"])
+            state = load_checkpoint(ckpt, optimizers=self._optimizers(), critic_backbone=self.critic_body,
+                                    value_head=self.value_head, rng=True)
             self.start_iteration = int(state["iteration"]) + 1
             self.last_eval = state.get("last_eval", {})
             self._eval_pending = bool(state.get("eval_pending"))
@@ -429,7 +360,7 @@ class Trainer:
         if ckpt is not None and self.start_iteration > cfg.trainer.iterations:
             return  # a finished run resumed with nothing to train: its config.yaml stays as it ran
         ran = os.path.join(ckpt, "config.yaml") if ckpt is not None else None
-        if ran is not None and os.path.exists(ran) and _settings(_read(ran)) != _settings(text):
+        if ran is not None and os.path.exists(ran) and run_settings(_read(ran)) != run_settings(text):
             # resumed with changed settings: keep beside the run those the checkpoint's iterations
             # ran with (from the checkpoint, so a failed resume in between cannot blur them)
             kept = os.path.join(self.out, f"config.until_iter_{self.start_iteration - 1:06d}.yaml")
@@ -467,7 +398,11 @@ class Trainer:
         autocast = self.device.type == "cuda" and self.cfg.model.dtype == "auto"  # as _autocast()
         self.old_logprob_source, why, warn = resolve_old_logprob(
             self.cfg.algorithm.old_logprob, self.engine, self.model, self.cfg.rollout.temperature, autocast)
-        self.console.print(f"{'[yellow]warning[/]: ' if warn else ''}old log-probs: {self.old_logprob_source} ({why})")
+        line = f"old log-probs: {self.old_logprob_source} ({why})"
+        if warn:
+            self._warn(line)
+        else:
+            self.console.print(line)
 
     def _shutdown_engine(self) -> None:
         """Stop an engine that runs its own processes (SGLang); the native one has none."""
@@ -495,16 +430,6 @@ class Trainer:
         finally:
             self.engine.release_memory()
             self._engine_released = True
-
-    def _load_weights(self, module: torch.nn.Module, folder: str, body: bool = False) -> None:
-        from transformers import AutoModel, AutoModelForCausalLM
-
-        loaded = (AutoModel if body else AutoModelForCausalLM).from_pretrained(folder, dtype=torch.float32)
-        missing, unexpected = module.load_state_dict(loaded.state_dict(), strict=False)
-        # tied LM heads are stored once; anything else missing means a wrong checkpoint
-        bad = [k for k in missing if "lm_head" not in k]
-        if bad or unexpected:
-            raise RuntimeError(f"checkpoint {folder} does not fit the model: missing {bad[:5]}, unexpected {unexpected[:5]}")
 
     def _autocast(self):
         if self.device.type == "cuda" and self.cfg.model.dtype == "auto":
@@ -542,9 +467,29 @@ class Trainer:
         # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         mdtype = torch.bool if impl == "sdpa" else torch.float32
+        windows = None
+        if self.cfg.rollout.context_window != "full":  # each turn attends as the sampler's window did
+            windows = {i: ctxwin.labels(ids[i]) for i in indices}
+            missing = [i for i, w in windows.items() if w is None]
+            if missing:
+                raise RuntimeError(f"trajectories {missing[:5]} carry no context-window labels "
+                                   "(fastpo.window.attach); they cannot be scored as the sampler saw them")
         for mb in plan:
             yield pack_micro_batch(ids, [indices[j] for j in mb], attention=attention, mask_dtype=mdtype,
-                                   device=self.device, prefix_lengths=prefix, prefix_groups=groups)
+                                   device=self.device, prefix_lengths=prefix, prefix_groups=groups, windows=windows)
+
+    @staticmethod
+    def _hidden(body: torch.nn.Module, micro) -> torch.Tensor:
+        """The last hidden states [L, H] of packed micro-batch `micro` (one row of L tokens)
+        through decoder body `body` (the policy's, the reference model's or a separate critic's):
+        the forward that computing old log-probs and the update share."""
+        return body(**micro.model_inputs(), use_cache=False).last_hidden_state[0]
+
+    def _values(self, micro, rows: torch.Tensor, h_policy: Optional[torch.Tensor]) -> torch.Tensor:
+        """The critic's values [M] fp32 from the hidden-state rows `rows` [M]: the policy's
+        hidden states `h_policy` for a critic on the shared trunk, else its own body's."""
+        hv = h_policy if self.critic_body is None else self._hidden(self.critic_body, micro)
+        return self.value_head(hv[rows])
 
     @torch.no_grad()
     def compute_old(self, ids, masks, logprobs: bool = True, values: bool = True) -> tuple[list, list, list, list]:
@@ -554,8 +499,6 @@ class Trainer:
         `logprobs=False` skips the policy's LM head (log-probs and entropies stay None),
         `values=False` the critic (values None): what the sampler already gave.
         """
-        from fastpo.kernels import linear_logprob_entropy
-
         temp = self.cfg.rollout.temperature
         impl = self.cfg.trainer.kernel_impl
         n = len(ids)
@@ -568,26 +511,24 @@ class Trainer:
             return old_lp, ent, vals, ref
         policy_body = logprobs or (values and self.critic_body is None)
         self.model.eval()
-        for pb in self._micro_batches(ids, list(range(n)), masks):
-            sc = pb.scored(masks)  # token t is scored from the hidden state at t - 1
-            if sc.count == 0:
+        for micro in self._micro_batches(ids, list(range(n)), masks):
+            scored = micro.scored(masks)  # token t is scored from the hidden state at t - 1
+            if scored.count == 0:
                 continue
             with self._autocast():
-                h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0] if policy_body else None
+                h = self._hidden(decoder_body(self.model), micro) if policy_body else None
                 if logprobs:
-                    lp, e = linear_logprob_entropy(h[sc.hidden], _lm_head_weight(self.model), sc.targets, temp,
+                    lp, e = linear_logprob_entropy(h[scored.rows], lm_head_weight(self.model), scored.targets, temp,
                                                    impl=impl)
-                    sc.scatter(lp.float(), old_lp)
-                    sc.scatter(e.float(), ent)
+                    scored.scatter(lp.float(), old_lp)
+                    scored.scatter(e.float(), ent)
                 if values:
-                    hv = h if self.critic_body is None else self.critic_body(
-                        **pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                    sc.scatter(self.value_head(hv[sc.hidden]).float(), vals)
+                    scored.scatter(self._values(micro, scored.rows, h).float(), vals)
                 if self.ref_model is not None:
-                    hr = _body(self.ref_model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                    rlp, _ = linear_logprob_entropy(hr[sc.hidden], _lm_head_weight(self.ref_model), sc.targets, temp,
-                                                    impl=impl)
-                    sc.scatter(rlp.float(), ref)
+                    hr = self._hidden(decoder_body(self.ref_model), micro)
+                    rlp, _ = linear_logprob_entropy(hr[scored.rows], lm_head_weight(self.ref_model), scored.targets,
+                                                    temp, impl=impl)
+                    scored.scatter(rlp.float(), ref)
         return old_lp, ent, vals, ref
 
     def _old_from_sampler(self, batch, ids, masks, samp):
@@ -628,10 +569,10 @@ class Trainer:
         """
         a = self.cfg.algorithm
         B = len(masks)
-        T = max(int(m.numel()) for m in masks)
+        T = max(int(mask.numel()) for mask in masks)
         M = torch.zeros(B, T, dtype=torch.bool)
-        for i, m in enumerate(masks):
-            M[i, : m.numel()] = m
+        for i, mask in enumerate(masks):
+            M[i, : mask.numel()] = mask
         metrics: dict = {}
         KL = None
         if a.kl_coef > 0 and self.cfg.kl_in_reward and ref is not None:
@@ -688,140 +629,129 @@ class Trainer:
     def epoch_mini_batches(self, masks: list, generator: torch.Generator):
         """One PPO epoch's mini-batches: shuffled trajectory indices, the last one smaller when
         n % mini_batch_size != 0. Yields (indices, scored tokens, loss denominator): the
-        denominator is the scored-token count for token-mean, else the scored-trajectory count."""
+        denominator of `algorithm.loss_agg` (`loss_denominator`)."""
         size = self.cfg.optim.mini_batch_size
         perm = torch.randperm(len(masks), generator=generator).tolist()
         for start in range(0, len(masks), size):
-            mb = perm[start:start + size]
-            n_tok = sum(int(masks[i][1:].sum()) for i in mb)
-            denom = float(max(1, n_tok)) if self.cfg.algorithm.loss_agg == "token-mean" else float(
-                sum(1 for i in mb if bool(masks[i][1:].any())) or 1)
-            yield mb, n_tok, denom
+            mini = perm[start:start + size]
+            n_tok = sum(int(masks[i][1:].sum()) for i in mini)
+            yield mini, n_tok, loss_denominator(self.cfg.algorithm.loss_agg, masks, mini)
 
     def update(self, it: int, ids, masks, old_lp, adv, vals, returns, ref, is_weights=None) -> dict:
-        """PPO epochs over shuffled mini-batches; returns averaged update metrics. `is_weights`
-        ([T_i] fp32 per trajectory, or None): the importance-sampling correction's weights on
-        the policy-gradient term (fastpo.algorithms.rollout_correction)."""
-        from fastpo.kernels import linear_policy_loss
-
-        cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
-        kl_reward = cfg.kl_in_reward  # the KL is then in the advantages, not in the loss
-        g = torch.Generator().manual_seed(int(np.random.default_rng([cfg.trainer.seed, it, 104729]).integers(2**62)))
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def add(k, v):
-            sums[k] = sums.get(k, 0.0) + float(v)
-            counts[k] = counts.get(k, 0) + 1
-
-        skipped = 0
-        steps = 0
-        train_tokens = 0
+        """PPO epochs over shuffled mini-batches, each a gradient accumulated over its packed
+        micro-batches (`_micro_batch_loss`) and one optimizer step (`_optimizer_step`); returns
+        averaged update metrics. `is_weights` ([T_i] fp32 per trajectory, or None): the
+        importance-sampling correction's weights on the policy-gradient term
+        (fastpo.algorithms.rollout_correction)."""
+        cfg, o = self.cfg, self.cfg.optim
+        g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
+        per_traj = {"old_lp": old_lp, "adv": adv, "vals": vals, "returns": returns, "ref": ref,
+                    "is_weights": is_weights}
+        metrics = _MetricMeans()
+        skipped = steps = train_tokens = 0
         self.model.train()
         for _epoch in range(o.ppo_epochs):
-            for mb, n_tok, denom in self.epoch_mini_batches(masks, g):
-                self.actor_opt.zero_grad(set_to_none=True)
-                if self.critic_opt is not None:
-                    self.critic_opt.zero_grad(set_to_none=True)
+            for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
+                value_denom = loss_denominator(cfg.algorithm.value_loss_agg, masks, mini)
+                self._zero_grad()
                 finite = True
-                for pb in self._micro_batches(ids, mb, masks):
-                    sc = pb.scored(masks)
-                    if sc.count == 0:
+                for micro in self._micro_batches(ids, mini, masks):
+                    scored = micro.scored(masks)
+                    if scored.count == 0:
                         continue
-                    old = sc.take(old_lp)
-                    A = sc.take(adv)
-                    rl = sc.take(ref) if (ref is not None and not kl_reward) else None
-                    isw = sc.take(is_weights) if is_weights is not None else None
-                    sid = sc.seq
-                    train_tokens += pb.trajectory_tokens
-                    with self._autocast():
-                        h = _body(self.model)(**pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                        out = linear_policy_loss(
-                            h[sc.hidden], _lm_head_weight(self.model), sc.targets, old, A,
-                            torch.ones_like(old, dtype=torch.bool), rl,
-                            clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                            entropy_coef=a.entropy_coef, kl_coef=0.0 if kl_reward else a.kl_coef,
-                            kl_estimator=a.kl_estimator,
-                            temperature=cfg.rollout.temperature, loss_agg=a.loss_agg, seq_ids=sid,
-                            denominator=denom, ratio_level=a.ratio_level, is_weights=isw,
-                            impl=cfg.trainer.kernel_impl)
-                        loss = out.loss
-                        vloss = None
-                        if self.value_head is not None:
-                            hv = h if self.critic_body is None else self.critic_body(
-                                **pb.model_inputs(), use_cache=False).last_hidden_state[0]
-                            v = self.value_head(hv[sc.hidden])
-                            ov = sc.take(vals)
-                            R = sc.take(returns)
-                            vl, vm = alg.clipped_value_loss(v, ov, R, torch.ones_like(v, dtype=torch.bool),
-                                                            clip=a.value_clip)
-                            vloss = vl * (sc.count / max(1, n_tok))
-                            for k, val in vm.items():
-                                add(f"critic/{k}", val)
-                            add("critic/value_loss", vl.detach())
-                    total = loss + (a.value_coef * vloss if (vloss is not None and self.critic_body is None) else 0.0)
-                    if vloss is not None and self.critic_body is not None:
-                        total = total + vloss  # separate critic: its own optimizer, no coefficient needed
+                    train_tokens += micro.trajectory_tokens
+                    total, out = self._micro_batch_loss(micro, scored, per_traj, denom, value_denom, metrics)
                     if not torch.isfinite(total.detach()):
                         finite = False
                         break
                     total.backward()
                     for k, val in out.metrics.items():
-                        add(f"actor/{k}", val)
-                    add("actor/pg_loss_micro", loss.detach())
-                if finite:
-                    gn = torch.nn.utils.clip_grad_norm_([p for grp in self.actor_opt.param_groups for p in grp["params"]],
-                                                        o.grad_clip)
-                    cgn = None
-                    if self.critic_opt is not None:
-                        cgn = torch.nn.utils.clip_grad_norm_(
-                            [p for grp in self.critic_opt.param_groups for p in grp["params"]], o.grad_clip)
-                    finite = bool(torch.isfinite(gn)) and (cgn is None or bool(torch.isfinite(cgn)))
-                if not finite:
-                    skipped += 1
-                    self.console.print(f"[yellow]warning[/]: iteration {it}: non-finite loss or gradient; "
-                                       "update skipped (weights unchanged)")
-                    self.actor_opt.zero_grad(set_to_none=True)
-                    if self.critic_opt is not None:
-                        self.critic_opt.zero_grad(set_to_none=True)
+                        metrics.add(f"actor/{k}", val)
+                    metrics.add("actor/pg_loss_micro", out.loss.detach())
+                if finite and self._optimizer_step(metrics):
+                    steps += 1
                     continue
-                self.actor_opt.step()
-                if self.critic_opt is not None:
-                    self.critic_opt.step()
-                    add("critic/grad_norm", cgn)
-                add("actor/grad_norm", gn)
-                steps += 1
+                skipped += 1
+                self._warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
+                self._zero_grad()
         self.model.eval()
-        res = {k: sums[k] / counts[k] for k in sums}
+        res = metrics.means()
         res["actor/updates"] = steps
         res["actor/skipped_updates"] = skipped
         res["_train_tokens"] = train_tokens
         return res
+
+    def _optimizers(self) -> dict:
+        """The optimizers by checkpoint name: "actor", and "critic" for a separate critic."""
+        return {"actor": self.actor_opt, **({"critic": self.critic_opt} if self.critic_opt is not None else {})}
+
+    def _zero_grad(self) -> None:
+        self.actor_opt.zero_grad(set_to_none=True)
+        if self.critic_opt is not None:
+            self.critic_opt.zero_grad(set_to_none=True)
+
+    def _micro_batch_loss(self, micro, scored, per_traj: dict, denom: float, value_denom: float,
+                          metrics: "_MetricMeans"):
+        """(total loss to backpropagate, the policy loss's PolicyLossOutput) of one packed
+        micro-batch: the fused policy loss plus the critic's value loss (times value_coef
+        when the critic shares the policy's optimizer), both normalised by their mini-batch
+        denominators so that the accumulated gradient is the mini-batch's. Critic metrics
+        go into `metrics`."""
+        a = self.cfg.algorithm
+        take = {k: None if v is None else scored.take(v) for k, v in per_traj.items()}
+        ref = None if self.cfg.kl_in_reward else take["ref"]  # the KL is then in the advantages
+        with self._autocast():
+            h = self._hidden(decoder_body(self.model), micro)
+            out = linear_policy_loss(h[scored.rows], lm_head_weight(self.model), scored.targets, take["old_lp"],
+                                     take["adv"], torch.ones_like(take["old_lp"], dtype=torch.bool), ref,
+                                     settings=self.loss_settings, seq_ids=scored.seq, denominator=denom,
+                                     is_weights=take["is_weights"], impl=self.cfg.trainer.kernel_impl)
+            total = out.loss
+            if self.value_head is not None:
+                v = self._values(micro, scored.rows, h)
+                vloss, vm = alg.clipped_value_loss(v, take["vals"], take["returns"], torch.ones_like(v, dtype=torch.bool),
+                                                   clip=a.value_clip, mode=a.value_loss_agg, seq_ids=scored.seq,
+                                                   denominator=value_denom)
+                for k, val in vm.items():
+                    metrics.add(f"critic/{k}", val)
+                # a separate critic has its own optimizer: no coefficient needed
+                total = total + (a.value_coef * vloss if self.critic_body is None else vloss)
+        return total, out
+
+    def _optimizer_step(self, metrics: "_MetricMeans") -> bool:
+        """Clip the accumulated gradients (optim.grad_clip) and step the optimizers; False,
+        without a step, when a gradient norm is not finite."""
+        clip = self.cfg.optim.grad_clip
+        gn = torch.nn.utils.clip_grad_norm_([p for grp in self.actor_opt.param_groups for p in grp["params"]], clip)
+        cgn = None
+        if self.critic_opt is not None:
+            cgn = torch.nn.utils.clip_grad_norm_([p for grp in self.critic_opt.param_groups for p in grp["params"]],
+                                                 clip)
+        if not (bool(torch.isfinite(gn)) and (cgn is None or bool(torch.isfinite(cgn)))):
+            return False
+        self.actor_opt.step()
+        if self.critic_opt is not None:
+            self.critic_opt.step()
+            metrics.add("critic/grad_norm", cgn)
+        metrics.add("actor/grad_norm", gn)
+        return True
 
     def evaluate(self, it: int) -> dict:
         """Success rate and pass@k on the fixed eval seeds at the eval temperature, with the
         best and the random policy's success on the same seeds and horizon beside it
         (`eval/optimal_success`, `eval/random_success`, computed once); writes samples."""
         t = self.cfg.trainer
-        seeds = [t.eval_seed_offset + i for i in range(t.eval_seeds)]
         t0 = time.perf_counter()
         with self._engine_awake():
-            res = evaluate_policy(self.rollout, seeds, t.eval_group_size, t.eval_temperature, seed=t.seed + 12345,
-                                  autocast=self._autocast, model=self.model)
-        if self._success_bounds is None:
-            try:
-                self._success_bounds = success_bounds(self.cfg.env.name, self.cfg.env.options, seeds,
-                                                      eval_horizon(self.cfg.rollout))
-            except RuntimeError as e:  # a Sokoban search past its state cap: no bounds, training goes on
-                self.console.print(f"[yellow]warning[/]: no eval/optimal_success or eval/random_success: {e}")
-                self._success_bounds = {}
+            res, batch = evaluate_config(self.rollout, self.cfg, autocast=self._autocast, model=self.model)
+        if self._success_bounds is None:  # fixed seeds: computed once (a Sokoban search past its cap: none)
+            self._success_bounds = config_success_bounds(self.cfg, warn=self._warn)
         res.update(self._success_bounds)
-        batch = res.pop("_batch")
         # per-trajectory outcomes, for the paired before/after comparison (metrics.before_after)
         write_json(os.path.join(self.out, "eval", f"iter_{it:06d}.json"), res.pop("_per_trajectory"))
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
-                             f"(temperature {t.eval_temperature}, {len(seeds)} seeds)",
+                             f"(temperature {t.eval_temperature}, {t.eval_seeds} seeds)",
                       model_label=self.info.label)
         res["time/eval_s"] = time.perf_counter() - t0
         return res
@@ -841,7 +771,7 @@ class Trainer:
         isw = items = None
         with self._droppable():
             seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
-            batch = self._generate(seeds, r.group_size, r.temperature, seed=cfg.trainer.seed * 1_000_003 + it)
+            batch = self._generate(seeds, r.group_size, r.temperature, seed=rollout_sampling_seed(cfg.trainer.seed, it))
             tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
             tm["time/weight_sync_s"] = self.weight_sync_seconds
             full = batch
@@ -851,11 +781,11 @@ class Trainer:
                     f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
                     f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
                     f"{longest + r.max_new_tokens}")
-            m = rollout_metrics(full, prefix="train")
+            metrics = rollout_metrics(full, prefix="train")
             every = cfg.trainer.collapse_every
             if every and (it == 1 or it % every == 0):
                 t_c = time.perf_counter()
-                m.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
+                metrics.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
                 tm["time/collapse_s"] = time.perf_counter() - t_c
             t1 = time.perf_counter()
             # one trajectory per group: no in-group std to filter by (said once at start)
@@ -866,10 +796,12 @@ class Trainer:
             # full batch is still scored for its metrics, then the update is skipped
             skip = filt.indices.numel() == 0
             batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
-            m["train/filter_kept_ratio"] = filt.kept_ratio
-            m["train/in_group_reward_std_kept"] = filt.std_after
-            m["train/filter_zero_std_groups"] = filt.zero_std_groups
+            metrics["train/filter_kept_ratio"] = filt.kept_ratio
+            metrics["train/in_group_reward_std_kept"] = filt.std_after
+            metrics["train/filter_zero_std_groups"] = filt.zero_std_groups
             ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
+            for x, tn, vf in zip(ids, batch.context_turns, batch.visible_from):  # context window only
+                ctxwin.attach(x, tn, vf)
             masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
             for mk in masks:
                 mk[0] = False
@@ -881,43 +813,42 @@ class Trainer:
                 recomputed = old_lp
             tm["time/old_logprob_s"] = time.perf_counter() - t1
             allm = torch.cat(masks)
-            m["train/old_logprob_from_sampler"] = float(old_lp is samp)
+            metrics["train/old_logprob_from_sampler"] = float(old_lp is samp)
             if recomputed is not None:  # both available: how far the sampler's are from the trainer's
                 gap = (torch.cat(recomputed) - torch.cat(samp))[allm].abs()
-                m["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-                m["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-            m["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
+                metrics["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+                metrics["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+            metrics["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
             if skip:
-                self.console.print(f"[yellow]warning[/]: iteration {it}: the {a.filter_strategy} filter kept no env "
-                                   f"group ({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); "
-                                   "update skipped")
-                m.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
-                return m
+                self._warn(f"iteration {it}: the {a.filter_strategy} filter kept no env group "
+                           f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
+                metrics.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
+                return metrics
             t2 = time.perf_counter()
             adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
-            m.update(am)
+            metrics.update(am)
             if a.soft_advantage_reweight:
                 w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
                 adv = [x * w[i] for i, x in enumerate(adv)]
-                m.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
+                metrics.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
                           "train/soft_reweight_mean": float(w.mean())})
             tm["time/advantage_s"] = time.perf_counter() - t2
             if self.schedule is not None or a.is_correction != "none":
-                rollout_m = dict(m)  # what the iterations reusing this batch log again
+                rollout_m = dict(metrics)  # what the iterations reusing this batch log again
                 if self.schedule is not None:
                     items = _traj_items(it, ids, masks, samp, old_lp, adv, returns, vals, ref)
                 ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
-                    it, m, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh=True)
+                    it, metrics, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh=True)
         if items is not None:  # past the droppable part: a dropped iteration leaves the schedule as it was
             self.schedule.start(it, items, rollout_m)
-        self._train(it, m, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
+        self._train(it, metrics, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
         gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
-        m["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
-        m.update(tm)
-        return m
+        metrics["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
+        metrics.update(tm)
+        return metrics
 
-    def _train(self, it: int, m: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
-        """The update phase of an iteration: `update`, then its metrics into `m` and its time into `tm`."""
+    def _train(self, it: int, metrics: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
+        """The update phase of an iteration: `update`, then its metrics into `metrics` and its time into `tm`."""
         self._weights_touched = True
         t3 = time.perf_counter()
         # (is_weights only when there are some: subclasses such as bench's ReferenceTrainer override update)
@@ -926,9 +857,9 @@ class Trainer:
         self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
         train_tokens = um.pop("_train_tokens")
         um.pop("actor/pg_loss_micro", None)
-        m.update(um)
+        metrics.update(um)
         tm["time/update_s"] = time.perf_counter() - t3
-        m["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
+        metrics["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
 
     def _reuse_iteration(self, it: int) -> dict:
         """An iteration inside a reuse cycle (rollout.reuse = K > 1): no rollout; the batch the
@@ -940,7 +871,7 @@ class Trainer:
         self._weights_touched = False
         with self._droppable():
             t1 = time.perf_counter()
-            m = dict(self.schedule.metrics)
+            metrics = dict(self.schedule.metrics)
             cur = self.schedule.current
 
             def col(key):
@@ -950,18 +881,18 @@ class Trainer:
                 "input_ids", "loss_mask", "sample_logprobs", "old_logprobs", "advantages"))
             returns, vals, ref = col("returns"), col("values"), col("ref_logprobs")
             ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
-                it, m, ids, masks, samp, old_lp, adv, vals, returns, ref)
+                it, metrics, ids, masks, samp, old_lp, adv, vals, returns, ref)
             tm["time/old_logprob_s"] = time.perf_counter() - t1
-        self._train(it, m, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
-        m.update(tm)
-        return m
+        self._train(it, metrics, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
+        metrics.update(tm)
+        return metrics
 
-    def _off_policy(self, it: int, m: dict, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh: bool = False):
+    def _off_policy(self, it: int, metrics: dict, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh: bool = False):
         """Mix this iteration's replayed trajectories into the batch and apply the importance-
         sampling correction (algorithm.is_correction); `fresh`: the batch was just rolled out
         (the schedule takes it after the droppable part). Per-trajectory lists in, the same
         lists (replayed ones appended; with "mis", trajectories left with no token dropped)
-        and the IS weights (None without correction) out; metrics into `m`.
+        and the IS weights (None without correction) out; metrics into `metrics`.
 
         Replayed trajectories keep their sampler log-probs, advantages and returns; their old
         log-probs (the ratio's anchor), values and reference log-probs are the current
@@ -969,11 +900,11 @@ class Trainer:
         a, sched = self.cfg.algorithm, self.schedule
         rep = sched.replayed(it, len(ids), fresh) if sched is not None else []
         if sched is not None:
-            m["rollout/reuse_index"] = sched.reuse_index(it, fresh)
-            m["replay/size"] = len(sched.pool(fresh))
-            m["replay/trajectories"] = len(rep)
+            metrics["rollout/reuse_index"] = sched.reuse_index(it, fresh)
+            metrics["replay/size"] = len(sched.pool(fresh))
+            metrics["replay/trajectories"] = len(rep)
             if rep:
-                m["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
+                metrics["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
         if rep:
             r_ids, r_masks = [x["input_ids"] for x in rep], [x["loss_mask"] for x in rep]
             r_old, _, r_vals, r_ref = self.compute_old(r_ids, r_masks)
@@ -985,8 +916,8 @@ class Trainer:
         corr = alg.rollout_correction(_pad(old_lp), _pad(samp), _pad(masks, torch.bool), a.is_correction, a.is_level,
                                       a.is_cap)
         for k in ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "is_weight_mean", "is_truncated_frac"):
-            m[f"actor/{k}"] = corr.metrics[k]
-        m["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
+            metrics[f"actor/{k}"] = corr.metrics[k]
+        metrics["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
         if a.is_correction == "none":
             return ids, masks, old_lp, adv, vals, returns, ref, None
         n = [int(x.numel()) for x in ids]
@@ -1038,8 +969,7 @@ class Trainer:
         """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume
         restores; `eval_pending` marks an evaluation of `it` still to run on resume."""
         t0 = time.perf_counter()
-        path = save_checkpoint(self.out, it, model=self.model, tokenizer=self.tokenizer,
-                               optimizers={"actor": self.actor_opt, **({"critic": self.critic_opt} if self.critic_opt else {})},
+        path = save_checkpoint(self.out, it, model=self.model, tokenizer=self.tokenizer, optimizers=self._optimizers(),
                                state={"last_eval": self.last_eval, "eval_pending": eval_pending,
                                       **({} if self.schedule is None else
                                          {"rollout_schedule": self.schedule.state_dict()})},
@@ -1089,9 +1019,7 @@ class Trainer:
                 if self.start_iteration > total:
                     self._save(updated)  # the finished run's checkpoint, without the pending mark
             if self.start_iteration > total:
-                self.console.print(f"[yellow]{self.out} already ran {self.start_iteration - 1} iterations "
-                                   f"(trainer.iterations = {total}): nothing to train; pass --iterations N with "
-                                   f"N > {self.start_iteration - 1} to train further[/]")
+                self.console.print(nothing_to_train_note(self.out, self.start_iteration - 1, total), style="yellow")
                 return self.logger.records
             if t.eval_before_training and self.start_iteration == 1:
                 try:
@@ -1117,7 +1045,7 @@ class Trainer:
                     rng_at_start = rng_state()  # what a resume restores if this iteration is dropped
                     self._weights_touched = True  # until iteration() says its update has not begun
                     try:
-                        m = self.iteration(it)
+                        metrics = self.iteration(it)
                     except _Drop:
                         if updated > last_saved:
                             self._save(updated, rng=rng_at_start)
@@ -1143,22 +1071,22 @@ class Trainer:
                             self.console.print(f"evaluation of iteration {it} postponed to the resume")
                         else:
                             self.last_eval = ev
-                            m.update(ev)
-                    m["time/iteration_s"] = time.perf_counter() - t_it
-                    m["echo_trap_warning"] = 0
-                    rec = self.logger.log(it, m)
+                            metrics.update(ev)
+                    metrics["time/iteration_s"] = time.perf_counter() - t_it
+                    metrics["echo_trap_warning"] = 0
+                    rec = self.logger.log(it, metrics)
                     warn = self.echo.update(rec)
                     if warn:
                         self.logger.amend_last({"echo_trap_warning": 1})
                         self.console.print(f"[bold red]iteration {it}: {warn}[/]")
-                    stats = (f"success {m['train/success_rate']:.2f} | score {m['train/score_mean']:.3f} | "
-                             f"entropy {m['train/rollout_entropy']:.2f} | {m['time/iteration_s']:.0f} s/it")
-                    if "eval/success_rate" in m:
-                        stats += f" | eval {m['eval/success_rate']:.2f}"
+                    stats = (f"success {metrics['train/success_rate']:.2f} | score {metrics['train/score_mean']:.3f} | "
+                             f"entropy {metrics['train/rollout_entropy']:.2f} | {metrics['time/iteration_s']:.0f} s/it")
+                    if "eval/success_rate" in metrics:
+                        stats += f" | eval {metrics['eval/success_rate']:.2f}"
                     progress.update(task, completed=it, stats=stats)
                     if not t.progress:
                         self.console.print(f"iteration {it}/{total}: {stats}")
-                    if t.plots and (("eval/success_rate" in m) or it == total):
+                    if t.plots and (("eval/success_rate" in metrics) or it == total):
                         plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
                     if (t.save_every and it % t.save_every == 0) or it == total or self._stop_requested:
                         self._save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)
@@ -1224,23 +1152,3 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
     if trainer.interrupted:
         raise Stopped(trainer.stop_signal)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)
     return records
-
-
-def load_run_config(out_dir: str) -> TrainConfig:
-    """The configuration a run was started with (`OUT/config.yaml`).
-
-    Raises FileNotFoundError when it is missing, ConfigError when it is not a valid configuration.
-    """
-    import yaml
-
-    path = os.path.join(out_dir, "config.yaml")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: is {out_dir} a fastpo run folder?")
-    try:
-        with open(path) as f:
-            d = yaml.safe_load(f)
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid YAML ({e})") from None
-    if not isinstance(d, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(d).__name__}")
-    return config_from_dict(d)

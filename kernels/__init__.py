@@ -13,13 +13,16 @@ its LM head with the one-token shift.
 """
 from .api import (IMPLS, PolicyLossOutput, linear_logprob_entropy, linear_policy_loss, resolve_impl,
                   triton_available)
-from .hf import causal_lm_hidden_states, causal_lm_logprob_entropy, causal_lm_policy_loss
-from .reference import (RATIO_LEVELS, aggregation_weights, policy_loss_terms, policy_metrics,
-                        reference_logprob_entropy, reference_policy_loss, sequence_log_ratio)
+from .hf import (causal_lm_hidden_states, causal_lm_logprob_entropy, causal_lm_policy_loss, decoder_body,
+                 lm_head_weight)
+from .reference import (RATIO_LEVELS, PolicyLossSettings, aggregate, aggregation_weights, policy_loss_terms,
+                        policy_metrics, reference_logprob_entropy, reference_policy_loss, sequence_log_ratio)
 
 __all__ = [
     "IMPLS", "PolicyLossOutput", "linear_logprob_entropy", "linear_policy_loss", "resolve_impl",
     "triton_available", "causal_lm_hidden_states", "causal_lm_logprob_entropy", "causal_lm_policy_loss",
-    "RATIO_LEVELS", "aggregation_weights", "policy_loss_terms", "policy_metrics", "reference_logprob_entropy",
+    "decoder_body", "lm_head_weight",
+    "RATIO_LEVELS", "PolicyLossSettings", "aggregate", "aggregation_weights", "policy_loss_terms", "policy_metrics",
+    "reference_logprob_entropy",
     "reference_policy_loss", "sequence_log_ratio",
 ]

@@ -24,9 +24,8 @@ import torch
 
 from . import chunked as _chunked
 from .chunked import OutOfMemoryError
-from .reference import (KL_ESTIMATORS, LOSS_AGGS, RATIO_LEVELS, aggregation_weights, policy_loss_terms,
-                        policy_metrics, reference_logprob_entropy, reference_policy_loss, sequence_log_ratio,
-                        zero_rows)
+from .reference import (PolicyLossSettings, aggregate, aggregation_weights, policy_loss_terms, policy_metrics,
+                        reference_logprob_entropy, reference_policy_loss, sequence_log_ratio, zero_rows)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -396,6 +395,7 @@ def linear_policy_loss(
     denominator: float | None = None,
     ratio_level: str = "token",
     is_weights: torch.Tensor | None = None,
+    settings: PolicyLossSettings | None = None,
     impl: str = "auto",
     chunk_size: int | None = None,
 ) -> PolicyLossOutput:
@@ -414,7 +414,9 @@ def linear_policy_loss(
     sequence's exp(mean_t log ratio) (`reference.sequence_log_ratio`), clipped per sequence;
     it needs seq_ids or cu_seqlens. `is_weights` [N] float (finite, >= 0 on masked-in
     tokens; constants, no gradient) multiplies each token's policy-gradient term: the
-    importance-sampling correction for a sampler that is not the trainer.
+    importance-sampling correction for a sampler that is not the trainer. `settings`, a
+    `PolicyLossSettings`, gives clip_low ... ratio_level as one object (a trainer builds it
+    once); those keywords must then be left at their defaults.
 
     Returns PolicyLossOutput(loss scalar fp32 differentiable wrt hidden and weight,
     logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats, see
@@ -438,6 +440,13 @@ def linear_policy_loss(
     loss_agg/kl_estimator/ratio_level/impl, out-of-range coefficients, ratio_level
     "sequence" without seq_ids or cu_seqlens.
     """
+    given = PolicyLossSettings(clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator, temperature,
+                               loss_agg, ratio_level)
+    if settings is not None:
+        if given != PolicyLossSettings():
+            raise ValueError("give the loss settings as settings= or as keywords, not both")
+        given = settings
+    loss_agg, ratio_level, temperature = given.loss_agg, given.ratio_level, given.temperature
     _check_linear(hidden, weight, targets, temperature)
     n, dev = hidden.shape[0], hidden.device
     _check_vec("old_logprob", old_logprob, n, dev)
@@ -448,23 +457,9 @@ def linear_policy_loss(
     _check_vec("is_weights", is_weights, n, dev, allow_none=True)
     if is_weights is not None:
         _check_is_weights(is_weights, loss_mask)
-    if ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    for name, v in (("clip_low", clip_low), ("clip_high", clip_high), ("entropy_coef", entropy_coef),
-                    ("kl_coef", kl_coef)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    if clip_low >= 1.0:
-        raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {clip_low}")
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and math.isfinite(dual_clip)
-                                      and dual_clip > 1.0):
-        raise ValueError(f"dual_clip must be None or a finite constant > 1, got {dual_clip!r}")
-    if kl_coef > 0 and ref_logprob is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprob, got None")
+    given.check()
+    if given.kl_coef > 0 and ref_logprob is None:
+        raise ValueError(f"kl_coef={given.kl_coef} needs ref_logprob, got None")
     if cu_seqlens is not None:
         if seq_ids is not None:
             raise ValueError("give seq_ids or cu_seqlens, not both")
@@ -488,13 +483,10 @@ def linear_policy_loss(
         raise ValueError(f"denominator must be None or > 0, got {denominator!r}")
     hidden, weight = _harmonize(hidden, weight)
     impl = _auto_impl(impl, resolve_impl(impl, dev, hidden.dtype))
-    opts = dict(clip_low=float(clip_low), clip_high=float(clip_high), dual_clip=dual_clip,
-                entropy_coef=float(entropy_coef), kl_coef=float(kl_coef), kl_estimator=kl_estimator)
     if impl == "reference":
         loss, lp, ent, metrics = reference_policy_loss(
-            hidden, weight, targets, old_logprob, advantages, loss_mask, ref_logprob, temperature=temperature,
-            loss_agg=loss_agg, seq_ids=seq_ids, denominator=denominator, ratio_level=ratio_level,
-            is_weights=is_weights, **opts)
+            hidden, weight, targets, old_logprob, advantages, loss_mask, ref_logprob, seq_ids=seq_ids,
+            denominator=denominator, is_weights=is_weights, settings=given)
         return PolicyLossOutput(loss, lp, ent, metrics)
 
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.long().contiguous()
@@ -515,7 +507,7 @@ def linear_policy_loss(
         slr = seq["log_ratio"]
         return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl],
                                  seq_log_ratio=None if slr is None else slr[sl],
-                                 is_weights=None if isw is None else isw[sl], **opts)
+                                 is_weights=None if isw is None else isw[sl], settings=given)
 
     def set_seq_ratio(lp):
         if ratio_level == "sequence":
@@ -554,7 +546,7 @@ def linear_policy_loss(
                                                      grad_rows=sel if some_masked else None)
             set_seq_ratio(lp)
         terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
-        loss = torch.where(sel, terms["loss"] * w, zero).sum()
+        loss = aggregate(terms["loss"], loss_mask, weights=w)
         metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)
         return loss, lp, ent, dh, dw, metrics
 

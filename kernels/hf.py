@@ -22,19 +22,55 @@ def _unwrap(model):
     return get_base() if callable(get_base) else model
 
 
-def _lm_head_weight(model) -> torch.Tensor:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+# Config fields (and their neutral values) of heads that transform the logits after the linear
+# map: Cohere's logit_scale (logits * s), Granite's logits_scaling (logits / s), Gemma 2/3's
+# final_logit_softcapping (s * tanh(logits / s)). The fused kernels apply the plain linear map
+# only, so such a head would be trained on other log-probs than the model samples with.
+_LOGIT_TRANSFORMS = {"logit_scale": (None, 1.0), "logits_scaling": (None, 1.0), "final_logit_softcapping": (None,)}
+
+
+def lm_head_weight(model) -> torch.Tensor:
+    """The LM head's weight [V, H] of a causal LM (peft wrappers unwrapped), checked to be a
+    plain linear head: logits = hidden @ weight.T, the only head the fused kernels compute.
+
+    Raises ValueError naming the model class and the offending setting when the model has no
+    output embedding, its head has a bias, or its logits are scaled or soft-capped after the
+    linear map (`logit_scale`, `logits_scaling`, `final_logit_softcapping` set to anything but
+    their neutral value, on the model or its (text) config).
+    """
+    inner = _unwrap(model)
+    name = type(inner).__name__
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     if not isinstance(weight, torch.Tensor):
-        raise ValueError(f"{type(model).__name__} has no output embedding (lm_head) weight")
+        raise ValueError(f"{name} has no output embedding (lm_head) weight")
     if getattr(head, "bias", None) is not None:
-        raise ValueError(f"{type(model).__name__}'s lm_head has a bias; the fused loss supports bias-free heads only")
-    cfg = getattr(model, "config", None)
-    for attr in ("final_logit_softcapping", "logit_scale"):
-        if getattr(cfg, attr, None) not in (None, 1.0):
-            raise ValueError(f"{type(model).__name__} transforms its logits ({attr}={getattr(cfg, attr)}); "
-                             "the fused loss supports plain linear heads only")
+        raise ValueError(f"{name}'s lm_head has a bias; the fused loss supports bias-free heads only")
+    cfg = getattr(inner, "config", None)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else None
+    for attr, neutral in _LOGIT_TRANSFORMS.items():
+        for holder in (inner, cfg, text_cfg):
+            value = getattr(holder, attr, None)
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if not any(value is v or value == v for v in neutral):
+                raise ValueError(f"{name} transforms its logits after the LM head ({attr}={value}); the fused "
+                                 "log-prob and loss kernels support plain linear heads only, so the trainer "
+                                 "would score other log-probs than the model samples with")
     return weight
+
+
+def decoder_body(model) -> torch.nn.Module:
+    """The decoder body (transformers' `base_model`: embeddings, layers, final norm) of a causal
+    LM, peft wrappers unwrapped; calling it gives the last hidden state without logits.
+
+    Raises ValueError when the model has no decoder body separate from its LM head.
+    """
+    inner = _unwrap(model)
+    body = getattr(inner, "base_model", None)
+    if body is None or body is inner:
+        raise ValueError(f"{type(inner).__name__} has no decoder body (base_model) separate from its LM head")
+    return body
 
 
 def causal_lm_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -46,11 +82,8 @@ def causal_lm_hidden_states(model, input_ids: torch.Tensor, attention_mask: torc
     rows (passed through to the model); position_ids [B, T] (restart per packed sequence).
     Raises ValueError when the model has no separate decoder body.
     """
-    model = _unwrap(model)
     _check_ids(input_ids)
-    body = getattr(model, "base_model", None)
-    if body is None or body is model:
-        raise ValueError(f"{type(model).__name__} has no decoder body (base_model) separate from its LM head")
+    body = decoder_body(model)
     out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
     return hidden
@@ -127,7 +160,7 @@ def causal_lm_policy_loss(model, input_ids: torch.Tensor, old_logprob: torch.Ten
             raise ValueError("loss_mask must be 0 at the first token of every packed sequence (where seq_ids "
                              "changes): that token's preceding hidden state belongs to another sequence")
     inner = _unwrap(model)
-    weight = _lm_head_weight(inner)
+    weight = lm_head_weight(inner)
     hidden = causal_lm_hidden_states(inner, input_ids, attention_mask, position_ids)
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, idx)
 
@@ -176,7 +209,7 @@ def causal_lm_logprob_entropy(model, input_ids: torch.Tensor, *, attention_mask:
     _check_bt("mask", mask, (b, t))
     idx = _scored(mask, "mask")
     inner = _unwrap(model)
-    weight = _lm_head_weight(inner)
+    weight = lm_head_weight(inner)
     hidden = causal_lm_hidden_states(inner, input_ids, attention_mask, position_ids)
     h = hidden[:, :-1].reshape(-1, hidden.shape[-1]).index_select(0, idx)
     targets = input_ids[:, 1:].reshape(-1).index_select(0, idx)

@@ -16,6 +16,9 @@ logprob_i = log p[target_i], entropy_i = -sum_v p_v log p_v.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
 
@@ -75,23 +78,15 @@ def sequence_log_ratio(
     return (num / den.clamp(min=1e-12))[inv]
 
 
-def policy_loss_terms(
-    logprob: torch.Tensor,
-    entropy: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    ref_logprob: torch.Tensor | None = None,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    seq_log_ratio: torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
+                      ref_logprob: torch.Tensor | None = None, *, seq_log_ratio: torch.Tensor | None = None,
+                      is_weights: torch.Tensor | None = None, settings: PolicyLossSettings | None = None,
+                      **options) -> dict[str, torch.Tensor]:
     """Per-token clipped PPO / GRPO objective (a loss: lower is better), all tensors [N].
+
+    The settings (clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator; the
+    others of `PolicyLossSettings` are not used here) come as `settings` or as its keywords
+    in `options` (defaults: PolicyLossSettings'), not checked here.
 
     ratio r = exp(logprob - old_logprob) (log-ratio clamped to +-20),
     pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017,
@@ -116,6 +111,8 @@ def policy_loss_terms(
     active), "dual_clip" (the dual clip is active). Differentiable with respect to logprob
     and entropy.
     """
+    s = settings if settings is not None else PolicyLossSettings(**options)
+    clip_low, clip_high, dual_clip = s.clip_low, s.clip_high, s.dual_clip
     if seq_log_ratio is None:
         log_ratio = logprob - old_logprob
     else:
@@ -137,14 +134,14 @@ def policy_loss_terms(
     if is_weights is not None:
         pg = pg * is_weights
     if ref_logprob is not None:
-        if kl_estimator == "k1":
+        if s.kl_estimator == "k1":
             kl = logprob - ref_logprob
         else:
             d = (ref_logprob - logprob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
             kl = torch.exp(d) - d - 1.0
     else:
         kl = torch.zeros_like(logprob)
-    loss = pg - entropy_coef * entropy + kl_coef * kl
+    loss = pg - s.entropy_coef * entropy + s.kl_coef * kl
     return {"loss": loss, "pg": pg, "kl": kl, "ratio": ratio,
             "clip_low": is_clip_low, "clip_high": is_clip_high, "dual_clip": is_dual}
 
@@ -184,6 +181,68 @@ def aggregation_weights(
     if loss_agg == "seq-mean-token-sum":
         return m / n_seqs
     return m / per_seq.clamp(min=1e-12)[inv] / n_seqs
+
+
+def aggregate(
+    per_token: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg: str = "token-mean",
+    seq_ids: torch.Tensor | None = None,
+    denominator: float | None = None,
+    weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The aggregated loss sum_i w_i * loss_i over the masked-in tokens (loss_mask > 0), with
+    w = `aggregation_weights(loss_mask, loss_agg, seq_ids, denominator)` unless `weights` [N]
+    (already computed) are given: the one loss aggregation of fastpo's policy and value losses
+    (verl's `agg_loss`). per_token, loss_mask, seq_ids [N]. Masked-out entries are dropped with
+    a select, so a NaN or inf there never reaches the loss or its gradient. Returns a scalar in
+    per_token's dtype (0 with no masked-in token). Raises what `aggregation_weights` raises.
+    """
+    if weights is None:
+        weights = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(per_token.dtype)
+    sel = loss_mask.to(torch.float32) > 0
+    return torch.where(sel, per_token * weights, torch.zeros((), dtype=per_token.dtype, device=per_token.device)).sum()
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossSettings:
+    """The policy loss's settings as one object (Liger keeps them on its loss module): what
+    `linear_policy_loss` also takes one keyword each (`settings=`), with the same defaults and
+    meaning (see `policy_loss_terms` and `aggregation_weights`): clip_low / clip_high >= 0,
+    clip_low < 1 (PPO's clip range, DAPO's clip-higher), dual_clip None or > 1, entropy_coef
+    and kl_coef >= 0, kl_estimator in KL_ESTIMATORS, temperature > 0 (the logits' divisor),
+    loss_agg in LOSS_AGGS, ratio_level in RATIO_LEVELS.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    temperature: float = 1.0
+    loss_agg: str = "token-mean"
+    ratio_level: str = "token"
+
+    def check(self) -> None:
+        """Raise ValueError naming the first bad setting (temperature is checked with the
+        hidden states, by the caller)."""
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        for name in ("clip_low", "clip_high", "entropy_coef", "kl_coef"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.clip_low >= 1.0:
+            raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {self.clip_low}")
+        d = self.dual_clip
+        if d is not None and not (isinstance(d, (int, float)) and math.isfinite(d) and d > 1.0):
+            raise ValueError(f"dual_clip must be None or a finite constant > 1, got {d!r}")
+
 
 
 def policy_metrics(
@@ -236,37 +295,23 @@ def policy_metrics(
     return dict(zip(keys, out))
 
 
-def reference_policy_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    old_logprob: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    ref_logprob: torch.Tensor | None = None,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    entropy_coef: float = 0.0,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    temperature: float = 1.0,
-    loss_agg: str = "token-mean",
-    seq_ids: torch.Tensor | None = None,
-    denominator: float | None = None,
-    ratio_level: str = "token",
-    is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+def reference_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, old_logprob: torch.Tensor,
+                          advantages: torch.Tensor, loss_mask: torch.Tensor, ref_logprob: torch.Tensor | None = None, *,
+                          seq_ids: torch.Tensor | None = None, denominator: float | None = None,
+                          is_weights: torch.Tensor | None = None, settings: PolicyLossSettings | None = None,
+                          **options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """The whole policy loss on materialized logits: (loss, logprob, entropy, metrics).
 
-    Same arguments and meaning as `fastpo.kernels.linear_policy_loss` (no validation here).
+    Same arguments and meaning as `fastpo.kernels.linear_policy_loss` (no validation here);
+    the loss settings come as `settings` or as PolicyLossSettings' keywords in `options`.
     loss is a differentiable scalar; masked-out tokens are removed with torch.where so that
     their gradient is exactly zero whatever their inputs hold. Their hidden rows are
     replaced by zeros before the logits (the backward of log_softmax on a non-finite row
     would give NaN even with a zero upstream gradient); their returned logprob/entropy come
     from the real rows, computed without a graph.
     """
+    s = settings if settings is not None else PolicyLossSettings(**options)
+    temperature = s.temperature
     sel = loss_mask.to(torch.float32) > 0
     h_in = zero_rows(hidden, sel)
     logprob, entropy = reference_logprob_entropy(h_in, weight, targets, temperature)
@@ -275,12 +320,10 @@ def reference_policy_loss(
     adv = torch.where(sel, advantages.to(logprob.dtype), zero)
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(logprob.dtype), zero)
     isw = None if is_weights is None else torch.where(sel, is_weights.to(logprob.dtype), zero)
-    slr = sequence_log_ratio(logprob, old, loss_mask, seq_ids) if ratio_level == "sequence" else None
-    terms = policy_loss_terms(logprob, entropy, old, adv, ref, clip_low=clip_low, clip_high=clip_high,
-                              dual_clip=dual_clip, entropy_coef=entropy_coef, kl_coef=kl_coef,
-                              kl_estimator=kl_estimator, seq_log_ratio=slr, is_weights=isw)
-    w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(logprob.dtype)
-    loss = torch.where(sel, terms["loss"] * w, zero).sum()
+    slr = sequence_log_ratio(logprob, old, loss_mask, seq_ids) if s.ratio_level == "sequence" else None
+    terms = policy_loss_terms(logprob, entropy, old, adv, ref, seq_log_ratio=slr, is_weights=isw, settings=s)
+    w = aggregation_weights(loss_mask, s.loss_agg, seq_ids, denominator).to(logprob.dtype)
+    loss = aggregate(terms["loss"], loss_mask, weights=w)
     metrics = policy_metrics(terms, entropy, logprob, old, loss_mask, w, ref_logprob is not None)
     logprob, entropy = logprob.detach(), entropy.detach()
     if not bool(sel.all()):

@@ -106,3 +106,29 @@ def test_clipped_value_loss_hand_values():
     assert met["value_clipfrac"] == 0.5
     loss.backward()
     assert v.grad[0].item() == 0.0  # the clipped branch has no gradient wrt V
+
+
+def test_value_loss_through_the_shared_aggregation_keeps_the_default():
+    """The trainer's value loss goes through the policy loss's aggregation (fastpo.kernels.aggregate)
+    with the mini-batch denominator; for algorithm.value_loss_agg=token-mean (the default) it equals
+    the hand rescale the trainer used before: the micro-batch token mean x (count / mini-batch tokens)."""
+    g = torch.Generator().manual_seed(0)
+    v = torch.randn(7, generator=g, requires_grad=True)
+    old, ret = torch.randn(7, generator=g), torch.randn(7, generator=g)
+    ones = torch.ones(7, dtype=torch.bool)
+    n_tok = 19  # the mini-batch's scored tokens over all its micro-batches
+    new, met = clipped_value_loss(v, old, ret, ones, clip=0.2, mode="token-mean", denominator=float(n_tok))
+    (g_new,) = torch.autograd.grad(new, v)
+    before, _ = clipped_value_loss(v, old, ret, ones, clip=0.2)
+    hand = before * (7 / n_tok)
+    (g_hand,) = torch.autograd.grad(hand, v)
+    torch.testing.assert_close(new, hand, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g_new, g_hand, rtol=1e-6, atol=0)
+    # seq-mean-token-mean over two sequences of 3 and 4 tokens, 5 sequences in the mini-batch
+    seq = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    per_seq, _ = clipped_value_loss(v, old, ret, ones, clip=0.2, mode="seq-mean-token-mean", seq_ids=seq,
+                                    denominator=5.0)
+    worst = torch.maximum((v - ret) ** 2, (old + (v - old).clamp(-0.2, 0.2) - ret) ** 2)
+    torch.testing.assert_close(per_seq, 0.5 * (worst[:3].mean() + worst[3:].mean()) / 5)
+    # the logged critic/value_loss is still the micro-batch token mean, computed as before
+    assert met["value_loss"] == float(0.5 * (worst.detach().sum() / 7.0))

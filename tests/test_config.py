@@ -129,3 +129,49 @@ def test_unknown_key_of_any_yaml_type_is_a_config_error():
             apply_dict(TrainConfig(), updates)
     with pytest.raises(ConfigError, match="did you mean model.name or env.name"):
         apply_dict(TrainConfig(), {"name": "x"})
+
+
+@pytest.mark.parametrize("key,bad", [("temperature", 0), ("format_penalty", 0.5), ("max_actions_per_turn", 65),
+                                     ("top_p", 0), ("top_k", -1), ("max_turns", 0)])
+def test_rollout_fields_have_one_rule_and_one_message(key, bad):
+    """RolloutConfig (used on its own by library users) and the training config's rollout
+    section refuse the same values with the same words: one rule per field. (RolloutConfig
+    accepted temperature 0, a positive format penalty and 65 actions per turn before.)"""
+    from fastpo.config import RolloutConfig
+
+    with pytest.raises(ConfigError) as train_err:
+        load_config(env="frozenlake", overrides=[f"rollout.{key}={bad}"])
+    with pytest.raises(ValueError) as lib_err:
+        RolloutConfig(**{key: bad})
+    why = str(train_err.value).split(": ", 1)[1]
+    assert str(train_err.value).startswith(f"config key 'rollout.{key}' = ")
+    assert str(lib_err.value) == f"config key 'RolloutConfig.{key}' = {bad!r}: {why}"
+
+
+def test_greedy_decoding_is_the_engines_not_a_rollout_setting():
+    from fastpo.config import RolloutConfig
+    from fastpo.rollout.sampling import SamplingParams
+
+    assert SamplingParams(temperature=0).temperature == 0  # the engine's greedy decoding stays
+    with pytest.raises(ValueError, match="SamplingParams.temperature' = -1: must be >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="RolloutConfig.temperature' = 0: must be > 0"):
+        RolloutConfig(temperature=0)
+
+
+@pytest.mark.parametrize("key,bad", [("algorithm.gamma", 1.5), ("optim.micro_token_budget", 8), ("trainer.seed", -1),
+                                     ("trainer.device", "tpu"), ("model.lora_dropout", 1.0),
+                                     ("algorithm.is_cap", 1.0), ("rollout.replay", -1)])
+def test_single_field_rules_live_on_the_fields(key, bad):
+    """validate() reads each field's own rule (config.checked metadata): the error from a full
+    load equals the one check_fields gives for the section alone."""
+    from fastpo.config import TrainConfig, check_fields
+
+    with pytest.raises(ConfigError) as full:
+        load_config(env="frozenlake", overrides=[f"{key}={bad}"])
+    section, name = key.split(".")
+    part = getattr(TrainConfig(), section)
+    setattr(part, name, float(bad) if isinstance(getattr(part, name), float) else bad)  # as apply_dict coerces
+    with pytest.raises(ConfigError) as alone:
+        check_fields(part, f"{section}.")
+    assert str(full.value) == str(alone.value) and key in str(full.value)

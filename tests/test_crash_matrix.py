@@ -30,6 +30,7 @@ from fastpo.checkpoint import MANIFEST, latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.trainer import Trainer
+from run_helpers import records as _records, stable as _stable
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 
@@ -37,18 +38,6 @@ pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 SETTINGS = ["model.name=random:tiny-llama", "trainer.device=cpu", "trainer.iterations=2", "trainer.plots=false",
             "trainer.save_every=1", "trainer.keep_checkpoints=1", "trainer.eval_every=2", "rollout.think=false",
             "rollout.max_new_tokens=8"]
-# Timing figures differ between runs by nature; everything else must not.
-VOLATILE = ("time/", "perf/", "train/seconds", "train/engine_seconds", "train/tokens_per_s", "eval/seconds",
-            "eval/engine_seconds", "eval/tokens_per_s")
-
-
-def _records(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _stable(rec):
-    return {k: v for k, v in rec.items() if not any(k.startswith(p) or k.startswith("ema/" + p) for p in VOLATILE)}
 
 
 def _weights_hash(out):

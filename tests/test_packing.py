@@ -197,7 +197,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_one_at_a_time(kind, device):
                               device=device)
         sc = pb.scored(masks)
         logits = seg(**pb.model_inputs()).logits[0]
-        lp = torch.log_softmax(logits.float(), -1)[sc.hidden].gather(1, sc.targets[:, None])[:, 0]
+        lp = torch.log_softmax(logits.float(), -1)[sc.rows].gather(1, sc.targets[:, None])[:, 0]
         out = [torch.zeros(len(s)) for s in seqs]
         sc.scatter(lp, out)
         for i, pos in zip(sc.indices, sc.positions):

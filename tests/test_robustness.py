@@ -7,21 +7,9 @@ import os
 
 import pytest
 
-import fastpo.models
 from fastpo.checkpoint import fresh_run_folder, prune_checkpoints, run_folder_in_use
 from fastpo.cli import main
-
-
-class _ModelLoad(Exception):
-    pass
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model load raises _ModelLoad: reaching it means validation passed."""
-    def boom(*a, **k):
-        raise _ModelLoad("model load reached")
-    monkeypatch.setattr(fastpo.models, "load_model_and_tokenizer", boom)
+from run_helpers import ModelLoadReached as _ModelLoad
 
 
 def _old_run(folder):

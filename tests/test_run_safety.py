@@ -8,7 +8,6 @@ random:tiny-llama; the CLI is called as a user would, and the signal and lock ca
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -26,15 +25,11 @@ import fastpo.trainer
 from fastpo.checkpoint import RunFolderBusy, RunLock, latest_checkpoint, prune_checkpoints, verify_checkpoint
 from fastpo.cli import main
 from fastpo.config import ConfigError, load_config
+from run_helpers import records as _records
 
 TINY = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama"]
 QUIET = ["trainer.plots=false", "trainer.eval_every=0", "rollout.think=false", "rollout.max_new_tokens=8"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def _records(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def _iterations(out):
@@ -293,18 +288,6 @@ def test_leftovers_of_interrupted_saves_are_removed_on_the_next_start(tmp_path, 
 # ---------------------------------------------------------------------------------------------
 # 6. Inputs that train on nothing
 # ---------------------------------------------------------------------------------------------
-
-class _ModelLoad(Exception):
-    pass
-
-
-@pytest.fixture
-def no_model(monkeypatch):
-    """Any model load raises _ModelLoad: reaching it means validation passed."""
-    def boom(*a, **k):
-        raise _ModelLoad("model load reached")
-    monkeypatch.setattr(fastpo.models, "load_model_and_tokenizer", boom)
-
 
 @pytest.mark.parametrize("overrides", [["rollout.max_context=64"],
                                        ["env.options={size: 32}", "rollout.max_context=600"]])

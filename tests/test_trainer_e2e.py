@@ -7,7 +7,6 @@
 - Bandit with plain StarPO (KL to a frozen reference, on the reward and in the loss) and a
   separate critic: one update each, on the random tiny model.
 """
-import json
 import math
 import os
 
@@ -18,21 +17,10 @@ from rich.console import Console
 from fastpo.cli import main as cli_main
 from fastpo.config import load_config
 from fastpo.trainer import Trainer
+from run_helpers import records as _records, stable as _stable
 
 pytestmark = pytest.mark.slow
 
-# Timing and throughput figures differ between runs by nature; everything else must not.
-VOLATILE = ("time/", "perf/", "train/seconds", "train/engine_seconds", "train/tokens_per_s", "eval/seconds",
-            "eval/engine_seconds", "eval/tokens_per_s")
-
-
-def _records(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def _stable(rec):
-    return {k: v for k, v in rec.items() if not any(k.startswith(p) or k.startswith("ema/" + p) for p in VOLATILE)}
 
 
 def _cfg(env, out, *overrides):

@@ -20,11 +20,10 @@ from rich.console import Console
 
 from fastpo.config import load_config
 from fastpo.trainer import Trainer
+from run_helpers import stable as _stable
 
 pytestmark = pytest.mark.slow
 
-VOLATILE = ("time/", "perf/", "train/seconds", "train/engine_seconds", "train/tokens_per_s", "eval/seconds",
-            "eval/engine_seconds", "eval/tokens_per_s")
 IS_KEYS = ("actor/is_ratio_mean", "actor/is_ratio_max", "actor/is_ratio_min", "actor/is_weight_mean",
            "actor/is_truncated_frac", "rollout/mismatch_kl")
 
@@ -39,10 +38,6 @@ def _run(env, out, *overrides, **kw):
     Trainer(_cfg(env, out, *overrides), console=Console(quiet=True), **kw).run()
     with open(os.path.join(out, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def _stable(rec):
-    return {k: v for k, v in rec.items() if not any(k.startswith(p) or k.startswith("ema/" + p) for p in VOLATILE)}
 
 
 BANDIT = ("rollout.group_size=4", "optim.mini_batch_size=4", "optim.actor_lr=1e-3")

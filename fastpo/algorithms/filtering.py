@@ -45,7 +45,17 @@ import warnings
 
 import torch
 
-from fastpo.config import FILTER_STRATEGIES, kept_group_count
+#: Rollout-filter strategies (RAGEN head's `rollout_filter_strategy`).
+FILTER_STRATEGIES = ("top_k", "top_p", "min_p")
+
+
+def kept_group_count(groups: int, mode: str, ratio: float) -> int:
+    """Number of env groups StarPO-S keeps: all for mode "none", else int(ratio * groups)
+    (the floor, as RAGEN at the paper's commit: 0.35 of 8 groups keeps 2), at least 1."""
+    if mode == "none":
+        return groups
+    return max(1, min(groups, int(ratio * groups)))
+
 
 #: A group std at or below this counts as zero (RAGEN's test, |std| > 1e-10).
 ZERO_STD = 1e-10

@@ -40,6 +40,10 @@ class TrajectoryBatch:
             answer pieces over all turns (executed or not); effective_actions: int64 [B],
             executed actions that changed the state; penalised_turns: int64 [B], turns that
             got the format penalty. None when the producer did not count them.
+    Bounded context window only (rollout.context_window = K; empty lists otherwise; see
+    fastpo/window.py): context_turns: int64 [L_i], the turn of each token (0: the always
+    kept head); visible_from: int64 [L_i], the oldest turn the token attended to when it
+    was fed. The trainer rebuilds the sampler's attention from these two.
     metrics: dict of floats for the whole batch (see MultiTurnRollout.generate).
     info: free-form extras (model label, env name).
     """
@@ -71,6 +75,8 @@ class TrajectoryBatch:
     penalised_turns: torch.Tensor | None = None
     sample_entropies: list = dataclasses.field(default_factory=list)
     sample_values: list = dataclasses.field(default_factory=list)
+    context_turns: list = dataclasses.field(default_factory=list)
+    visible_from: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -122,6 +128,8 @@ class TrajectoryBatch:
             effective_actions=pick(self.effective_actions), penalised_turns=pick(self.penalised_turns),
             sample_entropies=[self.sample_entropies[i] for i in il] if self.sample_entropies else [],
             sample_values=[self.sample_values[i] for i in il] if self.sample_values else [],
+            context_turns=[self.context_turns[i] for i in il] if self.context_turns else [],
+            visible_from=[self.visible_from[i] for i in il] if self.visible_from else [],
         )
 
     def response_lengths(self) -> torch.Tensor:

@@ -21,6 +21,17 @@ right-aligned) into a fresh buffer sized for the turn, so buffers never grow mid
 Within the decode loop the live rows are kept as a prefix ``[:live]`` of the buffer: a row
 that stops is swapped with the last live row (two row copies), never a whole-batch copy.
 
+Eviction (bounded context windows, rollout.context_window = K). ``evict(session, lo, hi)``
+drops the KV entries of the session's tokens at positions [lo, hi) (masked out, removed at the
+next compaction), and tokens in that range not fed yet (the pending last token of a response,
+the head of the next append) are skipped, never fed. Kept tokens keep their positions (RoPE
+positions are never shifted), so the trainer reproduces the sampler's context with the
+trajectory's own position ids and a per-turn attention mask (fastpo/window.py).
+``rewind(session, length)`` drops everything from position `length` on and feeds the next
+append from that position (re-prefilling a window with fresh positions; the benchmark's
+baseline). Per column the buffer also keeps each entry's position and token id
+(``session_context``), and ``stats["peak_kv_bytes"]`` records the largest KV buffer held.
+
 Weights are the caller's module (no copy): a trainer that updates the model in place
 is immediately sampled from. Generation runs under ``torch.no_grad()`` in eval mode and
 restores the module's training flag afterwards.
@@ -198,15 +209,20 @@ class NativeEngine:
     # -- bookkeeping -----------------------------------------------------------------------
     def reset_stats(self) -> None:
         """Zero the token and time counters."""
-        self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0}
+        self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0,
+                      "peak_kv_bytes": 0}
 
     def _clear(self) -> None:
         self._layers = [_BufferLayer() for _ in range(self.num_layers)]
         self._mask = None  # bool [R, capacity]
+        self._pos = None  # int64 [R, capacity]: position of each column's token
+        self._tok = None  # int64 [R, capacity]: token id of each column
         self._L = 0
         self._rows = 0
         self._row_of: dict = {}
-        self._cached: dict = {}  # session -> tokens in the KV cache
+        self._cached: dict = {}  # session -> next position (tokens fed or skipped so far)
+        self._kept: dict = {}  # session -> tokens in the KV cache (fewer than _cached after evictions)
+        self._floor: dict = {}  # session -> positions below this are evicted: not fed when pending
         self._pending: dict = {}  # session -> tokens not yet fed (the last sampled token)
         self._start_logits: dict = {}  # session -> logits [V] after the shared prompt prefill
         self._start_values: dict = {}  # session -> readout after the shared prompt prefill (readout set)
@@ -221,8 +237,60 @@ class NativeEngine:
         return next(self.model.parameters()).device
 
     def session_length(self, session: int) -> int:
-        """Tokens in `session` so far (prompt + all responses and appended tokens)."""
+        """Tokens in `session` so far (prompt + all responses and appended tokens), evicted ones included."""
         return self._cached[session] + len(self._pending[session])
+
+    def session_context(self, session: int) -> tuple:
+        """(token ids, positions) of the KV entries `session` holds now, in order (int lists);
+        the pending last sampled token, not fed yet, is not among them."""
+        row = self._row_of[session]
+        keep = self._mask[row, :self._L]
+        return self._tok[row, :self._L][keep].tolist(), self._pos[row, :self._L][keep].tolist()
+
+    def evict(self, session: int, lo: int, hi: int) -> None:
+        """Drop `session`'s tokens at positions [lo, hi) from its context (see module docstring).
+
+        Entries already in the KV cache are masked out; tokens in the range that are not fed
+        yet (pending, or the head of the next append) will be skipped. Positions of the other
+        tokens do not change. Raises ValueError for an unknown session or lo > hi.
+        """
+        if session not in self._cached:
+            raise ValueError(f"session {session!r} is not open")
+        if session in self._start_logits:  # its KV row is still the group's shared prompt row
+            raise ValueError(f"session {session!r} has not generated yet; nothing of its own to drop")
+        if not 0 <= lo <= hi:
+            raise ValueError(f"evict needs 0 <= lo <= hi, got lo={lo!r}, hi={hi!r}")
+        row = self._row_of[session]
+        pos = self._pos[row, :self._L]
+        drop = self._mask[row, :self._L] & (pos >= lo) & (pos < hi)
+        self._kept[session] -= int(drop.sum())
+        self._mask[row, :self._L] &= ~drop
+        self._floor[session] = max(self._floor.get(session, 0), hi)
+
+    def rewind(self, session: int, length: int) -> None:
+        """Drop `session`'s tokens at positions >= `length` and its pending token; the next
+        append is fed from position `length` on (fresh positions). Raises ValueError for an
+        unknown session or a length outside [1, session_length]."""
+        if session not in self._cached:
+            raise ValueError(f"session {session!r} is not open")
+        if session in self._start_logits:  # its KV row is still the group's shared prompt row
+            raise ValueError(f"session {session!r} has not generated yet; nothing of its own to drop")
+        if not 1 <= length <= self.session_length(session):
+            raise ValueError(f"rewind length must be in [1, {self.session_length(session)}], got {length!r}")
+        row = self._row_of[session]
+        drop = self._mask[row, :self._L] & (self._pos[row, :self._L] >= length)
+        self._kept[session] -= int(drop.sum())
+        self._mask[row, :self._L] &= ~drop
+        self._cached[session] = length
+        self._pending[session] = []
+        self._floor.pop(session, None)
+        self._start_logits.pop(session, None)
+        self._start_values.pop(session, None)
+
+    def _note_kv(self) -> None:
+        size = sum(x.numel() * x.element_size() for layer in self._layers for x in (layer.kbuf, layer.vbuf)
+                   if x is not None)
+        self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], size)
 
     @contextlib.contextmanager
     def _inference(self):
@@ -296,7 +364,9 @@ class NativeEngine:
         with self._inference():
             self._alloc(P, Lp)
             self._mask = mask.to(dev)
+            self._pos, self._tok = pos.to(dev), ids.to(dev)
             logits = self._forward(ids.to(dev), self._mask.long(), pos.to(dev), P, 0)
+        self._note_kv()
         self._L, self._rows = Lp, P
         self.stats["prefilled_tokens"] += sum(len(p) for p in prompts)
         self._num_sessions = P * group_size
@@ -304,6 +374,7 @@ class NativeEngine:
             g = s // group_size
             self._row_of[s] = g
             self._cached[s] = len(prompts[g])
+            self._kept[s] = len(prompts[g])
             self._pending[s] = []
             self._start_logits[s] = logits[g]
             if self._values is not None:
@@ -326,6 +397,11 @@ class NativeEngine:
         col = col[:, :T]
         new_mask = torch.zeros((R, capacity), dtype=torch.bool, device=dev)
         new_mask[:, :T] = torch.arange(T, device=dev)[None, :] >= (T - t)[:, None]
+        new_pos = torch.zeros((R, capacity), dtype=torch.long, device=dev)
+        new_tok = torch.zeros((R, capacity), dtype=torch.long, device=dev)
+        if T:
+            new_pos[:, :T] = self._pos[src[:, None], col]
+            new_tok[:, :T] = self._tok[src[:, None], col]
         for layer in self._layers:
             kb, vb = layer.kbuf, layer.vbuf
             H, D = kb.shape[1], kb.shape[3]
@@ -336,8 +412,9 @@ class NativeEngine:
                 nk[:, :, :T] = kb[src[:, None, None], hi, col[:, None, :]]
                 nv[:, :, :T] = vb[src[:, None, None], hi, col[:, None, :]]
             layer.kbuf, layer.vbuf, layer.capacity = nk, nv, capacity
-        self._mask = new_mask
+        self._mask, self._pos, self._tok = new_mask, new_pos, new_tok
         self._rows = R
+        self._note_kv()
         return T
 
     def _stop_char_mask(self, chars: str):
@@ -390,19 +467,25 @@ class NativeEngine:
 
     def _keep_only(self, sessions) -> None:
         keep = set(sessions)
-        for d in (self._cached, self._pending, self._start_logits, self._start_values, self._row_of):
+        for d in (self._cached, self._kept, self._floor, self._pending, self._start_logits, self._start_values,
+                  self._row_of):
             for s in [s for s in d if s not in keep]:
                 del d[s]
 
     def _generate(self, run, sessions, append, params, generator, outputs) -> None:
         dev = self.device
         sess = [sessions[i] for i in run]
-        chunks = [self._pending[s] + list(append[i]) for i, s in zip(run, sess)]
+        chunks = []
+        for i, s in zip(run, sess):
+            c = self._pending[s] + list(append[i])
+            skip = min(len(c), max(0, self._floor.get(s, 0) - self._cached[s]))  # evicted before being fed
+            self._cached[s] += skip
+            chunks.append(c[skip:])
         R = len(sess)
         n = [len(c) for c in chunks]
         n_max = max(n)
         # The turn's longest possible row, so the buffer never grows inside the turn.
-        T = max(self._cached[s] for s in sess)  # >= the aligned length (holes removed)
+        T = max(self._kept[s] for s in sess)  # >= the aligned length (holes removed)
         capacity = T + n_max + params.max_new_tokens
         T = self._compact(sess, capacity)
         cached = [self._cached[s] for s in sess]
@@ -418,6 +501,8 @@ class NativeEngine:
                     pos[r, n_max - len(c):] = torch.arange(cached[r], cached[r] + len(c))
             cm = torch.arange(n_max)[None, :] >= (n_max - torch.tensor(n))[:, None]
             self._mask[:, T:T + n_max] = cm.to(dev)
+            self._pos[:, T:T + n_max] = pos.to(dev)
+            self._tok[:, T:T + n_max] = ids.to(dev)
             logits = self._forward(ids.to(dev), self._mask[:, :T + n_max].long(), pos.to(dev), R, T).float()
             values = self._values
             self.stats["prefilled_tokens"] += sum(n)
@@ -435,6 +520,7 @@ class NativeEngine:
                     values = v0.expand(R).clone() if values is None else values
                     values[r] = v0
             cached[r] += n[r]
+            self._kept[s] += n[r]
             self._pending[s] = []
             self._start_logits.pop(s, None)
             self._start_values.pop(s, None)
@@ -484,6 +570,8 @@ class NativeEngine:
             if live == 0:
                 break
             self._mask[:live, L] = True
+            self._pos[:live, L] = pos_t[:live]
+            self._tok[:live, L] = tok[:live]
             logits = self._forward(tok[:live, None], self._mask[:live, :L + 1].long(), pos_t[:live, None], live, L).float()
             values = self._values
             pos_t[:live] += 1
@@ -492,6 +580,7 @@ class NativeEngine:
             o = row_out[r]
             s = sess[o]
             self._row_of[s] = r
+            self._kept[s] += int(pos_t[r]) - cached[o]  # fed while decoding (all but the pending token)
             self._cached[s] = int(pos_t[r])
             outputs[run[o]].token_ids = resp[o]
             outputs[run[o]].logprobs = lps[o]
@@ -515,6 +604,8 @@ class NativeEngine:
                 layer.kbuf[ia, :, :L] = layer.kbuf[ib, :, :L]
                 layer.vbuf[ia, :, :L] = layer.vbuf[ib, :, :L]
             self._mask[ia, :L] = self._mask[ib, :L]
+            self._pos[ia, :L] = self._pos[ib, :L]
+            self._tok[ia, :L] = self._tok[ib, :L]
             pos_t[ia] = pos_t[ib]
             tok = tok.clone()
             tok[ia] = tok[ib]

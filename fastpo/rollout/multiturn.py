@@ -22,6 +22,12 @@ and a complete answer block is found. With run_valid_actions_on_format_error=Fal
 penalised turn executes nothing under either rule. The text parsed is cut after the first
 stop string (e.g. "</answer>" when the token completing it was ">."); the sampled ids are
 kept as they are.
+
+Context window (cfg.context_window = K): before turn j > K the engine evicts turn j-K's
+tokens from the session (positions kept), and the batch records per token its turn and the
+oldest turn it saw (`context_turns`, `visible_from`; fastpo/window.py), which the trainer
+turns into the same attention. `refill_window = True` (benchmark baseline only, not
+trainable) instead re-prefills the kept turns each turn with fresh positions.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ import time
 import numpy as np
 import torch
 
-from fastpo.config import RolloutConfig
+from fastpo import window as ctxwin
+from fastpo.config import RolloutConfig, context_window_turns
 
 from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
@@ -172,6 +179,11 @@ class MultiTurnRollout:
         if not isinstance(self.cfg, RolloutConfig):
             raise TypeError(f"cfg must be a RolloutConfig, got {type(self.cfg).__name__}")
         self.chat = ChatFormat(tokenizer, think=self.cfg.think, system_prompt=self.cfg.system_prompt)
+        self.window = context_window_turns(self.cfg.context_window, "RolloutConfig.context_window")
+        if self.window is not None and engine is not None and not hasattr(engine, "evict"):
+            raise ValueError(f"rollout.context_window={self.cfg.context_window!r} needs an engine that evicts KV "
+                             f"entries (the native engine); {type(engine).__name__} does not")
+        self.refill_window = False  # benchmark baseline: re-prefill the window each turn (not trainable)
         from fastpo.envs_native import ENV_NAMES
 
         if env_name not in ENV_NAMES:
@@ -261,6 +273,13 @@ class MultiTurnRollout:
         group_prompts = [self.chat.prompt_ids(users[g * N][0]) for g in range(P)]
 
         ids = [list(group_prompts[b // N]) for b in range(B)]
+        K = self.window
+        if K is not None:  # per token: its turn and the turn of the forward that fed it (window.py)
+            heads = [ctxwin.head_length(self.chat, users[g * N][0], group_prompts[g]) for g in range(P)]
+            wturn = [[0] * heads[b // N] + [1] * (len(ids[b]) - heads[b // N]) for b in range(B)]
+            wfed = [[1] * len(x) for x in ids]
+            starts = [{1: heads[b // N]} for b in range(B)]  # turn -> index of its first token
+            special = set(self.tokenizer.all_special_ids)
         mask = [[False] * len(x) for x in ids]
         lps = [[0.0] * len(x) for x in ids]
         ents = [[0.0] * len(x) for x in ids]
@@ -300,6 +319,16 @@ class MultiTurnRollout:
         for turn in range(T):
             if not active:
                 break
+            j = turn + 1
+            if K is not None and j > K:
+                if self.refill_window:
+                    append = list(append)
+                    for i, b in enumerate(active):
+                        engine.rewind(b, heads[b // N])
+                        append[i] = ids[b][starts[b][j - K + 1]:]
+                else:
+                    for b in active:
+                        engine.evict(b, starts[b][j - K], starts[b][j - K + 1])
             outs = engine.generate(active, append, params, gen)
             texts = [None] * B
             emitted_eot = {}
@@ -322,6 +351,9 @@ class MultiTurnRollout:
                         recorded[key] = False
                         dest[b].extend([0.0] * len(r))
                 tix[b].extend([turn] * len(r))
+                if K is not None:
+                    wturn[b].extend([j] * len(r))
+                    wfed[b].extend([j] * (len(r) - 1) + [j + 1])  # the last token is fed next turn
                 responses[b].append(torch.tensor(r, dtype=torch.long))
                 turn_stops[b].append(out.stop_reason)
                 texts[b], emitted_eot[b] = self._response_text(r, params.stop_strings)
@@ -359,6 +391,11 @@ class MultiTurnRollout:
                     stop_reason[b] = STOP_CONTEXT
                     continue
                 users[b].append(msg)
+                if K is not None:
+                    c = ctxwin.closing_length(between, special, self.chat.eot_token_ids)
+                    starts[b][j + 1] = len(ids[b]) + c
+                    wturn[b].extend([j] * c + [j + 1] * (len(between) - c))
+                    wfed[b].extend([j + 1] * len(between))
                 ids[b].extend(between)
                 mask[b].extend([False] * len(between))
                 lps[b].extend([0.0] * len(between))
@@ -388,7 +425,12 @@ class MultiTurnRollout:
             **counters.rates(),
             "truncated_rate": float(truncated.mean()),
             "num_actions": float((cfg.max_actions_per_traj - actions_left).mean()),
+            "peak_kv_bytes": float(stats.get("peak_kv_bytes", 0)),
         }
+        window = {}
+        if K is not None:
+            window = {"context_turns": [torch.tensor(x, dtype=torch.long) for x in wturn],
+                      "visible_from": [torch.tensor([f - K + 1 for f in x], dtype=torch.long) for x in wfed]}
         return TrajectoryBatch(
             input_ids=[torch.tensor(x, dtype=torch.long) for x in ids],
             loss_mask=[torch.tensor(x, dtype=torch.bool) for x in mask],
@@ -403,10 +445,11 @@ class MultiTurnRollout:
             group_ids=torch.arange(P).repeat_interleave(N), seeds=torch.from_numpy(traj_seeds.copy()),
             truncated=torch.from_numpy(truncated), stop_reason=stop_reason, responses=responses,
             response_texts=resp_texts, metrics=metrics, user_messages=users, tokenizer=self.tokenizer,
-            info={"env": self.env_name, "group_size": N, "num_groups": P},
+            info={"env": self.env_name, "group_size": N, "num_groups": P,
+                  **({"context_window": K, "refill_window": self.refill_window} if K is not None else {})},
             turn_stop_reasons=turn_stops, valid_actions=torch.from_numpy(valid_n),
             invalid_actions=torch.from_numpy(invalid_n), effective_actions=torch.from_numpy(effective_n),
-            penalised_turns=torch.from_numpy(penalised_n),
+            penalised_turns=torch.from_numpy(penalised_n), **window,
         )
 
 

@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from fastpo.config import check_sampling
+from fastpo.config import TOP_K_RULE, TOP_P_RULE, check_fields, checked
 
 
 @dataclasses.dataclass
@@ -28,20 +28,16 @@ class SamplingParams:
     max_context: a session never grows past this many tokens (prompt + all turns).
     """
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int = 128
+    temperature: float = checked(1.0, lambda v: v >= 0, "must be >= 0 (0 = greedy)")
+    top_p: float = checked(1.0, TOP_P_RULE.ok, TOP_P_RULE.why)
+    top_k: int = checked(0, TOP_K_RULE.ok, TOP_K_RULE.why)
+    max_new_tokens: int = checked(128, lambda v: v >= 1, "must be >= 1")
     stop_token_ids: tuple = ()
     stop_strings: tuple = ()
-    max_context: int = 4096
+    max_context: int = checked(4096, lambda v: v >= 2, "must be >= 2")
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.top_p, self.top_k)
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) or self.max_context < 2:
-            raise ValueError(f"max_context must be an integer >= 2, got {self.max_context!r}")
+        check_fields(self, "SamplingParams.", what="")  # ValueError (ConfigError) naming the field
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
         self.stop_strings = tuple(s for s in self.stop_strings if s)
 

@@ -1,0 +1,37 @@
+"""The random streams a run derives from `trainer.seed`, each from its own salt.
+
+The values are fixed: a run repeats, and a resume continues it identically, only while they
+never change. The env seeds of an iteration are a pure function of (seed, iteration), so a
+resumed or dropped iteration is redone with the same env groups.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+SALT_ENV_SEEDS = 7919  # (seed, iteration, salt) -> the env groups' seeds (`iteration_seeds`)
+SALT_MINI_BATCH_ORDER = 104729  # (seed, iteration, salt) -> the PPO epochs' mini-batch shuffles
+SALT_EVAL_SAMPLING = 12345  # seed + salt: the evaluation's sampling seed (`eval_sampling_seed`)
+SALT_ROLLOUT_SAMPLING = 1_000_003  # seed * salt + iteration: a training rollout's sampling seed
+
+
+def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
+    """The `n` env seeds (ints in [0, 2**31 - 1)) of iteration `iteration`, a pure function of
+    (seed, iteration)."""
+    rng = np.random.default_rng([seed, iteration, SALT_ENV_SEEDS])
+    return [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
+
+
+def rollout_sampling_seed(seed: int, iteration: int) -> int:
+    """The sampling seed of iteration `iteration`'s rollout."""
+    return seed * SALT_ROLLOUT_SAMPLING + iteration
+
+
+def eval_sampling_seed(seed: int) -> int:
+    """The sampling seed of every evaluation of a run (the same at each iteration, so that
+    evaluations differ only by the policy)."""
+    return seed + SALT_EVAL_SAMPLING
+
+
+def mini_batch_generator_seed(seed: int, iteration: int) -> int:
+    """The seed of the torch.Generator that shuffles iteration `iteration`'s mini-batches."""
+    return int(np.random.default_rng([seed, iteration, SALT_MINI_BATCH_ORDER]).integers(2**62))

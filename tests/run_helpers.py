@@ -1,0 +1,22 @@
+"""Helpers shared by the tests that run training: reading a run's metrics and comparing runs."""
+import json
+import os
+
+# Timing and throughput figures differ between runs by nature; everything else must not.
+VOLATILE = ("time/", "perf/", "train/seconds", "train/engine_seconds", "train/tokens_per_s", "eval/seconds",
+            "eval/engine_seconds", "eval/tokens_per_s")
+
+
+class ModelLoadReached(Exception):
+    """Raised by the `no_model` fixture's stand-in loader: validation passed."""
+
+
+def records(out: str) -> list[dict]:
+    """The metric records of run folder `out` (its metrics.jsonl)."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def stable(rec: dict) -> dict:
+    """A record without its VOLATILE figures (nor their EMA copies)."""
+    return {k: v for k, v in rec.items() if not any(k.startswith(p) or k.startswith("ema/" + p) for p in VOLATILE)}
