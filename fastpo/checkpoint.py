@@ -576,10 +576,10 @@ def run_folder_in_use(out_dir: str) -> list[str]:
 
 
 def clear_run_folder(out_dir: str) -> None:
-    """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, tensorboard files,
-    the configs kept from earlier resumes)."""
+    """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, eval/ outcomes,
+    tensorboard files, the configs kept from earlier resumes)."""
     kept = [f for f in os.listdir(out_dir) if f.startswith("config.until_iter_")] if os.path.isdir(out_dir) else []
-    for m in RUN_MARKERS + ("plots", "samples", "tensorboard", *kept):
+    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", *kept):
         p = os.path.join(out_dir, m)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)

@@ -144,7 +144,11 @@ class RolloutConfig:
     template's end-of-turn token is then appended, loss mask 0; RAGEN generates on to the
     end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
     (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
-    actions were invalid in the next user message.
+    actions were invalid in the next user message. prompt_examples: in answer-only mode, end
+    every user message with a question and three answers in the exact format built from the
+    game's action names (prompts.move_question) instead of RAGEN's "<answer> [your answer]
+    </answer>" reminder (False; no effect with think=True, whose format it does not show);
+    the CPU preset turns it on (README, "The main job on 2 CPU cores").
     context_window: "full" (default: every turn stays in the context) or K >= 1, the last K
     turns (user observation + response) kept in the context, the system prompt and the
     first user message (task rules, initial state) always kept; RAGEN's
@@ -170,6 +174,7 @@ class RolloutConfig:
     stop_at_answer_close: bool = True
     system_prompt: str | None = None
     feedback_invalid: bool = True
+    prompt_examples: bool = False
     context_window: int | str = checked("full", _window_ok, CONTEXT_WINDOW_WHY)
 
     #: how `check_fields` names this class's fields in its errors
@@ -423,12 +428,15 @@ ENV_PRESETS: dict[str, dict] = {
 #: frozenlake` on 2 cores in under 10 minutes.
 PRESETS: dict[str, dict] = {
     "paper": {},
+    # measured choices: README "The CPU preset" (answer-only with answer examples, Dr.GRPO, 64 eval
+    # seeds before and after)
     "cpu": {
-        "rollout": {"env_groups": 2, "group_size": 4, "max_turns": 3, "max_new_tokens": 48, "max_context": 1536},
-        "algorithm": {"filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 8, "micro_token_budget": 2048},
-        "trainer": {"iterations": 3, "eval_every": 3, "eval_seeds": 8, "save_every": 3, "num_samples": 2,
-                    "echo_trap_window": 1},
+        "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 3, "max_new_tokens": 16, "max_context": 1536,
+                    "think": False, "prompt_examples": True, "temperature": 0.7},
+        "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},
+        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},
+        "trainer": {"iterations": 8, "eval_every": 8, "eval_seeds": 64, "eval_before_training": True, "save_every": 8,
+                    "num_samples": 2, "echo_trap_window": 1},
     },
     # StarPO (no -S): KL 0.001 (k1) to a frozen reference, on the reward with PPO and in the loss
     # with GRPO (kl_in_reward null), symmetric clipping, no filtering: RAGEN's train_all.sh
@@ -452,12 +460,15 @@ def cpu_preset_note(cfg: "TrainConfig") -> str:
     filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
     critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
         if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
+    prompt = "think prompt" if r.think else ("answer-only prompt with answer examples" if r.prompt_examples
+                                              else "answer-only prompt")
+    evals = f"eval on {t.eval_seeds} seeds" + (" before and after training" if t.eval_before_training else "")
     return (
         "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
         "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
         f"-> this run: {r.env_groups} groups x {r.group_size} trajectories, {r.max_turns} turn{'s' if r.max_turns != 1 else ''}, "
-        f"{r.max_new_tokens} new tokens/turn, {t.iterations} iterations, {filt}, {critic}, actor lr {o.actor_lr:g}, "
-        f"eval on {t.eval_seeds} seeds. For the paper's scale use `--preset paper` on a GPU "
+        f"{r.max_new_tokens} new tokens/turn, {prompt}, temperature {r.temperature:g}, {t.iterations} iterations, "
+        f"{filt}, {critic}, actor lr {o.actor_lr:g}, {evals}. For the paper's scale use `--preset paper` on a GPU "
         "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
     )
 

@@ -35,19 +35,39 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def standard_error(xs) -> float:
+    """Standard error of the mean of `xs`: sample std (ddof 1) / sqrt(n); 0.0 for n < 2."""
+    x = np.asarray(xs, dtype=np.float64)
+    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+
+
+def format_valid_per_trajectory(batch) -> torch.Tensor:
+    """float32 [B]: the share of each trajectory's turns without the format penalty (1 - its
+    format-penalty rate; a trajectory without turns counts as 0 turns of 1)."""
+    turns = batch.num_turns.clamp_min(1).float()
+    return 1.0 - (batch.format_penalty != 0).float().sum(dim=1) / turns
+
+
 def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: float, seed: int = 0,
                     chunk: int = 64, autocast=contextlib.nullcontext, model: Optional[torch.nn.Module] = None) -> dict:
     """Run the rollout on fixed `seeds` (group_size samples each) and score it.
 
     Returns {"eval/success_rate", "eval/score_mean", "eval/pass@1", "eval/pass@k" (k = group_size),
-    ... rollout metrics ..., "_batch": the first chunk's TrajectoryBatch (for samples)}.
-    Seeds run `chunk` at a time to bound memory.
+    ... rollout metrics ..., "eval/format_valid" (1 - the format-penalty rate: the mean over
+    trajectories of the share of their turns without the format penalty), the standard errors
+    "eval/success_rate_se", "eval/score_mean_se", "eval/format_valid_se" (sample std / sqrt(n)
+    over the n = len(seeds) x group_size trajectories), "_batch": the first chunk's
+    TrajectoryBatch (for samples), "_per_trajectory": {"seed", "success_rate", "score_mean",
+    "format_valid"}: one list entry per trajectory, in seed order}. Seeds run `chunk` at a
+    time to bound memory.
     """
     if model is not None:
         model.eval()
     succ = []
     metrics_acc: dict[str, list] = {}
     first = None
+    per_traj: dict[str, list] = {"success_rate": [], "score_mean": [], "format_valid": []}
+    traj_seeds: list = []
     for s in range(0, len(seeds), chunk):
         part = seeds[s:s + chunk]
         with torch.no_grad(), autocast():
@@ -57,15 +77,23 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
         for k, v in rollout_metrics(b, prefix="eval").items():
             metrics_acc.setdefault(k, []).append((v, len(part)))
         ok = b.success.bool()
+        per_traj["success_rate"] += ok.float().tolist()
+        per_traj["score_mean"] += b.scores.float().tolist()
+        per_traj["format_valid"] += format_valid_per_trajectory(b).tolist()
+        traj_seeds += [int(x) for x in b.seeds.tolist()]
         for g in torch.unique(b.group_ids).tolist():
             succ.append(ok[b.group_ids == g].tolist())
     res = {k: sum(v * w for v, w in vals) / sum(w for _, w in vals) for k, vals in metrics_acc.items()}
+    res["eval/format_valid"] = float(np.mean(per_traj["format_valid"]))
+    for k, xs in per_traj.items():
+        res[f"eval/{k}_se"] = standard_error(xs)
     n = group_size
     res["eval/pass@1"] = float(np.mean([pass_at_k(len(x), sum(x), 1) for x in succ]))
     if n > 1:
         res[f"eval/pass@{n}"] = float(np.mean([pass_at_k(len(x), sum(x), n) for x in succ]))
     res["eval/num_seeds"] = len(seeds)
     res["_batch"] = first
+    res["_per_trajectory"] = {"seed": traj_seeds, **per_traj}
     return res
 
 
@@ -331,6 +359,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     t0 = time.perf_counter()
     res, batch = evaluate_config(rollout, cfg, model=model)
     res["eval/seconds"] = time.perf_counter() - t0
+    res.pop("_per_trajectory")
     res.update(config_success_bounds(cfg))
     if samples_dir:
         it = info.iteration if info.iteration is not None else 0

@@ -342,7 +342,59 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
         written.append(path)
     if keys is None and any(_is_number(r.get("collapse/mi_estimate")) for r in records):
         written.append(plot_collapse(records, os.path.join(out_dir, "collapse.png"), model_label))
+    if keys is None and any(_is_number(r.get("eval/success_rate")) for r in records):
+        written.append(plot_eval(records, os.path.join(out_dir, "eval.png"), model_label))
     return written
+
+
+def plot_eval(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
+    """The evaluations of a run in one figure (matplotlib, Agg), written to `path`: eval
+    success with the random and the optimal policy's success on the same seeds as dashed
+    lines, the format-valid rate (1 - format-penalty rate) and the score mean; each eval point
+    with +-1 standard error bars where logged (`eval/<name>_se`), the train batch's value per
+    iteration as a thin line. Returns `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    def pts(key):
+        return [(r["iteration"], r[key], r.get(f"{key}_se")) for r in records if _is_number(r.get(key))]
+
+    def last(key):
+        vals = [r[key] for r in records if _is_number(r.get(key))]
+        return vals[-1] if vals else None
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), dpi=100)
+    panels = (("success rate", "eval/success_rate", "train/success_rate"),
+              ("format-valid rate", "eval/format_valid", "train/format_valid"),
+              ("score mean", "eval/score_mean", "train/score_mean"))
+    for ax, (title, ekey, tkey) in zip(axes, panels):
+        tr = pts(tkey)
+        if tr:
+            ax.plot([p[0] for p in tr], [p[1] for p in tr], "-", color="0.6", lw=1, label="train batch")
+        ev = pts(ekey)
+        if ev:
+            err = [p[2] if _is_number(p[2]) else 0.0 for p in ev]
+            ax.errorbar([p[0] for p in ev], [p[1] for p in ev], yerr=err, fmt="-o", ms=4, capsize=3, color="C0",
+                        label="eval (+-1 SE)")
+        if ekey == "eval/success_rate":
+            for key, label, color in (("eval/optimal_success", "optimal policy", "C2"),
+                                      ("eval/random_success", "random policy", "C3")):
+                v = last(key)
+                if v is not None:
+                    ax.axhline(v, ls="--", lw=1.2, color=color, label=f"{label} ({v:.2f})")
+        ax.set_xlabel("iteration")
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5)
+    if model_label:
+        fig.suptitle(model_label, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
 
 
 def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
@@ -408,6 +460,7 @@ SUMMARY_KEYS = [
     ("train/success_rate", "train success rate"),
     ("eval/success_rate", "eval success rate"),
     ("train/score_mean", "train score mean"),
+    ("train/format_valid", "train format-valid rate"),
     ("train/in_group_reward_std", "in-group reward std"),
     ("train/rollout_entropy", "rollout entropy (nats)"),
     ("train/response_length", "response length (tokens)"),
@@ -434,6 +487,99 @@ def summary_table(records: list[dict], title: str = "fastpo run summary"):
     return table
 
 
+#: Rows of the end-of-run before/after table: (metric, label, has a standard error).
+BEFORE_AFTER_KEYS = [
+    ("eval/success_rate", "success", True),
+    ("eval/random_success", " random policy", False),
+    ("eval/optimal_success", " optimal policy", False),
+    ("eval/format_valid", "format-valid", True),
+    ("eval/score_mean", "score mean", True),
+]
+
+
+def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
+    """The per-trajectory outcomes of a run's evaluation (`run_dir/eval/iter_XXXXXX.json`,
+    written by the trainer), or None when absent or unreadable."""
+    if not run_dir:
+        return None
+    try:
+        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json")) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional[dict]:
+    """The first and the last evaluation of a run, compared: None with fewer than two
+    evaluations, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
+    "before", "after", "before_se", "after_se", "change", "z", "z_paired"}]}.
+
+    z = change / sqrt(before_se^2 + after_se^2): the change in standard errors of the
+    difference of two independent means. z_paired (where `run_dir` holds both evaluations'
+    per-trajectory outcomes on the same seeds): mean(d) / (std(d, ddof 1) / sqrt(n)) over the
+    per-seed differences d = after - before, which takes out what the seeds themselves make
+    easy or hard (a map without a short safe path fails before and after). Either is None
+    where it cannot be computed (no standard error, both 0, or no outcomes)."""
+    evals = [r for r in records if _is_number(r.get("eval/success_rate"))]
+    if len(evals) < 2:
+        return None
+    a, b = evals[0], evals[-1]
+    oa, ob = _eval_outcomes(run_dir, a["iteration"]), _eval_outcomes(run_dir, b["iteration"])
+    paired = oa is not None and ob is not None and oa.get("seed") == ob.get("seed") and bool(oa.get("seed"))
+    rows = []
+    for key, label, has_se in BEFORE_AFTER_KEYS:
+        if not (_is_number(a.get(key)) and _is_number(b.get(key))):
+            continue
+        row = {"key": key, "label": label, "before": float(a[key]), "after": float(b[key]),
+               "before_se": None, "after_se": None, "change": float(b[key]) - float(a[key]), "z": None,
+               "z_paired": None}
+        if has_se and _is_number(a.get(f"{key}_se")) and _is_number(b.get(f"{key}_se")):
+            row["before_se"], row["after_se"] = float(a[f"{key}_se"]), float(b[f"{key}_se"])
+            se = math.hypot(row["before_se"], row["after_se"])
+            row["z"] = row["change"] / se if se > 0 else None
+        name = key.split("/", 1)[1]
+        if has_se and paired and isinstance(oa.get(name), list) and isinstance(ob.get(name), list) \
+                and len(oa[name]) == len(ob[name]) > 1:
+            d = np.asarray(ob[name], dtype=np.float64) - np.asarray(oa[name], dtype=np.float64)
+            se = d.std(ddof=1) / math.sqrt(d.size)
+            row["z_paired"] = float(d.mean() / se) if se > 0 else None
+        rows.append(row)
+    return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
+
+
+def before_after_table(records: list[dict], title: Optional[str] = None,
+                       run_dir: Optional[str] = None):
+    """A rich Table of `before_after(records, run_dir)` (None with fewer than two
+    evaluations): value +- standard error before and after, the change, and the change in
+    standard errors (independent, and paired by seed where the outcomes are in `run_dir`)."""
+    from rich.table import Table
+
+    ba = before_after(records, run_dir)
+    if ba is None:
+        return None
+    n = next((r.get("eval/num_seeds") for r in records if _is_number(r.get("eval/num_seeds"))), None)
+    if title is None:
+        title = "eval before and after training" + (f" ({int(n)} fixed seeds, +- 1 SE)" if n else " (+- 1 SE)")
+    caption = ("z: the change over sqrt(SE_before^2 + SE_after^2); paired z: over the standard error of the "
+               "per-seed differences; above 2: higher by more than two standard errors. Random and optimal "
+               "policy: their success on the same seeds and action horizon")
+    table = Table(title=title, caption=caption)
+    for col in ("eval", f"iter {ba['before']}", f"iter {ba['after']}", "change", "z", "paired z"):
+        table.add_column(col)
+
+    def fmt(v, se):
+        return f"{v:.3f}" + (f" +- {se:.3f}" if se is not None else "")
+
+    def z(v):
+        return f"{v:+.1f}" if v is not None else ""
+
+    for row in ba["rows"]:
+        table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
+                      f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"]))
+    return table
+
+
 def rollout_metrics(batch, prefix: str = "train") -> dict:
     """Scalars describing a TrajectoryBatch: success rate, score mean/std, in-group reward std,
     response length (model tokens per trajectory), tokens per trajectory, turns, format-penalty
@@ -455,7 +601,8 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
     fp = batch.format_penalty
     turns = batch.num_turns.clamp_min(1).float()
     out[f"{prefix}/format_penalty_rate"] = float(((fp != 0).float().sum(dim=1) / turns).mean())
-    mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate"}
+    out[f"{prefix}/format_valid"] = 1.0 - out[f"{prefix}/format_penalty_rate"]
+    mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate", "format_valid"}
     for k, v in (batch.metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in mine:
             # the engine's response_length is per turn; ours (above) is per trajectory

@@ -47,12 +47,12 @@ from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_w
                                load_checkpoint, nothing_to_train_note, plan_resume, rng_state, run_folder_in_use,
                                save_checkpoint, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, cpu_preset_note, dump_yaml, run_settings
-from fastpo.evaluate import config_success_bounds, evaluate_config
+from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
 from fastpo.kernels import PolicyLossSettings, linear_logprob_entropy, linear_policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.models import ModelLoadError, load_model_checked, resolve_device
-from fastpo.metrics import (EchoTrapDetector, MetricsLogger, plot_curves, rollout_metrics, summary_table, warn_user,
-                            write_samples)
+from fastpo.metrics import (EchoTrapDetector, MetricsLogger, before_after_table, plot_curves, rollout_metrics,
+                            summary_table, warn_user, write_samples)
 from fastpo import window as ctxwin
 from fastpo.packing import (pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes,
                             use_segment_attention)
@@ -747,6 +747,8 @@ class Trainer:
         if self._success_bounds is None:  # fixed seeds: computed once (a Sokoban search past its cap: none)
             self._success_bounds = config_success_bounds(self.cfg, warn=self._warn)
         res.update(self._success_bounds)
+        # per-trajectory outcomes, for the paired before/after comparison (metrics.before_after)
+        write_json(os.path.join(self.out, "eval", f"iter_{it:06d}.json"), res.pop("_per_trajectory"))
         write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                       header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
                              f"(temperature {t.eval_temperature}, {t.eval_seeds} seeds)",
@@ -1120,6 +1122,9 @@ class Trainer:
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
+        ba = before_after_table(self.logger.records, run_dir=self.out)
+        if ba is not None:
+            self.console.print(ba)
         self.console.print(f"outputs in {self.out}/: metrics.jsonl, plots/, samples/, checkpoints/")
         return self.logger.records
 

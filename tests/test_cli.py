@@ -16,7 +16,7 @@ sys.exit(rc)
 @pytest.mark.parametrize("args, words", [
     (["train", "--env", "frozenlake", "rollout.group_size=0"], ["rollout.group_size", ">= 1"]),
     (["train", "--env", "bandit", "--preset", "paper", "algorithm.clip_high=0.1"], ["algorithm.clip_high"]),
-    (["train", "--env", "sokoban", "--preset", "cpu", "optim.mini_batch_size=9"], ["optim.mini_batch_size", "larger"]),
+    (["train", "--env", "sokoban", "--preset", "cpu", "optim.mini_batch_size=17"], ["optim.mini_batch_size", "larger"]),
     (["train", "--env", "frozenlake", "algorithm.adv_estimatorr=grpo"], ["unknown config key", "adv_estimatorr"]),
     (["train", "--env", "frozenlake", "rollout.max_turns=many"], ["rollout.max_turns", "expected int"]),
     (["train", "--preset", "turbo"], ["unknown preset", "turbo"]),

@@ -17,10 +17,12 @@ def test_paper_defaults():
 
 def test_env_and_named_presets_layer():
     c = load_config(env="bandit", preset="cpu,grpo")
-    assert c.rollout.max_turns == 1 and c.rollout.env_groups == 2
+    assert c.rollout.max_turns == 1 and c.rollout.env_groups == 4
     assert c.algorithm.adv_estimator == "grpo"
     f = load_config(env="frozenlake", preset="cpu")
-    assert f.rollout.max_turns == 3 and f.rollout.max_new_tokens == 48  # the env preset keeps the CPU scale
+    assert f.rollout.max_turns == 3 and f.rollout.max_new_tokens == 16  # the env preset keeps the CPU scale
+    assert f.rollout.prompt_examples and not f.rollout.think and f.algorithm.adv_estimator == "drgrpo"
+    assert f.trainer.eval_before_training and f.trainer.eval_seeds == 64 and f.trainer.eval_temperature == 0.5
     s = load_config(env="frozenlake", preset="paper,starpo")
     assert s.algorithm.kl_coef > 0 and s.algorithm.clip_high == s.algorithm.clip_low
     assert s.algorithm.filter_mode == "none"

@@ -118,13 +118,13 @@ def test_a_run_trained_from_a_checkpoint_keeps_the_first_origin(run, tmp_path):
 
 
 def test_eval_config_takes_the_runs_settings(run, tmp_path):
-    # the command's defaults would be frozenlake, the think prompt and the CPU preset's 48 tokens
+    # the command's defaults would be frozenlake and the CPU preset's 16 tokens with answer examples
     cfg, rs = eval_config(values={"model.name": run})
     assert cfg.env.name == "bandit" and cfg.rollout.think is False and cfg.rollout.max_new_tokens == 8
-    assert cfg.rollout.max_turns == 1 and not rs.env_mismatch
-    assert rs.taken["rollout.think"] is False and rs.taken["rollout.max_new_tokens"] == 8 and not rs.kept
+    assert cfg.rollout.max_turns == 1 and not rs.env_mismatch and cfg.rollout.prompt_examples is False
+    assert rs.taken["rollout.prompt_examples"] is False and rs.taken["rollout.max_new_tokens"] == 8 and not rs.kept
     line = rs.describe()
-    assert line.startswith(f"settings of run {run} (") and "env bandit" in line and "rollout.think=False" in line
+    assert line.startswith(f"settings of run {run} (") and "env bandit" in line and "rollout.max_new_tokens=8" in line
     # explicit command-line values win and are named
     cfg, rs = eval_config(overrides=["rollout.max_new_tokens=4"], values={"model.name": run})
     assert cfg.rollout.max_new_tokens == 4 and cfg.rollout.think is False
@@ -139,7 +139,7 @@ def test_eval_config_takes_the_runs_settings(run, tmp_path):
     assert cfg.rollout.think is False and "trained on bandit and is evaluated on sokoban" in rs.mismatch_note()
     # a model that is not a checkpoint: the command's settings, nothing taken
     cfg, rs = eval_config(env="bandit", values={"model.name": "random:tiny-llama"})
-    assert rs is None and cfg.rollout.think is True
+    assert rs is None and cfg.rollout.max_new_tokens == 16 and cfg.rollout.prompt_examples is True
     (tmp_path / "early" / "checkpoints").mkdir(parents=True)
     (tmp_path / "early" / "config.yaml").write_text("preset: tiny\n")
     with pytest.raises(ConfigError, match="without a complete checkpoint"):

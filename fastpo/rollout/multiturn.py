@@ -43,7 +43,7 @@ from fastpo.config import RolloutConfig, context_window_turns
 from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
 from .parsing import cut_at_stop, parse_response
-from .prompts import ChatFormat, first_user_message, next_user_message
+from .prompts import ChatFormat, first_user_message, move_question, next_user_message
 from .sampling import SamplingParams
 
 
@@ -213,7 +213,16 @@ class MultiTurnRollout:
         c = self.cfg
         instructions = env.instructions()
         return [first_user_message(instructions[b], obs[b], c.max_actions_per_traj, c.max_actions_per_turn, c.think,
-                                   c.max_new_tokens, env.action_names(b)) for b in range(len(obs))]
+                                   c.max_new_tokens, env.action_names(b), question=self._question(env, b))
+                for b in range(len(obs))]
+
+    def _question(self, env, b: int) -> str:
+        """The closing question of trajectory b's user messages ("" without rollout.prompt_examples
+        or in think mode)."""
+        c = self.cfg
+        if not c.prompt_examples or c.think:
+            return ""
+        return move_question(env.action_names(b), c.max_actions_per_turn)
 
     def prompt_lengths(self, seeds) -> list:
         """Tokens of the first prompt (chat template, system and first user message, assistant
@@ -375,7 +384,7 @@ class MultiTurnRollout:
                 if obs_now is None:
                     obs_now = env.render()
                 msg = next_user_message(turn + 2, float(turn_rewards[b, turn]), obs_now[b], int(actions_left[b]),
-                                        think, cfg.max_new_tokens, note=res.notes[b])
+                                        think, cfg.max_new_tokens, note=res.notes[b], question=self._question(env, b))
                 between = self.chat.between_turn_ids(msg, emitted_eot.get(b, False))
                 if len(ids[b]) + len(between) + 1 > cfg.max_context:
                     truncated[b] = True

@@ -48,9 +48,35 @@ def answer_example(action_names: Sequence[str], max_actions_per_turn: int) -> st
     return f"<answer> {' || '.join(names[:2])} </answer>"
 
 
+def move_question(action_names: Sequence[str], max_actions_per_turn: int) -> str:
+    """The closing question of every user message in answer-only mode with
+    `rollout.prompt_examples` (fastpo's, not RAGEN's wording): a question, then three answers
+    in the exact format built from the game's own action names (one, two and three actions;
+    one action each, joined by "or", when only one is allowed per turn).
+
+    Why: a 135M model copies what follows "<answer>" elsewhere in its context. Under the
+    "<answer> [your answer] </answer>" reminder, SmolLM2-135M-Instruct on FrozenLake
+    (answer-only, temperature 0.5, 16 new tokens, 3 turns, 64 eval seeds) mostly echoed the
+    user message ("You have 10 actions left. ..."): format-penalty rate 0.995. With every
+    "<answer>" in the prompt followed by valid actions it mostly answers with actions
+    (README, "The main job on 2 CPU cores"). Example: names (Left, Down, Right, Up), 5 per turn ->
+    "Which way do you move? Answer with your moves, for example <answer>Down || Right</answer>
+    or <answer>Up</answer> or <answer>Left || Left || Down</answer>."
+    """
+    n = [str(x) for x in action_names] or ["Up"]
+    n = (n * 4)[:4]  # fewer than 4 names: repeat them
+    if max_actions_per_turn <= 1:
+        names = list(dict.fromkeys(n))
+        return "Which one do you choose? Answer " + " or ".join(f"<answer>{x}</answer>" for x in names) + "."
+    three = min(3, max_actions_per_turn)
+    long = " || ".join([n[0], n[0], n[1]][:three])
+    return (f"Which way do you move? Answer with your moves, for example <answer>{n[1]} || {n[2]}</answer> "
+            f"or <answer>{n[3]}</answer> or <answer>{long}</answer>.")
+
+
 def first_user_message(instructions: str, state: str, actions_left: int, max_actions_per_turn: int,
                        think: bool, max_new_tokens: int | None = None,
-                       action_names: Sequence[str] = ("Up", "Left")) -> str:
+                       action_names: Sequence[str] = ("Up", "Left"), question: str = "") -> str:
     """Turn 1's user message: the game's rules, the action limits, the state, the format and
     an answer example.
 
@@ -60,11 +86,16 @@ def first_user_message(instructions: str, state: str, actions_left: int, max_act
     Bandit example naming one arm, under a "separated by ' || '" rule), SmolLM2-135M-Instruct
     answering Bandit in answer-only mode gave a well-formed answer in 2% of 128 samples at
     temperature 1.0 (4% at 0.7); with this message, 20% (61% at 0.7), same seeds.
+
+    question: when not empty (`move_question`, answer-only mode with rollout.prompt_examples),
+    it ends the message in place of the format reminder and the answer example.
     """
     if max_actions_per_turn > 1:
         limit = f"You can take up to {max_actions_per_turn} action(s) per turn, separated by ' || '.\n"
     else:
         limit = "You take one action per turn.\n"
+    if question:
+        return f"{instructions.rstrip()}\n{limit}\nTurn 1:\nState:\n{state}\nYou have {actions_left} actions left. {question}"
     return (
         f"{instructions.rstrip()}\n{limit}\n"
         f"Turn 1:\nState:\n{state}\n"
@@ -74,16 +105,17 @@ def first_user_message(instructions: str, state: str, actions_left: int, max_act
 
 
 def next_user_message(turn: int, reward: float, state: str, actions_left: int, think: bool,
-                      max_new_tokens: int | None = None, note: str = "") -> str:
+                      max_new_tokens: int | None = None, note: str = "", question: str = "") -> str:
     """The user message after a response: the turn's reward, then the next state and format.
 
     turn: the 1-based number of the coming turn. note: optional feedback (e.g. invalid actions).
+    question: when not empty (`move_question`), it replaces the format reminder.
     """
     note = f"{note.strip()}\n" if note else ""
     return (
         f"Reward: {reward:g}\n{note}"
         f"Turn {turn}:\nState:\n{state}\n"
-        f"You have {actions_left} actions left. {format_reminder(think, max_new_tokens)}"
+        f"You have {actions_left} actions left. {question or format_reminder(think, max_new_tokens)}"
     )
 
 

@@ -24,7 +24,7 @@ from fastpo.config import RolloutConfig
 from .batch import TrajectoryBatch
 from .multiturn import TurnCounters, end_reason, env_turn
 from .parsing import cut_at_stop
-from .prompts import ChatFormat, first_user_message, next_user_message
+from .prompts import ChatFormat, first_user_message, move_question, next_user_message
 
 
 class ReferenceRollout:
@@ -62,8 +62,15 @@ class ReferenceRollout:
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
         obs = env.reset(traj_seeds)
         instr = env.instructions()
+
+        def question(b: int) -> str:
+            if not cfg.prompt_examples or cfg.think:
+                return ""
+            return move_question(env.action_names(b), cfg.max_actions_per_turn)
+
         msgs = [self.chat.messages(first_user_message(instr[b], obs[b], cfg.max_actions_per_traj, cfg.max_actions_per_turn,
-                                                      cfg.think, cfg.max_new_tokens, env.action_names(b)))
+                                                      cfg.think, cfg.max_new_tokens, env.action_names(b),
+                                                      question=question(b)))
                 for b in range(B)]
         T = cfg.max_turns
         turn_rewards = np.zeros((B, T), dtype=np.float32)
@@ -136,7 +143,7 @@ class ReferenceRollout:
                         continue
                     msgs[b].append({"role": "user", "content": next_user_message(
                         turn + 2, float(turn_rewards[b, turn]), obs_now[b], int(actions_left[b]), cfg.think,
-                        cfg.max_new_tokens, note=res.notes[b])})
+                        cfg.max_new_tokens, note=res.notes[b], question=question(b))})
                     nxt.append(b)
                 active = nxt
         finally:

@@ -1,0 +1,107 @@
+"""The end-of-run evaluation report: standard errors, the format-valid rate, the before/after
+table, the eval figure, and the answer-only prompt with examples (rollout.prompt_examples)."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastpo.config import load_config
+from fastpo.evaluate import format_valid_per_trajectory, standard_error
+from fastpo.metrics import before_after, before_after_table, plot_curves
+from fastpo.rollout.parsing import parse_response
+from fastpo.rollout.prompts import first_user_message, move_question, next_user_message
+
+
+def test_standard_error_is_sample_std_over_root_n():
+    x = [0.0, 1.0, 1.0, 0.0, 1.0]
+    assert standard_error(x) == pytest.approx(np.std(x, ddof=1) / math.sqrt(5))
+    assert standard_error([0.3]) == 0.0 and standard_error([]) == 0.0
+
+
+def test_format_valid_per_trajectory_counts_unpenalised_turns():
+    class B:  # the two fields it reads
+        num_turns = torch.tensor([3, 2, 0])
+        format_penalty = torch.tensor([[-0.1, 0.0, 0.0], [-0.1, -0.1, 0.0], [0.0, 0.0, 0.0]])
+
+    assert format_valid_per_trajectory(B()).tolist() == pytest.approx([2 / 3, 0.0, 1.0])
+
+
+def _records():
+    return [
+        {"iteration": 0, "eval/success_rate": 0.10, "eval/success_rate_se": 0.03, "eval/format_valid": 0.5,
+         "eval/format_valid_se": 0.04, "eval/score_mean": -0.1, "eval/score_mean_se": 0.02,
+         "eval/random_success": 0.22, "eval/optimal_success": 0.52, "eval/num_seeds": 64},
+        {"iteration": 1, "train/success_rate": 0.2, "train/format_valid": 0.7, "train/score_mean": 0.0},
+        {"iteration": 2, "train/success_rate": 0.3, "train/format_valid": 0.9, "train/score_mean": 0.2,
+         "eval/success_rate": 0.20, "eval/success_rate_se": 0.04, "eval/format_valid": 0.95,
+         "eval/format_valid_se": 0.01, "eval/score_mean": 0.15, "eval/score_mean_se": 0.03,
+         "eval/random_success": 0.22, "eval/optimal_success": 0.52, "eval/num_seeds": 64},
+    ]
+
+
+def test_before_after_compares_first_and_last_eval_in_standard_errors():
+    ba = before_after(_records())
+    assert (ba["before"], ba["after"]) == (0, 2)
+    rows = {r["key"]: r for r in ba["rows"]}
+    assert rows["eval/success_rate"]["change"] == pytest.approx(0.10)
+    assert rows["eval/success_rate"]["z"] == pytest.approx(0.10 / 0.05)
+    assert rows["eval/score_mean"]["z"] == pytest.approx(0.25 / math.hypot(0.02, 0.03))
+    assert rows["eval/random_success"]["z"] is None and rows["eval/optimal_success"]["after"] == 0.52
+    assert before_after(_records()[:2]) is None and before_after_table(_records()[1:]) is None
+    assert before_after_table(_records()).row_count == 5
+
+
+def test_eval_figure_has_the_reference_lines(tmp_path):
+    paths = plot_curves(_records(), str(tmp_path))
+    assert str(tmp_path / "eval.png") in paths and (tmp_path / "eval.png").stat().st_size > 1000
+
+
+def test_move_question_builds_answers_from_the_games_actions():
+    q = move_question(["Left", "Down", "Right", "Up"], 5)
+    answers = [a for a in q.split("<answer>")[1:]]
+    assert len(answers) == 3
+    for a in answers:
+        parsed = parse_response("<answer>" + a.split("</answer>")[0] + "</answer>", think=False)
+        assert parsed.format_ok and all(x.strip() in ("Left", "Down", "Right", "Up") for x in parsed.answer.split("||"))
+    assert q.count("||") == 3  # one, two and three actions
+    one = move_question(["A", "B"], 1)
+    assert "||" not in one and "<answer>A</answer>" in one and "<answer>B</answer>" in one
+    assert move_question(["Up", "Down", "Left", "Right"], 2).count("||") == 2  # at most 2 per answer
+
+
+def test_question_replaces_the_reminder_in_every_message():
+    q = move_question(["Left", "Down", "Right", "Up"], 5)
+    first = first_user_message("Rules.", "P_\n_G", 10, 5, False, 16, ["Left", "Down", "Right", "Up"], question=q)
+    nxt = next_user_message(2, 0.0, "_P\n_G", 8, False, 16, question=q)
+    for m in (first, nxt):
+        assert m.endswith(q) and "[your answer]" not in m
+    plain = next_user_message(2, 0.0, "_P\n_G", 8, False, 16)
+    assert "[your answer]" in plain and q not in plain
+
+
+def test_prompt_examples_apply_in_answer_only_mode():
+    c = load_config(env="frozenlake", preset="cpu", overrides=["rollout.think=true"])  # allowed: no effect
+    assert c.rollout.prompt_examples and c.rollout.think
+    c = load_config(env="frozenlake", preset="paper")
+    assert not c.rollout.prompt_examples
+
+
+def test_before_after_pairs_by_seed_when_the_outcomes_are_there(tmp_path):
+    import json
+
+    (tmp_path / "eval").mkdir()
+    before = {"seed": [1, 2, 3, 4], "success_rate": [0, 0, 1, 0], "score_mean": [-0.1, 0, 1, 0],
+              "format_valid": [0.5, 1, 1, 1]}
+    after = {"seed": [1, 2, 3, 4], "success_rate": [1, 0, 1, 1], "score_mean": [1, 0, 1, 1],
+             "format_valid": [1, 1, 1, 1]}
+    (tmp_path / "eval" / "iter_000000.json").write_text(json.dumps(before))
+    (tmp_path / "eval" / "iter_000002.json").write_text(json.dumps(after))
+    rows = {r["key"]: r for r in before_after(_records(), run_dir=str(tmp_path))["rows"]}
+    d = np.array([1, 0, 0, 1.0])
+    assert rows["eval/success_rate"]["z_paired"] == pytest.approx(d.mean() / (d.std(ddof=1) / 2))
+    assert rows["eval/random_success"]["z_paired"] is None
+    after["seed"] = [1, 2, 3, 5]  # other seeds: no pairing
+    (tmp_path / "eval" / "iter_000002.json").write_text(json.dumps(after))
+    assert all(r["z_paired"] is None for r in before_after(_records(), run_dir=str(tmp_path))["rows"])
+    assert before_after_table(_records(), run_dir=str(tmp_path)).row_count == 5
