@@ -88,7 +88,9 @@ def cmd_train(args) -> int:
             fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
                                           ("--model", args.model), ("--out", args.out), ("--seed", args.seed),
                                           ("--overwrite", args.overwrite or None)) if v is not None]
-            fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))]
+            # and their dotted spellings (trainer.seed, trainer.output_dir, preset)
+            fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))
+                      or o.split("=", 1)[0].strip() in ("env", "model", "preset", "trainer.seed", "trainer.output_dir")]
             if fixed:
                 raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps the "
                                   f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "

@@ -659,6 +659,10 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     """
     file_dict = read_config_file(file) if file else {}
     override_dicts = [parse_override(o) for o in (overrides or [])]
+    for d in override_dicts:
+        if "preset" in d:  # applying it would only relabel the run, not apply the preset's settings
+            raise ConfigError(f"override 'preset={d['preset']}': presets are chosen with --preset NAME[,NAME...] "
+                              "(or `preset:` in a config file), not as a dotted override")
     env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
     if env_name not in ENV_PRESETS:
         raise ConfigError(f"unknown env {env_name!r}; choose from {', '.join(ENV_PRESETS)}")

@@ -63,6 +63,14 @@ def test_validation_names_the_key(override, words):
         assert w in str(e.value)
 
 
+@pytest.mark.parametrize("override", ["preset=paper", "preset=nonsense"])
+def test_preset_as_dotted_override_is_refused(override):
+    # it used to set only the label: `preset=paper` on the CPU ran the cpu preset's settings
+    # while config.yaml and the header said "paper"
+    with pytest.raises(ConfigError, match="--preset"):
+        load_config(env="bandit", preset="cpu", overrides=[override])
+
+
 def test_grpo_needs_groups_and_bad_file(tmp_path):
     with pytest.raises(ConfigError, match="group_size"):
         load_config(env="bandit", preset="cpu", overrides=["algorithm.adv_estimator=grpo", "rollout.group_size=1",

@@ -156,6 +156,9 @@ def test_resume_applies_iterations_and_device(tmp_path, monkeypatch):
     (["--config", "x.yaml"], "--config"), (["--preset", "grpo"], "--preset"), (["--env", "sokoban"], "--env"),
     (["--model", "random:tiny"], "--model"), (["--out", "elsewhere"], "--out"), (["--seed", "3"], "--seed"),
     (["env.options={size: 3}"], "env.options"), (["model.lora_rank=4"], "model.lora_rank"),
+    # the dotted spellings of --seed, --out and --preset (trainer.seed=3 used to pass where --seed 3 was refused)
+    (["trainer.seed=3"], "trainer.seed"), (["trainer.output_dir=elsewhere"], "trainer.output_dir"),
+    (["preset=grpo"], "preset"),
 ])
 def test_resume_refuses_what_cannot_change(tmp_path, no_model, extra, word, capsys):
     out = _resumable(tmp_path)
