@@ -106,6 +106,7 @@ def cmd_train(args) -> int:
             validate(cfg)
             RunLock(args.resume).check()
             plan = plan_resume(args.resume)
+            plan.check_run_config(args.resume)
             if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
                 if plan.note:
                     warn_user(plan.note, console)
