@@ -1106,7 +1106,9 @@ class Trainer:
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
-        self.console.print(f"outputs in {self.out}/: metrics.jsonl, plots/, samples/, checkpoints/")
+        held = [name for name in ("metrics.jsonl", "plots/", "samples/", "checkpoints/")
+                if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
+        self.console.print(f"outputs in {self.out}/: {', '.join(held)}")
         return self.logger.records
 
 
