@@ -655,7 +655,14 @@ class RunLock:
     def acquire(self) -> "RunLock":
         import fcntl
 
-        os.makedirs(self.out_dir, exist_ok=True)
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+        except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from fastpo.config import ConfigError
+
+            raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
