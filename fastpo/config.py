@@ -553,7 +553,8 @@ def parse_override(text: str) -> dict:
     try:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({str(e).splitlines()[0]}; quote the "
+                          "whole override for the shell if it holds spaces)") from None
     if isinstance(value, str):
         # YAML 1.1 reads "1e-5" (no dot) as a string; a number is what anyone means
         try:

@@ -181,3 +181,10 @@ def test_single_field_rules_live_on_the_fields(key, bad):
     with pytest.raises(ConfigError) as alone:
         check_fields(part, f"{section}.")
     assert str(full.value) == str(alone.value) and key in str(full.value)
+
+
+def test_override_with_invalid_yaml_is_one_line():
+    # `env.options={p:` (the shell split `{p: 2}`) used to print PyYAML's 4-line message
+    with pytest.raises(ConfigError) as e:
+        load_config(env="frozenlake", preset="cpu", overrides=["env.options={p:"])
+    assert "env.options={p:" in str(e.value) and "not valid YAML" in str(e.value) and "\n" not in str(e.value)
