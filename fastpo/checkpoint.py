@@ -374,9 +374,46 @@ class ResumePlan:
         state, _ = load_state(self.checkpoint, optimizers=False)
         return bool(state.get("eval_pending"))
 
+    def check_run_config(self, out_dir: str) -> None:
+        """Refuse a run `out_dir/config.yaml` that cannot be what this checkpoint's run trained
+        with: a key the checkpoint's own config.yaml holds is missing (emptied or truncated: the
+        defaults would take its place), or a setting that cannot change on resume (model.*,
+        env.*, trainer.seed) differs. A checkpoint without its own config.yaml is not compared.
+
+        Raises ConfigError (one line naming the file, the checkpoint and the first keys).
+        """
+        from fastpo.config import ConfigError, parse_config_yaml
+
+        ran_path, run_path = os.path.join(self.checkpoint, "config.yaml"), os.path.join(out_dir, "config.yaml")
+        if not os.path.isfile(ran_path):
+            return
+        with open(ran_path) as f:
+            ran = _flat(parse_config_yaml(f, ran_path))
+        with open(run_path) as f:
+            run = _flat(parse_config_yaml(f, run_path))
+        missing = [k for k in ran if k not in run]
+        changed = [f"{k} = {run[k]!r} (checkpoint: {ran[k]!r})" for k in ran if k in run and run[k] != ran[k]
+                   and (k.startswith(("model.", "env.")) or k == "trainer.seed")]
+        if missing or changed:
+            what = (f"lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing
+                    else f"has {'; '.join(changed[:2])}, which cannot change on --resume")
+            raise ConfigError(f"{run_path} {what} against {ran_path}: damaged or edited? restore it with "
+                              f"`cp {ran_path} {run_path}` and give changes as overrides on the command line")
+
     def nothing_to_do(self, iterations: int) -> bool:
         """Whether a resume with `iterations` in all has nothing to train or evaluate."""
         return self.iteration >= iterations and not self.eval_pending()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """A nested mapping as {dotted key: leaf value}."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def plan_resume(out_dir: str) -> ResumePlan:
@@ -618,7 +655,14 @@ class RunLock:
     def acquire(self) -> "RunLock":
         import fcntl
 
-        os.makedirs(self.out_dir, exist_ok=True)
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+        except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from fastpo.config import ConfigError
+
+            raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

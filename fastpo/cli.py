@@ -94,7 +94,9 @@ def cmd_train(args) -> int:
             fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
                                           ("--model", args.model), ("--out", args.out), ("--seed", args.seed),
                                           ("--overwrite", args.overwrite or None)) if v is not None]
-            fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))]
+            # and their dotted spellings (trainer.seed, trainer.output_dir, preset)
+            fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))
+                      or o.split("=", 1)[0].strip() in ("env", "model", "preset", "trainer.seed", "trainer.output_dir")]
             if fixed:
                 raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps the "
                                   f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "
@@ -110,6 +112,7 @@ def cmd_train(args) -> int:
             validate(cfg)
             RunLock(args.resume).check()
             plan = plan_resume(args.resume)
+            plan.check_run_config(args.resume)
             if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
                 if plan.note:
                     warn_user(plan.note, console)

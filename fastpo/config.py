@@ -589,7 +589,8 @@ def parse_override(text: str) -> dict:
     try:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({str(e).splitlines()[0]}; quote the "
+                          "whole override for the shell if it holds spaces)") from None
     if isinstance(value, str):
         # YAML 1.1 reads "1e-5" (no dot) as a string; a number is what anyone means
         try:
@@ -699,6 +700,10 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     """
     file_dict = read_config_file(file) if file else {}
     override_dicts = [parse_override(o) for o in (overrides or [])]
+    for d in override_dicts:
+        if "preset" in d:  # applying it would only relabel the run, not apply the preset's settings
+            raise ConfigError(f"override 'preset={d['preset']}': presets are chosen with --preset NAME[,NAME...] "
+                              "(or `preset:` in a config file), not as a dotted override")
     env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
     if env_name not in ENV_PRESETS:
         raise ConfigError(f"unknown env {env_name!r}; choose from {', '.join(ENV_PRESETS)}")

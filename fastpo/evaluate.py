@@ -235,15 +235,21 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
 
     overrides = list(overrides or [])
     values = dict(values or {})
-    cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
+
+    def env_options(o: str) -> bool:  # an override of env.options, valid only for the env it is meant for
+        d = parse_override(o).get("env")
+        return d is not None and (not isinstance(d, dict) or "options" in d)
+
+    # which model, before the env is known: env.options overrides wait for the checkpoint's env
+    cfg = load_config(env=env, preset=preset, file=file, overrides=[o for o in overrides if not env_options(o)],
+                      values=values)
     try:
         ref = find_checkpoint(cfg.model.name, warn=warn)
     except ValueError as e:
         raise ConfigError(f"model.name={cfg.model.name!r}: {e}") from None
-    if ref is None:
-        return cfg, None
-    if ref.config_path is None:
-        return cfg, RunSettings(ref, None, cfg.env.name, {}, {}, False)
+    if ref is None or ref.config_path is None:
+        cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
+        return cfg, None if ref is None else RunSettings(ref, None, cfg.env.name, {}, {}, False)
     try:
         run = read_run_config(ref.config_path)
     except FileNotFoundError as e:  # removed since find_checkpoint saw it
@@ -260,9 +266,11 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         explicit |= _flat_keys(parse_override(o))
     explicit |= _flat_keys({k: None for k in values})
     env_explicit = bool(env) or "env.name" in explicit
-    eval_env = cfg.env.name if env_explicit else run.env.name
-    if eval_env != cfg.env.name:
-        cfg = load_config(env=eval_env, preset=preset, file=file, overrides=overrides, values=values)
+    if env_explicit:
+        cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
+    else:
+        cfg = load_config(env=run.env.name, preset=preset, file=file, overrides=overrides, values=values)
+    eval_env = cfg.env.name
     mismatch = eval_env != run.env.name
 
     layer: dict[str, Any] = {}

@@ -1125,7 +1125,9 @@ class Trainer:
         ba = before_after_table(self.logger.records, run_dir=self.out)
         if ba is not None:
             self.console.print(ba)
-        self.console.print(f"outputs in {self.out}/: metrics.jsonl, plots/, samples/, checkpoints/")
+        held = [name for name in ("metrics.jsonl", "plots/", "eval/", "samples/", "checkpoints/")
+                if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
+        self.console.print(f"outputs in {self.out}/: {', '.join(held)}")
         return self.logger.records
 
 

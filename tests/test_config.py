@@ -65,6 +65,14 @@ def test_validation_names_the_key(override, words):
         assert w in str(e.value)
 
 
+@pytest.mark.parametrize("override", ["preset=paper", "preset=nonsense"])
+def test_preset_as_dotted_override_is_refused(override):
+    # it used to set only the label: `preset=paper` on the CPU ran the cpu preset's settings
+    # while config.yaml and the header said "paper"
+    with pytest.raises(ConfigError, match="--preset"):
+        load_config(env="bandit", preset="cpu", overrides=[override])
+
+
 def test_grpo_needs_groups_and_bad_file(tmp_path):
     with pytest.raises(ConfigError, match="group_size"):
         load_config(env="bandit", preset="cpu", overrides=["algorithm.adv_estimator=grpo", "rollout.group_size=1",
@@ -175,3 +183,10 @@ def test_single_field_rules_live_on_the_fields(key, bad):
     with pytest.raises(ConfigError) as alone:
         check_fields(part, f"{section}.")
     assert str(full.value) == str(alone.value) and key in str(full.value)
+
+
+def test_override_with_invalid_yaml_is_one_line():
+    # `env.options={p:` (the shell split `{p: 2}`) used to print PyYAML's 4-line message
+    with pytest.raises(ConfigError) as e:
+        load_config(env="frozenlake", preset="cpu", overrides=["env.options={p:"])
+    assert "env.options={p:" in str(e.value) and "not valid YAML" in str(e.value) and "\n" not in str(e.value)

@@ -146,6 +146,15 @@ def test_eval_config_takes_the_runs_settings(run, tmp_path):
         eval_config(values={"model.name": str(tmp_path / "early")})
 
 
+def test_eval_config_env_options_of_the_runs_env(run):
+    # an option of the run's env (bandit) without --env: it used to be checked against the
+    # command's default env first and refused ("unknown config key(s) ['high_prob'] for 'frozenlake'")
+    cfg, rs = eval_config(overrides=["env.options.high_prob=0.5"], values={"model.name": run})
+    assert cfg.env.name == "bandit" and cfg.env.options["high_prob"] == 0.5 and not rs.env_mismatch
+    with pytest.raises(ConfigError, match="'bandit'.*size"):  # still checked, against the run's env
+        eval_config(overrides=["env.options.size=4"], values={"model.name": run})
+
+
 def test_fastpo_eval_of_a_checkpoint(run, tmp_path, capsys):
     from fastpo.cli import main
 

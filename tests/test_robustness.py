@@ -127,17 +127,20 @@ def test_negative_seeds_refused(override, capsys):
     assert override.split("=")[0] in capsys.readouterr().err
 
 
-def _resumable(tmp_path):
-    """A run folder as `fastpo train` leaves it: config.yaml and a (stand-in) checkpoint."""
+def _resumable(tmp_path, overrides=None):
+    """A run folder as `fastpo train` leaves it: config.yaml and a (stand-in) checkpoint; with
+    `overrides`, the checkpoint holds its own copy of the config (as real ones do)."""
     from fastpo.config import dump_yaml, load_config
 
     out = tmp_path / "run"
-    cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}"])
+    cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}", *(overrides or [])])
     ckpt = out / "checkpoints" / "iter_000002"
     (ckpt / "model").mkdir(parents=True)
     for f in ("state.pt", "optimizer.pt", "model/config.json"):  # what a checkpoint without a manifest needs
         (ckpt / f).write_bytes(b"")
     (out / "config.yaml").write_text(dump_yaml(cfg))
+    if overrides is not None:
+        (ckpt / "config.yaml").write_text(dump_yaml(cfg))
     return str(out)
 
 
@@ -156,6 +159,9 @@ def test_resume_applies_iterations_and_device(tmp_path, monkeypatch):
     (["--config", "x.yaml"], "--config"), (["--preset", "grpo"], "--preset"), (["--env", "sokoban"], "--env"),
     (["--model", "random:tiny"], "--model"), (["--out", "elsewhere"], "--out"), (["--seed", "3"], "--seed"),
     (["env.options={size: 3}"], "env.options"), (["model.lora_rank=4"], "model.lora_rank"),
+    # the dotted spellings of --seed, --out and --preset (trainer.seed=3 used to pass where --seed 3 was refused)
+    (["trainer.seed=3"], "trainer.seed"), (["trainer.output_dir=elsewhere"], "trainer.output_dir"),
+    (["preset=grpo"], "preset"),
 ])
 def test_resume_refuses_what_cannot_change(tmp_path, no_model, extra, word, capsys):
     out = _resumable(tmp_path)
@@ -181,6 +187,30 @@ def test_resume_bad_input(tmp_path, no_model, capsys):
     shutil.rmtree(os.path.join(out2, "checkpoints"))
     assert main(["train", "--resume", out2]) == 2
     assert "no checkpoint found" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage, word", [
+    (lambda text: "", "lacks"),                                   # emptied: every default would apply
+    (lambda text: text[:200], "lacks"),                           # truncated, still valid YAML
+    (lambda text: text.replace("name: random:tiny-llama", "name: smollm2-135m-instruct"), "model.name"),
+    (lambda text: text.replace("seed: 0", "seed: 7"), "trainer.seed"),
+])
+def test_resume_refuses_a_damaged_run_config(tmp_path, no_model, monkeypatch, damage, word, capsys):
+    # a run config.yaml that cannot be the checkpoint's run used to start the resume with
+    # defaults in its place (another model), ending in a traceback from the weights or optimizer
+    import fastpo.trainer
+
+    out = _resumable(tmp_path, ["model.name=random:tiny-llama"])
+    monkeypatch.setattr(fastpo.trainer, "train", lambda cfg, **k: None)
+    assert main(["train", "--resume", out, "--iterations", "3", "trainer.eval_every=3"]) == 0  # intact: resumes
+    path = os.path.join(out, "config.yaml")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(damage(text))
+    assert main(["train", "--resume", out, "--iterations", "3"]) == 2
+    err = capsys.readouterr().err
+    assert word in err and "iter_000002/config.yaml" in err and len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("out, model", [("runs/exp #1", "./my model #2"), ("2024", "a: b"), ("[x]", "null")])

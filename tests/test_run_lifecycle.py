@@ -218,3 +218,14 @@ def test_cli_refuses_rollout_engine_sglang_without_cuda_with_exit_2(tmp_path, ca
     rc = main(["train", *TINY, "--out", str(tmp_path / "run"), "rollout.engine=sglang"])
     assert rc == 2
     assert "rollout.engine" in capsys.readouterr().err
+
+
+def test_closing_line_names_only_what_the_folder_holds(tmp_path, capsys):
+    # with trainer.plots=false and no evaluation it used to list plots/ and samples/ anyway
+    out = str(tmp_path / "run")
+    assert main(["train", *TINY, "--out", out, "trainer.iterations=1", "rollout.think=false",
+                 "rollout.max_new_tokens=8", *QUIET]) == 0
+    line = [x for x in capsys.readouterr().out.replace("\n", " ").split("outputs in ")[1:]][-1]
+    listed = [w.strip(",/") for w in line.split(":", 1)[1].split()]
+    assert listed and all(os.path.exists(os.path.join(out, w)) for w in listed), (listed, os.listdir(out))
+    assert "metrics.jsonl" in listed and "checkpoints" in listed and "plots" not in listed

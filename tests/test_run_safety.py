@@ -331,3 +331,15 @@ def test_env_that_is_neither_a_name_nor_a_mapping_is_one_line(tmp_path, capsys):
         load_config(file=str(path))
     assert main(["train", "--config", str(path)]) == 2
     assert len(_error_lines(capsys.readouterr().err)) == 1
+
+
+def test_lock_on_a_folder_that_cannot_be_made_is_one_line(tmp_path):
+    # `fastpo train --out /proc/x` (root passes the CLI's access check there) used to end in a
+    # FileNotFoundError traceback from os.makedirs inside the trainer
+    from fastpo.config import ConfigError
+
+    (tmp_path / "afile").write_text("")
+    for out in [str(tmp_path / "afile" / "sub")] + (["/proc/fastpo-no-such"] if os.path.isdir("/proc/self") else []):
+        with pytest.raises(ConfigError, match="output folder") as e:
+            RunLock(out).acquire()
+        assert out in str(e.value) and "\n" not in str(e.value)
