@@ -307,32 +307,16 @@ def global_filter(ctx: DistContext, scores: torch.Tensor, group_ids: torch.Tenso
     `std_after` and `zero_std_groups` are global (equal on every rank, and equal to
     `filter_groups` on the concatenated batch). Raises ValueError as `filter_groups`.
     """
-    from fastpo.algorithms.filtering import ZERO_STD, FilterResult, filter_groups, group_reward_std, select_groups
+    from fastpo.algorithms.filtering import check_filter_args, filter_from_stds, filter_groups, group_reward_std
 
     if not ctx.initialized:
         return filter_groups(scores, group_ids, ratio, mode, strategy, top_p_mode, eps, keep_zero_std)
-    if mode not in ("top", "bottom", "none"):
-        raise ValueError(f"unknown filter mode {mode!r}; use 'top', 'bottom' or 'none'")
-    if not 0 < ratio <= 1:
-        raise ValueError(f"filter ratio {ratio} must be in (0, 1]")
+    check_filter_args(mode, ratio)
     stds = gather_group_stds(ctx, group_reward_std(scores, group_ids) if scores.numel() else {})
-    groups = sorted(stds)
     local_max = int(torch.unique(group_ids, return_counts=True)[1].max()) if group_ids.numel() else 0
-    largest = all_reduce(ctx, [local_max], "max")[0]
-    if mode != "none" and groups and int(largest) == 1:
-        warnings.warn(f"filter mode {mode!r} with one trajectory per env group: the in-group reward std is "
-                      "undefined, so filtering is skipped (every group kept)", RuntimeWarning, stacklevel=2)
-        mode = "none"
-    chosen = select_groups(stds, strategy, mode, ratio, top_p_mode, eps, keep_zero_std)
-    keep = torch.zeros_like(group_ids, dtype=torch.bool)
-    for g in chosen:
-        keep |= group_ids == g
-    idx = torch.nonzero(keep, as_tuple=False).flatten()
-    kept, total = all_reduce(ctx, [idx.numel(), scores.numel()], "sum")
-    mean = lambda gs: float(sum(stds[g] for g in gs) / len(gs)) if gs else 0.0  # noqa: E731
-    return FilterResult(indices=idx, kept_groups=list(chosen), group_std=stds, kept_ratio=kept / max(1.0, total),
-                        std_before=mean(groups), std_after=mean(chosen),
-                        zero_std_groups=sum(1 for g in groups if abs(stds[g]) <= ZERO_STD))
+    largest = int(all_reduce(ctx, [local_max], "max")[0])
+    return filter_from_stds(stds, group_ids, largest, ratio, mode, strategy, top_p_mode, eps, keep_zero_std,
+                            count=lambda kept, n: all_reduce(ctx, [kept, n], "sum"))
 
 
 def scored_counts(masks: list, indices: list[int]) -> tuple[int, int]:

@@ -347,6 +347,19 @@ def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]
     return written
 
 
+def _save_figure(fig, path: str, model_label: Optional[str]) -> str:
+    """Title a figure with the model label, write it to `path` (folders created) and close it."""
+    import matplotlib.pyplot as plt
+
+    if model_label:
+        fig.suptitle(model_label, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def plot_eval(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
     """The evaluations of a run in one figure (matplotlib, Agg), written to `path`: eval
     success with the random and the optimal policy's success on the same seeds as dashed
@@ -388,13 +401,7 @@ def plot_eval(records: list[dict], path: str, model_label: Optional[str] = None)
         ax.set_title(title, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6.5)
-    if model_label:
-        fig.suptitle(model_label, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, model_label)
 
 
 def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
@@ -429,13 +436,7 @@ def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = N
     ax2.set_title("the paper's signals", fontsize=9)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=6.5)
-    if model_label:
-        fig.suptitle(model_label, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save_figure(fig, path, model_label)
 
 
 def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "",

@@ -165,24 +165,44 @@ def filter_groups(scores: torch.Tensor, group_ids: torch.Tensor, ratio: float = 
     (its `indices` may be empty: see `select_groups`). Raises ValueError for an unknown
     mode, strategy or top_p_mode, or a ratio outside (0, 1].
     """
+    check_filter_args(mode, ratio)
+    largest = int(torch.unique(group_ids, return_counts=True)[1].max()) if group_ids.numel() else 0
+    return filter_from_stds(group_reward_std(scores, group_ids), group_ids, largest, ratio, mode, strategy,
+                            top_p_mode, eps, keep_zero_std)
+
+
+def check_filter_args(mode: str, ratio: float) -> None:
+    """Raise ValueError for a filter mode other than top/bottom/none or a ratio outside (0, 1]."""
     if mode not in ("top", "bottom", "none"):
         raise ValueError(f"unknown filter mode {mode!r}; use 'top', 'bottom' or 'none'")
     if not 0 < ratio <= 1:
         raise ValueError(f"filter ratio {ratio} must be in (0, 1]")
-    stds = group_reward_std(scores, group_ids)
+
+
+def filter_from_stds(stds: dict, group_ids: torch.Tensor, largest_group: int, ratio: float, mode: str,
+                     strategy: str, top_p_mode: str, eps: float, keep_zero_std: bool,
+                     count=None) -> FilterResult:
+    """The selection behind `filter_groups`, from the groups' stds already computed (all of
+    them: a data-parallel run passes the gathered global ones, `fastpo.distributed`).
+
+    group_ids [B] int: the trajectories whose `indices` are returned; largest_group: the most
+    trajectories in one group (1 means no in-group std: filtering is skipped with a
+    RuntimeWarning); count: optional reduction (kept, total) -> (kept, total) for
+    `kept_ratio` (default: these B trajectories' own counts).
+    """
     groups = sorted(stds)
-    if mode != "none" and groups and int(torch.unique(group_ids, return_counts=True)[1].max()) == 1:
+    if mode != "none" and groups and largest_group == 1:
         warnings.warn(f"filter mode {mode!r} with one trajectory per env group: the in-group reward std is "
-                      "undefined, so filtering is skipped (every group kept)", RuntimeWarning, stacklevel=2)
+                      "undefined, so filtering is skipped (every group kept)", RuntimeWarning, stacklevel=3)
         mode = "none"
     chosen = select_groups(stds, strategy, mode, ratio, top_p_mode, eps, keep_zero_std)
     keep = torch.zeros_like(group_ids, dtype=torch.bool)
     for g in chosen:
         keep |= group_ids == g
     idx = torch.nonzero(keep, as_tuple=False).flatten()
+    kept, total = count(idx.numel(), group_ids.numel()) if count else (idx.numel(), group_ids.numel())
     mean = lambda gs: float(sum(stds[g] for g in gs) / len(gs)) if gs else 0.0  # noqa: E731
-    return FilterResult(indices=idx, kept_groups=list(chosen), group_std=stds,
-                        kept_ratio=float(idx.numel()) / max(1, scores.numel()),
+    return FilterResult(indices=idx, kept_groups=list(chosen), group_std=stds, kept_ratio=float(kept) / max(1, total),
                         std_before=mean(groups), std_after=mean(chosen),
                         zero_std_groups=sum(1 for g in groups if abs(stds[g]) <= ZERO_STD))
 
