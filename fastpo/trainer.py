@@ -1033,6 +1033,7 @@ class Trainer:
                           TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                           console=self.console, disable=not t.progress) as progress:
                 task = progress.add_task("train", total=total, completed=self.start_iteration - 1, stats="")
+                echo_on = False
                 for it in range(self.start_iteration, total + 1):
                     if self._stop_requested:  # a signal before this iteration began (e.g. the initial eval)
                         if updated > last_saved:
@@ -1078,7 +1079,10 @@ class Trainer:
                     warn = self.echo.update(rec)
                     if warn:
                         self.logger.amend_last({"echo_trap_warning": 1})
-                        self.console.print(f"[bold red]iteration {it}: {warn}[/]")
+                        if not echo_on:  # printed when it starts firing; the flag is in every record
+                            self._warn(f"iteration {it}: {warn} (flagged as echo_trap_warning in "
+                                       "metrics.jsonl while it lasts)")
+                    echo_on = bool(warn)
                     stats = (f"success {metrics['train/success_rate']:.2f} | score {metrics['train/score_mean']:.3f} | "
                              f"entropy {metrics['train/rollout_entropy']:.2f} | {metrics['time/iteration_s']:.0f} s/it")
                     if "eval/success_rate" in metrics:

@@ -10,6 +10,7 @@ import pytest
 import yaml
 from rich.console import Console
 
+import fastpo.metrics
 import fastpo.models
 import fastpo.rollout.sglang_engine as sg
 import fastpo.trainer
@@ -229,3 +230,16 @@ def test_closing_line_names_only_what_the_folder_holds(tmp_path, capsys):
     listed = [w.strip(",/") for w in line.split(":", 1)[1].split()]
     assert listed and all(os.path.exists(os.path.join(out, w)) for w in listed), (listed, os.listdir(out))
     assert "metrics.jsonl" in listed and "checkpoints" in listed and "plots" not in listed
+
+
+def test_echo_trap_warning_is_printed_once_while_it_lasts(tmp_path, capsys, monkeypatch):
+    # it used to print the same red paragraph at every iteration once it fired
+    monkeypatch.setattr(fastpo.metrics.EchoTrapDetector, "update", lambda self, rec: "Echo Trap warning: test")
+    out = str(tmp_path / "run")
+    assert main(["train", *TINY, "--out", out, "trainer.iterations=3", "rollout.think=false",
+                 "rollout.max_new_tokens=8", *QUIET]) == 0
+    text = capsys.readouterr().out
+    assert text.count("Echo Trap warning: test") == 1, text
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        flags = [json.loads(line)["echo_trap_warning"] for line in f if line.strip()]
+    assert flags[-3:] == [1, 1, 1]
