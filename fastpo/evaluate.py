@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from fastpo.metrics import rollout_metrics
+from fastpo.metrics import rollout_metrics, standard_error
 from fastpo.seeds import eval_sampling_seed
 
 
@@ -33,12 +33,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def standard_error(xs) -> float:
-    """Standard error of the mean of `xs`: sample std (ddof 1) / sqrt(n); 0.0 for n < 2."""
-    x = np.asarray(xs, dtype=np.float64)
-    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
 
 
 def format_valid_per_trajectory(batch) -> torch.Tensor:

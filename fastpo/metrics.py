@@ -46,6 +46,12 @@ PLOT_KEYS: dict[str, str] = {
 }
 
 
+def standard_error(xs) -> float:
+    """Standard error of the mean of `xs`: sample std (ddof 1) / sqrt(n); 0.0 for n < 2."""
+    x = np.asarray(xs, dtype=np.float64)
+    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
+
+
 def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
@@ -543,7 +549,7 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
         if has_se and paired and isinstance(oa.get(name), list) and isinstance(ob.get(name), list) \
                 and len(oa[name]) == len(ob[name]) > 1:
             d = np.asarray(ob[name], dtype=np.float64) - np.asarray(oa[name], dtype=np.float64)
-            se = d.std(ddof=1) / math.sqrt(d.size)
+            se = standard_error(d)
             row["z_paired"] = float(d.mean() / se) if se > 0 else None
         rows.append(row)
     return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
