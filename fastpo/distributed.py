@@ -35,10 +35,6 @@ DEFAULT_TIMEOUT_S = 600.0
 #: The environment variable that overrides DEFAULT_TIMEOUT_S.
 TIMEOUT_ENV = "FASTPO_DIST_TIMEOUT_S"
 
-NOT_WIRED = ("data-parallel training is not wired into the trainer yet (issue 14: fastpo.distributed has the "
-             "pieces, the trainer does not use them); run with one process (--nproc 1, or without torchrun)")
-
-
 class DistributedError(ValueError):
     """Bad launch input: a torchrun variable, a process count or a device that cannot work."""
 
@@ -130,11 +126,37 @@ def check_nproc(nproc: int, device: Optional[str] = None) -> None:
                                f"process per GPU; use at most that many, or --device cpu (gloo)")
 
 
-def require_trainer_support(world_size: int) -> None:
-    """Refuse what the trainer cannot do yet: more than one process (raises DistributedError
-    with NOT_WIRED)."""
-    if world_size > 1:
-        raise DistributedError(f"{world_size} processes: {NOT_WIRED}")
+#: What the data-parallel trainer does not do yet, as (setting, test on the config, why).
+UNSUPPORTED = (
+    ("algorithm.adv_estimator=gae", lambda c: c.algorithm.adv_estimator == "gae",
+     "the critic (GAE) is not data-parallel yet; use grpo, drgrpo or rloo"),
+    ("algorithm.adv_estimator=reinforce_pp", lambda c: c.algorithm.adv_estimator == "reinforce_pp",
+     "its batch-wide return normalisation is not global yet; use grpo, drgrpo or rloo"),
+    ("algorithm.adv_estimator=reinforce_pp_baseline", lambda c: c.algorithm.adv_estimator == "reinforce_pp_baseline",
+     "its batch-wide normalisation is not global yet; use grpo, drgrpo or rloo"),
+    ("algorithm.soft_advantage_reweight=true", lambda c: c.algorithm.soft_advantage_reweight,
+     "its batch-wide largest group std is not global yet"),
+    ("algorithm.is_correction", lambda c: c.algorithm.is_correction != "none",
+     "the importance-sampling correction is not data-parallel yet; use none"),
+    ("rollout.reuse/rollout.replay", lambda c: c.rollout.reuse > 1 or c.rollout.replay > 0,
+     "rollout reuse and replay are not data-parallel yet; use reuse=1 replay=0"),
+    ("rollout.engine=sglang", lambda c: c.rollout.engine == "sglang",
+     "one SGLang engine per process is not wired yet; use native"),
+    ("rollout.sampling_streams=batch", lambda c: c.rollout.sampling_streams == "batch",
+     "with several processes each env group samples from its own stream; use auto or group"),
+)
+
+
+def check_trainer_support(cfg, world_size: int) -> None:
+    """Refuse, before anything loads, a setting the data-parallel trainer cannot run with
+    `world_size` > 1 processes (see UNSUPPORTED); raises DistributedError naming the first
+    one. One process: everything is supported."""
+    if world_size <= 1:
+        return
+    for key, bad, why in UNSUPPORTED:
+        if bad(cfg):
+            raise DistributedError(f"{key} with {world_size} processes: {why} (or run one process)")
+    split_groups(cfg.rollout.env_groups, world_size, 0)  # at least one whole env group per process
 
 
 def launched_by_torchrun() -> bool:
@@ -210,16 +232,81 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def on_main(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Run `fn` on rank 0 only (writing metrics.jsonl, a checkpoint) and return its result on
-    every rank (pickled and broadcast). An exception on rank 0 propagates there; the other
-    ranks then wait at most the collective timeout (torchrun stops them sooner)."""
+    """Run `fn` on rank 0 only (writing metrics.jsonl, a checkpoint, an evaluation) and return
+    its result on every rank (pickled and broadcast). An exception in `fn` is raised on every
+    rank (the same type and message; one that cannot be pickled as a RuntimeError with its
+    text), so that all ranks stop together instead of waiting for a result."""
     if not ctx.initialized:
         return fn(*args, **kwargs)
+    import pickle
+
     import torch.distributed as dist
 
-    box = [fn(*args, **kwargs) if ctx.is_main else None]
+    box: list = [None]
+    if ctx.is_main:
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
+            try:
+                pickle.dumps(e)
+                box[0] = ("error", e)
+            except Exception:
+                box[0] = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def all_gather_object(ctx: DistContext, obj: Any) -> list:
+    """[every rank's `obj`] in rank order, on every rank (pickled); [obj] for one process."""
+    if not ctx.initialized:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to_main(ctx: DistContext, obj: Any) -> Optional[list]:
+    """[every rank's `obj`] in rank order on rank 0, None on the others (pickled); [obj] for one process."""
+    if not ctx.initialized:
+        return [obj]
+    import torch.distributed as dist
+
+    out: Optional[list] = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_modules(ctx: DistContext, *modules) -> None:
+    """Copy rank 0's parameters and buffers into every rank's `modules` (None entries skipped),
+    so that data-parallel replicas start equal whatever each rank loaded. No-op for one process."""
+    if not ctx.initialized:
+        return
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for m in modules:
+            if m is None:
+                continue
+            for t in list(m.parameters()) + list(m.buffers()):
+                buf = t.detach().to(ctx.device)
+                dist.broadcast(buf, src=0)
+                if buf is not t:
+                    t.copy_(buf)
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory in MiB: CUDA's peak allocated bytes on `device`, else the
+    process's peak resident set size (Linux ru_maxrss)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def split_groups(n_groups: int, world_size: int, rank: int) -> range:
