@@ -266,6 +266,7 @@ def _check_processes(args, argv: list[str]) -> int | None:
     input). --nproc N > 1 replaces this process by torchrun (`os.execv`: torchrun gets the
     signals and gives the exit status)."""
     from fastpo import distributed as fdist
+    from fastpo.config import ConfigError
 
     try:
         if args.command == "train" and args.nproc is not None:
@@ -274,7 +275,10 @@ def _check_processes(args, argv: list[str]) -> int | None:
         world = where[1] if where is not None else (getattr(args, "nproc", None) or 1)
         if args.command == "eval" and world > 1:
             raise fdist.DistributedError(f"fastpo eval runs in one process, not {world}")
-    except fdist.DistributedError as e:
+        if args.command == "train" and (args.nproc or 1) > 1 and args.resume is None:
+            # what the N processes would each refuse, said once before torchrun starts them
+            fdist.check_trainer_support(_build_config(args, []), args.nproc)
+    except (fdist.DistributedError, ConfigError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
     if args.command == "train" and (args.nproc or 1) > 1:  # become torchrun (it runs N of this command)
