@@ -128,12 +128,8 @@ def check_nproc(nproc: int, device: Optional[str] = None) -> None:
 
 #: What the data-parallel trainer does not do yet, as (setting, test on the config, why).
 UNSUPPORTED = (
-    ("algorithm.adv_estimator=gae", lambda c: c.algorithm.adv_estimator == "gae",
-     "the critic (GAE) is not data-parallel yet; use grpo, drgrpo or rloo"),
-    ("algorithm.adv_estimator=reinforce_pp", lambda c: c.algorithm.adv_estimator == "reinforce_pp",
-     "its batch-wide return normalisation is not global yet; use grpo, drgrpo or rloo"),
     ("algorithm.adv_estimator=reinforce_pp_baseline", lambda c: c.algorithm.adv_estimator == "reinforce_pp_baseline",
-     "its batch-wide normalisation is not global yet; use grpo, drgrpo or rloo"),
+     "its batch-wide normalisation is not global yet; use grpo, drgrpo, rloo, reinforce_pp or gae"),
     ("algorithm.soft_advantage_reweight=true", lambda c: c.algorithm.soft_advantage_reweight,
      "its batch-wide largest group std is not global yet"),
     ("algorithm.is_correction", lambda c: c.algorithm.is_correction != "none",
@@ -297,6 +293,36 @@ def broadcast_modules(ctx: DistContext, *modules) -> None:
                 dist.broadcast(buf, src=0)
                 if buf is not t:
                     t.copy_(buf)
+
+
+def masked_mean(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean of `x` where `mask` is True over every rank's entries (0.0 when there are
+    none); one process: `float(x[mask].mean())`, as the trainer computes it."""
+    m = mask.bool()
+    if not ctx.initialized:
+        return float(x[m].mean()) if m.any() else 0.0
+    n, total = all_reduce(ctx, [int(m.sum()), float(x[m].double().sum())])
+    return total / n if n else 0.0
+
+
+def masked_whiten(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """`fastpo.algorithms.masked_whiten` (shift_mean) with the mean and variance of the global
+    batch: every rank's entries where `mask` is True (sums in float64, two passes). x, mask:
+    [B_r, T] (B_r may be 0); returns fp32 [B_r, T], zero off the mask. One process: that function."""
+    from fastpo.algorithms import masked_whiten as whiten
+
+    m = mask.bool()
+    if not ctx.initialized:
+        return whiten(x, m, eps=eps, unbiased=unbiased)
+    xf = x.to(torch.float32)
+    n, total = all_reduce(ctx, [int(m.sum()), float(xf[m].double().sum())])
+    if n == 0:
+        return torch.zeros_like(xf)
+    mean = total / n
+    dev = all_reduce(ctx, [float(((xf[m].double() - mean) ** 2).sum())])[0]
+    var = dev / (n - 1 if unbiased and n > 1 else n)
+    return (xf - mean) * float(1.0 / (var + eps) ** 0.5) * m
 
 
 def peak_memory_mib(device: torch.device) -> float:

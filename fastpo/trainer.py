@@ -625,8 +625,20 @@ class Trainer:
         """
         a = self.cfg.algorithm
         B = len(masks)
-        if B == 0:  # a process whose env groups the filter all dropped (data parallel)
-            return [], None, {}
+        ctx = self.dist
+        if B == 0:  # a process whose env groups the filter all dropped (data parallel): it
+            # still joins the batch statistics, in the order the other ranks compute them
+            if a.adv_estimator not in ("gae", "reinforce_pp"):
+                return [], None, {}
+            empty, none = torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.bool)
+            if a.adv_estimator == "reinforce_pp":
+                fdist.masked_whiten(ctx, empty, none, unbiased=True)
+                return [], None, {}
+            m = {"critic/return_mean": fdist.masked_mean(ctx, empty, none),
+                 "critic/value_mean": fdist.masked_mean(ctx, empty, none)}
+            if a.whiten_advantages:
+                fdist.masked_whiten(ctx, empty, none)
+            return [], [], m
         T = max(int(mask.numel()) for mask in masks)
         M = torch.zeros(B, T, dtype=torch.bool)
         for i, mask in enumerate(masks):
@@ -662,13 +674,16 @@ class Trainer:
             for i, v in enumerate(vals):
                 V[i, : v.numel()] = v
             adv, ret = alg.compute_gae(R, V, M, a.gamma, a.lam)
-            metrics["critic/return_mean"] = float(ret[M].mean()) if M.any() else 0.0
-            metrics["critic/value_mean"] = float(V[M].mean()) if M.any() else 0.0
+            # (data parallel: over every rank's tokens)
+            metrics["critic/return_mean"] = fdist.masked_mean(ctx, ret, M)
+            metrics["critic/value_mean"] = fdist.masked_mean(ctx, V, M)
             if a.whiten_advantages:
-                adv = alg.masked_whiten(adv, M)
+                adv = fdist.masked_whiten(ctx, adv, M)
             returns = [ret[i, : masks[i].numel()] for i in range(B)]
         elif a.adv_estimator == "reinforce_pp":  # REINFORCE++: returns normalised over the batch
-            adv, _ = alg.reinforce_pp_advantages(R, M, a.gamma)
+            adv, ret = alg.reinforce_pp_advantages(R, M, a.gamma)
+            if ctx.initialized:  # normalised over every rank's tokens
+                adv = fdist.masked_whiten(ctx, ret, M, unbiased=True)
             returns = None
         elif a.adv_estimator == "reinforce_pp_baseline":
             adv = alg.reinforce_pp_baseline_advantages(scores, batch.group_ids, M)

@@ -158,9 +158,9 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["algorithm.adv_estimator=gae"], "algorithm.adv_estimator=gae with 2 processes: the critic (GAE) is not "
-                                      "data-parallel yet"),
-    (["algorithm.adv_estimator=reinforce_pp"], "algorithm.adv_estimator=reinforce_pp with 2 processes"),
+    (["algorithm.adv_estimator=reinforce_pp_baseline"], "algorithm.adv_estimator=reinforce_pp_baseline with 2 "
+                                                        "processes: its batch-wide normalisation is not global yet"),
+    (["algorithm.adv_estimator=grpo", "rollout.reuse=2"], "rollout.reuse/rollout.replay with 2 processes"),
     (["algorithm.adv_estimator=grpo", "rollout.sampling_streams=batch"], "rollout.sampling_streams=batch with 2"),
     (["algorithm.adv_estimator=grpo", "rollout.env_groups=1", "optim.mini_batch_size=4"],
      "env_groups=1 is below the number of processes (2)"),
@@ -193,13 +193,13 @@ def test_torchrun_command():
 
 
 def test_plain_torchrun_refuses_an_unsupported_setting_in_each_rank(tmp_path):
-    """`torchrun --nproc_per_node 2 -m fastpo train` with the default estimator (GAE, not
-    data-parallel yet): each rank refuses before loading anything, rank 0 says why once, and
+    """`torchrun --nproc_per_node 2 -m fastpo train` with an estimator that is not
+    data-parallel yet: each rank refuses before loading anything, rank 0 says why once, and
     the job exits non-zero without creating the run folder."""
     rc, out, _ = _torchrun(["-m", "fastpo", "train", "--env", "bandit", "--device", "cpu", "--preset", "tiny",
-                            "--out", str(tmp_path / "run")], tmp_path)
+                            "algorithm.adv_estimator=reinforce_pp_baseline", "--out", str(tmp_path / "run")], tmp_path)
     assert rc != 0
-    assert out.count("algorithm.adv_estimator=gae with 2 processes") == 1, out
+    assert out.count("algorithm.adv_estimator=reinforce_pp_baseline with 2 processes") == 1, out
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -323,9 +323,17 @@ def _records(run):
 
 
 def _weights(run, it):
+    """{file/tensor name: tensor} of every safetensors file in checkpoint `it` (the model, and
+    the critic's value head and body where there is one)."""
+    import glob
+
     from safetensors.torch import load_file
 
-    return load_file(str(run / "checkpoints" / f"iter_{it:06d}" / "model" / "model.safetensors"))
+    folder = str(run / "checkpoints" / f"iter_{it:06d}")
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True)):
+        out.update({f"{os.path.relpath(path, folder)}:{k}": v for k, v in load_file(path).items()})
+    return out
 
 
 def _same_metrics(a: dict, b: dict):
@@ -442,3 +450,24 @@ def test_a_failing_rank_ends_the_training_job(tmp_path):
     assert secs < 120
     assert [r["iteration"] for r in _records(out)] == [1]
     assert "iter_000001" in os.listdir(out / "checkpoints")
+
+
+def test_ppo_with_a_separate_critic_in_two_processes_equals_one(tmp_path):
+    """GAE with a separate critic: values per rank, advantages whitened over the global batch,
+    the critic's value loss over global denominators and its own optimizer's summed
+    gradients; one iteration in 2 processes equals one process (metrics, and the policy's
+    and the critic's parameters within 1e-5)."""
+    gae = [*TRAIN, "algorithm.adv_estimator=gae", "algorithm.critic=separate", "trainer.collapse_every=0",
+           "--iterations", "1"]
+    rc, out = _python(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "one")])
+    assert rc == 0, out
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "two")], tmp_path,
+                           timeout=180)
+    assert rc == 0, out
+    a, b = _records(tmp_path / "one")[0], _records(tmp_path / "two")[0]
+    keys = _same_metrics(a, b)
+    assert {"critic/return_mean", "critic/value_mean", "critic/grad_norm", "train/advantage_std"} <= set(keys)
+    assert b["critic/grad_norm"] > 0
+    wa, wb = _weights(tmp_path / "one", 1), _weights(tmp_path / "two", 1)
+    assert any(k.startswith("critic") for k in wa) and any(k.startswith("model") for k in wa)
+    _same_weights(wa, wb)
