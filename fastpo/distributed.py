@@ -1,21 +1,23 @@
-"""Data-parallel plumbing on `torch.distributed`, for processes started by `torchrun`.
+"""Data-parallel training on `torch.distributed`, for processes started by `torchrun`.
 
-What exists (issue 14, first phase): process-group setup from torchrun's environment (gloo
-on the CPU, NCCL on CUDA) with a timeout on every collective, so that a rank that fails or
-hangs ends the whole job instead of leaving the others waiting; rank-0-only side effects
-(metrics, checkpoints) with the result shared; the split of env groups across ranks (whole
-groups, seeds independent of the world size); the StarPO-S filter on the global batch from
-all-gathered per-group reward stds; global token/sequence counts for the loss normalisation;
-the gradient exchange of a data-parallel update, either DDP-equivalent
-(`all_reduce_gradients`: replicated parameters, summed gradients) or FSDP2
+Process-group setup from torchrun's environment (gloo on the CPU, NCCL on CUDA) with a
+timeout on every collective, so that a rank that fails or hangs ends the whole job instead
+of leaving the others waiting; rank-0-only side effects (metrics, evaluation, checkpoints)
+with the result, or the error, shared (`on_main`); the split of env groups across ranks
+(whole groups, seeds independent of the world size); the StarPO-S filter on the global batch
+from all-gathered per-group reward stds; global token/sequence counts for the loss
+normalisation and global batch statistics (`masked_mean`, `masked_whiten`); the gradient
+exchange of a data-parallel update, either DDP-equivalent (`all_reduce_gradients`:
+replicated parameters, summed gradients; what `fastpo.trainer` uses) or FSDP2
 (`shard_for_data_parallel`: sharded parameters, summed reduce-scatter, equal micro-batch
-counts per rank via `micro_batch_count`); rank 0's full state dict (`full_state_dict`) and
-one HF-format folder written by rank 0 (`save_hf_model`); global metrics (`weighted_means`,
-`per_rank`).
+counts per rank via `micro_batch_count`; tested on its own, not used by the trainer yet);
+rank 0's full state dict (`full_state_dict`) and one HF-format folder written by rank 0
+(`save_hf_model`); global metrics (`weighted_means`, `per_rank`).
 
-The trainer does not use these yet: `require_trainer_support` refuses a world size above 1.
-With one process and no torchrun nothing here initialises `torch.distributed`
-(`SINGLE`), and every helper reduces to the one-process computation.
+`check_trainer_support` refuses, in one line, the settings the trainer cannot run in
+several processes yet (UNSUPPORTED). With one process and no torchrun nothing here
+initialises `torch.distributed` (`SINGLE`), and every helper reduces to the one-process
+computation.
 
 Launch: `torchrun --nproc_per_node N -m fastpo train ...` (or `fastpo train --nproc N`),
 which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each process.

@@ -23,6 +23,14 @@ One iteration:
 6. the engine sees the new weights (same module); evaluation, metrics, plots, samples and
    checkpoints as configured.
 
+Data parallel (N processes under torchrun, `dist`; README "Several processes"): each rank
+rolls out its whole env groups (each group from its own sampling stream, so trajectories do
+not depend on N), the StarPO-S filter ranks every rank's groups, advantages are per group
+(batch statistics such as GAE's whitening over every rank's tokens), the mini-batches are
+those of the global batch with global loss denominators, gradients are summed over the
+ranks before clipping (replicated parameters and optimizer state), and rank 0 alone
+evaluates and writes metrics, samples and checkpoints. One process runs none of this.
+
 Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
 send before they kill) stops within a bounded time: an iteration whose update has not begun
 is dropped at once (resume redoes it identically), an update under way is finished, and an
