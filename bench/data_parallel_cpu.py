@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--device", "cpu",
            "algorithm.adv_estimator=drgrpo", "algorithm.filter_mode=top", "algorithm.filter_ratio=0.5",
-           "rollout.env_groups=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "optim.mini_batch_size=32",
+           "rollout.env_groups=8", "rollout.group_size=4", "rollout.max_new_tokens=32", "optim.mini_batch_size=16",
            "trainer.eval_every=0", "trainer.save_every=0", "trainer.collapse_every=0", "trainer.plots=false"]
 PHASES = ("time/iteration_s", "time/rollout_s", "time/old_logprob_s", "time/update_s")
 

@@ -601,6 +601,8 @@ class Trainer:
         and one pass over the batch for only what is still missing (a separate critic, a
         reference model, or an engine that records no entropies)."""
         ent = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_entropies] or None
+        if ent is None and not ids:  # no trajectory (a rank the filter left empty): nothing is missing
+            ent = []
         vals = None
         if self.value_head is not None and self.critic_body is None and batch.sample_values:
             vals = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_values]
@@ -979,7 +981,7 @@ class Trainer:
         self._train(it, metrics, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
         if ctx.initialized:
             gen = gen_tokens
-            metrics.update(self._per_rank_figures(tm))
+            metrics.update(self._per_rank_figures(tm, len(ids)))
         else:
             gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
         metrics["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
@@ -1015,8 +1017,9 @@ class Trainer:
         allm = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
         e = torch.cat(ent)[allm].double() if masks else torch.zeros(0, dtype=torch.float64)
         out = {}
-        if recomputed is not None:
-            gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks
+        # (a rank without trajectories may not know whether the others recomputed log-probs)
+        if fdist.all_reduce(self.dist, [float(recomputed is not None)], "max")[0]:
+            gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks and recomputed is not None
                    else torch.zeros(0, dtype=torch.float64))
             n, total = fdist.all_reduce(self.dist, [gap.numel(), float(gap.sum())])
             top = fdist.all_reduce(self.dist, [float(gap.max()) if gap.numel() else 0.0], "max")[0]
@@ -1041,9 +1044,12 @@ class Trainer:
                                                           with_tokens)["kl"]
         return out
 
-    def _per_rank_figures(self, tm: dict) -> dict:
-        """Each rank's phase times (seconds) and peak memory (MiB) as dist/rank<R>/<name>."""
+    def _per_rank_figures(self, tm: dict, trajectories: int) -> dict:
+        """Each rank's phase times (seconds), peak memory (MiB) and trajectories trained on (after
+        the filter) as dist/rank<R>/<name>."""
         out = {}
+        for r, v in enumerate(fdist.per_rank(self.dist, trajectories)):
+            out[f"dist/rank{r}/trajectories"] = int(v)
         for key in ("time/rollout_s", "time/old_logprob_s", "time/update_s"):
             for r, v in enumerate(fdist.per_rank(self.dist, tm.get(key, 0.0))):
                 out[f"dist/rank{r}/{key[5:]}"] = v

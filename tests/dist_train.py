@@ -11,6 +11,9 @@ It runs `fastpo.cli.main(ARGS)` with two test-only changes to the rollout:
   score is replaced by a function of its own sampled tokens, (sum of its response token ids
   mod 5) / 4, and success by score > 0.5: deterministic, and independent of how the batch is
   split over processes, so one and two processes must see the same scores.
+- flat groups: with FASTPO_TEST_FLAT_FROM=G, env groups G and above score 0.25 each (no
+  spread), so StarPO-S keeps only groups below G and a rank holding only those keeps no
+  trajectory (a rank with an empty share of the update).
 - a failing rank: with FASTPO_TEST_FAIL_RANK=R and FASTPO_TEST_FAIL_ITERATION=I set, rank R
   raises RuntimeError("rank R: the env exploded in iteration I") in that iteration's rollout.
 """
@@ -36,6 +39,7 @@ def patch_rollout() -> None:
     original = MultiTurnRollout.generate
     fail_rank = os.environ.get("FASTPO_TEST_FAIL_RANK")
     fail_it = int(os.environ.get("FASTPO_TEST_FAIL_ITERATION", "0"))
+    flat_from = os.environ.get("FASTPO_TEST_FLAT_FROM")
     calls = {"n": 0}
 
     def generate(self, seeds, group_size, temperature=None, seed=0, **kw):
@@ -47,6 +51,8 @@ def patch_rollout() -> None:
         if fail_rank is not None and rank == fail_rank and calls["n"] == fail_it:
             raise RuntimeError(f"rank {rank}: the env exploded in iteration {fail_it}")
         batch.scores = token_scores(batch)
+        if flat_from is not None:
+            batch.scores[batch.group_ids >= int(flat_from)] = 0.25
         batch.success = batch.scores > 0.5
         return batch
 

@@ -309,8 +309,8 @@ TRAIN = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", 
 NOT_COMPARED = ("time/", "perf/", "dist/", "ema/time/", "ema/perf/", "ema/dist/")
 
 
-def _python(args, timeout=180):
-    e = {**os.environ, "OMP_NUM_THREADS": "1"}
+def _python(args, timeout=180, env=None):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         e.pop(k, None)
     p = subprocess.run([sys.executable, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
@@ -452,19 +452,25 @@ def test_a_failing_rank_ends_the_training_job(tmp_path):
     assert "iter_000001" in os.listdir(out / "checkpoints")
 
 
-def test_ppo_with_a_separate_critic_in_two_processes_equals_one(tmp_path):
+@pytest.mark.parametrize("case", ["gae", "empty-rank"])
+def test_ppo_with_a_separate_critic_in_two_processes_equals_one(tmp_path, case):
     """GAE with a separate critic: values per rank, advantages whitened over the global batch,
     the critic's value loss over global denominators and its own optimizer's summed
     gradients; one iteration in 2 processes equals one process (metrics, and the policy's
-    and the critic's parameters within 1e-5)."""
+    and the critic's parameters within 1e-5). "empty-rank": rank 1's groups have no reward
+    spread, so the filter keeps only rank 0's and rank 1 joins the update with nothing."""
     gae = [*TRAIN, "algorithm.adv_estimator=gae", "algorithm.critic=separate", "trainer.collapse_every=0",
            "--iterations", "1"]
-    rc, out = _python(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "one")])
+    env = {"FASTPO_TEST_FLAT_FROM": "2"} if case == "empty-rank" else {}
+    rc, out = _python(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "one")], env=env)
     assert rc == 0, out
     rc, out, _ = _torchrun(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "two")], tmp_path,
-                           timeout=180)
+                           timeout=180, env={fd.TIMEOUT_ENV: "60", **env})
     assert rc == 0, out
     a, b = _records(tmp_path / "one")[0], _records(tmp_path / "two")[0]
+    if case == "empty-rank":
+        assert b["train/in_group_reward_std_kept"] > 0 and b["train/filter_kept_ratio"] == 0.5
+        assert b["dist/rank0/trajectories"] == 4 and b["dist/rank1/trajectories"] == 0
     keys = _same_metrics(a, b)
     assert {"critic/return_mean", "critic/value_mean", "critic/grad_norm", "train/advantage_std"} <= set(keys)
     assert b["critic/grad_norm"] > 0
