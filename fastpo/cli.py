@@ -17,8 +17,8 @@ On --resume only --iterations, --device and non-env/model overrides apply.
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
 parallel (fastpo.distributed; README "Several processes"); --nproc 1 (the default) is the
-one-process path. Under torchrun each process builds the configuration, joins the process
-group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
+one-process path. Under torchrun (even with one process, a smoke test of that path) each
+process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
 refused with exit status 2 before any model loads (fastpo.distributed.check_trainer_support).
 
@@ -116,7 +116,7 @@ def cmd_train(args) -> int:
                 cfg.trainer.device = args.device
             cfg.trainer.output_dir = args.resume
             validate(cfg)
-            fdist.check_trainer_support(cfg, world)
+            fdist.check_trainer_support(cfg, world, torchrun=where is not None)
             RunLock(args.resume).check()
             plan = plan_resume(args.resume)
             plan.check_run_config(args.resume)
@@ -136,7 +136,7 @@ def cmd_train(args) -> int:
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
             cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
-            fdist.check_trainer_support(cfg, world)
+            fdist.check_trainer_support(cfg, world, torchrun=where is not None)
             if args.out is not None:
                 RunLock(args.out).check()
             used = run_folder_in_use(cfg.trainer.output_dir)
@@ -152,7 +152,8 @@ def cmd_train(args) -> int:
         resolve_device(cfg.trainer.device)
         _check_out_dir(cfg.trainer.output_dir)
         ctx = fdist.SINGLE
-        if world > 1:  # join the job; rank 0's choice of run folder is everyone's
+        if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
+            # choice of run folder is everyone's
             ctx = fdist.init_from_env(cfg.trainer.device)
             cfg.trainer.output_dir = fdist.on_main(ctx, lambda: cfg.trainer.output_dir)
     except (ConfigError, FileNotFoundError, RunFolderBusy, fdist.DistributedError) as e:

@@ -145,15 +145,17 @@ UNSUPPORTED = (
 )
 
 
-def check_trainer_support(cfg, world_size: int) -> None:
+def check_trainer_support(cfg, world_size: int, torchrun: bool = False) -> None:
     """Refuse, before anything loads, a setting the data-parallel trainer cannot run with
-    `world_size` > 1 processes (see UNSUPPORTED); raises DistributedError naming the first
-    one. One process: everything is supported."""
-    if world_size <= 1:
+    `world_size` processes under torchrun (see UNSUPPORTED); raises DistributedError naming
+    the first one. `torchrun`: launched by torchrun, which takes the data-parallel path even
+    for one process; one process without torchrun supports everything."""
+    if world_size <= 1 and not torchrun:
         return
+    where = f"{world_size} processes" if world_size > 1 else "torchrun"
     for key, bad, why in UNSUPPORTED:
         if bad(cfg):
-            raise DistributedError(f"{key} with {world_size} processes: {why} (or run one process)")
+            raise DistributedError(f"{key} with {where}: {why} (or run one process without torchrun)")
     split_groups(cfg.rollout.env_groups, world_size, 0)  # at least one whole env group per process
 
 

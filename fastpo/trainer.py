@@ -886,8 +886,9 @@ class Trainer:
                 seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
                 if r.sampling_streams == "group":
                     group_ids = list(range(r.env_groups))
+            extra = {} if group_ids is None else {"group_ids": group_ids}  # (subclasses override _generate)
             batch = self._generate(seeds, r.group_size, r.temperature, seed=rollout_sampling_seed(cfg.trainer.seed, it),
-                                   group_ids=group_ids)
+                                   **extra)
             tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
             tm["time/weight_sync_s"] = self.weight_sync_seconds
             full = batch
@@ -1403,7 +1404,7 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
     """
     from rich.console import Console
 
-    fdist.check_trainer_support(cfg, dist.world_size)
+    fdist.check_trainer_support(cfg, dist.world_size, torchrun=dist.initialized)
     console = console or Console(quiet=not dist.is_main)
     if "cpu" in cfg.preset.split(",") and dist.is_main:
         console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")

@@ -402,6 +402,18 @@ def test_two_process_checkpoint_resumes_with_one_process(dp_runs):
     _same_weights(_weights(dp_runs["one"], 2), _weights(dp_runs["two"], 2))
 
 
+def test_torchrun_with_one_process_takes_the_data_parallel_path(dp_runs, tmp_path):
+    """`torchrun --nproc_per_node 1` joins a process group of one (gloo here; NCCL on one GPU:
+    the smoke test of this path) and trains as the one-process run does."""
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "--iterations", "1", "--out", str(tmp_path / "r")],
+                           tmp_path, nproc=1)
+    assert rc == 0, out
+    b = _records(tmp_path / "r")[0]
+    assert b["dist/rank0/trajectories"] == 4 and "dist/rank1/trajectories" not in b  # 2 of 4 groups kept
+    _same_metrics(_records(dp_runs["one"])[0], b)
+    _same_weights(_weights(dp_runs["one"], 1), _weights(tmp_path / "r", 1))
+
+
 def test_ctrl_c_saves_one_checkpoint_from_rank_0(tmp_path):
     """`fastpo train --nproc 2` (torchrun under the hood), interrupted by Ctrl-C (SIGINT to
     the whole process group, which torchrun follows with SIGTERM): the ranks agree to stop,
