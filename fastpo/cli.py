@@ -24,6 +24,8 @@ refused with exit status 2 before any model loads (fastpo.distributed.check_trai
 
 Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
 full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
+Under torchrun these are each process's statuses; torchrun itself exits 1 when a process
+failed or after a signal it received (once rank 0 has saved the checkpoint).
 """
 from __future__ import annotations
 

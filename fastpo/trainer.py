@@ -36,6 +36,10 @@ send before they kill) stops within a bounded time: an iteration whose update ha
 is dropped at once (resume redoes it identically), an update under way is finished, and an
 evaluation it interrupts or would start is postponed to the resume; then the last complete
 iteration is saved. The process holds its run folder (`fastpo.checkpoint.RunLock`).
+Data parallel, a signal takes effect at the next point the ranks share (before the
+iteration's update, where SIGTERM drops the iteration, or after it), so a rollout or an
+evaluation under way finishes first; rank 0 saves; there is no second-signal abort
+(torchrun kills the workers itself after its grace period).
 """
 from __future__ import annotations
 
