@@ -130,10 +130,6 @@ def check_nproc(nproc: int, device: Optional[str] = None) -> None:
 
 #: What the data-parallel trainer does not do yet, as (setting, test on the config, why).
 UNSUPPORTED = (
-    ("algorithm.adv_estimator=reinforce_pp_baseline", lambda c: c.algorithm.adv_estimator == "reinforce_pp_baseline",
-     "its batch-wide normalisation is not global yet; use grpo, drgrpo, rloo, reinforce_pp or gae"),
-    ("algorithm.soft_advantage_reweight=true", lambda c: c.algorithm.soft_advantage_reweight,
-     "its batch-wide largest group std is not global yet"),
     ("algorithm.is_correction", lambda c: c.algorithm.is_correction != "none",
      "the importance-sampling correction is not data-parallel yet; use none"),
     ("rollout.reuse/rollout.replay", lambda c: c.rollout.reuse > 1 or c.rollout.replay > 0,

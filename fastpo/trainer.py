@@ -642,10 +642,10 @@ class Trainer:
         ctx = self.dist
         if B == 0:  # a process whose env groups the filter all dropped (data parallel): it
             # still joins the batch statistics, in the order the other ranks compute them
-            if a.adv_estimator not in ("gae", "reinforce_pp"):
+            if a.adv_estimator not in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
                 return [], None, {}
             empty, none = torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.bool)
-            if a.adv_estimator == "reinforce_pp":
+            if a.adv_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
                 fdist.masked_whiten(ctx, empty, none, unbiased=True)
                 return [], None, {}
             m = {"critic/return_mean": fdist.masked_mean(ctx, empty, none),
@@ -700,7 +700,9 @@ class Trainer:
                 adv = fdist.masked_whiten(ctx, ret, M, unbiased=True)
             returns = None
         elif a.adv_estimator == "reinforce_pp_baseline":
-            adv = alg.reinforce_pp_baseline_advantages(scores, batch.group_ids, M)
+            # (data parallel: normalised over every rank's tokens)
+            whiten = (lambda x, m: fdist.masked_whiten(ctx, x, m, unbiased=True)) if ctx.initialized else None
+            adv = alg.reinforce_pp_baseline_advantages(scores, batch.group_ids, M, whiten=whiten)
             returns = None
         else:
             if a.adv_estimator == "rloo":
@@ -967,7 +969,11 @@ class Trainer:
             if ctx.initialized:  # per group on each rank; the batch statistics over every rank
                 am = self._global_advantage_metrics(adv, masks, am)
             metrics.update(am)
-            if a.soft_advantage_reweight:
+            if a.soft_advantage_reweight and ctx.initialized:  # the largest group std over every rank
+                w, wm = self._global_soft_weights(batch)
+                adv = [x * w[i] for i, x in enumerate(adv)]
+                metrics.update(wm)
+            elif a.soft_advantage_reweight:
                 w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
                 adv = [x * w[i] for i, x in enumerate(adv)]
                 metrics.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
@@ -1048,6 +1054,21 @@ class Trainer:
             out["train/kl_reward"] = fdist.weighted_means(self.dist, {"kl": local.get("train/kl_reward", 0.0)},
                                                           with_tokens)["kl"]
         return out
+
+    def _global_soft_weights(self, batch) -> tuple[torch.Tensor, dict]:
+        """`soft_advantage_weights` of this rank's trajectories with the largest group std of
+        the global batch, and train/soft_reweight_min|max|mean over every rank's trajectories."""
+        from fastpo.algorithms.filtering import group_reward_std
+
+        scores = batch.scores.float()
+        local = max(group_reward_std(scores, batch.group_ids).values(), default=0.0) if len(scores) else 0.0
+        top = fdist.all_reduce(self.dist, [local], "max")[0]
+        w = alg.soft_advantage_weights(scores, batch.group_ids, top=top) if len(scores) else torch.zeros(0)
+        n, total = fdist.all_reduce(self.dist, [w.numel(), float(w.double().sum())])
+        lo = -fdist.all_reduce(self.dist, [-float(w.min()) if w.numel() else -np.inf], "max")[0]
+        hi = fdist.all_reduce(self.dist, [float(w.max()) if w.numel() else -np.inf], "max")[0]
+        return w, {"train/soft_reweight_min": lo, "train/soft_reweight_max": hi,
+                   "train/soft_reweight_mean": total / n if n else 0.0}
 
     def _per_rank_figures(self, tm: dict, trajectories: int) -> dict:
         """Each rank's phase times (seconds), peak memory (MiB) and trajectories trained on (after

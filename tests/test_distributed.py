@@ -158,8 +158,8 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("extra, says", [
-    (["algorithm.adv_estimator=reinforce_pp_baseline"], "algorithm.adv_estimator=reinforce_pp_baseline with 2 "
-                                                        "processes: its batch-wide normalisation is not global yet"),
+    (["algorithm.is_correction=tis"], "algorithm.is_correction with 2 processes: the importance-sampling "
+                                      "correction is not data-parallel yet"),
     (["algorithm.adv_estimator=grpo", "rollout.reuse=2"], "rollout.reuse/rollout.replay with 2 processes"),
     (["algorithm.adv_estimator=grpo", "rollout.sampling_streams=batch"], "rollout.sampling_streams=batch with 2"),
     (["algorithm.adv_estimator=grpo", "rollout.env_groups=1", "optim.mini_batch_size=4"],
@@ -197,9 +197,9 @@ def test_plain_torchrun_refuses_an_unsupported_setting_in_each_rank(tmp_path):
     data-parallel yet: each rank refuses before loading anything, rank 0 says why once, and
     the job exits non-zero without creating the run folder."""
     rc, out, _ = _torchrun(["-m", "fastpo", "train", "--env", "bandit", "--device", "cpu", "--preset", "tiny",
-                            "algorithm.adv_estimator=reinforce_pp_baseline", "--out", str(tmp_path / "run")], tmp_path)
+                            "algorithm.is_correction=tis", "--out", str(tmp_path / "run")], tmp_path)
     assert rc != 0
-    assert out.count("algorithm.adv_estimator=reinforce_pp_baseline with 2 processes") == 1, out
+    assert out.count("algorithm.is_correction with 2 processes") == 1, out
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -464,15 +464,22 @@ def test_a_failing_rank_ends_the_training_job(tmp_path):
     assert "iter_000001" in os.listdir(out / "checkpoints")
 
 
-@pytest.mark.parametrize("case", ["gae", "empty-rank"])
-def test_ppo_with_a_separate_critic_in_two_processes_equals_one(tmp_path, case):
-    """GAE with a separate critic: values per rank, advantages whitened over the global batch,
-    the critic's value loss over global denominators and its own optimizer's summed
-    gradients; one iteration in 2 processes equals one process (metrics, and the policy's
-    and the critic's parameters within 1e-5). "empty-rank": rank 1's groups have no reward
-    spread, so the filter keeps only rank 0's and rank 1 joins the update with nothing."""
-    gae = [*TRAIN, "algorithm.adv_estimator=gae", "algorithm.critic=separate", "trainer.collapse_every=0",
-           "--iterations", "1"]
+@pytest.mark.parametrize("case", ["gae", "empty-rank", "reinforce_pp_baseline"])
+def test_other_estimators_in_two_processes_equal_one(tmp_path, case):
+    """One iteration in 2 processes equals one process (metrics, and every parameter in the
+    checkpoint within 1e-5). "gae": PPO with a separate critic: values per rank, advantages
+    whitened over the global batch, the critic's value loss over global denominators and its
+    own optimizer's summed gradients. "empty-rank": the same where rank 1's groups have no
+    reward spread, so the filter keeps only rank 0's and rank 1 joins the update with
+    nothing. "reinforce_pp_baseline": its normalisation over every rank's tokens, with the
+    soft advantage reweighting (the largest group std of the global batch) and a KL term to
+    the reference model in the loss."""
+    if case == "reinforce_pp_baseline":
+        gae = [*TRAIN, "algorithm.adv_estimator=reinforce_pp_baseline", "algorithm.soft_advantage_reweight=true",
+               "algorithm.kl_coef=0.05", "trainer.collapse_every=0", "--iterations", "1"]
+    else:
+        gae = [*TRAIN, "algorithm.adv_estimator=gae", "algorithm.critic=separate", "trainer.collapse_every=0",
+               "--iterations", "1"]
     env = {"FASTPO_TEST_FLAT_FROM": "2"} if case == "empty-rank" else {}
     rc, out = _python(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "one")], env=env)
     assert rc == 0, out
@@ -484,8 +491,12 @@ def test_ppo_with_a_separate_critic_in_two_processes_equals_one(tmp_path, case):
         assert b["train/in_group_reward_std_kept"] > 0 and b["train/filter_kept_ratio"] == 0.5
         assert b["dist/rank0/trajectories"] == 4 and b["dist/rank1/trajectories"] == 0
     keys = _same_metrics(a, b)
+    wa, wb = _weights(tmp_path / "one", 1), _weights(tmp_path / "two", 1)
+    _same_weights(wa, wb)
+    if case == "reinforce_pp_baseline":
+        assert {"train/soft_reweight_max", "train/soft_reweight_mean", "actor/kl", "train/advantage_std"} <= set(keys)
+        assert 0 < b["train/soft_reweight_mean"] < 1
+        return
     assert {"critic/return_mean", "critic/value_mean", "critic/grad_norm", "train/advantage_std"} <= set(keys)
     assert b["critic/grad_norm"] > 0
-    wa, wb = _weights(tmp_path / "one", 1), _weights(tmp_path / "two", 1)
     assert any(k.startswith("critic") for k in wa) and any(k.startswith("model") for k in wa)
-    _same_weights(wa, wb)
