@@ -15,13 +15,17 @@ unless --overwrite, and so is a folder another fastpo process is writing (naming
 On --resume only --iterations, --device and non-env/model overrides apply.
 
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
-(`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`);
---nproc 1 (the default) is the one-process path. Data-parallel training is not wired into the
-trainer yet, so N > 1 (and `torchrun --nproc_per_node N -m fastpo train` with N > 1) is
-refused with exit status 2 before anything starts (fastpo.distributed.require_trainer_support).
+(`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
+parallel (fastpo.distributed; README "Several processes"); --nproc 1 (the default) is the
+one-process path. Under torchrun (even with one process, a smoke test of that path) each
+process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
+is the only one that writes it. A setting the data-parallel trainer does not support yet is
+refused with exit status 2 before any model loads (fastpo.distributed.check_trainer_support).
 
 Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
 full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
+Under torchrun these are each process's statuses; torchrun itself exits 1 when a process
+failed or after a signal it received (once rank 0 has saved the checkpoint).
 """
 from __future__ import annotations
 
@@ -81,10 +85,14 @@ def cmd_train(args) -> int:
 
     from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder,
                                    nothing_to_train_note, plan_resume, run_folder_in_use, tidy_run_folder)
+    from fastpo import distributed as fdist
     from fastpo.metrics import warn_user
     from fastpo.config import ConfigError, apply_dict, parse_override, validate
 
-    console = Console()
+    where = fdist.torchrun_env()
+    world = where[1] if where is not None else 1
+    main_rank = where is None or where[0] == 0
+    console = Console(quiet=not main_rank)  # rank 0 speaks for a data-parallel job
     try:
         if args.resume is not None:
             from fastpo.config import load_run_config
@@ -110,14 +118,16 @@ def cmd_train(args) -> int:
                 cfg.trainer.device = args.device
             cfg.trainer.output_dir = args.resume
             validate(cfg)
+            fdist.check_trainer_support(cfg, world, torchrun=where is not None)
             RunLock(args.resume).check()
             plan = plan_resume(args.resume)
             plan.check_run_config(args.resume)
             if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
                 if plan.note:
                     warn_user(plan.note, console)
-                with RunLock(args.resume):
-                    tidy_run_folder(args.resume)
+                if main_rank:
+                    with RunLock(args.resume):
+                        tidy_run_folder(args.resume)
                 console.print(nothing_to_train_note(args.resume, plan.iteration, cfg.trainer.iterations),
                               style="yellow")
                 return 0
@@ -128,6 +138,7 @@ def cmd_train(args) -> int:
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
             cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
+            fdist.check_trainer_support(cfg, world, torchrun=where is not None)
             if args.out is not None:
                 RunLock(args.out).check()
             used = run_folder_in_use(cfg.trainer.output_dir)
@@ -142,10 +153,30 @@ def cmd_train(args) -> int:
 
         resolve_device(cfg.trainer.device)
         _check_out_dir(cfg.trainer.output_dir)
-    except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
-        print(f"fastpo train: error: {e}", file=sys.stderr)
+        ctx = fdist.SINGLE
+        if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
+            # choice of run folder is everyone's
+            ctx = fdist.init_from_env(cfg.trainer.device)
+            cfg.trainer.output_dir = fdist.on_main(ctx, lambda: cfg.trainer.output_dir)
+    except (ConfigError, FileNotFoundError, RunFolderBusy, fdist.DistributedError) as e:
+        if main_rank:
+            print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
+    try:
+        return _train_in_process(args, cfg, ctx, console)
+    finally:
+        fdist.shutdown(ctx)
+
+
+def _train_in_process(args, cfg, ctx, console) -> int:
+    """Run the trainer in this process (one of `ctx.world_size`); the exit status."""
+    from fastpo.checkpoint import CheckpointSaveError, RunFolderBusy
+    from fastpo.config import ConfigError
     from fastpo.trainer import train
+
+    def error(text: str) -> None:  # every rank meets the same error; rank 0 says it
+        if ctx.is_main:
+            print(f"fastpo train: error: {text}", file=sys.stderr)
 
     console.print(f"[bold]fastpo train[/] env={cfg.env.name} preset={cfg.preset} "
                   f"algorithm={'PPO (GAE, critic ' + cfg.algorithm.critic + ')' if cfg.algorithm.adv_estimator == 'gae' else cfg.algorithm.adv_estimator.upper()} "
@@ -154,20 +185,20 @@ def cmd_train(args) -> int:
                   f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}, "
                   f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
     try:
-        train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite)
+        train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite, dist=ctx)
     except KeyboardInterrupt as e:  # stopped by a signal; the checkpoint is saved
         return 128 + getattr(e, "signum", 2)
     except (ConfigError, RunFolderBusy, FileExistsError) as e:  # bad input found late; not a bug
-        print(f"fastpo train: error: {e}", file=sys.stderr)
+        error(str(e))
         return 2
     except CheckpointSaveError as e:
-        print(f"fastpo train: error: {e}", file=sys.stderr)
+        error(str(e))
         return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        print(f"fastpo train: error: {e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
-              f"`fastpo train --resume {cfg.trainer.output_dir}`", file=sys.stderr)
+        error(f"{e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
+              f"`fastpo train --resume {cfg.trainer.output_dir}`")
         return 1
     return 0
 
@@ -236,8 +267,9 @@ def cmd_eval(args) -> int:
 def _check_processes(args, argv: list[str]) -> int | None:
     """`--nproc` and torchrun: None to go on in this process, else the exit status (2 for bad
     input). --nproc N > 1 replaces this process by torchrun (`os.execv`: torchrun gets the
-    signals and gives the exit status) once the trainer supports it."""
+    signals and gives the exit status)."""
     from fastpo import distributed as fdist
+    from fastpo.config import ConfigError
 
     try:
         if args.command == "train" and args.nproc is not None:
@@ -246,11 +278,13 @@ def _check_processes(args, argv: list[str]) -> int | None:
         world = where[1] if where is not None else (getattr(args, "nproc", None) or 1)
         if args.command == "eval" and world > 1:
             raise fdist.DistributedError(f"fastpo eval runs in one process, not {world}")
-        fdist.require_trainer_support(world)
-    except fdist.DistributedError as e:
+        if args.command == "train" and (args.nproc or 1) > 1 and args.resume is None:
+            # what the N processes would each refuse, said once before torchrun starts them
+            fdist.check_trainer_support(_build_config(args, []), args.nproc)
+    except (fdist.DistributedError, ConfigError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command == "train" and (args.nproc or 1) > 1:  # once the trainer takes N > 1: become torchrun
+    if args.command == "train" and (args.nproc or 1) > 1:  # become torchrun (it runs N of this command)
         cmd = fdist.torchrun_command(args.nproc, fdist.strip_nproc(argv))
         os.execv(cmd[0], cmd)
     return None
@@ -267,9 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--iterations", type=int, default=None)
     tr.add_argument("--resume", default=None, metavar="OUT", help="continue the run in folder OUT from its latest checkpoint")
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
-                    help="processes, one per GPU (CPU processes with gloo under --device cpu), run by torchrun; "
-                         "1 (default): one process. N > 1 is refused for now: data-parallel training is not "
-                         "wired into the trainer yet")
+                    help="data-parallel processes, one per GPU (CPU processes with gloo under --device cpu), "
+                         "run by torchrun; 1 (default): one process")
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
     _add_common(ev)
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")

@@ -203,7 +203,11 @@ class RolloutSection(RolloutConfig):
     "native" (fastpo's sampler on the trained module itself) or "sglang" (an `sglang.Engine`
     holding a bf16 copy of the weights, refreshed after each update; CUDA only,
     `pip install "fastpo[sglang]"`), with `sglang_mem_fraction` of the GPU memory for its
-    weights and KV cache (released while training).
+    weights and KV cache (released while training). `sampling_streams`: "batch" draws the
+    whole rollout batch from one random stream (today's one-process sampling); "group" gives
+    each env group its own stream seeded from (iteration, group), so a group samples the same
+    tokens however the batch is split over processes (native engine); "auto" (default):
+    batch with one process, group with several (fastpo.distributed).
 
     Off-policy data (RAGEN's rollout frequency and replay, arXiv 2504.20073): `reuse` K >= 1
     trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a fresh batch
@@ -215,6 +219,7 @@ class RolloutSection(RolloutConfig):
     env_groups: int = checked(8, _at_least(1), "must be >= 1")
     group_size: int = checked(16, _at_least(1), "must be >= 1")
     engine: Literal["native", "sglang"] = "native"
+    sampling_streams: Literal["auto", "batch", "group"] = "auto"
     sglang_mem_fraction: float = checked(0.4, lambda v: 0 < v < 1, "must be in (0, 1)")
     reuse: int = checked(1, _at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)")
     replay: int = checked(0, _at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)")

@@ -1,21 +1,23 @@
-"""Data-parallel plumbing on `torch.distributed`, for processes started by `torchrun`.
+"""Data-parallel training on `torch.distributed`, for processes started by `torchrun`.
 
-What exists (issue 14, first phase): process-group setup from torchrun's environment (gloo
-on the CPU, NCCL on CUDA) with a timeout on every collective, so that a rank that fails or
-hangs ends the whole job instead of leaving the others waiting; rank-0-only side effects
-(metrics, checkpoints) with the result shared; the split of env groups across ranks (whole
-groups, seeds independent of the world size); the StarPO-S filter on the global batch from
-all-gathered per-group reward stds; global token/sequence counts for the loss normalisation;
-the gradient exchange of a data-parallel update, either DDP-equivalent
-(`all_reduce_gradients`: replicated parameters, summed gradients) or FSDP2
+Process-group setup from torchrun's environment (gloo on the CPU, NCCL on CUDA) with a
+timeout on every collective, so that a rank that fails or hangs ends the whole job instead
+of leaving the others waiting; rank-0-only side effects (metrics, evaluation, checkpoints)
+with the result, or the error, shared (`on_main`); the split of env groups across ranks
+(whole groups, seeds independent of the world size); the StarPO-S filter on the global batch
+from all-gathered per-group reward stds; global token/sequence counts for the loss
+normalisation and global batch statistics (`masked_mean`, `masked_whiten`); the gradient
+exchange of a data-parallel update, either DDP-equivalent (`all_reduce_gradients`:
+replicated parameters, summed gradients; what `fastpo.trainer` uses) or FSDP2
 (`shard_for_data_parallel`: sharded parameters, summed reduce-scatter, equal micro-batch
-counts per rank via `micro_batch_count`); rank 0's full state dict (`full_state_dict`) and
-one HF-format folder written by rank 0 (`save_hf_model`); global metrics (`weighted_means`,
-`per_rank`).
+counts per rank via `micro_batch_count`; tested on its own, not used by the trainer yet);
+rank 0's full state dict (`full_state_dict`) and one HF-format folder written by rank 0
+(`save_hf_model`); global metrics (`weighted_means`, `per_rank`).
 
-The trainer does not use these yet: `require_trainer_support` refuses a world size above 1.
-With one process and no torchrun nothing here initialises `torch.distributed`
-(`SINGLE`), and every helper reduces to the one-process computation.
+`check_trainer_support` refuses, in one line, the settings the trainer cannot run in
+several processes yet (UNSUPPORTED). With one process and no torchrun nothing here
+initialises `torch.distributed` (`SINGLE`), and every helper reduces to the one-process
+computation.
 
 Launch: `torchrun --nproc_per_node N -m fastpo train ...` (or `fastpo train --nproc N`),
 which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for each process.
@@ -34,10 +36,6 @@ import torch
 DEFAULT_TIMEOUT_S = 600.0
 #: The environment variable that overrides DEFAULT_TIMEOUT_S.
 TIMEOUT_ENV = "FASTPO_DIST_TIMEOUT_S"
-
-NOT_WIRED = ("data-parallel training is not wired into the trainer yet (issue 14: fastpo.distributed has the "
-             "pieces, the trainer does not use them); run with one process (--nproc 1, or without torchrun)")
-
 
 class DistributedError(ValueError):
     """Bad launch input: a torchrun variable, a process count or a device that cannot work."""
@@ -130,11 +128,31 @@ def check_nproc(nproc: int, device: Optional[str] = None) -> None:
                                f"process per GPU; use at most that many, or --device cpu (gloo)")
 
 
-def require_trainer_support(world_size: int) -> None:
-    """Refuse what the trainer cannot do yet: more than one process (raises DistributedError
-    with NOT_WIRED)."""
-    if world_size > 1:
-        raise DistributedError(f"{world_size} processes: {NOT_WIRED}")
+#: What the data-parallel trainer does not do yet, as (setting, test on the config, why).
+UNSUPPORTED = (
+    ("algorithm.is_correction", lambda c: c.algorithm.is_correction != "none",
+     "the importance-sampling correction is not data-parallel yet; use none"),
+    ("rollout.reuse/rollout.replay", lambda c: c.rollout.reuse > 1 or c.rollout.replay > 0,
+     "rollout reuse and replay are not data-parallel yet; use reuse=1 replay=0"),
+    ("rollout.engine=sglang", lambda c: c.rollout.engine == "sglang",
+     "one SGLang engine per process is not wired yet; use native"),
+    ("rollout.sampling_streams=batch", lambda c: c.rollout.sampling_streams == "batch",
+     "with several processes each env group samples from its own stream; use auto or group"),
+)
+
+
+def check_trainer_support(cfg, world_size: int, torchrun: bool = False) -> None:
+    """Refuse, before anything loads, a setting the data-parallel trainer cannot run with
+    `world_size` processes under torchrun (see UNSUPPORTED); raises DistributedError naming
+    the first one. `torchrun`: launched by torchrun, which takes the data-parallel path even
+    for one process; one process without torchrun supports everything."""
+    if world_size <= 1 and not torchrun:
+        return
+    where = f"{world_size} processes" if world_size > 1 else "torchrun"
+    for key, bad, why in UNSUPPORTED:
+        if bad(cfg):
+            raise DistributedError(f"{key} with {where}: {why} (or run one process without torchrun)")
+    split_groups(cfg.rollout.env_groups, world_size, 0)  # at least one whole env group per process
 
 
 def launched_by_torchrun() -> bool:
@@ -210,16 +228,111 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def on_main(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Run `fn` on rank 0 only (writing metrics.jsonl, a checkpoint) and return its result on
-    every rank (pickled and broadcast). An exception on rank 0 propagates there; the other
-    ranks then wait at most the collective timeout (torchrun stops them sooner)."""
+    """Run `fn` on rank 0 only (writing metrics.jsonl, a checkpoint, an evaluation) and return
+    its result on every rank (pickled and broadcast). An exception in `fn` is raised on every
+    rank (the same type and message; one that cannot be pickled as a RuntimeError with its
+    text), so that all ranks stop together instead of waiting for a result."""
     if not ctx.initialized:
         return fn(*args, **kwargs)
+    import pickle
+
     import torch.distributed as dist
 
-    box = [fn(*args, **kwargs) if ctx.is_main else None]
+    box: list = [None]
+    if ctx.is_main:
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
+            try:
+                pickle.dumps(e)
+                box[0] = ("error", e)
+            except Exception:
+                box[0] = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def all_gather_object(ctx: DistContext, obj: Any) -> list:
+    """[every rank's `obj`] in rank order, on every rank (pickled); [obj] for one process."""
+    if not ctx.initialized:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_to_main(ctx: DistContext, obj: Any) -> Optional[list]:
+    """[every rank's `obj`] in rank order on rank 0, None on the others (pickled); [obj] for one process."""
+    if not ctx.initialized:
+        return [obj]
+    import torch.distributed as dist
+
+    out: Optional[list] = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def broadcast_modules(ctx: DistContext, *modules) -> None:
+    """Copy rank 0's parameters and buffers into every rank's `modules` (None entries skipped),
+    so that data-parallel replicas start equal whatever each rank loaded. No-op for one process."""
+    if not ctx.initialized:
+        return
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        for m in modules:
+            if m is None:
+                continue
+            for t in list(m.parameters()) + list(m.buffers()):
+                buf = t.detach().to(ctx.device)
+                dist.broadcast(buf, src=0)
+                if buf is not t:
+                    t.copy_(buf)
+
+
+def masked_mean(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean of `x` where `mask` is True over every rank's entries (0.0 when there are
+    none); one process: `float(x[mask].mean())`, as the trainer computes it."""
+    m = mask.bool()
+    if not ctx.initialized:
+        return float(x[m].mean()) if m.any() else 0.0
+    n, total = all_reduce(ctx, [int(m.sum()), float(x[m].double().sum())])
+    return total / n if n else 0.0
+
+
+def masked_whiten(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """`fastpo.algorithms.masked_whiten` (shift_mean) with the mean and variance of the global
+    batch: every rank's entries where `mask` is True (sums in float64, two passes). x, mask:
+    [B_r, T] (B_r may be 0); returns fp32 [B_r, T], zero off the mask. One process: that function."""
+    from fastpo.algorithms import masked_whiten as whiten
+
+    m = mask.bool()
+    if not ctx.initialized:
+        return whiten(x, m, eps=eps, unbiased=unbiased)
+    xf = x.to(torch.float32)
+    n, total = all_reduce(ctx, [int(m.sum()), float(xf[m].double().sum())])
+    if n == 0:
+        return torch.zeros_like(xf)
+    mean = total / n
+    dev = all_reduce(ctx, [float(((xf[m].double() - mean) ** 2).sum())])[0]
+    var = dev / (n - 1 if unbiased and n > 1 else n)
+    return (xf - mean) * float(1.0 / (var + eps) ** 0.5) * m
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory in MiB: CUDA's peak allocated bytes on `device`, else the
+    process's peak resident set size (Linux ru_maxrss)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def split_groups(n_groups: int, world_size: int, rank: int) -> range:

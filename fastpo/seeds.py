@@ -12,6 +12,7 @@ SALT_ENV_SEEDS = 7919  # (seed, iteration, salt) -> the env groups' seeds (`iter
 SALT_MINI_BATCH_ORDER = 104729  # (seed, iteration, salt) -> the PPO epochs' mini-batch shuffles
 SALT_EVAL_SAMPLING = 12345  # seed + salt: the evaluation's sampling seed (`eval_sampling_seed`)
 SALT_ROLLOUT_SAMPLING = 1_000_003  # seed * salt + iteration: a training rollout's sampling seed
+SALT_GROUP_SAMPLING = 15485863  # (sampling seed, group, salt) -> an env group's own sampling stream
 
 
 def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
@@ -35,3 +36,9 @@ def eval_sampling_seed(seed: int) -> int:
 def mini_batch_generator_seed(seed: int, iteration: int) -> int:
     """The seed of the torch.Generator that shuffles iteration `iteration`'s mini-batches."""
     return int(np.random.default_rng([seed, iteration, SALT_MINI_BATCH_ORDER]).integers(2**62))
+
+
+def group_sampling_seed(sampling_seed: int, group: int) -> int:
+    """The seed of env group `group`'s own sampling stream in a rollout seeded `sampling_seed`
+    (per-group streams: `MultiTurnRollout.generate(group_ids=...)`), a value in [0, 2**62)."""
+    return int(np.random.default_rng([int(sampling_seed) % 2**63, int(group), SALT_GROUP_SAMPLING]).integers(2**62))

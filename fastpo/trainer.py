@@ -23,16 +23,29 @@ One iteration:
 6. the engine sees the new weights (same module); evaluation, metrics, plots, samples and
    checkpoints as configured.
 
+Data parallel (N processes under torchrun, `dist`; README "Several processes"): each rank
+rolls out its whole env groups (each group from its own sampling stream, so trajectories do
+not depend on N), the StarPO-S filter ranks every rank's groups, advantages are per group
+(batch statistics such as GAE's whitening over every rank's tokens), the mini-batches are
+those of the global batch with global loss denominators, gradients are summed over the
+ranks before clipping (replicated parameters and optimizer state), and rank 0 alone
+evaluates and writes metrics, samples and checkpoints. One process runs none of this.
+
 Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
 send before they kill) stops within a bounded time: an iteration whose update has not begun
 is dropped at once (resume redoes it identically), an update under way is finished, and an
 evaluation it interrupts or would start is postponed to the resume; then the last complete
 iteration is saved. The process holds its run folder (`fastpo.checkpoint.RunLock`).
+Data parallel, a signal takes effect at the next point the ranks share (before the
+iteration's update, where SIGTERM drops the iteration, or after it), so a rollout or an
+evaluation under way finishes first; rank 0 saves; there is no second-signal abort
+(torchrun kills the workers itself after its grace period).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import shutil
 import signal
@@ -43,6 +56,7 @@ import numpy as np
 import torch
 
 from fastpo import algorithms as alg
+from fastpo import distributed as fdist
 from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_write_text, clear_run_folder,
                                load_checkpoint, nothing_to_train_note, plan_resume, rng_state, run_folder_in_use,
                                save_checkpoint, tidy_run_folder)
@@ -116,6 +130,16 @@ class _MetricMeans:
     def means(self) -> dict[str, float]:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
+    @classmethod
+    def merged(cls, parts: list) -> "_MetricMeans":
+        """The running means of several ranks' (sums, counts), as if one had seen every value."""
+        out = cls()
+        for sums, counts in parts:
+            for k, v in sums.items():
+                out.sums[k] = out.sums.get(k, 0.0) + float(v)
+                out.counts[k] = out.counts.get(k, 0) + int(counts[k])
+        return out
+
 
 class ValueHead(torch.nn.Module):
     """Scalar value V(s_t) from a hidden state [.., H] -> [..] fp32 (zero-initialised output)."""
@@ -151,6 +175,29 @@ def _traj_items(it: int, ids, masks, samp, old_lp, adv, returns, vals, ref) -> l
     return items
 
 
+class _RankRecords:
+    """The metric records of a rank other than 0 under data parallelism: kept in memory, never
+    written (rank 0's MetricsLogger writes the run's metrics.jsonl)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def log(self, iteration: int, metrics: dict) -> dict:
+        rec = {"iteration": int(iteration), **MetricsLogger.log_values(metrics)}
+        self.records.append(rec)
+        return rec
+
+    def amend_last(self, values: dict) -> None:
+        self.records[-1].update(values)
+
+    def extend_last(self, metrics: dict) -> dict:
+        self.records[-1].update({k: v for k, v in MetricsLogger.log_values(metrics).items() if k not in self.records[-1]})
+        return self.records[-1]
+
+    def close(self) -> None:
+        pass
+
+
 class Trainer:
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`.
 
@@ -161,15 +208,16 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
-                 stop_after: Optional[int] = None, overwrite: bool = False):
+                 stop_after: Optional[int] = None, overwrite: bool = False, dist: fdist.DistContext = fdist.SINGLE):
         from rich.console import Console
 
         self.cfg = cfg
-        self.console = console or Console()
+        self.dist = dist
+        self.console = console or Console(quiet=not dist.is_main)
         self.out = cfg.trainer.output_dir
         self.resume = resume
         self.overwrite = overwrite
-        self.device = resolve_device(cfg.trainer.device)
+        self.device = dist.device if dist.initialized and dist.device.type == "cuda" else resolve_device(cfg.trainer.device)
         self._stop_requested = False
         self.interrupted = False  # stopped by Ctrl-C or SIGTERM (after saving), not by reaching the end
         self.stop_signal: Optional[int] = None
@@ -193,7 +241,8 @@ class Trainer:
             self._setup()
         except BaseException:
             self._shutdown_engine()  # a started SGLang server must not outlive the failed start
-            empty = created and os.path.isdir(self.out) and set(os.listdir(self.out)) <= {LOCK_FILE}
+            empty = (self.dist.is_main and created and os.path.isdir(self.out)
+                     and set(os.listdir(self.out)) <= {LOCK_FILE})
             self._release_lock(remove=empty)
             if empty:
                 with contextlib.suppress(OSError):
@@ -202,8 +251,9 @@ class Trainer:
 
     def _warn(self, text: str) -> None:
         """A warning for the user (`fastpo.metrics.warn_user`: the "fastpo" logger, shown on
-        this run's console unless that logger has handlers of its own)."""
-        warn_user(text, self.console)
+        this run's console unless that logger has handlers of its own); rank 0's only."""
+        if self.dist.is_main:
+            warn_user(text, self.console)
 
     def _release_lock(self, remove: bool = False) -> None:
         if self._lock is not None:
@@ -251,19 +301,8 @@ class Trainer:
         tok = self.check_prompts_fit()
         torch.manual_seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
-        self._lock = RunLock(self.out).acquire()  # before anything in the folder is read or written
-        if not self.resume:
-            used = run_folder_in_use(self.out)
-            if used and not self.overwrite:
-                # never destroy a previous run by starting a new one on top of it
-                raise FileExistsError(f"{self.out} already holds a run ({', '.join(used)}); resume it, "
-                                      f"choose another output folder or pass overwrite=True (--overwrite)")
-            if used:
-                clear_run_folder(self.out)
-        tidied = tidy_run_folder(self.out)
-        if tidied:
-            c.print(f"{self.out}: after an interrupted write: {'; '.join(tidied)}", markup=False, soft_wrap=True)
-        os.makedirs(self.out, exist_ok=True)
+        # rank 0 alone holds and writes the run folder; the others read it once it is ready
+        fdist.on_main(self.dist, self._prepare_folder)
         dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
         if dtype is None:
             dtype = torch.float32  # fp32 master weights; CUDA runs the math under bf16 autocast
@@ -318,6 +357,8 @@ class Trainer:
             if ckpt is not None:
                 load_checkpoint(ckpt, model=model)  # the adapter
         self.model, self.tokenizer = model, tok
+        # data parallel: every replica starts from rank 0's weights (and stays equal: summed gradients)
+        fdist.broadcast_modules(self.dist, model, self.ref_model, self.critic_body, self.value_head)
         o = cfg.optim
         actor_params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": actor_params, "lr": o.actor_lr}]
@@ -349,6 +390,9 @@ class Trainer:
             if self.schedule is not None and state.get("rollout_schedule") is not None:
                 self.schedule.load_state_dict(state["rollout_schedule"])
             c.print(f"[bold]resumed[/] from {ckpt} at iteration {self.start_iteration}")
+        if not self.dist.is_main:  # the other ranks keep their records in memory, write nothing
+            self.logger = _RankRecords()
+            return
         self.logger = MetricsLogger(self.out, cfg.trainer.ema_decay, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                     resume_from=self.start_iteration - 1 if ckpt is not None else None,
                                     run_name=os.path.basename(os.path.abspath(self.out)), config=cfg.to_dict(),
@@ -368,6 +412,24 @@ class Trainer:
                 shutil.copyfile(ran, kept)
             c.print(f"settings changed on resume: iterations up to {self.start_iteration - 1} ran with {kept}")
         atomic_write_text(path, text)
+
+    def _prepare_folder(self) -> None:
+        """Lock the run folder, clear it (a new run with overwrite) and tidy it after an
+        interrupted write (rank 0 only)."""
+        self._lock = RunLock(self.out).acquire()  # before anything in the folder is read or written
+        if not self.resume:
+            used = run_folder_in_use(self.out)
+            if used and not self.overwrite:
+                # never destroy a previous run by starting a new one on top of it
+                raise FileExistsError(f"{self.out} already holds a run ({', '.join(used)}); resume it, "
+                                      f"choose another output folder or pass overwrite=True (--overwrite)")
+            if used:
+                clear_run_folder(self.out)
+        tidied = tidy_run_folder(self.out)
+        if tidied:
+            self.console.print(f"{self.out}: after an interrupted write: {'; '.join(tidied)}", markup=False,
+                               soft_wrap=True)
+        os.makedirs(self.out, exist_ok=True)
 
     def _make_engine(self, model, tok):
         """The generation engine of `rollout.engine`: the native one samples from `model` itself;
@@ -437,7 +499,10 @@ class Trainer:
         return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ phases
-    def _generate(self, seeds: list[int], group_size: int, temperature: float, seed: int):
+    def _generate(self, seeds: list[int], group_size: int, temperature: float, seed: int,
+                  group_ids: Optional[list[int]] = None):
+        """Roll out env groups `seeds` x group_size; `group_ids` (global ids): each group samples
+        from its own stream (rollout.sampling_streams), else one stream for the batch."""
         self.model.eval()
         # old log-probs from the sampler: a critic on the policy's trunk reads its values off
         # the sampling pass's hidden states, so no pass over the batch is left to do
@@ -447,7 +512,10 @@ class Trainer:
             self.engine.readout = self.value_head
         try:
             with torch.no_grad(), self._autocast(), self._engine_awake():
-                return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
+                if group_ids is None:
+                    return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
+                return self.rollout.generate(seeds, group_size, temperature=temperature, seed=seed,
+                                             group_ids=group_ids)
         finally:
             if readout:
                 self.engine.readout = None
@@ -507,7 +575,7 @@ class Trainer:
         ent = [torch.zeros(int(x.numel())) for x in ids] if logprobs else None
         vals = [torch.zeros(int(x.numel())) for x in ids] if values else None
         ref = [torch.zeros(int(x.numel())) for x in ids] if self.ref_model is not None else None
-        if not (logprobs or values or ref is not None):
+        if not (logprobs or values or ref is not None) or n == 0:
             return old_lp, ent, vals, ref
         policy_body = logprobs or (values and self.critic_body is None)
         self.model.eval()
@@ -537,6 +605,8 @@ class Trainer:
         and one pass over the batch for only what is still missing (a separate critic, a
         reference model, or an engine that records no entropies)."""
         ent = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_entropies] or None
+        if ent is None and not ids:  # no trajectory (a rank the filter left empty): nothing is missing
+            ent = []
         vals = None
         if self.value_head is not None and self.critic_body is None and batch.sample_values:
             vals = [torch.as_tensor(x, dtype=torch.float32) for x in batch.sample_values]
@@ -569,6 +639,20 @@ class Trainer:
         """
         a = self.cfg.algorithm
         B = len(masks)
+        ctx = self.dist
+        if B == 0:  # a process whose env groups the filter all dropped (data parallel): it
+            # still joins the batch statistics, in the order the other ranks compute them
+            if a.adv_estimator not in ("gae", "reinforce_pp", "reinforce_pp_baseline"):
+                return [], None, {}
+            empty, none = torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.bool)
+            if a.adv_estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+                fdist.masked_whiten(ctx, empty, none, unbiased=True)
+                return [], None, {}
+            m = {"critic/return_mean": fdist.masked_mean(ctx, empty, none),
+                 "critic/value_mean": fdist.masked_mean(ctx, empty, none)}
+            if a.whiten_advantages:
+                fdist.masked_whiten(ctx, empty, none)
+            return [], [], m
         T = max(int(mask.numel()) for mask in masks)
         M = torch.zeros(B, T, dtype=torch.bool)
         for i, mask in enumerate(masks):
@@ -604,16 +688,21 @@ class Trainer:
             for i, v in enumerate(vals):
                 V[i, : v.numel()] = v
             adv, ret = alg.compute_gae(R, V, M, a.gamma, a.lam)
-            metrics["critic/return_mean"] = float(ret[M].mean()) if M.any() else 0.0
-            metrics["critic/value_mean"] = float(V[M].mean()) if M.any() else 0.0
+            # (data parallel: over every rank's tokens)
+            metrics["critic/return_mean"] = fdist.masked_mean(ctx, ret, M)
+            metrics["critic/value_mean"] = fdist.masked_mean(ctx, V, M)
             if a.whiten_advantages:
-                adv = alg.masked_whiten(adv, M)
+                adv = fdist.masked_whiten(ctx, adv, M)
             returns = [ret[i, : masks[i].numel()] for i in range(B)]
         elif a.adv_estimator == "reinforce_pp":  # REINFORCE++: returns normalised over the batch
-            adv, _ = alg.reinforce_pp_advantages(R, M, a.gamma)
+            adv, ret = alg.reinforce_pp_advantages(R, M, a.gamma)
+            if ctx.initialized:  # normalised over every rank's tokens
+                adv = fdist.masked_whiten(ctx, ret, M, unbiased=True)
             returns = None
         elif a.adv_estimator == "reinforce_pp_baseline":
-            adv = alg.reinforce_pp_baseline_advantages(scores, batch.group_ids, M)
+            # (data parallel: normalised over every rank's tokens)
+            whiten = (lambda x, m: fdist.masked_whiten(ctx, x, m, unbiased=True)) if ctx.initialized else None
+            adv = alg.reinforce_pp_baseline_advantages(scores, batch.group_ids, M, whiten=whiten)
             returns = None
         else:
             if a.adv_estimator == "rloo":
@@ -629,8 +718,20 @@ class Trainer:
     def epoch_mini_batches(self, masks: list, generator: torch.Generator):
         """One PPO epoch's mini-batches: shuffled trajectory indices, the last one smaller when
         n % mini_batch_size != 0. Yields (indices, scored tokens, loss denominator): the
-        denominator of `algorithm.loss_agg` (`loss_denominator`)."""
+        denominator of `algorithm.loss_agg` (`loss_denominator`). Data parallel: the shuffle
+        is of the global batch (the ranks' trajectories in rank order), each rank gets its
+        trajectories of each mini-batch (maybe none) and the global denominator, so the
+        mini-batches are those of one process whatever the world size."""
         size = self.cfg.optim.mini_batch_size
+        if self.dist.initialized:  # the global batch's mini-batches, this rank's part of each
+            counts = [int(x) for x in fdist.per_rank(self.dist, len(masks))]
+            offset, total = sum(counts[: self.dist.rank]), sum(counts)
+            perm = torch.randperm(total, generator=generator).tolist()
+            for start in range(0, total, size):
+                mini = [i - offset for i in perm[start:start + size] if offset <= i < offset + len(masks)]
+                n_tok = sum(int(masks[i][1:].sum()) for i in mini)
+                yield mini, n_tok, fdist.global_loss_denominator(self.dist, self.cfg.algorithm.loss_agg, masks, mini)
+            return
         perm = torch.randperm(len(masks), generator=generator).tolist()
         for start in range(0, len(masks), size):
             mini = perm[start:start + size]
@@ -652,7 +753,8 @@ class Trainer:
         self.model.train()
         for _epoch in range(o.ppo_epochs):
             for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
-                value_denom = loss_denominator(cfg.algorithm.value_loss_agg, masks, mini)
+                value_denom = (fdist.global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
+                               if self.dist.initialized else loss_denominator(cfg.algorithm.value_loss_agg, masks, mini))
                 self._zero_grad()
                 finite = True
                 for micro in self._micro_batches(ids, mini, masks):
@@ -668,6 +770,10 @@ class Trainer:
                     for k, val in out.metrics.items():
                         metrics.add(f"actor/{k}", val)
                     metrics.add("actor/pg_loss_micro", out.loss.detach())
+                if self.dist.initialized:  # every rank steps, or none; the gradient is the sum over ranks
+                    finite = fdist.all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
+                    if finite:
+                        fdist.all_reduce_gradients(self.dist, self._trained_parameters())
                 if finite and self._optimizer_step(metrics):
                     steps += 1
                     continue
@@ -675,11 +781,19 @@ class Trainer:
                 self._warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
                 self._zero_grad()
         self.model.eval()
+        if self.dist.initialized:  # means over every rank's micro-batches (and steps)
+            metrics = _MetricMeans.merged(fdist.all_gather_object(self.dist, (metrics.sums, metrics.counts)))
+            train_tokens = int(fdist.all_reduce(self.dist, [train_tokens])[0])
         res = metrics.means()
         res["actor/updates"] = steps
         res["actor/skipped_updates"] = skipped
         res["_train_tokens"] = train_tokens
         return res
+
+    def _trained_parameters(self) -> list:
+        """Every parameter the optimizers step, in one fixed order (the same on every rank)."""
+        opts = [self.actor_opt] + ([self.critic_opt] if self.critic_opt is not None else [])
+        return [p for o in opts for grp in o.param_groups for p in grp["params"]]
 
     def _optimizers(self) -> dict:
         """The optimizers by checkpoint name: "actor", and "critic" for a separate critic."""
@@ -769,33 +883,56 @@ class Trainer:
         self.weight_sync_seconds = 0.0
         self._weights_touched = False
         isw = items = None
+        ctx = self.dist
         with self._droppable():
-            seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
-            batch = self._generate(seeds, r.group_size, r.temperature, seed=rollout_sampling_seed(cfg.trainer.seed, it))
+            group_ids = None  # one sampling stream for the batch (today's one-process sampling)
+            if ctx.initialized:  # this rank's whole env groups, their seeds and ids as in one process
+                group_ids, seeds = fdist.rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
+            else:
+                seeds = iteration_seeds(cfg.trainer.seed, it, r.env_groups)
+                if r.sampling_streams == "group":
+                    group_ids = list(range(r.env_groups))
+            extra = {} if group_ids is None else {"group_ids": group_ids}  # (subclasses override _generate)
+            batch = self._generate(seeds, r.group_size, r.temperature, seed=rollout_sampling_seed(cfg.trainer.seed, it),
+                                   **extra)
             tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
             tm["time/weight_sync_s"] = self.weight_sync_seconds
             full = batch
-            if not int(full.num_turns.sum()):
-                longest = max(int(x.numel()) for x in full.input_ids)
+            turns, longest = int(full.num_turns.sum()), max(int(x.numel()) for x in full.input_ids)
+            if ctx.initialized:
+                turns, longest = int(fdist.all_reduce(ctx, [turns])[0]), int(fdist.all_reduce(ctx, [longest], "max")[0])
+            if not turns:
                 raise NothingToTrain(
                     f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
                     f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
                     f"{longest + r.max_new_tokens}")
-            metrics = rollout_metrics(full, prefix="train")
             every = cfg.trainer.collapse_every
-            if every and (it == 1 or it % every == 0):
-                t_c = time.perf_counter()
-                metrics.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
-                tm["time/collapse_s"] = time.perf_counter() - t_c
+            collapse = bool(every and (it == 1 or it % every == 0))
+            if ctx.initialized:  # computed by rank 0 on the global batch
+                metrics, gen_tokens, collapse_s = self._global_rollout_metrics(full, collapse)
+                if collapse:
+                    tm["time/collapse_s"] = collapse_s
+            else:
+                metrics = rollout_metrics(full, prefix="train")
+                if collapse:
+                    t_c = time.perf_counter()
+                    metrics.update(self.collapse_metrics(full))  # before filtering: the policy's, not the selection's
+                    tm["time/collapse_s"] = time.perf_counter() - t_c
             t1 = time.perf_counter()
             # one trajectory per group: no in-group std to filter by (said once at start)
             mode = a.filter_mode if r.group_size > 1 else "none"
-            filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode, a.filter_strategy,
-                                     a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
-            # no group kept (top_p's threshold not reached, or only zero-std groups dropped): the
-            # full batch is still scored for its metrics, then the update is skipped
-            skip = filt.indices.numel() == 0
-            batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
+            if ctx.initialized:  # StarPO-S over every rank's groups (their stds are gathered)
+                filt = fdist.global_filter(ctx, full.scores.float(), full.group_ids, a.filter_ratio, mode,
+                                           a.filter_strategy, a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
+                skip = not filt.kept_groups
+                batch = full.select(filt.indices) if filt.indices.numel() < len(full.input_ids) else full
+            else:
+                filt = alg.filter_groups(full.scores.float(), full.group_ids, a.filter_ratio, mode, a.filter_strategy,
+                                         a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
+                # no group kept (top_p's threshold not reached, or only zero-std groups dropped): the
+                # full batch is still scored for its metrics, then the update is skipped
+                skip = filt.indices.numel() == 0
+                batch = full.select(filt.indices) if 0 < filt.indices.numel() < len(full.input_ids) else full
             metrics["train/filter_kept_ratio"] = filt.kept_ratio
             metrics["train/in_group_reward_std_kept"] = filt.std_after
             metrics["train/filter_zero_std_groups"] = filt.zero_std_groups
@@ -812,13 +949,16 @@ class Trainer:
                 old_lp, ent, vals, ref = self.compute_old(ids, masks)
                 recomputed = old_lp
             tm["time/old_logprob_s"] = time.perf_counter() - t1
-            allm = torch.cat(masks)
             metrics["train/old_logprob_from_sampler"] = float(old_lp is samp)
-            if recomputed is not None:  # both available: how far the sampler's are from the trainer's
-                gap = (torch.cat(recomputed) - torch.cat(samp))[allm].abs()
-                metrics["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
-                metrics["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
-            metrics["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
+            if ctx.initialized:
+                metrics.update(self._global_token_metrics(masks, samp, recomputed, ent))
+            else:
+                allm = torch.cat(masks)
+                if recomputed is not None:  # both available: how far the sampler's are from the trainer's
+                    gap = (torch.cat(recomputed) - torch.cat(samp))[allm].abs()
+                    metrics["train/logprob_gap_mean"] = float(gap.mean()) if gap.numel() else 0.0
+                    metrics["train/logprob_gap_max"] = float(gap.max()) if gap.numel() else 0.0
+                metrics["train/rollout_entropy"] = float(torch.cat(ent)[allm].mean()) if allm.any() else 0.0
             if skip:
                 self._warn(f"iteration {it}: the {a.filter_strategy} filter kept no env group "
                            f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
@@ -826,8 +966,14 @@ class Trainer:
                 return metrics
             t2 = time.perf_counter()
             adv, returns, am = self.compute_advantages(batch, masks, vals, old_lp, ref)
+            if ctx.initialized:  # per group on each rank; the batch statistics over every rank
+                am = self._global_advantage_metrics(adv, masks, am)
             metrics.update(am)
-            if a.soft_advantage_reweight:
+            if a.soft_advantage_reweight and ctx.initialized:  # the largest group std over every rank
+                w, wm = self._global_soft_weights(batch)
+                adv = [x * w[i] for i, x in enumerate(adv)]
+                metrics.update(wm)
+            elif a.soft_advantage_reweight:
                 w = alg.soft_advantage_weights(batch.scores.float(), batch.group_ids)
                 adv = [x * w[i] for i, x in enumerate(adv)]
                 metrics.update({"train/soft_reweight_min": float(w.min()), "train/soft_reweight_max": float(w.max()),
@@ -839,13 +985,118 @@ class Trainer:
                     items = _traj_items(it, ids, masks, samp, old_lp, adv, returns, vals, ref)
                 ids, masks, old_lp, adv, vals, returns, ref, isw = self._off_policy(
                     it, metrics, ids, masks, samp, old_lp, adv, vals, returns, ref, fresh=True)
+            if ctx.initialized and self._sync_stop() and self._term_requested():
+                raise _Drop  # every rank drops this iteration before its update (see _request_stop)
         if items is not None:  # past the droppable part: a dropped iteration leaves the schedule as it was
             self.schedule.start(it, items, rollout_m)
         self._train(it, metrics, tm, ids, masks, old_lp, adv, vals, returns, ref, isw)
-        gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
+        if ctx.initialized:
+            gen = gen_tokens
+            metrics.update(self._per_rank_figures(tm, len(ids)))
+        else:
+            gen = float(full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask)))
         metrics["perf/rollout_tokens_per_s"] = gen / max(tm["time/rollout_s"], 1e-9)
         metrics.update(tm)
         return metrics
+
+    # ------------------------------------------------------------------ data parallel
+    def _global_rollout_metrics(self, full, collapse: bool) -> tuple[dict, float, float]:
+        """(rollout metrics, generated tokens, collapse seconds) of the global batch: every
+        rank's trajectories are gathered to rank 0, which computes `rollout_metrics` (and the
+        collapse metrics when `collapse`) on their concatenation, as one process would; the
+        result is shared with every rank."""
+        from fastpo.rollout.batch import TrajectoryBatch
+
+        parts = fdist.gather_to_main(self.dist, dataclasses.replace(full, tokenizer=None))
+
+        def compute():
+            whole = TrajectoryBatch.concat(parts)
+            whole.tokenizer = self.tokenizer
+            m = rollout_metrics(whole, prefix="train")
+            t_c, secs = time.perf_counter(), 0.0
+            if collapse:
+                m.update(self.collapse_metrics(whole))
+                secs = time.perf_counter() - t_c
+            gen = float(whole.metrics.get("generated_tokens",
+                                          sum(int(torch.as_tensor(x).sum()) for x in whole.loss_mask)))
+            return m, gen, secs
+
+        return fdist.on_main(self.dist, compute)
+
+    def _global_token_metrics(self, masks, samp, recomputed, ent) -> dict:
+        """train/logprob_gap_mean|max and train/rollout_entropy over every rank's scored tokens."""
+        allm = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+        e = torch.cat(ent)[allm].double() if masks else torch.zeros(0, dtype=torch.float64)
+        out = {}
+        # (a rank without trajectories may not know whether the others recomputed log-probs)
+        if fdist.all_reduce(self.dist, [float(recomputed is not None)], "max")[0]:
+            gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks and recomputed is not None
+                   else torch.zeros(0, dtype=torch.float64))
+            n, total = fdist.all_reduce(self.dist, [gap.numel(), float(gap.sum())])
+            top = fdist.all_reduce(self.dist, [float(gap.max()) if gap.numel() else 0.0], "max")[0]
+            out["train/logprob_gap_mean"] = total / n if n else 0.0
+            out["train/logprob_gap_max"] = top if n else 0.0
+        n, total = fdist.all_reduce(self.dist, [e.numel(), float(e.sum())])
+        out["train/rollout_entropy"] = total / n if n else 0.0
+        return out
+
+    def _global_advantage_metrics(self, adv, masks, local: dict) -> dict:
+        """`compute_advantages`' batch metrics over every rank: the mean and sample std (n - 1)
+        of the advantages on scored tokens, and the KL-in-reward mean over trajectories."""
+        x = torch.cat([a[m] for a, m in zip(adv, masks)]).double() if masks else torch.zeros(0, dtype=torch.float64)
+        n, s1, s2 = fdist.all_reduce(self.dist, [x.numel(), float(x.sum()), float((x * x).sum())])
+        out = dict(local)
+        mean = s1 / n if n else 0.0
+        out["train/advantage_mean"] = mean
+        out["train/advantage_std"] = float(np.sqrt(max(0.0, (s2 - n * mean * mean) / (n - 1)))) if n > 1 else 0.0
+        if self.cfg.algorithm.kl_coef > 0 and self.cfg.kl_in_reward:
+            with_tokens = sum(1 for m in masks if bool(m.any()))
+            out["train/kl_reward"] = fdist.weighted_means(self.dist, {"kl": local.get("train/kl_reward", 0.0)},
+                                                          with_tokens)["kl"]
+        return out
+
+    def _global_soft_weights(self, batch) -> tuple[torch.Tensor, dict]:
+        """`soft_advantage_weights` of this rank's trajectories with the largest group std of
+        the global batch, and train/soft_reweight_min|max|mean over every rank's trajectories."""
+        from fastpo.algorithms.filtering import group_reward_std
+
+        scores = batch.scores.float()
+        local = max(group_reward_std(scores, batch.group_ids).values(), default=0.0) if len(scores) else 0.0
+        top = fdist.all_reduce(self.dist, [local], "max")[0]
+        w = alg.soft_advantage_weights(scores, batch.group_ids, top=top) if len(scores) else torch.zeros(0)
+        n, total = fdist.all_reduce(self.dist, [w.numel(), float(w.double().sum())])
+        lo = -fdist.all_reduce(self.dist, [-float(w.min()) if w.numel() else -np.inf], "max")[0]
+        hi = fdist.all_reduce(self.dist, [float(w.max()) if w.numel() else -np.inf], "max")[0]
+        return w, {"train/soft_reweight_min": lo, "train/soft_reweight_max": hi,
+                   "train/soft_reweight_mean": total / n if n else 0.0}
+
+    def _per_rank_figures(self, tm: dict, trajectories: int) -> dict:
+        """Each rank's phase times (seconds), peak memory (MiB) and trajectories trained on (after
+        the filter) as dist/rank<R>/<name>."""
+        out = {}
+        for r, v in enumerate(fdist.per_rank(self.dist, trajectories)):
+            out[f"dist/rank{r}/trajectories"] = int(v)
+        for key in ("time/rollout_s", "time/old_logprob_s", "time/update_s"):
+            for r, v in enumerate(fdist.per_rank(self.dist, tm.get(key, 0.0))):
+                out[f"dist/rank{r}/{key[5:]}"] = v
+        for r, v in enumerate(fdist.per_rank(self.dist, fdist.peak_memory_mib(self.device))):
+            out[f"dist/rank{r}/peak_memory_mib"] = v
+        return out
+
+    def _sync_stop(self) -> bool:
+        """Data parallel: share a stop request among the ranks (each may have got its signal at
+        another moment), so that all of them stop at the same point; SIGTERM wins over SIGINT.
+        Returns whether a stop is requested."""
+        stop, term = fdist.all_reduce(self.dist, [float(self._stop_requested), float(self._term_requested())], "max")
+        if stop and not self._stop_requested:
+            self._stop_requested = self.interrupted = True
+        if stop:
+            self.stop_signal = signal.SIGTERM if term else (self.stop_signal or signal.SIGINT)
+        return bool(stop)
+
+    def _evaluate_all(self, it: int) -> dict:
+        """`evaluate` on rank 0 (the others wait for its result; one process: evaluate)."""
+        return fdist.on_main(self.dist, self.evaluate, it)
 
     def _train(self, it: int, metrics: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
         """The update phase of an iteration: `update`, then its metrics into `metrics` and its time into `tm`."""
@@ -937,6 +1188,20 @@ class Trainer:
         """The SIGINT / SIGTERM handler (see the module docstring); a second signal aborts at once
         without saving (Stopped)."""
         signum = signum or signal.SIGINT
+        if self.dist.initialized:
+            # Data parallel: only note the request; the ranks agree on it at the next shared point
+            # (`_sync_stop`: before an update, after an iteration), so a rollout or evaluation under
+            # way finishes. No second-signal abort: torchrun forwards one signal as several and
+            # kills the workers itself after its grace period.
+            first = not self._stop_requested
+            self._stop_requested = self.interrupted = True
+            if self.stop_signal != signal.SIGTERM:
+                self.stop_signal = signum
+            if first and self.dist.is_main:
+                self.console.print(f"[yellow]{signal.Signals(signum).name}[/]: stopping all processes at the next "
+                                   "shared point (before this iteration's update or after it), saving the last "
+                                   "complete iteration, then exit")
+            return
         if self._stop_requested:
             raise Stopped(signum)
         self._stop_requested = self.interrupted = True
@@ -967,7 +1232,11 @@ class Trainer:
 
     def _save(self, it: int, rng: Optional[dict] = None, eval_pending: bool = False) -> str:
         """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume
-        restores; `eval_pending` marks an evaluation of `it` still to run on resume."""
+        restores; `eval_pending` marks an evaluation of `it` still to run on resume. Data
+        parallel: rank 0 writes it (the replicas are equal; the optimizer state is whole on
+        every rank, so any world size resumes from it); the others return ""."""
+        if not self.dist.is_main:
+            return ""
         t0 = time.perf_counter()
         path = save_checkpoint(self.out, it, model=self.model, tokenizer=self.tokenizer, optimizers=self._optimizers(),
                                state={"last_eval": self.last_eval, "eval_pending": eval_pending,
@@ -985,7 +1254,7 @@ class Trainer:
         self.console.print(f"evaluating iteration {it} (postponed by the SIGTERM that stopped the run)")
         try:
             with self._droppable():
-                ev = self.evaluate(it)
+                ev = self._evaluate_all(it)
         except _Drop:
             return False
         self.last_eval = ev
@@ -1024,7 +1293,7 @@ class Trainer:
             if t.eval_before_training and self.start_iteration == 1:
                 try:
                     with self._droppable():
-                        ev = self.evaluate(0)
+                        ev = self._evaluate_all(0)
                     self.last_eval = ev
                     self.logger.log(0, ev)
                 except _Drop:
@@ -1035,6 +1304,8 @@ class Trainer:
                 task = progress.add_task("train", total=total, completed=self.start_iteration - 1, stats="")
                 echo_on = False
                 for it in range(self.start_iteration, total + 1):
+                    if self.dist.initialized:
+                        self._sync_stop()
                     if self._stop_requested:  # a signal before this iteration began (e.g. the initial eval)
                         if updated > last_saved:
                             self._save(updated)
@@ -1057,6 +1328,8 @@ class Trainer:
                     updated = it  # the weights now hold this iteration's update
                     if self.stop_after is not None and it >= self.stop_after:
                         self._stop_requested = True
+                    if self.dist.initialized:  # every rank takes the same evaluate/save/stop decisions
+                        self._sync_stop()
                     eval_pending, rng_before_eval = False, None
                     if t.eval_every and (it % t.eval_every == 0 or it == total):
                         rng_before_eval = rng_state()
@@ -1064,7 +1337,7 @@ class Trainer:
                         if not self._term_requested():
                             try:
                                 with self._droppable():
-                                    ev = self.evaluate(it)
+                                    ev = self._evaluate_all(it)
                             except _Drop:
                                 pass
                         if ev is None:  # SIGTERM: the resume runs it (the record gets it then)
@@ -1090,7 +1363,7 @@ class Trainer:
                     progress.update(task, completed=it, stats=stats)
                     if not t.progress:
                         self.console.print(f"iteration {it}/{total}: {stats}")
-                    if t.plots and (("eval/success_rate" in metrics) or it == total):
+                    if t.plots and self.dist.is_main and (("eval/success_rate" in metrics) or it == total):
                         plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
                     if (t.save_every and it % t.save_every == 0) or it == total or self._stop_requested:
                         self._save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)
@@ -1123,6 +1396,8 @@ class Trainer:
             self.logger.close()
             self._shutdown_engine()
             self._release_lock()
+        if not self.dist.is_main:
+            return self.logger.records
         if t.plots and self.logger.records:
             plot_curves(self.logger.records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(self.logger.records, title=f"fastpo: {cfg.env.name}, {self.info.label}"))
@@ -1141,19 +1416,24 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False) -> list[dict]:
+def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False,
+          dist: fdist.DistContext = fdist.SINGLE) -> list[dict]:
     """Build a Trainer and run it; prints what the CPU preset scaled down.
 
     A new run (resume=False) refuses an output folder that already holds a run
     (FileExistsError) unless `overwrite` is true, which clears that run first. Raises
     Stopped (a KeyboardInterrupt) after a Ctrl-C or SIGTERM stop, once the checkpoint is saved.
+    `dist`: this process's place in a data-parallel job (`fastpo.distributed.init_from_env`);
+    the default is one process. Raises fastpo.distributed.DistributedError for a setting the
+    data-parallel trainer does not support (`check_trainer_support`).
     """
     from rich.console import Console
 
-    console = console or Console()
-    if "cpu" in cfg.preset.split(","):
+    fdist.check_trainer_support(cfg, dist.world_size, torchrun=dist.initialized)
+    console = console or Console(quiet=not dist.is_main)
+    if "cpu" in cfg.preset.split(",") and dist.is_main:
         console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")
-    trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite)
+    trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite, dist=dist)
     records = trainer.run()
     if trainer.interrupted:
         raise Stopped(trainer.stop_signal)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)

@@ -157,11 +157,21 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
     assert f"--nproc {n}: needs a whole number of processes >= 1" in err
 
 
-def test_nproc_above_one_is_refused_until_the_trainer_is_wired(capsys, monkeypatch, no_model):
+@pytest.mark.parametrize("extra, says", [
+    (["algorithm.is_correction=tis"], "algorithm.is_correction with 2 processes: the importance-sampling "
+                                      "correction is not data-parallel yet"),
+    (["algorithm.adv_estimator=grpo", "rollout.reuse=2"], "rollout.reuse/rollout.replay with 2 processes"),
+    (["algorithm.adv_estimator=grpo", "rollout.sampling_streams=batch"], "rollout.sampling_streams=batch with 2"),
+    (["algorithm.adv_estimator=grpo", "rollout.env_groups=1", "optim.mini_batch_size=4"],
+     "env_groups=1 is below the number of processes (2)"),
+])
+def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, monkeypatch, no_model):
+    """Said in one line, exit status 2, before torchrun starts anything."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert main(["train", "--env", "bandit", "--device", "cpu", "--nproc", "2"]) == 2
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    assert main(["train", "--env", "bandit", "--device", "cpu", "--nproc", "2", *extra]) == 2
     err = capsys.readouterr().err
-    assert "data-parallel training is not wired into the trainer yet" in err and "--nproc 1" in err
+    assert says in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_nproc_one_is_the_one_process_path(tmp_path, monkeypatch, no_model):
@@ -182,13 +192,14 @@ def test_torchrun_command():
                    "train", "--env", "bandit"]
 
 
-def test_plain_torchrun_with_two_processes_is_refused_by_each_rank(tmp_path):
-    """`torchrun --nproc_per_node 2 -m fastpo train` (also what --nproc 2 runs): each rank
-    refuses before loading anything, and the job exits non-zero."""
-    rc, out, _ = _torchrun(["-m", "fastpo", "train", "--env", "bandit", "--device", "cpu",
-                            "--out", str(tmp_path / "run")], tmp_path)
+def test_plain_torchrun_refuses_an_unsupported_setting_in_each_rank(tmp_path):
+    """`torchrun --nproc_per_node 2 -m fastpo train` with an estimator that is not
+    data-parallel yet: each rank refuses before loading anything, rank 0 says why once, and
+    the job exits non-zero without creating the run folder."""
+    rc, out, _ = _torchrun(["-m", "fastpo", "train", "--env", "bandit", "--device", "cpu", "--preset", "tiny",
+                            "algorithm.is_correction=tis", "--out", str(tmp_path / "run")], tmp_path)
     assert rc != 0
-    assert "data-parallel training is not wired into the trainer yet" in out
+    assert out.count("algorithm.is_correction with 2 processes") == 1, out
     assert not os.path.exists(tmp_path / "run")
 
 
@@ -233,3 +244,259 @@ def test_two_process_gradient_and_update_equal_one_process(grad_run, case):
         for name in want_g:  # both ranks hold the same gradient and parameters
             assert torch.equal(ranks[0]["res"][agg][0][name], ranks[1]["res"][agg][0][name])
             assert torch.equal(ranks[0]["res"][agg][1][name], ranks[1]["res"][agg][1][name])
+
+
+# --- the trainer in several processes -----------------------------------------------------
+
+def test_group_streams_sample_a_group_alike_in_any_batch():
+    """With per-group sampling streams (group_ids), an env group's trajectories are the same
+    whether it is rolled out alone (its rank's share) or with other groups (one process)."""
+    from fastpo.config import RolloutConfig
+    from fastpo.models import load_model_and_tokenizer
+    from fastpo.rollout import MultiTurnRollout, NativeEngine
+
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=6, max_context=2048, temperature=1.0)
+    ro = MultiTurnRollout(NativeEngine(model, tok), tok, "frozenlake", {"size": 4}, cfg)
+    seeds = [11, 12, 13]
+    whole = ro.generate(seeds, 3, seed=5, group_ids=[0, 1, 2])
+    alone = ro.generate(seeds[1:2], 3, seed=5, group_ids=[1])
+    assert whole.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2] and alone.group_ids.tolist() == [1, 1, 1]
+    for j in range(3):
+        assert torch.equal(whole.input_ids[3 + j], alone.input_ids[j])
+        assert torch.allclose(whole.sample_logprobs[3 + j], alone.sample_logprobs[j], atol=1e-5)
+    # the streams differ between groups, and group ids must be one distinct id per seed
+    assert not torch.equal(whole.input_ids[0], whole.input_ids[3])
+    with pytest.raises(ValueError, match="group_ids must be 1 distinct ints"):
+        ro.generate([11], 2, seed=5, group_ids=[0, 1])
+    # one batch stream stays today's sampling (what one process runs by default)
+    assert torch.equal(ro.generate(seeds, 3, seed=5).input_ids[4], ro.generate(seeds, 3, seed=5).input_ids[4])
+
+
+def test_trajectory_batches_concatenate_in_order():
+    from fastpo.config import RolloutConfig
+    from fastpo.models import load_model_and_tokenizer
+    from fastpo.rollout import MultiTurnRollout, NativeEngine
+    from fastpo.rollout.batch import TrajectoryBatch, combine_metrics
+
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    cfg = RolloutConfig(max_turns=1, max_new_tokens=4, max_context=2048)
+    ro = MultiTurnRollout(NativeEngine(model, tok), tok, "bandit", {}, cfg)
+    b = ro.generate([1, 2, 3], 2, seed=0, group_ids=[0, 1, 2])
+    parts = [b.select([0, 1, 2, 3]), b.select([4, 5])]
+    whole = TrajectoryBatch.concat(parts)
+    assert whole.group_ids.tolist() == b.group_ids.tolist()
+    assert all(torch.equal(x, y) for x, y in zip(whole.input_ids, b.input_ids))
+    assert torch.equal(whole.turn_rewards, b.turn_rewards) and whole.stop_reason == b.stop_reason
+    m = combine_metrics([{"generated_tokens": 8.0, "seconds": 2.0, "tokens_per_s": 4.0, "num_turns": 1.0},
+                         {"generated_tokens": 4.0, "seconds": 1.0, "tokens_per_s": 4.0, "num_turns": 4.0}], [3, 1])
+    assert m == {"generated_tokens": 12.0, "seconds": 2.0, "tokens_per_s": 6.0, "num_turns": 1.75}
+    with pytest.raises(ValueError):
+        TrajectoryBatch.concat([])
+
+
+#: A tiny StarPO-S GRPO run: 4 env groups x 2 (the 2 ranks hold 2 each), top 50% by reward
+#: std, one trajectory per micro-batch (so the micro-batch means are over the same set),
+#: scores from the sampled tokens (tests/dist_train.py), a checkpoint every iteration; each
+#: env group samples from its own stream in one process too (what "auto" gives several), so
+#: the trajectories do not depend on the number of processes, across the resume as well.
+TRAIN = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--device", "cpu",
+         "trainer.plots=false", "trainer.collapse_every=2", "rollout.env_groups=4", "rollout.group_size=2",
+         "algorithm.adv_estimator=grpo", "algorithm.filter_mode=top", "algorithm.filter_ratio=0.5",
+         "optim.micro_token_budget=16", "trainer.keep_checkpoints=5", "trainer.eval_every=0",
+         "rollout.sampling_streams=group"]
+#: Metrics that are timings, sizes of this process's buffers, or per-rank figures.
+NOT_COMPARED = ("time/", "perf/", "dist/", "ema/time/", "ema/perf/", "ema/dist/")
+
+
+def _python(args, timeout=180, env=None):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        e.pop(k, None)
+    p = subprocess.run([sys.executable, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout + p.stderr
+
+
+def _records(run):
+    with open(run / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def _weights(run, it):
+    """{file/tensor name: tensor} of every safetensors file in checkpoint `it` (the model, and
+    the critic's value head and body where there is one)."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    folder = str(run / "checkpoints" / f"iter_{it:06d}")
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.safetensors"), recursive=True)):
+        out.update({f"{os.path.relpath(path, folder)}:{k}": v for k, v in load_file(path).items()})
+    return out
+
+
+def _same_metrics(a: dict, b: dict):
+    keys = [k for k in a if k in b and not k.startswith(NOT_COMPARED) and "seconds" not in k and "per_s" not in k
+            and "peak_kv_bytes" not in k and k != "model"]
+    assert len(keys) > 40
+    for k in keys:
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-6), k
+    return keys
+
+
+def _same_weights(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for name in a:
+        err = ((a[name] - b[name]).norm() / a[name].norm().clamp_min(1e-12)).item()
+        assert err <= 1e-5, (name, err)
+
+
+@pytest.fixture(scope="module")
+def dp_runs(tmp_path_factory):
+    """One process for 2 iterations; two processes (torchrun, gloo) for 1 iteration, then resumed with one process to 2."""
+    root = tmp_path_factory.mktemp("dp")
+    one, two = root / "one", root / "two"
+    rc, out = _python(["tests/dist_train.py", "train", *TRAIN, "--iterations", "2", "--out", str(one)])
+    assert rc == 0, out
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "--iterations", "1", "--out", str(two)], root,
+                           timeout=180)
+    assert rc == 0, out
+    first = _records(two)
+    w1 = _weights(two, 1)
+    files = sorted(os.listdir(two))
+    rc, out = _python(["tests/dist_train.py", "train", "--resume", str(two), "--iterations", "2"])
+    assert rc == 0, out
+    return {"one": one, "two": two, "two_first": first, "two_w1": w1, "two_files": files}
+
+
+def test_two_processes_train_as_one(dp_runs):
+    """The 2-process iteration equals the 1-process one: the same trajectories and scores,
+    the same groups kept by the global StarPO-S filter, the same metrics (rollout, filter,
+    advantages, update means, gradient norm, collapse), and parameters after the update
+    within 1e-5; rank 0 alone wrote the run folder, with each rank's times and peak memory."""
+    one, first = _records(dp_runs["one"]), dp_runs["two_first"]
+    assert [r["iteration"] for r in first] == [1]
+    a, b = one[0], first[0]
+    assert 0 < b["train/filter_kept_ratio"] < 1 and b["train/in_group_reward_std_kept"] > 0
+    assert b["actor/grad_norm"] > 1e-3  # the scores' spread reaches the gradient
+    keys = _same_metrics(a, b)
+    assert {"train/score_mean", "train/filter_kept_ratio", "train/advantage_std", "actor/grad_norm",
+            "actor/pg_loss", "collapse/mi_estimate", "train/rollout_entropy"} <= set(keys)
+    _same_weights(_weights(dp_runs["one"], 1), dp_runs["two_w1"])
+    for r in (0, 1):
+        for name in ("rollout_s", "update_s", "peak_memory_mib"):
+            assert b[f"dist/rank{r}/{name}"] > 0
+    assert "dist/rank2/update_s" not in b
+    assert dp_runs["two_files"] == sorted(os.listdir(dp_runs["one"]))  # what one process writes, nothing more
+
+
+def test_two_process_checkpoint_resumes_with_one_process(dp_runs):
+    """Iteration 2 of the 2-process run, resumed from its checkpoint by one process, equals
+    iteration 2 of the uninterrupted 1-process run (metrics and parameters): the checkpoint
+    holds the full model and optimizer state, whatever the world size."""
+    one, two = _records(dp_runs["one"]), _records(dp_runs["two"])
+    assert [r["iteration"] for r in two] == [1, 2]
+    _same_metrics(one[1], two[1])
+    assert not any(k.startswith("dist/") for k in two[1])  # one process: no per-rank figures
+    _same_weights(_weights(dp_runs["one"], 2), _weights(dp_runs["two"], 2))
+
+
+def test_torchrun_with_one_process_takes_the_data_parallel_path(dp_runs, tmp_path):
+    """`torchrun --nproc_per_node 1` joins a process group of one (gloo here; NCCL on one GPU:
+    the smoke test of this path) and trains as the one-process run does."""
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "--iterations", "1", "--out", str(tmp_path / "r")],
+                           tmp_path, nproc=1)
+    assert rc == 0, out
+    b = _records(tmp_path / "r")[0]
+    assert b["dist/rank0/trajectories"] == 4 and "dist/rank1/trajectories" not in b  # 2 of 4 groups kept
+    _same_metrics(_records(dp_runs["one"])[0], b)
+    _same_weights(_weights(dp_runs["one"], 1), _weights(tmp_path / "r", 1))
+
+
+def test_ctrl_c_saves_one_checkpoint_from_rank_0(tmp_path):
+    """`fastpo train --nproc 2` (torchrun under the hood), interrupted by Ctrl-C (SIGINT to
+    the whole process group, which torchrun follows with SIGTERM): the ranks agree to stop,
+    rank 0 saves the last complete iteration once and says so once; the job ends non-zero
+    (torchrun's status after a signal) well within torchrun's grace period."""
+    import signal
+
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "fastpo", "train", "--nproc", "2", "--env", "bandit", "--preset", "tiny", "--model",
+            "random:tiny-llama", "--device", "cpu", "trainer.plots=false", "trainer.collapse_every=0",
+            "rollout.env_groups=2", "algorithm.adv_estimator=grpo", "trainer.save_every=0", "trainer.eval_every=0",
+            "--iterations", "500", "--out", str(out)]
+    e = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        e.pop(k, None)
+    p = subprocess.Popen(args, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().strip():
+            assert p.poll() is None, p.stdout.read()
+            assert time.monotonic() - t0 < 120, "no iteration finished"
+            time.sleep(0.3)
+        os.killpg(p.pid, signal.SIGINT)
+        log, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode != 0
+    done = len(_records(out))
+    assert sorted(os.listdir(out / "checkpoints")) == [f"iter_{done:06d}", "latest"], log
+    assert log.count("checkpoint: ") == 1 and log.count("stopping all processes") == 1, log
+    assert done < 500
+
+
+def test_a_failing_rank_ends_the_training_job(tmp_path):
+    """Rank 1's rollout raises in iteration 2: the job ends non-zero with rank 1's message,
+    no hang (rank 0's collective fails when rank 1 is gone), iteration 1's checkpoint kept."""
+    out = tmp_path / "run"
+    rc, log, secs = _torchrun(["tests/dist_train.py", "train", *TRAIN, "trainer.collapse_every=0", "--iterations", "4",
+                               "--out", str(out)], tmp_path, timeout=150,
+                              env={"FASTPO_TEST_FAIL_RANK": "1", "FASTPO_TEST_FAIL_ITERATION": "2",
+                                   fd.TIMEOUT_ENV: "60"})
+    assert rc != 0
+    assert "RuntimeError: rank 1: the env exploded in iteration 2" in log
+    assert secs < 120
+    assert [r["iteration"] for r in _records(out)] == [1]
+    assert "iter_000001" in os.listdir(out / "checkpoints")
+
+
+@pytest.mark.parametrize("case", ["gae", "empty-rank", "reinforce_pp_baseline"])
+def test_other_estimators_in_two_processes_equal_one(tmp_path, case):
+    """One iteration in 2 processes equals one process (metrics, and every parameter in the
+    checkpoint within 1e-5). "gae": PPO with a separate critic: values per rank, advantages
+    whitened over the global batch, the critic's value loss over global denominators and its
+    own optimizer's summed gradients. "empty-rank": the same where rank 1's groups have no
+    reward spread, so the filter keeps only rank 0's and rank 1 joins the update with
+    nothing. "reinforce_pp_baseline": its normalisation over every rank's tokens, with the
+    soft advantage reweighting (the largest group std of the global batch) and a KL term to
+    the reference model in the loss."""
+    if case == "reinforce_pp_baseline":
+        gae = [*TRAIN, "algorithm.adv_estimator=reinforce_pp_baseline", "algorithm.soft_advantage_reweight=true",
+               "algorithm.kl_coef=0.05", "trainer.collapse_every=0", "--iterations", "1"]
+    else:
+        gae = [*TRAIN, "algorithm.adv_estimator=gae", "algorithm.critic=separate", "trainer.collapse_every=0",
+               "--iterations", "1"]
+    env = {"FASTPO_TEST_FLAT_FROM": "2"} if case == "empty-rank" else {}
+    rc, out = _python(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "one")], env=env)
+    assert rc == 0, out
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "two")], tmp_path,
+                           timeout=180, env={fd.TIMEOUT_ENV: "60", **env})
+    assert rc == 0, out
+    a, b = _records(tmp_path / "one")[0], _records(tmp_path / "two")[0]
+    if case == "empty-rank":
+        assert b["train/in_group_reward_std_kept"] > 0 and b["train/filter_kept_ratio"] == 0.5
+        assert b["dist/rank0/trajectories"] == 4 and b["dist/rank1/trajectories"] == 0
+    keys = _same_metrics(a, b)
+    wa, wb = _weights(tmp_path / "one", 1), _weights(tmp_path / "two", 1)
+    _same_weights(wa, wb)
+    if case == "reinforce_pp_baseline":
+        assert {"train/soft_reweight_max", "train/soft_reweight_mean", "actor/kl", "train/advantage_std"} <= set(keys)
+        assert 0 < b["train/soft_reweight_mean"] < 1
+        return
+    assert {"critic/return_mean", "critic/value_mean", "critic/grad_norm", "train/advantage_std"} <= set(keys)
+    assert b["critic/grad_norm"] > 0
+    assert any(k.startswith("critic") for k in wa) and any(k.startswith("model") for k in wa)

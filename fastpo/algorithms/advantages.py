@@ -249,7 +249,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor,
 
 @torch.no_grad()
 def reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tensor,
-                                     loss_mask: torch.Tensor) -> torch.Tensor:
+                                     loss_mask: torch.Tensor, whiten=None) -> torch.Tensor:
     """REINFORCE++ with a group baseline (arXiv 2501.03262; verl's "reinforce_plus_plus_baseline").
 
     Each trajectory's score minus its env group's mean score (a group of one: baseline 0, so
@@ -257,8 +257,10 @@ def reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tens
     tokens of the batch: (x - mean) / sqrt(var + 1e-8) with the sample variance (n - 1).
     Token-weighted: a long trajectory's tokens count more in the batch statistics.
 
-    Args: scores [B] float; group_ids [B] int; loss_mask [B, T] bool. Returns [B, T] fp32,
-    zero off the loss mask. Raises ValueError on shape mismatch.
+    Args: scores [B] float; group_ids [B] int; loss_mask [B, T] bool; whiten: None, or a
+    function (x [B, T], mask [B, T]) -> [B, T] that does the unbiased normalisation in its
+    place (e.g. over a batch spread over several processes). Returns [B, T] fp32, zero off
+    the loss mask. Raises ValueError on shape mismatch.
     """
     s, groups = _group_stats(scores, group_ids)
     mask = loss_mask.bool()
@@ -269,4 +271,6 @@ def reinforce_pp_baseline_advantages(scores: torch.Tensor, group_ids: torch.Tens
         if x.numel() > 1:
             centred[sel] = x - x.mean()
     per_token = centred.to(torch.float32)[:, None] * mask
+    if whiten is not None:
+        return whiten(per_token, mask)
     return masked_whiten(per_token, mask, unbiased=True)

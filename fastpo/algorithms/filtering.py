@@ -207,15 +207,18 @@ def filter_from_stds(stds: dict, group_ids: torch.Tensor, largest_group: int, ra
                         zero_std_groups=sum(1 for g in groups if abs(stds[g]) <= ZERO_STD))
 
 
-def soft_advantage_weights(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def soft_advantage_weights(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6,
+                           top: float | None = None) -> torch.Tensor:
     """RAGEN head's soft advantage reweighting: per trajectory, its group's reward std divided
     by (the largest group std in the batch + eps).
 
-    Args: scores [B] float (trajectory rewards), group_ids [B] int. Returns weights [B]
-    float32 in [0, 1) (all 0 when no group has reward spread). Multiply each trajectory's
-    advantages by its weight. Raises ValueError on shape mismatch.
+    Args: scores [B] float (trajectory rewards), group_ids [B] int; top: the largest group
+    std of the whole batch when `scores` is only part of it (e.g. one process's share), else
+    None (taken from `scores`). Returns weights [B] float32 in [0, 1) (all 0 when no group
+    has reward spread). Multiply each trajectory's advantages by its weight. Raises
+    ValueError on shape mismatch.
     """
     stds = group_reward_std(scores, group_ids)
-    top = max(stds.values(), default=0.0)
+    top = max(stds.values(), default=0.0) if top is None else float(top)
     w = {g: s / (top + eps) for g, s in stds.items()}
     return torch.tensor([w[int(g)] for g in group_ids.tolist()], dtype=torch.float32)

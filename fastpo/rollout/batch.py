@@ -132,6 +132,62 @@ class TrajectoryBatch:
             visible_from=[self.visible_from[i] for i in il] if self.visible_from else [],
         )
 
+    @classmethod
+    def concat(cls, batches: list) -> "TrajectoryBatch":
+        """One batch of `batches`' trajectories in order (e.g. every process's share of an
+        iteration, rank order). Per-trajectory fields are concatenated; the tokenizer and
+        info come from the first batch; `metrics` are combined by `combine_metrics`.
+        Raises ValueError for an empty list."""
+        if not batches:
+            raise ValueError("concat needs at least one TrajectoryBatch")
+        if len(batches) == 1:
+            return batches[0]
+        kw = {}
+        for f in dataclasses.fields(cls):
+            vals = [getattr(b, f.name) for b in batches]
+            if f.name in ("tokenizer", "info"):
+                kw[f.name] = vals[0]
+            elif f.name == "metrics":
+                kw[f.name] = combine_metrics(vals, [len(b) for b in batches])
+            elif isinstance(vals[0], torch.Tensor):
+                kw[f.name] = torch.cat(vals)
+            elif vals[0] is None:
+                kw[f.name] = None
+            else:  # per-trajectory lists; an optional one is empty in every batch or in none
+                kw[f.name] = [x for v in vals for x in v]
+        return cls(**kw)
+
     def response_lengths(self) -> torch.Tensor:
         """int64 [B]: model tokens per trajectory (all turns)."""
         return torch.tensor([int(m.sum()) for m in self.loss_mask], dtype=torch.long)
+
+
+#: Batch metrics that add up over batches rolled out side by side (counts of tokens, bytes).
+SUMMED_METRICS = ("prefilled_tokens", "generated_tokens")
+#: Batch metrics of wall-clock time or peak size: the largest batch's (they ran side by side).
+MAX_METRICS = ("seconds", "engine_seconds", "peak_kv_bytes")
+
+
+def combine_metrics(metrics: list, sizes: list) -> dict:
+    """The `metrics` of batches rolled out side by side (one per process), as one batch's:
+    token counts summed, seconds and peak sizes the largest, `tokens_per_s` the summed
+    generated tokens over the largest seconds, any other number the mean weighted by the
+    batches' trajectory counts `sizes` (a rate over turns or actions is so approximated by
+    one over trajectories). Keys missing from a batch are left out of the weights."""
+    out: dict = {}
+    keys = [k for k in metrics[0]] + [k for m in metrics[1:] for k in m if k not in metrics[0]]
+    for k in keys:
+        pairs = [(m[k], n) for m, n in zip(metrics, sizes) if isinstance(m.get(k), (int, float))
+                 and not isinstance(m.get(k), bool)]
+        if not pairs:
+            continue
+        if k in SUMMED_METRICS:
+            out[k] = float(sum(v for v, _ in pairs))
+        elif k in MAX_METRICS:
+            out[k] = float(max(v for v, _ in pairs))
+        else:
+            total = sum(n for _, n in pairs)
+            out[k] = float(sum(v * n for v, n in pairs) / total) if total else 0.0
+    if "tokens_per_s" in out and "generated_tokens" in out and out.get("seconds"):
+        out["tokens_per_s"] = out["generated_tokens"] / out["seconds"]
+    return out

@@ -60,7 +60,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SamplingParams, sample_tokens, sample_tokens_by_stream
 
 STOP_EOT = "eot"
 STOP_STRING = "stop_string"
@@ -469,7 +469,10 @@ class NativeEngine:
         cache is freed and they cannot be continued). append: one token-id list per session
         (the between-turn template tokens and next observation; may be empty), or None.
         params: SamplingParams. generator: torch.Generator on the model's device (seeded
-        for reproducible sampling), or None for the global RNG.
+        for reproducible sampling), or None for the global RNG, or a dict {session id:
+        torch.Generator} giving each session its stream (the sessions of one env group share
+        one; `sampling.sample_tokens_by_stream`): a session's tokens then do not depend on
+        which other sessions share the batch.
 
         Returns one TurnOutput per session, in order. A session whose length would pass
         params.max_context gets stop_reason "context" and no tokens, and is closed (its
@@ -576,7 +579,12 @@ class NativeEngine:
         live = R
         pos_t = torch.tensor(cached, dtype=torch.long, device=dev)  # next position per buffer row
         while live > 0:
-            tok, lp, ent = sample_tokens(logits[:live], params, generator, entropy=True)
+            if isinstance(generator, dict):  # one stream per env group (session -> generator)
+                keys = [sess[row_out[r]] for r in range(live)]
+                tok, lp, ent = sample_tokens_by_stream(logits[:live], params, [generator[k] for k in keys], keys,
+                                                       entropy=True)
+            else:
+                tok, lp, ent = sample_tokens(logits[:live], params, generator, entropy=True)
             tl, ll, el = tok.tolist(), lp.tolist(), ent.tolist()
             vl = values[:live].tolist() if readout else None
             stopped = []

@@ -235,13 +235,19 @@ class MultiTurnRollout:
         obs = env.reset(np.asarray(seeds, dtype=np.int64))
         return [len(self.chat.prompt_ids(m)) for m in self._first_messages(env, obs)]
 
-    def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0) -> TrajectoryBatch:
+    def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0,
+                 group_ids: list | None = None) -> TrajectoryBatch:
         """Roll out len(seeds) env groups x group_size trajectories.
 
         seeds: P non-negative ints, one env group per seed; the group's trajectories all
         reset from it and share one prefill of their common prompt. group_size: N >= 1.
         temperature: overrides cfg.temperature (e.g. 0.5 for evaluation). seed: seeds the
         sampler (torch.Generator on the model's device): the same call gives the same batch.
+        group_ids: None (one sampling stream for the whole batch), or P distinct ints >= 0, the
+        env groups' ids (e.g. their index in a batch split over processes): group p's
+        trajectories then draw from their own stream, seeded by
+        `fastpo.seeds.group_sampling_seed(seed, group_ids[p])`, so a group samples the same
+        tokens whatever other groups share the call, and the batch's `group_ids` are these.
 
         Returns a TrajectoryBatch of B = P * N trajectories, ordered group by group, with
         metrics: seconds, prefilled_tokens, generated_tokens, tokens_per_s (generated / s),
@@ -305,8 +311,19 @@ class MultiTurnRollout:
         engine = self.engine
         engine.reset_stats()
         device = engine.device
-        gen = torch.Generator(device=device)
-        gen.manual_seed(int(seed))
+        if group_ids is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(int(seed))
+            labels = torch.arange(P)
+        else:
+            from fastpo.seeds import group_sampling_seed
+
+            group_ids = [int(g) for g in group_ids]
+            if len(group_ids) != P or len(set(group_ids)) != P or min(group_ids) < 0:
+                raise ValueError(f"group_ids must be {P} distinct ints >= 0 (one per seed), got {group_ids!r:.200}")
+            streams = [torch.Generator(device=device).manual_seed(group_sampling_seed(int(seed), g)) for g in group_ids]
+            gen = {b: streams[b // N] for b in range(B)}  # session b is trajectory b
+            labels = torch.tensor(group_ids, dtype=torch.long)
         # A prompt that cannot fit one response token is truncated before turn 1.
         for b in range(B):
             if len(ids[b]) + 1 > cfg.max_context:
@@ -442,7 +459,7 @@ class MultiTurnRollout:
             num_turns=torch.from_numpy(num_turns), scores=torch.from_numpy(scores.astype(np.float32)),
             success=torch.from_numpy(env.success.copy()),
             num_actions=torch.from_numpy((cfg.max_actions_per_traj - actions_left).astype(np.int64)),
-            group_ids=torch.arange(P).repeat_interleave(N), seeds=torch.from_numpy(traj_seeds.copy()),
+            group_ids=labels.repeat_interleave(N), seeds=torch.from_numpy(traj_seeds.copy()),
             truncated=torch.from_numpy(truncated), stop_reason=stop_reason, responses=responses,
             response_texts=resp_texts, metrics=metrics, user_messages=users, tokenizer=self.tokenizer,
             info={"env": self.env_name, "group_size": N, "num_groups": P,

@@ -92,3 +92,28 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
     # -sum p log p with 0 * log 0 = 0 (log_softmax gives -inf where p underflows)
     ent = -(full * torch.where(full > 0, logp, torch.zeros_like(logp))).sum(-1)
     return tok, lp, ent
+
+
+def sample_tokens_by_stream(logits: torch.Tensor, params: SamplingParams, streams: list, keys: list,
+                            entropy: bool = False):
+    """`sample_tokens` with one random stream per set of rows: row r draws from generator
+    `streams[r]`; the rows sharing a generator (an env group's trajectories) are sampled
+    together in the order of their `keys` (session ids), generators taken in the order of
+    their smallest key. A row's draw then depends only on its own stream's rows, not on
+    which other rows share the batch, so an env group samples the same tokens whatever
+    other groups (or processes) there are. logits: [R, V]; streams, keys: R entries.
+    Returns what `sample_tokens` returns, rows in the input order."""
+    R = logits.shape[0]
+    rows_of: dict = {}
+    for r in sorted(range(R), key=lambda r: keys[r]):
+        rows_of.setdefault(id(streams[r]), []).append(r)
+    tok = torch.empty(R, dtype=torch.long, device=logits.device)
+    lp = torch.empty(R, dtype=torch.float32, device=logits.device)
+    ent = torch.empty(R, dtype=torch.float32, device=logits.device) if entropy else None
+    for rows in rows_of.values():
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        out = sample_tokens(logits[idx], params, streams[rows[0]], entropy=entropy)
+        tok[idx], lp[idx] = out[0], out[1].float()
+        if entropy:
+            ent[idx] = out[2].float()
+    return (tok, lp, ent) if entropy else (tok, lp)

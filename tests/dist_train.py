@@ -1,0 +1,70 @@
+"""`fastpo train` for tests/test_distributed.py, in one process or under torchrun (not a test
+module itself):
+
+    python tests/dist_train.py train ARGS...                                  # one process
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_train.py train ARGS...
+
+It runs `fastpo.cli.main(ARGS)` with two test-only changes to the rollout:
+
+- scores with spread: a random tiny model never writes a valid answer, so every trajectory
+  would score the same format penalty and every advantage would be 0. Each trajectory's
+  score is replaced by a function of its own sampled tokens, (sum of its response token ids
+  mod 5) / 4, and success by score > 0.5: deterministic, and independent of how the batch is
+  split over processes, so one and two processes must see the same scores.
+- flat groups: with FASTPO_TEST_FLAT_FROM=G, env groups G and above score 0.25 each (no
+  spread), so StarPO-S keeps only groups below G and a rank holding only those keeps no
+  trajectory (a rank with an empty share of the update).
+- a failing rank: with FASTPO_TEST_FAIL_RANK=R and FASTPO_TEST_FAIL_ITERATION=I set, rank R
+  raises RuntimeError("rank R: the env exploded in iteration I") in that iteration's rollout.
+"""
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def token_scores(batch) -> torch.Tensor:
+    """float32 [B]: (sum of each trajectory's sampled token ids mod 5) / 4."""
+    vals = [float(int(torch.as_tensor(ids)[torch.as_tensor(m)].sum()) % 5) / 4.0
+            for ids, m in zip(batch.input_ids, batch.loss_mask)]
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+def patch_rollout() -> None:
+    from fastpo.rollout.multiturn import MultiTurnRollout
+
+    original = MultiTurnRollout.generate
+    fail_rank = os.environ.get("FASTPO_TEST_FAIL_RANK")
+    fail_it = int(os.environ.get("FASTPO_TEST_FAIL_ITERATION", "0"))
+    flat_from = os.environ.get("FASTPO_TEST_FLAT_FROM")
+    calls = {"n": 0}
+
+    def generate(self, seeds, group_size, temperature=None, seed=0, **kw):
+        batch = original(self, seeds, group_size, temperature=temperature, seed=seed, **kw)
+        if kw.get("group_ids") is None:  # an evaluation (training here samples per env group)
+            return batch
+        calls["n"] += 1
+        rank = os.environ.get("RANK", "0")
+        if fail_rank is not None and rank == fail_rank and calls["n"] == fail_it:
+            raise RuntimeError(f"rank {rank}: the env exploded in iteration {fail_it}")
+        batch.scores = token_scores(batch)
+        if flat_from is not None:
+            batch.scores[batch.group_ids >= int(flat_from)] = 0.25
+        batch.success = batch.scores > 0.5
+        return batch
+
+    MultiTurnRollout.generate = generate
+
+
+if __name__ == "__main__":
+    patch_rollout()
+    from fastpo.cli import main
+
+    if "WORLD_SIZE" in os.environ:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        main = record(main)
+    sys.exit(main(sys.argv[1:]))
