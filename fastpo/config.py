@@ -365,6 +365,9 @@ class TrainerSection:
     kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
                                "must be auto, reference, chunked or triton")
     progress: bool = True
+    # several processes (torchrun): replicate = every rank holds the whole model and optimizer
+    # state (summed gradients, DDP-style); fsdp = FSDP2 shards them over the ranks
+    data_parallel: str = checked("replicate", lambda v: v in ("replicate", "fsdp"), "must be replicate or fsdp")
 
 
 @dataclass
