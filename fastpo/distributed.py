@@ -7,15 +7,18 @@ with the result, or the error, shared (`on_main`); the split of env groups acros
 (whole groups, seeds independent of the world size); the StarPO-S filter on the global batch
 from all-gathered per-group reward stds; global token/sequence counts for the loss
 normalisation and global batch statistics (`masked_mean`, `masked_whiten`); the gradient
-exchange of a data-parallel update, either DDP-equivalent (`all_reduce_gradients`:
-replicated parameters, summed gradients; what `fastpo.trainer` uses) or FSDP2
-(`shard_for_data_parallel`: sharded parameters, summed reduce-scatter, equal micro-batch
-counts per rank via `micro_batch_count`; tested on its own, not used by the trainer yet);
-rank 0's full state dict (`full_state_dict`) and one HF-format folder written by rank 0
-(`save_hf_model`); global metrics (`weighted_means`, `per_rank`).
+exchange of a data-parallel update, either FSDP2 (`shard_for_data_parallel`,
+`shard_trainer_modules`: sharded parameters, gradients and optimizer state, summed
+reduce-scatter, equal micro-batch counts per rank via `micro_batch_count`, whole parameters
+for generation and evaluation inside `gathered`; `fastpo.trainer`'s default,
+trainer.data_parallel=fsdp) or DDP-equivalent (`all_reduce_gradients`: replicated
+parameters, summed gradients; trainer.data_parallel=replicate); rank 0's full state dict
+(`full_state_dict`), the optimizer state in the one-process format and back
+(`full_optimizer_state`, `load_full_optimizer_state`) and one HF-format folder written by
+rank 0 (`save_hf_model`); global metrics (`weighted_means`, `per_rank`, `held_state_mib`).
 
 `check_trainer_support` refuses, in one line, the settings the trainer cannot run in
-several processes yet (UNSUPPORTED). With one process and no torchrun nothing here
+several processes yet (UNSUPPORTED, and FSDP_UNSUPPORTED under FSDP2). With one process and no torchrun nothing here
 initialises `torch.distributed` (`SINGLE`), and every helper reduces to the one-process
 computation.
 
@@ -146,8 +149,6 @@ UNSUPPORTED = (
 FSDP_UNSUPPORTED = (
     ("model.lora_rank", lambda c: c.model.lora_rank > 0,
      "LoRA adapters are not sharded by FSDP2 yet; use trainer.data_parallel=replicate"),
-    ("model.gradient_checkpointing", lambda c: c.model.gradient_checkpointing,
-     "activation checkpointing under FSDP2 is not tested yet; use trainer.data_parallel=replicate"),
 )
 
 
@@ -334,6 +335,30 @@ def masked_whiten(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor, unbiase
     dev = all_reduce(ctx, [float(((xf[m].double() - mean) ** 2).sum())])[0]
     var = dev / (n - 1 if unbiased and n > 1 else n)
     return (xf - mean) * float(1.0 / (var + eps) ** 0.5) * m
+
+
+def held_state_mib(modules, optimizers) -> tuple[float, float]:
+    """(parameters, optimizer state) this process holds, in MiB: each parameter's local storage
+    (a DTensor's own shard, not the whole tensor; a tied weight once; None modules skipped)
+    and every tensor in the optimizers' states."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    seen, params = set(), 0
+    for m in modules:
+        for p in (m.parameters() if m is not None else ()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                x = local(p)
+                params += x.numel() * x.element_size()
+    state = 0
+    for opt in optimizers:
+        for s in opt.state.values():
+            for v in s.values():
+                if torch.is_tensor(v):
+                    x = local(v)
+                    state += x.numel() * x.element_size()
+    return params / 2**20, state / 2**20
 
 
 def peak_memory_mib(device: torch.device) -> float:

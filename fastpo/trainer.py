@@ -28,8 +28,11 @@ rolls out its whole env groups (each group from its own sampling stream, so traj
 not depend on N), the StarPO-S filter ranks every rank's groups, advantages are per group
 (batch statistics such as GAE's whitening over every rank's tokens), the mini-batches are
 those of the global batch with global loss denominators, gradients are summed over the
-ranks before clipping (replicated parameters and optimizer state), and rank 0 alone
-evaluates and writes metrics, samples and checkpoints. One process runs none of this.
+ranks before clipping (trainer.data_parallel: `fsdp`, the default, shards the policy, a
+separate critic and the value head with FSDP2, their parameters gathered whole for the
+rollout and the evaluation; `replicate` keeps whole parameters and optimizer state on every
+rank), and rank 0 alone evaluates and writes metrics, samples and checkpoints (whole model
+and optimizer state, gathered from the shards). One process runs none of this.
 
 Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
 send before they kill) stops within a bounded time: an iteration whose update has not begun
@@ -1131,8 +1134,9 @@ class Trainer:
                    "train/soft_reweight_mean": total / n if n else 0.0}
 
     def _per_rank_figures(self, tm: dict, trajectories: int) -> dict:
-        """Each rank's phase times (seconds), peak memory (MiB) and trajectories trained on (after
-        the filter) as dist/rank<R>/<name>."""
+        """Each rank's phase times (seconds), peak memory (MiB), trajectories trained on (after
+        the filter) and the parameters and optimizer state it holds of the trained modules (MiB:
+        the whole model replicated, about 1/N of it under FSDP2) as dist/rank<R>/<name>."""
         out = {}
         for r, v in enumerate(fdist.per_rank(self.dist, trajectories)):
             out[f"dist/rank{r}/trajectories"] = int(v)
@@ -1141,6 +1145,10 @@ class Trainer:
                 out[f"dist/rank{r}/{key[5:]}"] = v
         for r, v in enumerate(fdist.per_rank(self.dist, fdist.peak_memory_mib(self.device))):
             out[f"dist/rank{r}/peak_memory_mib"] = v
+        held = fdist.held_state_mib([self.model, self.critic_body, self.value_head], self._optimizers().values())
+        for name, value in zip(("parameter_mib", "optimizer_state_mib"), held):
+            for r, v in enumerate(fdist.per_rank(self.dist, value)):
+                out[f"dist/rank{r}/{name}"] = v
         return out
 
     def _sync_stop(self) -> bool:
@@ -1295,8 +1303,9 @@ class Trainer:
     def _save(self, it: int, rng: Optional[dict] = None, eval_pending: bool = False) -> str:
         """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume
         restores; `eval_pending` marks an evaluation of `it` still to run on resume. Data
-        parallel: rank 0 writes it (the replicas are equal; the optimizer state is whole on
-        every rank, so any world size resumes from it); the others return "". FSDP2: every
+        parallel: rank 0 writes it in the one-process format (whole model and optimizer state,
+        so any world size resumes from it); the others return "". Replicated: the replicas
+        are equal, rank 0 writes its own. FSDP2: every
         rank first joins the gathering of the full model, critic and optimizer states
         (`torch.distributed.checkpoint.state_dict`), which rank 0 writes in the one-process
         format."""
