@@ -687,7 +687,7 @@ def gathered(root: Optional[torch.nn.Module]):
             m.reshard()
 
 
-def local_value(x):
+def full_value(x):
     """A DTensor's full value (`full_tensor()`, a collective), any other value unchanged."""
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 

@@ -61,8 +61,8 @@ import torch
 from fastpo import algorithms as alg
 from fastpo import distributed as fdist
 from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_write_text, clear_run_folder,
-                               load_checkpoint, load_state, nothing_to_train_note, plan_resume, rng_state, run_folder_in_use,
-                               save_checkpoint, tidy_run_folder)
+                               load_checkpoint, load_state, nothing_to_train_note, plan_resume, rng_state,
+                               run_folder_in_use, save_checkpoint, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, cpu_preset_note, dump_yaml, run_settings
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
 from fastpo.kernels import PolicyLossSettings, linear_logprob_entropy, linear_policy_loss
@@ -901,7 +901,7 @@ class Trainer:
             cgn = torch.nn.utils.clip_grad_norm_([p for grp in self.critic_opt.param_groups for p in grp["params"]],
                                                  clip)
         if self._fsdp_root is not None:  # sharded gradients: the norms are DTensors of the global norm
-            gn, cgn = fdist.local_value(gn), None if cgn is None else fdist.local_value(cgn)
+            gn, cgn = fdist.full_value(gn), None if cgn is None else fdist.full_value(cgn)
         if not (bool(torch.isfinite(gn)) and (cgn is None or bool(torch.isfinite(cgn)))):
             return False
         self.actor_opt.step()
