@@ -261,6 +261,25 @@ def test_two_process_gradient_and_update_equal_one_process(grad_run, case):
             assert torch.equal(ranks[0]["res"][agg][1][name], ranks[1]["res"][agg][1][name])
 
 
+def test_gathered_parameters_are_whole_for_generation(grad_run):
+    """The trainer's FSDP2 modules: DTensor shards outside `gathered`, whole plain tensors
+    inside (the LM-head weight the fused kernels read is the full [vocab, hidden] tensor),
+    and rank 0 alone runs forwards and generation there (no collective) with the unsharded
+    model's logits and tokens; sharded again after."""
+    model = dist_worker.tiny_model()
+    ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for r in range(2):
+        got = torch.load(grad_run / f"gathered_rank{r}.pt")
+        assert got["sharded_before"] and got["whole_inside"] and got["sharded_after"], got
+        assert got["lm_head"] == ("Parameter", (256, 32)) or got["lm_head"] == ("Tensor", (256, 32)), got["lm_head"]
+    got = torch.load(grad_run / "gathered_rank0.pt")
+    assert torch.allclose(got["logits"], logits, atol=1e-6)
+    assert torch.equal(got["tokens"], tokens)
+
+
 # --- the trainer in several processes -----------------------------------------------------
 
 def test_group_streams_sample_a_group_alike_in_any_batch():
