@@ -660,7 +660,9 @@ def gathered(root: Optional[torch.nn.Module]):
     old log-probs, the collapse metrics and rank 0's evaluation, whose forward counts differ
     between ranks. Every rank must enter it at the same point (the all-gathers are
     collectives); leaving it frees the gathered copies (no communication). Re-entrant; a
-    no-op for root None (no FSDP)."""
+    no-op for root None (no FSDP). (transformers' `generate` would still wait for the other
+    ranks when it sees FSDP, unless given synced_gpus=False; fastpo's NativeEngine decodes
+    with plain forwards.)"""
     if root is None or getattr(root, "_fastpo_gathered", 0):
         if root is not None:
             root._fastpo_gathered += 1
