@@ -2,6 +2,7 @@
 """One process vs N data-parallel processes (torchrun, gloo) on this machine's CPU cores.
 
     python bench/data_parallel_cpu.py [--nproc 2] [--rounds 2] [--iterations 4] [--json PATH] [-- overrides...]
+    python bench/data_parallel_cpu.py --sharding ...   # N processes: replicate vs FSDP2
 
 Runs the same `fastpo train` three times per round, in turn: one process with N threads
 (OMP_NUM_THREADS=N), one process with one thread, and N processes with one thread each
@@ -51,7 +52,36 @@ def run(nproc: int, threads: int, iterations: int, overrides: list[str], out: st
     for k in PHASES:
         res[k] = statistics.median(r[k] for r in recs)
     res["train/score_mean"] = [r["train/score_mean"] for r in recs]
+    for k in recs[-1]:  # each rank's share of the parameters and optimizer state (N processes)
+        if k.endswith(("/parameter_mib", "/optimizer_state_mib")):
+            res[k] = recs[-1][k]
     return res
+
+
+def compare_sharding(a) -> None:
+    """--sharding: N processes with trainer.data_parallel=replicate, then fsdp, per round."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            for mode in ("replicate", "fsdp"):
+                res = run(a.nproc, 1, a.iterations, [*a.overrides, f"trainer.data_parallel={mode}"],
+                          os.path.join(tmp, mode))
+                res.update(round=r, data_parallel=mode)
+                rows.append(res)
+                print(f"round {r}: {a.nproc} processes, {mode}: {res['time/iteration_s']:.2f} s/iteration (update "
+                      f"{res['time/update_s']:.2f}); rank 0 holds {res['dist/rank0/parameter_mib']:.1f} MiB of "
+                      f"parameters, {res['dist/rank0/optimizer_state_mib']:.1f} MiB of optimizer state", flush=True)
+    med = {m: {k: statistics.median(x[k] for x in rows if x["data_parallel"] == m) for k in PHASES}
+           for m in ("replicate", "fsdp")}
+    summary = {"nproc": a.nproc, "median": med, "ratio_replicate_over_fsdp": {
+        k: med["replicate"][k] / med["fsdp"][k] for k in PHASES}, "config": DEFAULT + a.overrides, "rows": rows,
+        "load_average_after": os.getloadavg(), "cpus": os.cpu_count()}
+    print(f"median s/iteration: replicate {med['replicate']['time/iteration_s']:.2f}, fsdp "
+          f"{med['fsdp']['time/iteration_s']:.2f} (update {med['replicate']['time/update_s']:.2f} vs "
+          f"{med['fsdp']['time/update_s']:.2f})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=1)
 
 
 def main() -> None:
@@ -60,8 +90,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--iterations", type=int, default=4)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sharding", action="store_true",
+                    help="compare N processes with trainer.data_parallel=replicate and fsdp instead")
     ap.add_argument("overrides", nargs="*")
     a = ap.parse_args()
+    if a.sharding:
+        return compare_sharding(a)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):

@@ -365,6 +365,10 @@ class TrainerSection:
     kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
                                "must be auto, reference, chunked or triton")
     progress: bool = True
+    # several processes (torchrun): fsdp = FSDP2 shards the trained modules' parameters,
+    # gradients and optimizer state over the ranks; replicate = every rank holds them whole
+    # (summed gradients, DDP-style). One process without torchrun: no effect.
+    data_parallel: str = checked("fsdp", lambda v: v in ("replicate", "fsdp"), "must be fsdp or replicate")
 
 
 @dataclass

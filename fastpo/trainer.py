@@ -28,8 +28,11 @@ rolls out its whole env groups (each group from its own sampling stream, so traj
 not depend on N), the StarPO-S filter ranks every rank's groups, advantages are per group
 (batch statistics such as GAE's whitening over every rank's tokens), the mini-batches are
 those of the global batch with global loss denominators, gradients are summed over the
-ranks before clipping (replicated parameters and optimizer state), and rank 0 alone
-evaluates and writes metrics, samples and checkpoints. One process runs none of this.
+ranks before clipping (trainer.data_parallel: `fsdp`, the default, shards the policy, a
+separate critic and the value head with FSDP2, their parameters gathered whole for the
+rollout and the evaluation; `replicate` keeps whole parameters and optimizer state on every
+rank), and rank 0 alone evaluates and writes metrics, samples and checkpoints (whole model
+and optimizer state, gathered from the shards). One process runs none of this.
 
 Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
 send before they kill) stops within a bounded time: an iteration whose update has not begun
@@ -58,8 +61,8 @@ import torch
 from fastpo import algorithms as alg
 from fastpo import distributed as fdist
 from fastpo.checkpoint import (LOCK_FILE, CheckpointSaveError, RunLock, atomic_write_text, clear_run_folder,
-                               load_checkpoint, nothing_to_train_note, plan_resume, rng_state, run_folder_in_use,
-                               save_checkpoint, tidy_run_folder)
+                               load_checkpoint, load_state, nothing_to_train_note, plan_resume, rng_state,
+                               run_folder_in_use, save_checkpoint, tidy_run_folder)
 from fastpo.config import ConfigError, TrainConfig, cpu_preset_note, dump_yaml, run_settings
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
 from fastpo.kernels import PolicyLossSettings, linear_logprob_entropy, linear_policy_loss
@@ -230,6 +233,7 @@ class Trainer:
         self.weight_sync_seconds = 0.0
         self.last_eval: dict = {}
         self._success_bounds: Optional[dict] = None  # eval/optimal_success, eval/random_success (fixed seeds)
+        self._fsdp_root: Optional[torch.nn.Module] = None  # trainer.data_parallel=fsdp: the FSDP2 root
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -359,6 +363,12 @@ class Trainer:
         self.model, self.tokenizer = model, tok
         # data parallel: every replica starts from rank 0's weights (and stays equal: summed gradients)
         fdist.broadcast_modules(self.dist, model, self.ref_model, self.critic_body, self.value_head)
+        if self.dist.initialized and cfg.trainer.data_parallel == "fsdp":
+            if ckpt is not None and self.value_head is not None:  # whole tensors, before sharding
+                load_checkpoint(ckpt, critic_backbone=self.critic_body, value_head=self.value_head)
+            # FSDP2: the policy, a separate critic and the value head sharded over the ranks (the
+            # reference model stays whole on every rank: no gradient, no optimizer state)
+            self._fsdp_root = fdist.shard_trainer_modules(self.dist, model, self.critic_body, self.value_head)
         o = cfg.optim
         actor_params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": actor_params, "lr": o.actor_lr}]
@@ -381,9 +391,15 @@ class Trainer:
 
             self.schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                             cfg.train_batch_size, cfg.trainer.seed)
-        if ckpt is not None:
+        if ckpt is not None and self._fsdp_root is not None:  # the one-process optimizer state, sharded
+            state = load_checkpoint(ckpt, rng=True)
+            saved = load_state(ckpt)[1]
+            for name, opt in self._optimizers().items():
+                fdist.load_full_optimizer_state(self.dist, self._fsdp_root, opt, saved[name])
+        elif ckpt is not None:
             state = load_checkpoint(ckpt, optimizers=self._optimizers(), critic_backbone=self.critic_body,
                                     value_head=self.value_head, rng=True)
+        if ckpt is not None:
             self.start_iteration = int(state["iteration"]) + 1
             self.last_eval = state.get("last_eval", {})
             self._eval_pending = bool(state.get("eval_pending"))
@@ -757,7 +773,10 @@ class Trainer:
                                if self.dist.initialized else loss_denominator(cfg.algorithm.value_loss_agg, masks, mini))
                 self._zero_grad()
                 finite = True
-                for micro in self._micro_batches(ids, mini, masks):
+                if self._fsdp_root is not None:
+                    finite, n = self._fsdp_accumulate(ids, mini, masks, per_traj, denom, value_denom, metrics)
+                    train_tokens += n
+                for micro in (self._micro_batches(ids, mini, masks) if self._fsdp_root is None else ()):
                     scored = micro.scored(masks)
                     if scored.count == 0:
                         continue
@@ -772,7 +791,7 @@ class Trainer:
                     metrics.add("actor/pg_loss_micro", out.loss.detach())
                 if self.dist.initialized:  # every rank steps, or none; the gradient is the sum over ranks
                     finite = fdist.all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
-                    if finite:
+                    if finite and self._fsdp_root is None:  # (FSDP2 reduce-scattered them in the backward)
                         fdist.all_reduce_gradients(self.dist, self._trained_parameters())
                 if finite and self._optimizer_step(metrics):
                     steps += 1
@@ -789,6 +808,46 @@ class Trainer:
         res["actor/skipped_updates"] = skipped
         res["_train_tokens"] = train_tokens
         return res
+
+    def _fsdp_accumulate(self, ids, mini, masks, per_traj: dict, denom: float, value_denom: float,
+                         metrics: "_MetricMeans") -> tuple[bool, int]:
+        """FSDP2: accumulate this rank's gradient of mini-batch `mini` (its trajectories on this
+        rank), each micro-batch's loss computed inside the FSDP root's forward, then empty
+        micro-batches up to the largest rank's count (`fdist.micro_batch_count`: every
+        forward and backward runs FSDP's all-gathers and reduce-scatters, so every rank runs
+        as many). A non-finite loss is still backpropagated (the same collectives on every
+        rank); the step is then skipped on every rank. Returns (finite, trained tokens)."""
+        real = [(m, sc) for m in self._micro_batches(ids, mini, masks) for sc in (m.scored(masks),) if sc.count]
+        finite, tokens = True, 0
+        for k in range(fdist.micro_batch_count(self.dist, len(real))):
+            if k >= len(real):
+                self._fsdp_root(self._empty_micro_loss).backward()
+                continue
+            micro, scored = real[k]
+            tokens += micro.trajectory_tokens
+            total, out = self._fsdp_root(self._micro_batch_loss, micro, scored, per_traj, denom, value_denom, metrics)
+            if torch.isfinite(total.detach()):
+                for key, val in out.metrics.items():
+                    metrics.add(f"actor/{key}", val)
+                metrics.add("actor/pg_loss_micro", out.loss.detach())
+            else:
+                finite = False
+            total.backward()
+        return finite, tokens
+
+    def _empty_micro_loss(self) -> torch.Tensor:
+        """0 from a 2-token dummy row through every sharded module (the policy's body and LM
+        head, the critic): the forward and backward of a micro-batch this rank does not have,
+        with zero gradients."""
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        micro = pack_micro_batch([torch.zeros(2, dtype=torch.long)], [0], attention=packing_attention(self.model),
+                                 mask_dtype=torch.bool if impl == "sdpa" else torch.float32, device=self.device)
+        with self._autocast():
+            h = self._hidden(decoder_body(self.model), micro)
+            total = h.float().sum() * 0 + lm_head_weight(self.model).float().sum() * 0
+            if self.value_head is not None:
+                total = total + self._values(micro, torch.zeros(1, dtype=torch.long, device=h.device), h).sum() * 0
+        return total
 
     def _trained_parameters(self) -> list:
         """Every parameter the optimizers step, in one fixed order (the same on every rank)."""
@@ -841,6 +900,8 @@ class Trainer:
         if self.critic_opt is not None:
             cgn = torch.nn.utils.clip_grad_norm_([p for grp in self.critic_opt.param_groups for p in grp["params"]],
                                                  clip)
+        if self._fsdp_root is not None:  # sharded gradients: the norms are DTensors of the global norm
+            gn, cgn = fdist.full_value(gn), None if cgn is None else fdist.full_value(cgn)
         if not (bool(torch.isfinite(gn)) and (cgn is None or bool(torch.isfinite(cgn)))):
             return False
         self.actor_opt.step()
@@ -884,7 +945,9 @@ class Trainer:
         self._weights_touched = False
         isw = items = None
         ctx = self.dist
-        with self._droppable():
+        # FSDP2: whole parameters on every rank from the rollout to the advantages (generation,
+        # old log-probs and collapse metrics run different forward counts on each rank)
+        with self._droppable(), fdist.gathered(self._fsdp_root):
             group_ids = None  # one sampling stream for the batch (today's one-process sampling)
             if ctx.initialized:  # this rank's whole env groups, their seeds and ids as in one process
                 group_ids, seeds = fdist.rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
@@ -1071,8 +1134,9 @@ class Trainer:
                    "train/soft_reweight_mean": total / n if n else 0.0}
 
     def _per_rank_figures(self, tm: dict, trajectories: int) -> dict:
-        """Each rank's phase times (seconds), peak memory (MiB) and trajectories trained on (after
-        the filter) as dist/rank<R>/<name>."""
+        """Each rank's phase times (seconds), peak memory (MiB), trajectories trained on (after
+        the filter) and the parameters and optimizer state it holds of the trained modules (MiB:
+        the whole model replicated, about 1/N of it under FSDP2) as dist/rank<R>/<name>."""
         out = {}
         for r, v in enumerate(fdist.per_rank(self.dist, trajectories)):
             out[f"dist/rank{r}/trajectories"] = int(v)
@@ -1081,6 +1145,10 @@ class Trainer:
                 out[f"dist/rank{r}/{key[5:]}"] = v
         for r, v in enumerate(fdist.per_rank(self.dist, fdist.peak_memory_mib(self.device))):
             out[f"dist/rank{r}/peak_memory_mib"] = v
+        held = fdist.held_state_mib([self.model, self.critic_body, self.value_head], self._optimizers().values())
+        for name, value in zip(("parameter_mib", "optimizer_state_mib"), held):
+            for r, v in enumerate(fdist.per_rank(self.dist, value)):
+                out[f"dist/rank{r}/{name}"] = v
         return out
 
     def _sync_stop(self) -> bool:
@@ -1095,8 +1163,10 @@ class Trainer:
         return bool(stop)
 
     def _evaluate_all(self, it: int) -> dict:
-        """`evaluate` on rank 0 (the others wait for its result; one process: evaluate)."""
-        return fdist.on_main(self.dist, self.evaluate, it)
+        """`evaluate` on rank 0 (the others wait for its result; one process: evaluate);
+        FSDP2: with the parameters gathered on every rank meanwhile."""
+        with fdist.gathered(self._fsdp_root):
+            return fdist.on_main(self.dist, self.evaluate, it)
 
     def _train(self, it: int, metrics: dict, tm: dict, ids, masks, old_lp, adv, vals, returns, ref, isw) -> None:
         """The update phase of an iteration: `update`, then its metrics into `metrics` and its time into `tm`."""
@@ -1233,19 +1303,47 @@ class Trainer:
     def _save(self, it: int, rng: Optional[dict] = None, eval_pending: bool = False) -> str:
         """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume
         restores; `eval_pending` marks an evaluation of `it` still to run on resume. Data
-        parallel: rank 0 writes it (the replicas are equal; the optimizer state is whole on
-        every rank, so any world size resumes from it); the others return ""."""
+        parallel: rank 0 writes it in the one-process format (whole model and optimizer state,
+        so any world size resumes from it); the others return "". Replicated: the replicas
+        are equal, rank 0 writes its own. FSDP2: every
+        rank first joins the gathering of the full model, critic and optimizer states
+        (`torch.distributed.checkpoint.state_dict`), which rank 0 writes in the one-process
+        format."""
+        t0 = time.perf_counter()
+        model, opts, critic, head = self.model, self._optimizers(), self.critic_body, self.value_head
+        if self._fsdp_root is not None:
+            model, opts, critic, head = self._full_state_views()
         if not self.dist.is_main:
             return ""
-        t0 = time.perf_counter()
-        path = save_checkpoint(self.out, it, model=self.model, tokenizer=self.tokenizer, optimizers=self._optimizers(),
+        path = save_checkpoint(self.out, it, model=model, tokenizer=self.tokenizer, optimizers=opts,
                                state={"last_eval": self.last_eval, "eval_pending": eval_pending,
                                       **({} if self.schedule is None else
                                          {"rollout_schedule": self.schedule.state_dict()})},
-                               config_yaml=dump_yaml(self.cfg), critic_backbone=self.critic_body,
-                               value_head=self.value_head, keep=self.cfg.trainer.keep_checkpoints, rng=rng)
+                               config_yaml=dump_yaml(self.cfg), critic_backbone=critic,
+                               value_head=head, keep=self.cfg.trainer.keep_checkpoints, rng=rng)
         self.console.print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f} s)")
         return path
+
+    def _full_state_views(self) -> tuple:
+        """(model, optimizers, critic body, value head) as `save_checkpoint` reads them, from the
+        full states of the FSDP2-sharded modules (gathered on every rank, on the CPU, complete
+        on rank 0): `get_model_state_dict` / `fdist.full_optimizer_state`."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+        def view(module):
+            if module is None:
+                return None
+            state = get_model_state_dict(module, options=full)
+            # a tied weight (the LM head) is written once, under its first name, as one process does
+            names = {n for n, _ in module.named_parameters()}
+            tied = {n for n, _ in module.named_parameters(remove_duplicate=False)} - names
+            return fdist.FullStateView({k: v for k, v in state.items() if k not in tied}, module)
+
+        opts = {k: fdist.FullStateView(fdist.full_optimizer_state(self.dist, self._fsdp_root, o))
+                for k, o in self._optimizers().items()}
+        return view(self.model), opts, view(self.critic_body), view(self.value_head)
 
     def _run_pending_eval(self) -> bool:
         """The evaluation of the resumed checkpoint's iteration that a SIGTERM stopped: run it and

@@ -131,7 +131,37 @@ def grads(out):
         res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp,
                                        save_to=os.path.join(out, f"{name}-model-{agg}")) for agg in LOSS_AGGS}
         torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"{name}_rank{ctx.rank}.pt"))
+    torch.save(gathered_check(ctx), os.path.join(out, f"gathered_rank{ctx.rank}.pt"))
     fd.shutdown(ctx)
+
+
+def gathered_check(ctx) -> dict:
+    """The trainer's FSDP2 setup (`shard_trainer_modules`) on the tiny model: which parameters
+    are DTensor shards outside and inside `gathered`, the LM-head weight the fused kernels
+    get inside it, and logits and greedy tokens computed by rank 0 alone inside it (no
+    collective: rank 1 waits at the barrier), vs the unsharded model's."""
+    from fastpo import distributed as fd
+    from fastpo.kernels.hf import lm_head_weight
+    from torch.distributed.tensor import DTensor
+
+    model = tiny_model()
+    ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
+    root = fd.shard_trainer_modules(ctx, model)
+    res = {"sharded_before": all(isinstance(p, DTensor) for p in model.parameters())}
+    with fd.gathered(root):
+        w = lm_head_weight(model)
+        res["lm_head"] = (type(w).__name__, tuple(w.shape))
+        res["whole_inside"] = not any(isinstance(p, DTensor) for p in model.parameters())
+        if ctx.rank == 0:
+            with torch.no_grad():
+                res["logits"] = model(ids).logits
+                # (transformers' generate would wait for the other ranks when it sees FSDP;
+                # fastpo's NativeEngine runs its own decode loop of plain forwards, as here)
+                res["tokens"] = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                               synced_gpus=False)
+    torch.distributed.barrier()
+    res["sharded_after"] = all(isinstance(p, DTensor) for p in model.parameters())
+    return res
 
 
 def checks(out):

@@ -164,6 +164,9 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
     (["algorithm.adv_estimator=grpo", "rollout.sampling_streams=batch"], "rollout.sampling_streams=batch with 2"),
     (["algorithm.adv_estimator=grpo", "rollout.env_groups=1", "optim.mini_batch_size=4"],
      "env_groups=1 is below the number of processes (2)"),
+    (["algorithm.adv_estimator=grpo", "model.lora_rank=4"],
+     "model.lora_rank with 2 processes: LoRA adapters are not sharded by FSDP2 yet; use "
+     "trainer.data_parallel=replicate"),
 ])
 def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, monkeypatch, no_model):
     """Said in one line, exit status 2, before torchrun starts anything."""
@@ -172,6 +175,18 @@ def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, 
     assert main(["train", "--env", "bandit", "--device", "cpu", "--nproc", "2", *extra]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_lora_is_refused_only_when_sharded():
+    from fastpo.config import load_config
+
+    cfg = load_config(env="bandit", overrides=["model.lora_rank=4", "algorithm.adv_estimator=grpo"])
+    assert cfg.trainer.data_parallel == "fsdp"  # the default
+    with pytest.raises(fd.DistributedError, match="model.lora_rank with 2 processes"):
+        fd.check_trainer_support(cfg, 2)
+    cfg.trainer.data_parallel = "replicate"
+    fd.check_trainer_support(cfg, 2)
+    fd.check_trainer_support(cfg, 1)
 
 
 def test_nproc_one_is_the_one_process_path(tmp_path, monkeypatch, no_model):
@@ -244,6 +259,25 @@ def test_two_process_gradient_and_update_equal_one_process(grad_run, case):
         for name in want_g:  # both ranks hold the same gradient and parameters
             assert torch.equal(ranks[0]["res"][agg][0][name], ranks[1]["res"][agg][0][name])
             assert torch.equal(ranks[0]["res"][agg][1][name], ranks[1]["res"][agg][1][name])
+
+
+def test_gathered_parameters_are_whole_for_generation(grad_run):
+    """The trainer's FSDP2 modules: DTensor shards outside `gathered`, whole plain tensors
+    inside (the LM-head weight the fused kernels read is the full [vocab, hidden] tensor),
+    and rank 0 alone runs forwards and generation there (no collective) with the unsharded
+    model's logits and tokens; sharded again after."""
+    model = dist_worker.tiny_model()
+    ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for r in range(2):
+        got = torch.load(grad_run / f"gathered_rank{r}.pt")
+        assert got["sharded_before"] and got["whole_inside"] and got["sharded_after"], got
+        assert got["lm_head"] == ("Parameter", (256, 32)) or got["lm_head"] == ("Tensor", (256, 32)), got["lm_head"]
+    got = torch.load(grad_run / "gathered_rank0.pt")
+    assert torch.allclose(got["logits"], logits, atol=1e-6)
+    assert torch.equal(got["tokens"], tokens)
 
 
 # --- the trainer in several processes -----------------------------------------------------
@@ -354,10 +388,12 @@ def _same_weights(a: dict, b: dict):
 
 @pytest.fixture(scope="module")
 def dp_runs(tmp_path_factory):
-    """One process for 2 iterations; two processes (torchrun, gloo) for 1 iteration, then resumed with one process to 2."""
+    """One process for 3 iterations; two processes (torchrun, gloo; FSDP2, the default) for 1
+    iteration, resumed with one process to 2, then with two processes again to 3; two
+    replicating processes (trainer.data_parallel=replicate) for 1 iteration."""
     root = tmp_path_factory.mktemp("dp")
-    one, two = root / "one", root / "two"
-    rc, out = _python(["tests/dist_train.py", "train", *TRAIN, "--iterations", "2", "--out", str(one)])
+    one, two, rep = root / "one", root / "two", root / "rep"
+    rc, out = _python(["tests/dist_train.py", "train", *TRAIN, "--iterations", "3", "--out", str(one)])
     assert rc == 0, out
     rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "--iterations", "1", "--out", str(two)], root,
                            timeout=180)
@@ -367,7 +403,13 @@ def dp_runs(tmp_path_factory):
     files = sorted(os.listdir(two))
     rc, out = _python(["tests/dist_train.py", "train", "--resume", str(two), "--iterations", "2"])
     assert rc == 0, out
-    return {"one": one, "two": two, "two_first": first, "two_w1": w1, "two_files": files}
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", "--resume", str(two), "--iterations", "3"], root,
+                           timeout=180)
+    assert rc == 0, out
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "trainer.data_parallel=replicate", "--iterations",
+                            "1", "--out", str(rep)], root, timeout=180)
+    assert rc == 0, out
+    return {"one": one, "two": two, "two_first": first, "two_w1": w1, "two_files": files, "rep": rep}
 
 
 def test_two_processes_train_as_one(dp_runs):
@@ -396,10 +438,44 @@ def test_two_process_checkpoint_resumes_with_one_process(dp_runs):
     iteration 2 of the uninterrupted 1-process run (metrics and parameters): the checkpoint
     holds the full model and optimizer state, whatever the world size."""
     one, two = _records(dp_runs["one"]), _records(dp_runs["two"])
-    assert [r["iteration"] for r in two] == [1, 2]
+    assert [r["iteration"] for r in two] == [1, 2, 3]
     _same_metrics(one[1], two[1])
     assert not any(k.startswith("dist/") for k in two[1])  # one process: no per-rank figures
     _same_weights(_weights(dp_runs["one"], 2), _weights(dp_runs["two"], 2))
+
+
+def test_one_process_checkpoint_resumes_with_two_sharded_processes(dp_runs):
+    """And back: iteration 3, resumed with two FSDP2 processes from the checkpoint one process
+    wrote (whole optimizer state, sharded on load), equals the uninterrupted 1-process run's
+    (metrics, parameters and the optimizer state in the checkpoint)."""
+    one, two = _records(dp_runs["one"]), _records(dp_runs["two"])
+    _same_metrics(one[2], two[2])
+    assert two[2]["dist/rank1/trajectories"] >= 0 and "dist/rank0/parameter_mib" in two[2]
+    _same_weights(_weights(dp_runs["one"], 3), _weights(dp_runs["two"], 3))
+    a, b = (torch.load(run / "checkpoints" / "iter_000003" / "optimizer.pt", weights_only=False)
+            for run in (dp_runs["one"], dp_runs["two"]))
+    assert a.keys() == b.keys() == {"actor"}
+    assert sorted(a["actor"]["state"]) == sorted(b["actor"]["state"]) and len(a["actor"]["state"]) > 5
+    for i, st in a["actor"]["state"].items():
+        for k, v in st.items():
+            assert b["actor"]["state"][i][k].shape == v.shape, (i, k)
+            err = ((b["actor"]["state"][i][k].double() - v.double()).norm() / v.double().norm().clamp_min(1e-12)).item()
+            assert err <= 1e-5, (i, k, err)
+
+
+def test_sharded_processes_equal_replicated_ones(dp_runs):
+    """FSDP2 (the default with several processes) and the replicated exchange
+    (trainer.data_parallel=replicate) give the same iteration (metrics; parameters within
+    1e-5); under FSDP2 each rank holds about half the parameters and optimizer state, the
+    two halves together the whole that each replicating rank holds."""
+    fsdp, rep = dp_runs["two_first"][0], _records(dp_runs["rep"])[0]
+    _same_metrics(rep, fsdp)
+    _same_weights(_weights(dp_runs["rep"], 1), dp_runs["two_w1"])
+    for name in ("parameter_mib", "optimizer_state_mib"):
+        whole = rep[f"dist/rank0/{name}"]
+        assert whole > 0 and rep[f"dist/rank1/{name}"] == whole
+        halves = [fsdp[f"dist/rank{r}/{name}"] for r in (0, 1)]
+        assert max(halves) < 0.6 * whole and sum(halves) == pytest.approx(whole, rel=0.02), (name, halves, whole)
 
 
 def test_torchrun_with_one_process_takes_the_data_parallel_path(dp_runs, tmp_path):
