@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check: the CUDA tests, then every benchmark part with --device cuda at the paper's
 # scale on random:qwen2.5-0.5b. Installs nothing from the network; finishes in < 8 minutes on
-# one H100/H200: every step has a time limit (tests 150 s, benchmark parts 70 + 80 + 40 + 60 + 40 s;
-# peers = Liger's fused GRPO loss at equal numerics, eager and compiled, last) and 5 s more to
-# die after it (timeout -k 5): 7.8 minutes at most, plus the wheel install.
+# one H100/H200: every step has a time limit (tests 150 s, a 1-process NCCL smoke of the
+# data-parallel trainer 30 s, benchmark parts 70 + 80 + 40 + 60 + 40 s; peers = Liger's fused
+# GRPO loss at equal numerics, eager and compiled, last) and 5 s more to die after it
+# (timeout -k 5): 8.3 minutes at most, plus the wheel install.
 # Figures land as JSON in $OUT (default bench/results/gpu-DATE).
 #
 # Carried in, in the ignored folder $FASTPO_GPU_CARRY (default .gpucarry), prepared on a
@@ -67,6 +68,12 @@ echo "== GPU tests"
 PYTHONSAFEPATH=1 timeout -k 5 150 $PY -m pytest -q -m gpu tests -p no:cacheprovider --durations=15 2>&1 \
     | tee "$OUT/gpu_tests.log"
 tests_rc=${PIPESTATUS[0]}
+echo "== NCCL smoke: torchrun with one process takes the data-parallel path (issue 14)"
+PYTHONSAFEPATH=1 timeout -k 5 30 $PY -m torch.distributed.run --standalone --nproc_per_node 1 -m fastpo train \
+    --env bandit --preset tiny --model random:tiny-llama --device cuda --out "$OUT/nccl_smoke" \
+    trainer.iterations=1 trainer.eval_every=0 trainer.plots=false 2>&1 | tee "$OUT/nccl_smoke.log"
+smoke_rc=${PIPESTATUS[0]}
+echo "nccl smoke rc=$smoke_rc"
 echo "== benchmarks (cuda, random:qwen2.5-0.5b, paper scale), one process and one time limit per part"
 # Part by part, most wanted first, so a part that overruns costs only itself; each writes its JSON.
 bench_rc=0
@@ -78,5 +85,5 @@ for spec in kernels:70 rollout:80 train:40 e2e:60 peers:40; do
     echo "part $part rc=$rc"
     [ "$rc" = 0 ] || bench_rc=$rc
 done
-echo "gpu tests rc=$tests_rc bench rc=$bench_rc; results in $OUT"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "gpu tests rc=$tests_rc nccl smoke rc=$smoke_rc bench rc=$bench_rc; results in $OUT"
+[ "$tests_rc" = 0 ] && [ "$smoke_rc" = 0 ] && [ "$bench_rc" = 0 ]

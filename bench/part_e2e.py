@@ -20,7 +20,7 @@ Because the two loops sample through different code paths, their trajectories di
 notes give generated and trained tokens per iteration for both, and one record reports
 trajectory tokens per second of iteration, which normalizes for length.
 
-Sizes: CPU: the `cpu` preset on FrozenLake (2 groups x 4 trajectories, 3 turns, 48 new
+Sizes: CPU: the `cpu` preset on FrozenLake as it is (config.PRESETS: 4 x 4 trajectories, 5 turns, 16 new
 tokens per turn). --quick: the `tiny` preset (1 x 2, 16 tokens) cut to 1 turn. CUDA: the
 `paper` preset (8 x 16, 5 turns, StarPO-S filtering, separate critic) on the given model,
 bf16 autocast, with max new tokens per turn cut to 64 to fit the GPU check's time budget.

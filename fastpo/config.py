@@ -440,7 +440,7 @@ PRESETS: dict[str, dict] = {
     # measured choices: README "The CPU preset" (answer-only with answer examples, Dr.GRPO, 64 eval
     # seeds before and after)
     "cpu": {
-        "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 3, "max_new_tokens": 16, "max_context": 1536,
+        "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 5, "max_new_tokens": 16, "max_context": 1536,
                     "think": False, "prompt_examples": True, "temperature": 0.7},
         "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},
         "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},

@@ -20,7 +20,7 @@ def test_env_and_named_presets_layer():
     assert c.rollout.max_turns == 1 and c.rollout.env_groups == 4
     assert c.algorithm.adv_estimator == "grpo"
     f = load_config(env="frozenlake", preset="cpu")
-    assert f.rollout.max_turns == 3 and f.rollout.max_new_tokens == 16  # the env preset keeps the CPU scale
+    assert f.rollout.max_turns == 5 and f.rollout.max_new_tokens == 16  # the env preset keeps the CPU scale
     assert f.rollout.prompt_examples and not f.rollout.think and f.algorithm.adv_estimator == "drgrpo"
     assert f.trainer.eval_before_training and f.trainer.eval_seeds == 64 and f.trainer.eval_temperature == 0.5
     s = load_config(env="frozenlake", preset="paper,starpo")

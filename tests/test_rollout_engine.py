@@ -10,6 +10,7 @@ import torch
 
 from fastpo.models import load_model_and_tokenizer
 from fastpo.rollout import NativeEngine, SamplingParams
+from fastpo.rollout.engine import shared_prefix_length
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +95,25 @@ def test_group_prefix_shared_and_only_new_tokens_prefilled(tiny):
     # each session: its last sampled token (not yet fed) + the 3 appended tokens
     assert eng.stats["prefilled_tokens"] == 70 + 8 * 4
     assert all(eng.session_length(s) == len(prompts[s // 4]) + 4 + 3 + 4 for s in range(8))
+    eng.finish()
+
+
+def test_prefix_shared_by_all_prompts_prefilled_once(tiny):
+    """The prompts' common prefix is prefilled once for all of them, with the same log-probs."""
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    head = list(range(300, 340))  # 40 shared tokens, like a system prompt
+    prompts = [head + list(range(100, 110)), head + list(range(200, 203)), head + [7]]
+    assert shared_prefix_length(prompts) == 40
+    assert shared_prefix_length([head + [1], head + [1]]) == 40  # a whole prompt: keep one token per row
+    assert shared_prefix_length([head[:10] + [1], head[:10] + [2]]) == 0  # too short to be worth it
+    assert shared_prefix_length([head]) == 0
+    params = SamplingParams(temperature=0.9, max_new_tokens=6, max_context=512)
+    seqs, lps, _ = _run_turns(eng, prompts, 2, [[[5, 6], [8], [9, 10, 11]], [[12], [13], [14]]], params)
+    _check_logprobs(model, seqs, lps, 0.9, atol=2e-5)
+    eng.reset_stats()
+    eng.start(prompts, 2)
+    assert eng.stats["prefilled_tokens"] == 40 + 10 + 3 + 1
     eng.finish()
 
 

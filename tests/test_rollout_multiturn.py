@@ -8,6 +8,7 @@ import torch
 
 from fastpo.models import load_model_and_tokenizer
 from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig, TurnOutput
+from fastpo.rollout.engine import shared_prefix_length
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def _generate_recorded(ro, model, *args, **kw):
 
 def _check_sampled_and_fed(batch, rec, prompt_lens):
     """The responses are exactly the drawn tokens, and what the model was fed is exactly
-    each group's prompt once plus every trajectory's later tokens but its last (still
+    the groups' common prompt prefix once, each group's rest of the prompt once, plus every trajectory's later tokens but its last (still
     pending when the rollout ends), at their true positions. Multisets: the engine batches
     and reorders rows, but any token recorded differently from what was drawn or fed shows."""
     from collections import Counter
@@ -77,9 +78,14 @@ def _check_sampled_and_fed(batch, rec, prompt_lens):
     assert Counter(rec.sampled) == responses
     fed = Counter(pt for forward in rec.feed.fed for row in forward for pt in row)
     expect = Counter()
+    prompts = []
     for g in torch.unique(batch.group_ids).tolist():
         first = int((batch.group_ids == g).nonzero()[0])
-        expect.update(enumerate(batch.input_ids[first][:prompt_lens[first]].tolist()))
+        prompts.append(batch.input_ids[first][:prompt_lens[first]].tolist())
+    shared = shared_prefix_length(prompts)  # the groups' common prefix: fed once for all
+    expect.update(enumerate(prompts[0][:shared]))
+    for p in prompts:
+        expect.update((i, p[i]) for i in range(shared, len(p)))
     for i, ids in enumerate(batch.input_ids):
         ids = ids.tolist()
         expect.update((p, ids[p]) for p in range(prompt_lens[i], len(ids) - 1))
@@ -377,9 +383,11 @@ def test_reproducible_bandit_single_turn(tiny):
     assert all(torch.equal(x, y) for x, y in zip(a.input_ids, b.input_ids))
     assert any(not torch.equal(x, y) for x, y in zip(a.input_ids, c.input_ids))
     assert (a.num_turns == 1).all() and set(a.stop_reason) <= {"env_done", "max_turns"}
-    # prefill: 3 group prompts once each (not 6), nothing else in a single-turn game
-    prompt_lens = [int((~m).sum()) for m in a.loss_mask[::2]]
-    assert a.metrics["prefilled_tokens"] == sum(prompt_lens)
+    # prefill: 3 group prompts once each (not 6), their common prefix once, nothing else in a
+    # single-turn game
+    prompts = [x[~m].tolist() for x, m in zip(a.input_ids[::2], a.loss_mask[::2])]
+    shared = shared_prefix_length(prompts)
+    assert shared > 0 and a.metrics["prefilled_tokens"] == shared + sum(len(p) - shared for p in prompts)
 
 
 def test_bad_arguments(tiny):

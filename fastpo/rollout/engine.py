@@ -4,7 +4,8 @@ What it does that ``model.generate`` in a per-turn loop does not:
 
 - Sessions. ``start(prompts, group_size)`` opens ``P * group_size`` sessions; session ``s``
   belongs to env group ``s // group_size``. Each group's prompt is prefilled once and its KV
-  cache is copied to the group's sessions (group prefix sharing).
+  cache is copied to the group's sessions (group prefix sharing); the prefix that all the
+  groups' prompts share (system prompt, game rules) is prefilled once for all of them.
 - KV cache kept across turns. ``generate(sessions, append, params)`` feeds only the tokens
   appended since the session's last forward (the end of the previous response and the
   between-turn template tokens), then decodes. Nothing is re-prefilled.
@@ -110,6 +111,27 @@ def unsupported_attention(config) -> str | None:
     if chunk is not None:
         return f"attention_chunk_size={chunk!r}"
     return None
+
+
+#: Shortest common prompt prefix worth a forward of its own in `NativeEngine.start`.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_length(prompts: list) -> int:
+    """Tokens at the start of every prompt that `NativeEngine.start` prefills once for all of them.
+
+    prompts: lists of token ids. The longest common prefix, less one token if it is a whole
+    prompt (every row keeps a token of its own, whose logits start its decoding); 0 for a single
+    prompt or a prefix shorter than MIN_SHARED_PREFIX.
+    """
+    if len(prompts) < 2:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts)
+    S = 0
+    while S < n and all(p[S] == first[S] for p in prompts):
+        S += 1
+    S = min(S, n - 1)
+    return S if S >= MIN_SHARED_PREFIX else 0
 
 
 class _BufferLayer(DynamicLayer):
@@ -351,24 +373,39 @@ class NativeEngine:
             raise ValueError("prompts must be a non-empty list of non-empty token id lists")
         self._clear()
         P = len(prompts)
+        S = shared_prefix_length(prompts)
         Lp = max(len(p) for p in prompts)
+        W = Lp - S  # the rows' own tokens, left-padded after the shared prefix
         dev = self.device
-        ids = torch.full((P, Lp), self.pad_id, dtype=torch.long)
+        ids = torch.full((P, W), self.pad_id, dtype=torch.long)
         mask = torch.zeros((P, Lp), dtype=torch.bool)
         pos = torch.zeros((P, Lp), dtype=torch.long)
+        tok = torch.full((P, Lp), self.pad_id, dtype=torch.long)
+        mask[:, :S] = True
+        pos[:, :S] = torch.arange(S)
+        if S:
+            tok[:, :S] = torch.tensor(prompts[0][:S], dtype=torch.long)
         for g, p in enumerate(prompts):
             n = len(p)
-            ids[g, Lp - n:] = torch.tensor(p, dtype=torch.long)
-            mask[g, Lp - n:] = True
-            pos[g, Lp - n:] = torch.arange(n)
+            ids[g, W - (n - S):] = torch.tensor(p[S:], dtype=torch.long)
+            mask[g, Lp - (n - S):] = True
+            pos[g, Lp - (n - S):] = torch.arange(S, n)
+        tok[:, S:] = ids
         with self._inference():
             self._alloc(P, Lp)
             self._mask = mask.to(dev)
-            self._pos, self._tok = pos.to(dev), ids.to(dev)
-            logits = self._forward(ids.to(dev), self._mask.long(), pos.to(dev), P, 0)
+            self._pos, self._tok = pos.to(dev), tok.to(dev)
+            if S:
+                # The prefix every prompt shares (the system prompt and the game's rules) is
+                # prefilled once, in one row, and its KV copied to every row.
+                self._forward(self._tok[:1, :S], self._mask[:1, :S].long(), self._pos[:1, :S], 1, 0)
+                for layer in self._layers:
+                    layer.kbuf = layer.kbuf.expand(P, -1, -1, -1).contiguous()
+                    layer.vbuf = layer.vbuf.expand(P, -1, -1, -1).contiguous()
+            logits = self._forward(ids.to(dev), self._mask.long(), self._pos[:, S:], P, S)
         self._note_kv()
         self._L, self._rows = Lp, P
-        self.stats["prefilled_tokens"] += sum(len(p) for p in prompts)
+        self.stats["prefilled_tokens"] += S + sum(len(p) - S for p in prompts)
         self._num_sessions = P * group_size
         for s in range(self._num_sessions):
             g = s // group_size
