@@ -157,6 +157,14 @@ def end_reason(turn_result: EnvTurn, b: int, actions_left: np.ndarray, turn: int
     return ""
 
 
+def closing_question(cfg: RolloutConfig, action_names) -> str:
+    """The closing question of a trajectory's user messages (`prompts.move_question` for its
+    action names); "" without rollout.prompt_examples or in think mode."""
+    if not cfg.prompt_examples or cfg.think:
+        return ""
+    return move_question(action_names, cfg.max_actions_per_turn)
+
+
 class MultiTurnRollout:
     """Generates TrajectoryBatches for one environment with one engine.
 
@@ -217,12 +225,7 @@ class MultiTurnRollout:
                 for b in range(len(obs))]
 
     def _question(self, env, b: int) -> str:
-        """The closing question of trajectory b's user messages ("" without rollout.prompt_examples
-        or in think mode)."""
-        c = self.cfg
-        if not c.prompt_examples or c.think:
-            return ""
-        return move_question(env.action_names(b), c.max_actions_per_turn)
+        return closing_question(self.cfg, env.action_names(b))
 
     def prompt_lengths(self, seeds) -> list:
         """Tokens of the first prompt (chat template, system and first user message, assistant

@@ -22,9 +22,9 @@ import torch
 from fastpo.config import RolloutConfig
 
 from .batch import TrajectoryBatch
-from .multiturn import TurnCounters, end_reason, env_turn
+from .multiturn import TurnCounters, closing_question, end_reason, env_turn
 from .parsing import cut_at_stop
-from .prompts import ChatFormat, first_user_message, move_question, next_user_message
+from .prompts import ChatFormat, first_user_message, next_user_message
 
 
 class ReferenceRollout:
@@ -64,9 +64,7 @@ class ReferenceRollout:
         instr = env.instructions()
 
         def question(b: int) -> str:
-            if not cfg.prompt_examples or cfg.think:
-                return ""
-            return move_question(env.action_names(b), cfg.max_actions_per_turn)
+            return closing_question(cfg, env.action_names(b))
 
         msgs = [self.chat.messages(first_user_message(instr[b], obs[b], cfg.max_actions_per_traj, cfg.max_actions_per_turn,
                                                       cfg.think, cfg.max_new_tokens, env.action_names(b),
