@@ -57,6 +57,9 @@ GROUP_N = 8
 BWD_CHUNK_BYTES = 256 * 1024 * 1024
 BWD_CHUNK_FRACTION = 8
 BWD_CHUNK_MIN_BYTES = 32 * 1024 * 1024
+# The splits' merge kernel: tokens per program and warps (one config; no autotuning).
+COMBINE_BLOCK = 128
+COMBINE_WARPS = 4
 
 
 @triton.jit
@@ -327,8 +330,8 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
         kernel[grid](hidden[r0:], weight, targets[r0:], part, rows, v, d, hidden.stride(0), weight.stride(0),
                      1.0 / temperature, tps, n_splits, **opts)
-        _combine_kernel[(triton.cdiv(rows, 128),)](part, out[0, r0:], out[1, r0:], out[2, r0:], rows, n_splits,
-                                                   BLOCK=128)
+        _combine_kernel[(triton.cdiv(rows, COMBINE_BLOCK),)](part, out[0, r0:], out[1, r0:], out[2, r0:], rows,
+                                                             n_splits, BLOCK=COMBINE_BLOCK, num_warps=COMBINE_WARPS)
         del part
     return out[0], out[1], out[2]
 
