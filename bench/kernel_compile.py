@@ -411,7 +411,9 @@ def main(argv=None) -> int:
     if not targets or bad_t:
         print(f"kernel_compile: --targets must be among {TARGETS}, got {a.targets!r}", file=sys.stderr)
         return 2
-    if ROOT not in sys.path:
+    import importlib.util
+
+    if importlib.util.find_spec("fastpo") is None and ROOT not in sys.path:  # a checkout without pip install -e
         sys.path.insert(0, ROOT)
     t0 = time.perf_counter()
     try:
