@@ -81,7 +81,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import BenchContext, PartSkipped, Record, peak_memory  # noqa: E402
+from _common import BenchContext, PartSkipped, Record, measure, peak_memory  # noqa: E402
 
 PART = "peers"
 TRL_VERSION = "1.16.0"
@@ -670,18 +670,8 @@ def _fused(ctx: BenchContext, liger: bool = True, cce: bool = False) -> list[Rec
                 del loss, gh, gw
                 runs[name].append(box["s"])
                 mems[name].append(max(1, peak - grads))
-            if sync:
-                sync()
-            t0 = time.perf_counter()
-            mm_run()
-            if sync:
-                sync()
-            mm_times.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            sq_run()
-            if sync:
-                sync()
-            sq_times.append(time.perf_counter() - t0)
+            mm_times.append(measure(mm_run, repeats=1, warmup=0, sync=sync)[0])
+            sq_times.append(measure(sq_run, repeats=1, warmup=0, sync=sync)[0])
         del mm_run, sq_run
         machine = sq_flops / min(sq_times)
         t_mm, s_mm = statistics.median(mm_times), max(mm_times) - min(mm_times)
