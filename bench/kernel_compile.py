@@ -342,11 +342,14 @@ def run(targets=(80, 90), oversized: bool = False, use_cache: bool = True, jobs:
     for (i, s, path), rec in zip(todo, done):
         records[i] = dict(rec, cached=False)
         if use_cache and (rec["ok"] or rec.get("registers")):  # keep no error from a broken environment
-            os.makedirs(cache, exist_ok=True)
             tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(rec, f)
-            os.replace(tmp, path)
+            try:
+                os.makedirs(cache, exist_ok=True)
+                with open(tmp, "w", encoding="utf-8") as f:
+                    json.dump(rec, f)
+                os.replace(tmp, path)
+            except OSError as e:  # a read-only home: the check still runs, uncached
+                print(f"kernel_compile: not cached ({e})", file=sys.stderr)
     return {"triton": triton.__version__, "ptxas": {f"sm_{t}": v for t, (_, v) in ptxas.items()},
             "source_hash": source_hash(), "records": [records[i] for i in range(len(all_specs))],
             "skipped_targets": {f"sm_{t}": w for t, w in skipped.items()}}
