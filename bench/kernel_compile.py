@@ -53,7 +53,7 @@ TARGETS = (80, 90, 100)
 SHARED_PER_BLOCK = {80: 163 * 1024, 90: 227 * 1024, 100: 227 * 1024}
 SHARED_PER_SM = {80: 164 * 1024, 90: 228 * 1024, 100: 228 * 1024}
 REGS_PER_SM, MAX_WARPS_PER_SM, MAX_BLOCKS_PER_SM, REG_UNIT = 65536, 64, 32, 256
-# Deliberately oversized configs (the test's proof that a spill is caught): a 256 x 256 fp32
+# The default deliberately oversized config (`--oversized`; the test passes its own): a 256 x 256 fp32
 # logits tile on 4 warps needs 512 registers per thread for the accumulator alone.
 # Checked on sm_90 only (or the first target asked for, without sm_90).
 OVERSIZED = ({"kernel": "fwd", "dtype": "bf16", "BLOCK_N": 256, "BLOCK_V": 256, "BLOCK_D": 64,
@@ -85,10 +85,11 @@ def _torch_dtype(name: str):
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def kernel_configs(oversized: bool = False) -> list[tuple[str, str, str, dict, int, int]]:
+def kernel_configs(oversized=False) -> list[tuple[str, str, str, dict, int, int]]:
     """(kernel, dtype, origin, constexprs, num_warps, num_stages) of every config the runtime may
     launch: per dtype the fixed config of `_config` and every autotune config (a config that is
-    both appears once, origin "fixed+autotune k"); the combine kernel once (fp32 partials)."""
+    both appears once, origin "fixed+autotune k"); the combine kernel once (fp32 partials).
+    oversized: True (OVERSIZED) or dicts like OVERSIZED's, added with origin "oversized"."""
     from fastpo.kernels import _triton as kt
 
     out = []
@@ -105,7 +106,7 @@ def kernel_configs(oversized: bool = False) -> list[tuple[str, str, str, dict, i
                 out.append((kernel, dtype, origin, dict(base, BLOCK_N=bn), w, st))
     out.append(("combine", "fp32", "fixed", {"BLOCK": kt.COMBINE_BLOCK}, kt.COMBINE_WARPS, 3))
     if oversized:
-        for o in OVERSIZED:
+        for o in (OVERSIZED if oversized is True else oversized):
             cfg = kt._config(_torch_dtype(o["dtype"]))
             ce = {"BLOCK_N": o["BLOCK_N"], "BLOCK_V": o["BLOCK_V"], "BLOCK_D": o["BLOCK_D"], "IEEE": cfg["IEEE"],
                   "GROUP_N": cfg["GROUP_N"]}
@@ -395,7 +396,9 @@ def main(argv=None) -> int:
                     help="compute capabilities, comma-separated (sm_100 is skipped where this Triton has no ptxas "
                          "for it)")
     ap.add_argument("--json", help="write the result here")
-    ap.add_argument("--oversized", action="store_true", help="also check the deliberately oversized configs")
+    ap.add_argument("--oversized", nargs="?", const="default", default=None, metavar="KERNEL:DTYPE:BN:BV:BD:W:ST",
+                    help="also check a deliberately oversized config, which must be reported as spilling (default "
+                         "fwd:bf16:256:256:64:4:2)")
     ap.add_argument("--no-cache", action="store_true", help="recompile every config")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compile processes")
     ap.add_argument("--table", action="store_true", help="print the Markdown table")
@@ -410,6 +413,20 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"kernel_compile: --targets must be comma-separated integers, got {a.targets!r}", file=sys.stderr)
         return 2
+    oversized = None
+    if a.oversized == "default":
+        oversized = True
+    elif a.oversized is not None:
+        try:
+            k, d, bn, bv, bd, w, st = a.oversized.split(":")
+            oversized = ({"kernel": k, "dtype": d, "BLOCK_N": int(bn), "BLOCK_V": int(bv), "BLOCK_D": int(bd),
+                          "num_warps": int(w), "num_stages": int(st)},)
+            if k not in ("fwd", "dlogits") or d not in DTYPES:
+                raise ValueError
+        except ValueError:
+            print(f"kernel_compile: --oversized must be KERNEL:DTYPE:BN:BV:BD:WARPS:STAGES with KERNEL fwd or "
+                  f"dlogits and DTYPE in {DTYPES}, got {a.oversized!r}", file=sys.stderr)
+            return 2
     bad_t = [t for t in targets if t not in TARGETS]
     if not targets or bad_t:
         print(f"kernel_compile: --targets must be among {TARGETS}, got {a.targets!r}", file=sys.stderr)
@@ -420,7 +437,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, ROOT)
     t0 = time.perf_counter()
     try:
-        result = run(targets, a.oversized, not a.no_cache, max(1, a.jobs),
+        result = run(targets, oversized, not a.no_cache, max(1, a.jobs),
                      tuple(k for k in a.kernels.split(",") if k), tuple(d for d in a.dtypes.split(",") if d))
     except Unavailable as e:
         print(f"kernel_compile: skipped: {e}", file=sys.stderr)

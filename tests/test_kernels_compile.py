@@ -23,11 +23,17 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import kernel_compile  # noqa: E402  (helpers only: nothing compiled in this process)
 
 
+# The test's own deliberately oversized config (kernel:dtype:BLOCK_N:BLOCK_V:BLOCK_D:warps:stages):
+# a 256 x 256 fp32 logits tile on 4 warps is 512 accumulator registers per thread, twice the
+# 255 a thread can have, so ptxas must spill. The proof that a spill is seen and fails the check.
+OVERSIZED = "fwd:bf16:256:256:64:4:2"
+
+
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("kernel_compile") / "result.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, SCRIPT, "--targets", "80,90,100", "--oversized", "--json", str(out)],
+    r = subprocess.run([sys.executable, SCRIPT, "--targets", "80,90,100", "--oversized", OVERSIZED, "--json", str(out)],
                        env=env, capture_output=True, text=True, timeout=1200)
     if r.returncode == 3:  # Triton / its NVIDIA backend / ptxas missing: the one reason to skip
         pytest.skip(r.stderr.strip().splitlines()[-1])
@@ -75,6 +81,9 @@ def test_oversized_config_is_reported_as_spilling(result):
     """The check can fail: the deliberately oversized config is caught as spilling."""
     r, res = result
     big = [x for x in res["records"] if x["origin"] == "oversized"]
+    k, d, bn, bv, bd, w, st = OVERSIZED.split(":")
+    assert [(x["kernel"], x["dtype"], x["constexprs"]["BLOCK_N"], x["constexprs"]["BLOCK_V"], x["num_warps"])
+            for x in big] == [(k, d, int(bn), int(bv), int(w))]
     assert big and all(x["spills"] and x["spill_stores"] > 0 and not x["ok"] for x in big), big
     assert not [line for line in kernel_compile.failures(res) if "oversized" in line]
 
@@ -87,6 +96,9 @@ def test_failures_and_occupancy_by_hand():
     # an oversized config that does not spill means the check is blind: a failure too
     blind = dict(rec, origin="oversized", spills=False, spill_stores=0, error=None)
     assert "expected to spill" in kernel_compile.failures({"records": [blind]})[0]
+    # a malformed oversized spec is refused with one line (exit 2) before anything compiles
+    r = subprocess.run([sys.executable, SCRIPT, "--oversized", "fwd:bf16:big"], capture_output=True, text=True)
+    assert r.returncode == 2 and "--oversized must be" in r.stderr
     # 255 registers x 256 threads: 8192 registers per warp, 8 warps per SM, one block: 12.5 %
     assert kernel_compile.occupancy(255, 96 * 1024, 8, 90) == {"blocks_per_sm": 1, "occupancy": 0.125,
                                                                "limited_by": "registers"}
