@@ -9,6 +9,10 @@ on [N, H] hidden states and a [V, H] LM head, measured side by side in one run:
 * fastpo chunked (the CPU path) and fastpo Triton (the CUDA path): `linear_policy_loss`.
 * Liger-Kernel's `LigerFusedLinearGRPOLoss` (chunked PyTorch, torch.compile'd), only when
   `liger_kernel` imports (GPU runs).
+* On the CPU, the three bare matmuls the chunked path cannot avoid (logits, d hidden, d W;
+  6 N H V FLOPs) and one square 2048^3 matmul (the machine's matmul FLOP/s, best run), in the
+  same alternation: fastpo's and naive's time as a multiple of the three (target for fastpo:
+  within 1.15x) and their FLOP/s as a fraction of the machine's (`limit_record`).
 * On CUDA, four plain `torch.matmul`s of the same shapes (forward, recompute and the two
   backward products, 8 N H V FLOPs): the fused loss's time against them (the ratio of
   their TFLOP/s), and the fused loss's achieved TFLOP/s as a fraction of the device's
@@ -141,14 +145,20 @@ def _time(fn, hidden, weight, ctx, sync, warmup=1):
     return measure(lambda: _step(fn, hidden, weight), repeats=ctx.repeats, warmup=warmup, sync=sync)
 
 
-def _time_interleaved(fns: dict, hidden, weight, ctx, sync) -> dict:
-    """Median and spread (s) per method, runs alternating A B A B ... so that a change of
-    machine load (other jobs on a shared CPU) hits every method alike."""
-    runs = {k: [] for k in fns}
+def _time_interleaved(fns: dict, hidden, weight, ctx, sync, plain: dict | None = None) -> dict:
+    """Median, spread and best (s) per method, runs alternating A B A B ... so that a change of
+    machine load (other jobs on a shared CPU) hits every method alike. `plain`: more
+    callables (no arguments, e.g. bare matmuls) timed in the same alternation."""
+    plain = plain or {}
+    runs = {k: [] for k in list(fns) + list(plain)}
+    for k, fn in plain.items():
+        fn()  # warm-up (the methods' warm-up is the memory run before)
     for _ in range(ctx.repeats):
         for k, fn in fns.items():
             runs[k].append(measure(lambda: _step(fn, hidden, weight), repeats=1, warmup=0, sync=sync)[0])
-    return {k: (statistics.median(v), max(v) - min(v)) for k, v in runs.items()}
+        for k, fn in plain.items():
+            runs[k].append(measure(fn, repeats=1, warmup=0, sync=sync)[0])
+    return {k: (statistics.median(v), max(v) - min(v), min(v)) for k, v in runs.items()}
 
 
 def _cpu(ctx: BenchContext) -> list[Record]:
@@ -162,10 +172,19 @@ def _cpu(ctx: BenchContext) -> list[Record]:
     # the memory run comes first and doubles as the warm-up of the timed runs
     m_naive = _extra_peak(methods["naive"], data[0], data[1], "cpu")
     m_fast = _extra_peak(methods[f"fastpo-{impl}"], data[0], data[1], "cpu")
+    mm_run, mm_flops = bare_matmuls(n, h, v, torch.float32, "cpu", ctx.seed)
+    sq_run, sq_flops = square_matmul("cpu", torch.float32)
     timed = _time_interleaved({"naive": methods["naive"], "fastpo": methods[f"fastpo-{impl}"]}, data[0], data[1],
-                              ctx, None)
-    (t_naive, s_naive), (t_fast, s_fast) = timed["naive"], timed["fastpo"]
-    return [
+                              ctx, None, plain={"matmuls": mm_run, "square": sq_run})
+    (t_naive, s_naive, _), (t_fast, s_fast, _) = timed["naive"], timed["fastpo"]
+    t_mm, s_mm, _ = timed["matmuls"]
+    machine = sq_flops / timed["square"][2]
+    limits = [limit_record(PART, shape, name, t, t_mm, 3, mm_flops, machine,
+                           target=1 / 1.15 if name.startswith("fastpo") else None, spreads=(sp, s_mm),
+                           notes=f"median of {ctx.repeats} runs, alternating with the other methods; machine: best "
+                                 "2048^3 fp32 matmul in the same alternation")
+              for name, t, sp in ((f"fastpo-{impl}", t_fast, s_fast), ("naive", t_naive, s_naive))]
+    return limits + [
         Record(PART, f"policy loss fwd+bwd time, {impl} ({shape})", "s", t_fast, t_naive, False, s_fast, s_naive,
                "naive PyTorch (materialized logits)", target=1 / 1.2,
                notes=f"median of {ctx.repeats} runs, alternating with the baseline's"),
@@ -174,6 +193,54 @@ def _cpu(ctx: BenchContext) -> list[Record]:
                notes="resident-set high-water mark (VmHWM, reset before the call) above the start, minus the "
                "returned gradients"),
     ]
+
+
+def bare_matmuls(n: int, h: int, v: int, dtype, device: str, seed: int = 0):
+    """(run, flops): the matmuls a fused linear loss cannot avoid, as plain torch.mm calls on
+    random operands of the loss's shapes. CPU (the chunked path: logits, d hidden, d W):
+    three, 6 N H V FLOPs; CUDA (the Triton path also recomputes the logits in the backward):
+    four, 8 N H V FLOPs. `run()` does them once (into preallocated outputs on the CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)
+    w = torch.randn(v, h, generator=g).to(device=device, dtype=dtype)
+    d = torch.randn(n, v, generator=g).to(device=device, dtype=dtype)
+    cuda = str(device).startswith("cuda")
+    z, dh, dw = torch.empty_like(d), torch.empty_like(a), torch.empty_like(w)
+
+    def run():
+        torch.mm(a, w.T, out=z)
+        if cuda:
+            torch.mm(a, w.T, out=z)  # the backward's recompute
+        torch.mm(d, w, out=dh)
+        torch.mm(d.T, a, out=dw)
+
+    return run, (8.0 if cuda else 6.0) * n * h * v
+
+
+def square_matmul(device: str, dtype, size: int | None = None):
+    """(run, flops) of one square size^3 matmul (default 2048 on the CPU, 8192 on CUDA): the
+    machine's matmul FLOP/s is flops over its best time, timed in the same alternation as the
+    methods so that the machine's load hits both alike."""
+    size = size or (8192 if str(device).startswith("cuda") else 2048)
+    a = torch.randn(size, size).to(device=device, dtype=dtype)
+    b = torch.randn(size, size).to(device=device, dtype=dtype)
+    out = torch.empty_like(a)
+    return (lambda: torch.mm(a, b, out=out)), 2.0 * size ** 3
+
+
+def limit_record(part: str, shape: str, method: str, t_method: float, t_mm: float, n_mm: int, flops: float,
+                 machine_flops: float, target: float | None = None, spreads=(0.0, 0.0), notes: str = "") -> Record:
+    """`method`'s fwd+bwd time against the `n_mm` bare matmuls it cannot avoid (ratio = their
+    time over its own, so 1/1.15 means 'within 1.15x'), with its FLOP/s (the matmuls' `flops`
+    over its time) as a fraction of the machine's measured matmul FLOP/s in the notes."""
+    frac = flops / t_method / machine_flops
+    mm_frac = flops / t_mm / machine_flops
+    note = (f"{method}: {t_method / t_mm:.2f}x the {n_mm} bare matmuls ({flops / 1e9:.0f} GFLOP); "
+            f"{flops / t_method / 1e9:.1f} GFLOP/s = {frac:.0%} of the machine's measured matmul "
+            f"{machine_flops / 1e9:.1f} GFLOP/s (bare matmuls: {mm_frac:.0%})")
+    return Record(part, f"{method} fwd+bwd vs the {n_mm} bare matmuls ({shape})", "s", t_method, t_mm, False,
+                  spreads[0], spreads[1], f"torch.mm x{n_mm}", target=target,
+                  notes=note + (f"; {notes}" if notes else ""))
 
 
 def _four_matmuls(n, h, v, dtype, ctx):

@@ -2,9 +2,9 @@
 
     python bench/throughput.py --part peers [--quick] [--device cuda --model random:qwen2.5-0.5b]
 
-Needs the `bench` extra (`pip install -e ".[bench]"`, `make bench`): trl==1.16.0 and
-liger-kernel==0.8.5. A missing one is skipped with a one-line reason (the whole part when
-both are missing).
+Needs the `bench` extra (`pip install -e ".[bench]"`, `make bench`): trl==1.16.0,
+liger-kernel==0.8.5 and cut-cross-entropy==25.1.1. A missing one is skipped with a one-line
+reason (the whole part when all are missing).
 
 1. TRL's `GRPOTrainer`, Bandit (single turn), at equal work. Both sides start from the same
    weights (fastpo's cached HF folder of the embedded model; any other model is saved to a
@@ -48,6 +48,18 @@ both are missing).
    clip). First the loss and both gradients are compared (max differences in the notes; a
    difference above 1e-3 relative fails the comparison), then fwd+bwd time (runs alternating
    between the methods) and peak memory beyond inputs and gradients.
+4. Apple's Cut Cross-Entropy (`linear_cross_entropy`, arXiv 2411.09009) in the same run and on
+   the same inputs as 3.: per-token log-probs = -linear_cross_entropy(hidden, W, targets,
+   reduction="none"), the same PPO/GRPO loss on them by autograd (`policy_loss_terms`,
+   token-mean, entropy off), forward and backward; on the CPU `impl="torch_compile"` (the
+   full [N, V] logits under torch.compile: fast, not memory-saving), on CUDA `impl="cce"`
+   (its Triton kernels) with `filter_eps=None` (its default skips small gradient entries,
+   which would fail the gradient check). Same numerics check, then time and peak memory.
+5. The bare matmuls the fused loss cannot avoid (3 on the CPU's chunked path: logits,
+   d hidden, d W, 6 N H V FLOPs; 4 on CUDA with the backward's recompute, 8 N H V), timed
+   in the same alternation: every method's time as a multiple of them (target for fastpo:
+   at most 1.15x) and its FLOP/s (the bare matmuls' FLOP count over its time) as a fraction
+   of the machine's measured matmul FLOP/s (a square fp32 / bf16 matmul of 2048 / 8192).
 
 Sizes: `--part peers` on the CPU: Bandit 2 env groups x 4 completions x 32 new tokens;
 FrozenLake 1 x 4, 2 turns x 24 new tokens. The full run (10 minutes for every part): Bandit
@@ -69,11 +81,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import BenchContext, PartSkipped, Record, peak_memory  # noqa: E402
+from _common import BenchContext, PartSkipped, Record, measure, peak_memory  # noqa: E402
 
 PART = "peers"
 TRL_VERSION = "1.16.0"
 LIGER_VERSION = "0.8.5"
+CCE_VERSION = "25.1.1"
 CLIP_LOW, CLIP_HIGH, ENTROPY_COEF = 0.2, 0.28, 0.001
 # a 4x4 FrozenLake map with no holes whose goal (6 moves away) the action budget cannot reach
 NO_END_MAP = ["SFFF", "FFFF", "FFFF", "FFFG"]
@@ -495,9 +508,9 @@ def _liger_inputs(n, seq, h, v, dtype, device, seed):
     return hidden, weight, targets, old, adv_seq, mask
 
 
-def _liger_methods(data, seq, device, compiled_too=True):
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
-
+def _liger_methods(data, seq, device, compiled_too=True, liger=True, cce=False):
+    """name -> fn(hidden, weight) -> loss: fastpo's fused loss first, then Liger's (eager and
+    compiled) where `liger`, Cut Cross-Entropy's where `cce` (see `_cce_fn`)."""
     from fastpo.kernels import linear_policy_loss
 
     hidden, weight, targets, old, adv_seq, mask = data
@@ -508,6 +521,13 @@ def _liger_methods(data, seq, device, compiled_too=True):
     methods = {f"fastpo-{impl}": lambda hh, ww: linear_policy_loss(
         hh, ww, targets, old, adv_tok, mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dual_clip=None, entropy_coef=0.0,
         loss_agg="token-mean", impl=impl).loss}
+    if cce:
+        name, fn = _cce_fn(targets, old, adv_tok, mask, device)
+        methods[name] = fn
+    if not liger:
+        return impl, methods
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
     for compiled in ((False, True) if compiled_too else (False,)):
         mod = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, epsilon_low=CLIP_LOW, epsilon_high=CLIP_HIGH,
                                        loss_type="bnpo", compiled=compiled)
@@ -519,6 +539,32 @@ def _liger_methods(data, seq, device, compiled_too=True):
 
         methods[f"liger-{'compiled' if compiled else 'eager'}"] = fn
     return impl, methods
+
+
+def cce_impl(device: str) -> str:
+    """Cut Cross-Entropy's implementation for `device`: its Triton kernels on CUDA, else the
+    torch.compile'd dense path (the only one that runs on a CPU)."""
+    return "cce" if str(device).startswith("cuda") else "torch_compile"
+
+
+def _cce_fn(targets, old, adv_tok, mask, device):
+    """("cce-<impl>", fn(hidden, weight) -> loss): log-probs = -CCE's per-token cross-entropy,
+    then the same clipped loss (token-mean over the mask, entropy off) by autograd."""
+    from cut_cross_entropy import linear_cross_entropy
+
+    from fastpo.kernels import policy_loss_terms
+
+    impl = cce_impl(device)
+    extra = {"filter_eps": None} if impl == "cce" else {}  # its default filter skips small gradients
+    sel = mask > 0
+    count = sel.sum().clamp(min=1)
+
+    def fn(hh, ww):
+        lp = -linear_cross_entropy(hh, ww, targets, reduction="none", impl=impl, **extra).float()
+        terms = policy_loss_terms(lp, torch.zeros_like(lp), old, adv_tok, clip_low=CLIP_LOW, clip_high=CLIP_HIGH)
+        return torch.where(sel, terms["loss"], 0.0).sum() / count
+
+    return f"cce-{impl}", fn
 
 
 def _fwd_bwd(fn, hidden, weight):
@@ -551,7 +597,18 @@ def numerics(results: dict, ref: str, rel_tol: float = 1e-3) -> dict:
     return out
 
 
-def _liger(ctx: BenchContext) -> list[Record]:
+def _peer_label(name: str) -> str:
+    if name.startswith("cce-"):
+        return f"Cut Cross-Entropy {CCE_VERSION} {name}"
+    return f"Liger {LIGER_VERSION} {name}"
+
+
+def _fused(ctx: BenchContext, liger: bool = True, cce: bool = False) -> list[Record]:
+    """fastpo's fused loss against Liger's and/or Cut Cross-Entropy's at equal loss (see the
+    module doc, 3.-5.): numerics first (a peer that disagrees gets a failing record, no
+    time), then time and peak memory, methods and the bare matmuls alternating."""
+    import part_kernels
+
     cuda = ctx.device.startswith("cuda")
     if cuda:
         h, v, dtype, seq = 896, 151936, torch.bfloat16, 512
@@ -566,7 +623,7 @@ def _liger(ctx: BenchContext) -> list[Record]:
     for n in ns:
         shape = f"N={n} ({n // seq} x {seq}) H={h} V={v} {'bf16' if cuda else 'fp32'}"
         data = _liger_inputs(n, seq, h, v, dtype, ctx.device, ctx.seed)
-        impl, methods = _liger_methods(data, seq, ctx.device)
+        impl, methods = _liger_methods(data, seq, ctx.device, liger=liger, cce=cce)
         fast = f"fastpo-{impl}"
         # 1. numerics (this first call of every method is also its warm-up / compilation)
         results, failed = {}, {}
@@ -584,9 +641,14 @@ def _liger(ctx: BenchContext) -> list[Record]:
                   f"d weight {d['d_weight']:.3g} (relative {d['rel']:.3g})", file=sys.stderr, flush=True)
         results.clear()
         gc.collect()
-        # 2. time and memory, methods alternating
+        # 2. time and memory, methods (and the bare matmuls) alternating
         runs = {k: [] for k in methods if k not in failed}
         mems = {k: [] for k in runs}
+        mm_run, mm_flops = part_kernels.bare_matmuls(n, h, v, dtype, ctx.device, ctx.seed)
+        sq_run, sq_flops = part_kernels.square_matmul(ctx.device, dtype)
+        n_mm = 4 if cuda else 3
+        mm_run(), sq_run()  # warm-up
+        mm_times, sq_times = [], []
         for _ in range(repeats):
             for name in runs:
                 if cuda:
@@ -608,35 +670,52 @@ def _liger(ctx: BenchContext) -> list[Record]:
                 del loss, gh, gw
                 runs[name].append(box["s"])
                 mems[name].append(max(1, peak - grads))
+            mm_times.append(measure(mm_run, repeats=1, warmup=0, sync=sync)[0])
+            sq_times.append(measure(sq_run, repeats=1, warmup=0, sync=sync)[0])
+        del mm_run, sq_run
+        machine = sq_flops / min(sq_times)
+        t_mm, s_mm = statistics.median(mm_times), max(mm_times) - min(mm_times)
         tf = statistics.median(runs[fast])
         sf = max(runs[fast]) - min(runs[fast])
+        k_unit = ("ms", 1e3) if cuda else ("s", 1.0)
+        for name in runs:
+            tb = statistics.median(runs[name])
+            ok = name == fast or num[name]["ok"]
+            rec = part_kernels.limit_record(PART, shape, name, tb, t_mm, n_mm, mm_flops, machine,
+                                            target=1 / 1.15 if name == fast else None,
+                                            spreads=(max(runs[name]) - min(runs[name]), s_mm),
+                                            notes=f"median of {repeats} run(s), alternating with the other methods"
+                                            + ("" if ok else "; this method's numerics disagree with fastpo's"))
+            records.append(rec)
         for name in methods:
             if name == fast:
                 continue
+            label = _peer_label(name)
             if name in failed:
-                records.append(Record(PART, f"Liger fused GRPO loss fwd+bwd ({shape}): {name} failed ({failed[name]})",
-                                      "s", tf, None, False, baseline_name=name, met=False, notes=failed[name]))
+                records.append(Record(PART, f"fused GRPO loss fwd+bwd ({shape}): {name} failed ({failed[name]})",
+                                      "s", tf, None, False, baseline_name=label, met=False, notes=failed[name]))
                 continue
             d = num[name]
-            eq = (f"same loss (bnpo = token-mean, clip {CLIP_LOW}/{CLIP_HIGH}, no KL/entropy): max |diff| loss "
+            eq = (f"same loss (token-mean, clip {CLIP_LOW}/{CLIP_HIGH}, no KL/entropy): max |diff| loss "
                   f"{d['loss']:.2g}, d hidden {d['d_hidden']:.2g}, d weight {d['d_weight']:.2g} (relative {d['rel']:.2g})")
             if not d["ok"]:
-                records.append(Record(PART, f"Liger fused GRPO loss ({shape}): {name} disagrees with {fast}", "s", tf,
-                                      None, False, baseline_name=name, met=False, notes=eq))
+                records.append(Record(PART, f"fused GRPO loss ({shape}): {name} disagrees with {fast}", "s", tf,
+                                      None, False, baseline_name=label, met=False, notes=eq))
                 continue
             tb = statistics.median(runs[name])
             sb = max(runs[name]) - min(runs[name])
-            unit, k = ("ms", 1e3) if cuda else ("s", 1.0)
+            unit, k = k_unit
+            # Liger: the earlier issue's 1.3x; every peer: fastpo at least as fast (this issue)
+            target = 1.3 if name.startswith("liger") else 1.0
             records.append(Record(PART, f"fused GRPO loss fwd+bwd time ({shape}, {fast})", unit, tf * k, tb * k, False,
-                                  sf * k, sb * k, f"Liger {LIGER_VERSION} {name}", target=1.3,
+                                  sf * k, sb * k, label, target=target,
                                   notes=f"{eq}; median of {repeats} run(s), alternating between methods"))
             mf = statistics.median(mems[fast]) / 2**20
             mb = statistics.median(mems[name]) / 2**20
-            rec = Record(PART, f"fused GRPO loss peak memory ({shape}, {fast})", "MiB", mf, mb, False,
-                         baseline_name=f"Liger {LIGER_VERSION} {name}", target=1.0,
-                         notes=("torch.cuda.max_memory_allocated" if cuda else "VmHWM") + " above the start, minus "
-                               "the returned gradients; target: lower or equal")
-            records.append(rec)
+            records.append(Record(PART, f"fused GRPO loss peak memory ({shape}, {fast})", "MiB", mf, mb, False,
+                                  baseline_name=label, target=1.0,
+                                  notes=("torch.cuda.max_memory_allocated" if cuda else "VmHWM") + " above the start, "
+                                  "minus the returned gradients; target: lower or equal"))
         del data, methods
         gc.collect()
         if cuda:
@@ -662,14 +741,18 @@ def _missing(module: str, version: str) -> str | None:
 
 
 def run(ctx: BenchContext) -> list[Record]:
-    """Side-by-side records against TRL and Liger; raises PartSkipped when neither is installed."""
+    """Side-by-side records against TRL, Liger and Cut Cross-Entropy; raises PartSkipped when
+    none is installed."""
     records: list[Record] = []
     skipped: dict[str, str] = {}
-    why = _missing("liger_kernel", LIGER_VERSION)
-    if why:
-        skipped["Liger"] = why
-    else:
-        records += _liger(ctx)
+    no_liger = _missing("liger_kernel", LIGER_VERSION)
+    no_cce = _missing("cut_cross_entropy", CCE_VERSION)
+    if no_liger:
+        skipped["Liger"] = no_liger
+    if no_cce:
+        skipped["Cut Cross-Entropy"] = no_cce
+    if not (no_liger and no_cce):
+        records += _fused(ctx, liger=not no_liger, cce=not no_cce)
     why = _missing("trl", TRL_VERSION)
     if ctx.device.startswith("cuda"):
         skipped["TRL"] = "TRL is compared on the CPU only"

@@ -3,9 +3,10 @@
 Usable on its own inside other trainers: it imports torch only (Triton lazily, on first
 use of the Triton path), nothing else from fastpo.
 
-    from fastpo.kernels import linear_logprob_entropy, linear_policy_loss
-    logprob, entropy = linear_logprob_entropy(hidden, lm_head.weight, targets)
-    out = linear_policy_loss(hidden, lm_head.weight, targets, old_logprob, advantages, loss_mask)
+    from fastpo.kernels import linear_logprob_entropy, linear_policy_loss, lm_head_weight
+    weight = lm_head_weight(model)  # [V, H], checked to be a plain linear head
+    logprob, entropy = linear_logprob_entropy(hidden, weight, targets)
+    out = linear_policy_loss(hidden, weight, targets, old_logprob, advantages, loss_mask)
     out.loss.backward()
 
 `causal_lm_*` run a transformers causal LM's decoder body and apply the same functions to

@@ -4,8 +4,12 @@ Forward (`triton_stats`): each program owns BLOCK_N tokens and one contiguous ra
 vocabulary tiles (a "split"); per tile it computes the logits tile with tl.dot (fp32
 accumulation) and folds it into a running max m (started at -inf), a running sum
 s = sum exp(z - m) and t = sum exp(z - m) (z - m) (so entropy = log s - t / s needs no
-large-magnitude subtraction), and picks the target logit when it lies in the tile. Padded
-vocabulary columns are -inf (they add 0 to s and t). The splits' partial (m, s, t) are
+large-magnitude subtraction). The target's logit is not picked out of the tiles (a select
+over every [BLOCK_N, BLOCK_V] tile kept one more full tile live and made the half-precision
+forward spill registers at every config on sm_80 and sm_90, `bench/kernel_compile.py`):
+the split whose vocabulary range holds a token's target forms hidden . W[target] once, as
+fp32 products summed over the hidden size (`_target_logit`). Padded vocabulary columns are
+-inf (they add 0 to s and t). The splits' partial (m, s, t) are
 merged by a small kernel in a fixed order. The split size is fixed in vocabulary tiles, not
 derived from N, so a token's log-prob does not depend on the batch it came in (ratio
 exactly 1 on policy).
@@ -57,6 +61,9 @@ GROUP_N = 8
 BWD_CHUNK_BYTES = 256 * 1024 * 1024
 BWD_CHUNK_FRACTION = 8
 BWD_CHUNK_MIN_BYTES = 32 * 1024 * 1024
+# The splits' merge kernel: tokens per program and warps (one config; no autotuning).
+COMBINE_BLOCK = 128
+COMBINE_WARPS = 4
 
 
 @triton.jit
@@ -91,6 +98,22 @@ def _grouped_ids(pid, n_a, n_b, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _target_logit(h_ptr, w_ptr, rows, tgt, rmask, D, stride_h, stride_w, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """fp32 [BLOCK_N] hidden[row] . weight[target[row]] (exact products, fp32 sums over D)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    h_row = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    w_row = w_ptr + tl.maximum(tgt, 0).to(tl.int64)[:, None] * stride_w
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        m2 = rmask[:, None] & (ds < D)[None, :]
+        h = tl.load(h_row + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+        w = tl.load(w_row + ds[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.sum(h * w, axis=1)
+    return acc
+
+
+@triton.jit
 def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, D, stride_h, stride_w, inv_temp, tiles_per_split, n_splits,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
                 GROUP_N: tl.constexpr):
@@ -101,7 +124,6 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, D, stride_h, stride_w, in
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
     s = tl.zeros([BLOCK_N], dtype=tl.float32)
     t = tl.zeros([BLOCK_N], dtype=tl.float32)
-    zt = tl.zeros([BLOCK_N], dtype=tl.float32)
     n_tiles = tl.cdiv(V, BLOCK_V)
     tile0 = pid_s * tiles_per_split
     tile1 = tl.minimum(tile0 + tiles_per_split, n_tiles)
@@ -121,7 +143,9 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, part_ptr, N, V, D, stride_h, stride_w, in
         t = alpha * (t + shift) + tl.sum(pzc, axis=1)
         s = alpha * s + tl.sum(p, axis=1)
         m = m_new
-        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+    # the target's logit once per token, by the split that holds it (not a select over every tile)
+    mine = rmask & (tgt >= tile0 * BLOCK_V) & (tgt < tile1 * BLOCK_V)
+    zt = _target_logit(h_ptr, w_ptr, rows, tgt, mine, D, stride_h, stride_w, BLOCK_N, BLOCK_D) * inv_temp
     base = part_ptr + pid_s * N + rows
     stride_part = n_splits * N
     tl.store(base, m, mask=rmask)
@@ -327,8 +351,8 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
 
         kernel[grid](hidden[r0:], weight, targets[r0:], part, rows, v, d, hidden.stride(0), weight.stride(0),
                      1.0 / temperature, tps, n_splits, **opts)
-        _combine_kernel[(triton.cdiv(rows, 128),)](part, out[0, r0:], out[1, r0:], out[2, r0:], rows, n_splits,
-                                                   BLOCK=128)
+        _combine_kernel[(triton.cdiv(rows, COMBINE_BLOCK),)](part, out[0, r0:], out[1, r0:], out[2, r0:], rows,
+                                                             n_splits, BLOCK=COMBINE_BLOCK, num_warps=COMBINE_WARPS)
         del part
     return out[0], out[1], out[2]
 

@@ -155,9 +155,14 @@ def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor
     p / s, that is p * (a log p + b) with per-row a = -g_ent / (s T), b = -(g_lp + g_ent H) / (s T).
     """
     scale = inv_t if s is None else inv_t / s
-    a = (-g_ent * scale).unsqueeze(-1)
     b = (-(g_lp + g_ent * ent) * scale).unsqueeze(-1)
-    dz = p.mul_(logp.mul_(a).add_(b))
+    if g_ent.device.type == "cpu" and not bool(g_ent.any()):
+        # no entropy term in the loss (entropy_coef 0): dz = p * b, two [C, V] passes fewer
+        # (checked on the CPU only: on a GPU the check would be a device sync per chunk)
+        dz = p.mul_(b)
+    else:
+        a = (-g_ent * scale).unsqueeze(-1)
+        dz = p.mul_(torch.addcmul(b, logp, a, out=logp))  # a log p + b in one pass
     dz.scatter_add_(1, t.unsqueeze(-1), (g_lp * inv_t).unsqueeze(-1))
     return dz
 
@@ -241,7 +246,10 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
             # 0 * NaN is NaN: a non-finite excluded row must be zeroed, not weighted by 0
             # (masked_fill_/where, not nonzero(): no device sync per chunk on CUDA)
             keep = grad_rows[s:e, None]
-            dz.masked_fill_(~keep, 0.0)
+            if dz.device.type == "cpu":  # only the excluded rows, not a pass over all of dz
+                dz.index_fill_(0, (~keep).view(-1).nonzero().view(-1), 0.0)
+            else:
+                dz.masked_fill_(~keep, 0.0)
             h_c = zero_rows(h_c, keep)
         dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:

@@ -86,7 +86,7 @@ def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob:
 
     The settings (clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator; the
     others of `PolicyLossSettings` are not used here) come as `settings` or as its keywords
-    in `options` (defaults: PolicyLossSettings'), not checked here.
+    in `options` (defaults: PolicyLossSettings'), checked when the settings are built.
 
     ratio r = exp(logprob - old_logprob) (log-ratio clamped to +-20),
     pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017,
@@ -211,7 +211,13 @@ class PolicyLossSettings:
     meaning (see `policy_loss_terms` and `aggregation_weights`): clip_low / clip_high >= 0,
     clip_low < 1 (PPO's clip range, DAPO's clip-higher), dual_clip None or > 1, entropy_coef
     and kl_coef >= 0, kl_estimator in KL_ESTIMATORS, temperature > 0 (the logits' divisor),
-    loss_agg in LOSS_AGGS, ratio_level in RATIO_LEVELS.
+    loss_agg in LOSS_AGGS, ratio_level in RATIO_LEVELS, clip_high >= clip_low.
+
+    Checked when built (`check`): a bad setting raises ValueError with a one-line message
+    naming the value. The defaults are verl's (clip 0.2 / 0.2, no entropy bonus, the k3 KL
+    estimator, token-mean), so that a loss moved from verl or TRL computes the same objective;
+    fastpo's trainer builds its own from its config (0.2 / 0.28, entropy 0.001, k1,
+    seq-mean-token-mean: the StarPO-S paper's), see `fastpo.trainer.policy_loss_settings`.
     """
 
     clip_low: float = 0.2
@@ -223,6 +229,9 @@ class PolicyLossSettings:
     temperature: float = 1.0
     loss_agg: str = "token-mean"
     ratio_level: str = "token"
+
+    def __post_init__(self) -> None:
+        self.check()
 
     def check(self) -> None:
         """Raise ValueError naming the first bad setting (temperature is checked with the
@@ -239,6 +248,9 @@ class PolicyLossSettings:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.clip_low >= 1.0:
             raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {self.clip_low}")
+        if self.clip_high < self.clip_low:
+            raise ValueError(f"clip_high must be >= clip_low (clip-higher widens the upper bound), got clip_high="
+                             f"{self.clip_high} < clip_low={self.clip_low}")
         d = self.dual_clip
         if d is not None and not (isinstance(d, (int, float)) and math.isfinite(d) and d > 1.0):
             raise ValueError(f"dual_clip must be None or a finite constant > 1, got {d!r}")

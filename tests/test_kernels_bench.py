@@ -55,3 +55,28 @@ def test_throughput_against_four_matmuls_and_the_device_peak():
     assert "49.9% and 74.9% of the 989 TFLOP/s peak" in peak.notes
     (_, unknown) = part_kernels.throughput_records("s", n, h, v, 0.05, 0.03, "Some GPU")
     assert unknown.baseline is None and unknown.ratio is None and "no dense bf16 peak known" in unknown.notes
+
+
+def test_bare_matmuls_and_the_limit_record():
+    """The CPU path's three bare matmuls (6 N H V FLOPs) and the record that sets a method's time
+    against them: within 1.15x meets the target, 1.2x misses it; FLOP/s as a fraction of the machine's."""
+    run, flops = part_kernels.bare_matmuls(4, 3, 5, torch.float32, "cpu")
+    run()
+    assert flops == 6.0 * 4 * 3 * 5
+    sq, sq_flops = part_kernels.square_matmul("cpu", torch.float32, size=8)
+    sq()
+    assert sq_flops == 2.0 * 8 ** 3
+    ok = part_kernels.limit_record("kernels", "s", "fastpo-chunked", 1.1, 1.0, 3, 6e9, 10e9, target=1 / 1.15)
+    assert ok.met is True and math.isclose(ok.ratio, 1 / 1.1) and ok.unit == "s"
+    assert "1.10x the 3 bare matmuls" in ok.notes and "5.5 GFLOP/s = 55% of the machine's measured matmul" in ok.notes
+    miss = part_kernels.limit_record("kernels", "s", "fastpo-chunked", 1.2, 1.0, 3, 6e9, 10e9, target=1 / 1.15)
+    assert miss.met is False
+
+
+def test_cce_peer_implementation_per_device():
+    import part_peers
+
+    assert part_peers.cce_impl("cuda") == "cce" and part_peers.cce_impl("cuda:1") == "cce"
+    assert part_peers.cce_impl("cpu") == "torch_compile"
+    assert part_peers._peer_label("cce-torch_compile").startswith("Cut Cross-Entropy 25.1.1")
+    assert part_peers._peer_label("liger-eager").startswith("Liger 0.8.5")

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from fastpo.kernels import (aggregation_weights, linear_logprob_entropy, linear_policy_loss, policy_loss_terms,
-                            reference_logprob_entropy)
+from fastpo.kernels import (PolicyLossSettings, aggregation_weights, linear_logprob_entropy, linear_policy_loss,
+                            policy_loss_terms, reference_logprob_entropy)
 
 
 def _data(n, h, v, dtype=torch.float32, seed=0, scale=1.0):
@@ -685,3 +685,30 @@ def test_sequence_ratio_and_is_weights_bad_inputs():
     out = linear_policy_loss(hidden, weight, targets, z, z, torch.tensor([1, 1, 0, 1]),
                              is_weights=torch.tensor([1, 1, math.nan, 1]))
     assert torch.isfinite(out.loss)
+
+
+def test_policy_loss_settings_checked_when_built():
+    """clip_high < clip_low (and any other bad setting) is refused when the settings object is
+    built, with one line naming the values, not later inside a loss."""
+    with pytest.raises(ValueError) as e:
+        PolicyLossSettings(clip_low=0.3, clip_high=0.2)
+    msg = str(e.value)
+    assert "clip_high=0.2" in msg and "clip_low=0.3" in msg and "\n" not in msg
+    with pytest.raises(ValueError, match="kl_estimator .*'k9'"):
+        PolicyLossSettings(kl_estimator="k9")
+    with pytest.raises(ValueError, match="dual_clip .*0.5"):
+        PolicyLossSettings(dual_clip=0.5)
+    PolicyLossSettings(clip_low=0.2, clip_high=0.2)  # equal bounds: plain PPO
+    # the keyword form builds the same object: clip_low above the default clip_high is refused too
+    hidden, weight = torch.randn(3, 4), torch.randn(5, 4)
+    t = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="clip_high=0.2 < clip_low=0.3"):
+        linear_policy_loss(hidden, weight, t, torch.zeros(3), torch.ones(3), torch.ones(3), clip_low=0.3)
+
+
+def test_library_defaults_are_verls():
+    """The library's defaults (kept on purpose: a loss moved from verl computes the same
+    objective; docs/kernels_compile.md sets them beside the trainer's)."""
+    s = PolicyLossSettings()
+    assert (s.clip_low, s.clip_high, s.dual_clip, s.entropy_coef, s.kl_coef, s.kl_estimator, s.loss_agg,
+            s.ratio_level) == (0.2, 0.2, None, 0.0, 0.0, "k3", "token-mean", "token")
