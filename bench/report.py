@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Regenerate the README's "Performance" section from the committed benchmark JSON.
+"""Regenerate the tables of docs/performance.md from the committed benchmark JSON.
 
-    python bench/report.py            # rewrite README.md between the perf markers
-    python bench/report.py --check    # exit 1 if README.md is out of date
+    python bench/report.py            # rewrite docs/performance.md between the perf markers
+    python bench/report.py --check    # exit 1 if docs/performance.md is out of date
 
 For each device (cpu, cuda) and each part, the newest run in `bench/results/**/*.json`
 (written by `bench/throughput.py --json`) that measured it is rendered: machine, date, the
@@ -125,7 +125,8 @@ def section(results_dir: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--page", "--readme", dest="readme", default=os.path.join(ROOT, "docs", "performance.md"),
+                    help="the Markdown file holding the perf markers (default: docs/performance.md)")
     ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)

@@ -16,7 +16,7 @@ On --resume only --iterations, --device and non-env/model overrides apply.
 
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
-parallel (fastpo.distributed; README "Several processes"); --nproc 1 (the default) is the
+parallel (fastpo.distributed; docs/distributed.md); --nproc 1 (the default) is the
 one-process path. Under torchrun (even with one process, a smoke test of that path) each
 process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
