@@ -1,7 +1,7 @@
 """Training configuration: dataclasses with the paper's defaults, presets, YAML and dotted overrides.
 
 The schema is a tree of dataclasses (`TrainConfig` at the root). Defaults are the RAGEN
-paper's (arXiv 2504.20073, Sec. 5 and App. B; DESIGN.md "The paper in numbers"): 8 env
+paper's (arXiv 2504.20073, Sec. 5 and App. B): 8 env
 groups x 16 trajectories, 5 turns, 10 actions, PPO mini-batch 32, GAE gamma = lambda = 1,
 entropy coefficient 0.001, actor lr 1e-6, critic lr 1e-5, grad clip 1.0, 200 iterations,
 eval on 256 fixed seeds at temperature 0.5 every 10 iterations, StarPO-S (top-25% reward-std
@@ -101,9 +101,18 @@ def _seed_range(v: Any) -> bool:  # env and torch seeds are 32-bit
 class ModelConfig:
     """Which policy model to train and how.
 
-    `name`: "smollm2-135m-instruct" (embedded), an HF id or local path, or "random:<shape>".
-    `dtype`: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
-    `lora_rank` > 0 trains LoRA adapters through peft instead of the full weights.
+    Attributes:
+        name: the model: "smollm2-135m-instruct" (embedded, the default), an HF hub id, a
+            local model folder, a fastpo checkpoint or run folder, or "random:<shape>" (a
+            known architecture with random weights: tiny-llama, smollm2-135m, qwen2.5-0.5b,
+            qwen2.5-1.5b; fastpo.models).
+        dtype: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
+        gradient_checkpointing: recompute activations in the backward pass (less memory).
+        lora_rank: > 0 trains LoRA adapters of this rank through peft instead of the full
+            weights (0 = full fine-tuning).
+        lora_alpha: LoRA's scaling numerator (the adapters are scaled by alpha / rank).
+        lora_dropout: dropout on the LoRA adapters' input.
+        lora_target_modules: the module names that get LoRA adapters.
     """
 
     name: str = checked("smollm2-135m-instruct", bool, "must not be empty")
@@ -117,7 +126,13 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    """The environment: `name` in {bandit, sokoban, frozenlake}; `options` go to `make_env`."""
+    """The environment.
+
+    Attributes:
+        name: the game: bandit, sokoban or frozenlake (docs/environments.md).
+        options: the environment's constructor arguments (`make_env`), e.g.
+            `{size: 8, num_boxes: 2}` for Sokoban or `{p: 0.9, success_prob: 0.8}` for FrozenLake.
+    """
 
     name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
     options: dict = field(default_factory=dict)
@@ -127,33 +142,43 @@ class EnvConfig:
 class RolloutConfig:
     """Multi-turn rollout settings (defaults: the paper / RAGEN's).
 
-    max_turns: turns per trajectory (5). max_actions_per_turn: actions read from one answer
-    (5; extra ones are ignored, not penalised). max_actions_per_traj: action budget of a
-    trajectory (10); it ends when spent. max_new_tokens: response tokens per turn (400).
-    max_context: tokens per trajectory (3600); a trajectory that would pass it ends
-    truncated. temperature / top_p / top_k: sampling (temperature scales the logits; the
-    recorded log-probs are at this temperature). think: prime with "<think>" (True) or the
-    answer-only variant primed with "<answer>". format_penalty: added to a turn's reward
-    when its answer is missing or holds an invalid action (-0.1). format_rule: what counts
-    as an answer (rollout/parsing.py): "ragen" (default) is RAGEN's rule, the first
-    think/answer pattern found anywhere in the response (none found: no action runs);
-    "strict" also penalises any response that is not exactly the pattern.
-    run_valid_actions_on_format_error: in a penalised turn, still execute the valid actions
-    of the answer found (True; what RAGEN does with an answer holding an invalid action);
-    False executes nothing. stop_at_answer_close: end a response at "</answer>" (the
-    template's end-of-turn token is then appended, loss mask 0; RAGEN generates on to the
-    end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
-    (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
-    actions were invalid in the next user message. prompt_examples: in answer-only mode, end
-    every user message with a question and three answers in the exact format built from the
-    game's action names (prompts.move_question) instead of RAGEN's "<answer> [your answer]
-    </answer>" reminder (False; no effect with think=True, whose format it does not show);
-    the CPU preset turns it on (README, "The main job on 2 CPU cores").
-    context_window: "full" (default: every turn stays in the context) or K >= 1, the last K
-    turns (user observation + response) kept in the context, the system prompt and the
-    first user message (task rules, initial state) always kept; RAGEN's
-    `limited_multi_turn` with `max_context_window: K`. fastpo evicts the dropped turns'
-    KV entries and keeps positions (see fastpo/window.py for the design).
+    Attributes:
+        max_turns: turns per trajectory (the paper's 5).
+        max_actions_per_turn: actions read from one answer (5); extra ones are ignored, not
+            penalised.
+        max_actions_per_traj: action budget of a trajectory (10); it ends when spent.
+        max_new_tokens: response tokens per turn (400).
+        max_context: tokens per trajectory (3600); a trajectory that would pass it ends
+            truncated.
+        temperature: sampling temperature; it scales the logits, and the recorded log-probs
+            and the trainer's loss are at this temperature (greedy decoding is the engine's
+            SamplingParams(temperature=0), not a rollout setting).
+        top_p: nucleus sampling mass (1 = off).
+        top_k: sample among the k likeliest tokens (0 = off).
+        think: prime the response with "<think>" (True) or the answer-only variant primed
+            with "<answer>".
+        format_penalty: added to a turn's reward when its answer is missing or holds an
+            invalid action (-0.1).
+        format_rule: what counts as an answer (rollout/parsing.py): "ragen" is RAGEN's rule,
+            the first think/answer pattern found anywhere in the response (none found: no
+            action runs); "strict" also penalises any response that is not exactly the
+            pattern.
+        run_valid_actions_on_format_error: in a penalised turn, still execute the valid
+            actions of the answer found (what RAGEN does with an answer holding an invalid
+            action); False executes nothing.
+        stop_at_answer_close: end a response at "</answer>" (the template's end-of-turn token
+            is then appended, loss mask 0; RAGEN generates on to the end-of-turn token).
+        system_prompt: the system prompt; null for prompts.SYSTEM_PROMPT
+            (SYSTEM_PROMPT_NO_THINK when think is False).
+        feedback_invalid: tell the model which actions were invalid in the next user message.
+        prompt_examples: in answer-only mode, end every user message with a question and
+            three answers in the exact format, built from the game's action names
+            (prompts.move_question), instead of RAGEN's "<answer> [your answer] </answer>"
+            reminder; no effect with think=True. The CPU preset turns it on (docs/results.md).
+        context_window: "full" (every turn stays in the context) or K >= 1: the last K turns
+            (user observation + response) kept, the system prompt and the first user
+            message always kept; RAGEN's `limited_multi_turn` with `max_context_window: K`.
+            fastpo evicts the dropped turns' KV entries and keeps positions (fastpo/window.py).
     """
 
     max_turns: int = checked(5, _at_least(1), "must be >= 1")
@@ -198,23 +223,30 @@ def context_window_turns(value: Any, owner: str = "'rollout.context_window'") ->
 @dataclass
 class RolloutSection(RolloutConfig):
     """The `rollout` section of a training config: every RolloutConfig option (one place for
-    their defaults and meaning) plus the batch shape, env_groups x group_size trajectories
-    (paper: P=8 env groups x N=16), and the generation backend: `engine`
-    "native" (fastpo's sampler on the trained module itself) or "sglang" (an `sglang.Engine`
-    holding a bf16 copy of the weights, refreshed after each update; CUDA only,
-    `pip install "fastpo[sglang]"`), with `sglang_mem_fraction` of the GPU memory for its
-    weights and KV cache (released while training). `sampling_streams`: "batch" draws the
-    whole rollout batch from one random stream (today's one-process sampling); "group" gives
-    each env group its own stream seeded from (iteration, group), so a group samples the same
-    tokens however the batch is split over processes (native engine); "auto" (default):
-    batch with one process, group with several (fastpo.distributed).
+    their defaults and meaning) plus the batch shape, the generation backend and off-policy
+    data (RAGEN's rollout frequency and replay, arXiv 2504.20073).
 
-    Off-policy data (RAGEN's rollout frequency and replay, arXiv 2504.20073): `reuse` K >= 1
-    trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a fresh batch
-    every iteration), its old log-probs staying those of the policy that sampled it.
-    `replay` N >= 0 keeps the trajectories of the last N rollout batches (their sampler
-    log-probs with them; fastpo.replay) and mixes round(`replay_fraction` x fresh batch
-    size) of them, `replay_fraction` in [0, 1], into each update (0 = no buffer)."""
+    Attributes:
+        env_groups: initial states per iteration (the paper's P = 8 env groups).
+        group_size: trajectories sampled per env group (the paper's N = 16).
+        engine: "native" (fastpo's sampler on the trained module itself) or "sglang" (an
+            `sglang.Engine` holding a bf16 copy of the weights, refreshed after each update;
+            CUDA only, `pip install "fastpo[sglang]"`).
+        sampling_streams: "batch" draws the whole rollout batch from one random stream;
+            "group" gives each env group its own stream seeded from (iteration, group), so a
+            group samples the same tokens however the batch is split over processes (native
+            engine); "auto": batch with one process, group with several. One process and N
+            sample the same trajectories only with "group".
+        sglang_mem_fraction: share of the GPU memory SGLang takes for its weights and KV
+            cache (released while training).
+        reuse: K >= 1 trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a
+            fresh batch every iteration), its old log-probs staying those of the policy that
+            sampled it.
+        replay: N >= 0 keeps the trajectories of the last N rollout batches (with their
+            sampler log-probs; fastpo.replay) for mixing into later updates (0 = no buffer).
+        replay_fraction: replayed trajectories mixed into each update, as a fraction of the
+            fresh batch (round(fraction x batch size)).
+    """
 
     env_groups: int = checked(8, _at_least(1), "must be >= 1")
     group_size: int = checked(16, _at_least(1), "must be >= 1")
@@ -239,48 +271,67 @@ class RolloutSection(RolloutConfig):
 class AlgorithmConfig:
     """StarPO / StarPO-S algorithm settings.
 
-    `adv_estimator`: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env group),
-    "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean of the group's
-    other trajectories; RLOO), "reinforce_pp" (each model token's discounted return,
-    normalised over the batch; REINFORCE++) or "reinforce_pp_baseline" (R - group mean,
-    normalised over the batch's tokens); fastpo.algorithms.advantages.
-    `reward_position`: where a trajectory's reward sits for GAE: "last_token" (the last model
-    token of the trajectory, the paper's default) or "turn" (each turn's reward on that
-    turn's last model token).
-    `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
-    with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
-    `filter_strategy` (RAGEN head's rollout filters, fastpo/algorithms/filtering.py):
-    "top_k" (default, the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
-    groups whose stds make up `filter_ratio` of the total, `filter_top_p_mode` "linear"
-    with slack `filter_eps`, or "softmax" mass), "min_p" (std >= filter_ratio x the best).
-    `filter_keep_zero_std` false drops groups without reward spread first.
-    `soft_advantage_reweight`: scale each trajectory's advantages by its group's reward std
-    / the batch's largest group std (RAGEN head), with or without filtering.
-    `kl_coef` > 0 penalises KL to a frozen reference model (plain StarPO), estimator k1 or k3,
-    either per token on the reward before the advantages (`kl_in_reward` true: verl's
-    `apply_kl_penalty`, r_t - kl_coef * kl_t on every model token, what RAGEN's PPO runs did)
-    or as a loss term (false: + kl_coef * kl_t in the policy loss, what its GRPO runs did).
-    `kl_in_reward` null (default) picks the reward for gae and reinforce_pp (token-level
-    returns: REINFORCE++ puts the KL on the reward) and the loss for the group estimators
-    (grpo, drgrpo, rloo, reinforce_pp_baseline).
-    `loss_agg`: how token losses become the mini-batch loss. "seq-mean-token-mean" (default,
-    every preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each trajectory's
-    token mean, then the mean over trajectories, so a long trajectory weighs as much as a
-    short one. "token-mean" (verl's default; fastpo's before) divides by all tokens of the
-    mini-batch; "seq-mean-token-sum" sums each trajectory's tokens.
-    `old_logprob`: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
-    from the "sampler", or "auto": the sampler's exactly when they are the same quantity
-    (native engine on the trained fp32 module; fastpo.old_logprob).
-    `ratio_level`: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
-    arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
-    trajectory; its objective is seq-mean-token-mean's).
-    `is_correction`: importance-sampling correction of the sampler -> trainer gap
-    (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
-    pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves [1/is_cap, is_cap]
-    dropped from the loss), per token or per trajectory (`is_level`); `is_cap` > 1.
-    `value_loss_agg`: the critic's clipped value loss aggregated like `loss_agg` (the same
-    function, fastpo.kernels.aggregate; verl's critic has its own setting too), "token-mean"
-    by default: over all model tokens of the mini-batch.
+    Attributes:
+        adv_estimator: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env
+            group), "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean
+            of the group's other trajectories; RLOO), "reinforce_pp" (each model token's
+            discounted return, normalised over the batch; REINFORCE++) or
+            "reinforce_pp_baseline" (R - group mean, normalised over the batch's tokens);
+            fastpo.algorithms.advantages.
+        gamma: discount over model tokens (GAE, REINFORCE++).
+        lam: GAE's lambda.
+        reward_position: where a trajectory's reward sits for GAE: "last_token" (the last
+            model token of the trajectory, the paper's default) or "turn" (each turn's
+            reward on that turn's last model token).
+        whiten_advantages: normalise GAE's advantages over the batch's model tokens.
+        filter_mode: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
+            with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
+        filter_ratio: the filter strategy's number (top_k: the share of groups kept).
+        filter_strategy: RAGEN head's rollout filters (fastpo/algorithms/filtering.py):
+            "top_k" (the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
+            groups whose stds make up `filter_ratio` of the total), "min_p" (std >=
+            filter_ratio x the best).
+        filter_top_p_mode: top_p's measure: "linear" (stds, with slack `filter_eps`) or
+            "softmax" (softmax mass of the stds).
+        filter_eps: top_p linear's slack (RAGEN's `rollout_filter_selection_eps`).
+        filter_keep_zero_std: false drops groups without reward spread first.
+        soft_advantage_reweight: scale each trajectory's advantages by its group's reward
+            std / the batch's largest group std (RAGEN head), with or without filtering.
+        clip_low: PPO's lower clip bound (ratio >= 1 - clip_low).
+        clip_high: PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above
+            clip_low).
+        dual_clip: dual-clip bound on the loss for negative advantages (null = off).
+        entropy_coef: weight of the entropy bonus in the policy loss.
+        kl_coef: > 0 penalises KL to a frozen reference model (plain StarPO).
+        kl_estimator: the KL estimator, "k1" or "k3".
+        kl_in_reward: true puts the KL penalty per token on the reward before the advantages
+            (verl's `apply_kl_penalty`, r_t - kl_coef * kl_t, what RAGEN's PPO runs did);
+            false adds + kl_coef * kl_t to the policy loss (what its GRPO runs did); null
+            picks the reward for gae and reinforce_pp and the loss for the group estimators.
+        loss_agg: how token losses become the mini-batch loss. "seq-mean-token-mean" (every
+            preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each
+            trajectory's token mean, then the mean over trajectories; "token-mean" (verl's
+            default) divides by all tokens of the mini-batch; "seq-mean-token-sum" sums each
+            trajectory's tokens.
+        old_logprob: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
+            from the "sampler", or "auto": the sampler's exactly when they are the same
+            quantity (native engine on the trained fp32 module; fastpo.old_logprob).
+        ratio_level: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
+            arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
+            trajectory).
+        is_correction: importance-sampling correction of the sampler -> trainer gap
+            (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
+            pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves
+            [1/is_cap, is_cap] dropped from the loss).
+        is_level: the correction's unit: "token" or "sequence" (one rho per trajectory).
+        is_cap: the correction's truncation bound.
+        critic: PPO's critic: "separate" (its own model) or "shared" (a value head on the
+            policy's trunk).
+        value_clip: the value loss's clip range around the old values.
+        value_coef: weight of the value loss (shared critic).
+        value_loss_agg: the critic's clipped value loss aggregated like `loss_agg` (the same
+            function, fastpo.kernels.aggregate); "token-mean" by default: over all model
+            tokens of the mini-batch.
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
@@ -318,10 +369,19 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and update schedule. `mini_batch_size` counts trajectories; `micro_token_budget` tokens.
+    """Optimizer and update schedule.
 
-    `share_prefix`: pack an env group's members after one copy of their common prompt
-    (fastpo.packing.shared_prefixes); the same log-probs and gradients, less compute.
+    Attributes:
+        actor_lr: the policy's AdamW learning rate.
+        critic_lr: a separate critic's AdamW learning rate.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
+        grad_clip: gradient-norm clip.
+        ppo_epochs: passes over the batch per iteration.
+        mini_batch_size: trajectories per optimizer step.
+        micro_token_budget: tokens per packed micro-batch (forward and backward at once).
+        share_prefix: pack an env group's members after one copy of their common prompt
+            (fastpo.packing.shared_prefixes): the same log-probs and gradients, less compute.
     """
 
     actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0")
@@ -338,7 +398,38 @@ class OptimConfig:
 
 @dataclass
 class TrainerSection:
-    """Loop length, evaluation, logging, checkpoints, Echo-Trap warning."""
+    """Loop length, evaluation, logging, checkpoints, Echo-Trap warning.
+
+    Attributes:
+        iterations: training iterations (updates) of the run.
+        seed: the run's seed; every random stream derives from it (fastpo.seeds).
+        device: "auto" (CUDA when available), "cpu" or "cuda[:N]".
+        output_dir: the run folder (empty: runs/<env>, or --out).
+        eval_every: evaluate every N iterations and at the end (0 = never).
+        eval_seeds: fixed initial states the evaluation plays.
+        eval_seed_offset: the first eval seed (eval seeds are offset, offset + 1, ...).
+        eval_temperature: sampling temperature of the evaluation.
+        eval_group_size: samples per eval seed (pass@k).
+        eval_before_training: also evaluate before the first update (iteration 0).
+        save_every: write a checkpoint every N iterations (0 = only at the end).
+        keep_checkpoints: checkpoints kept (the oldest pruned; the newest intact one never).
+        num_samples: decoded eval trajectories written to samples/ per evaluation.
+        ema_decay: decay of the EMA copies of every metric (ema/...).
+        tensorboard: mirror the metrics to TensorBoard (the `tensorboard` extra).
+        wandb: mirror the metrics to Weights & Biases.
+        plots: draw plots/*.png.
+        echo_trap_drop: the Echo-Trap warning fires when reward std and rollout entropy (or
+            the collapse metrics) have fallen by this share of their early values.
+        echo_trap_window: the first N iterations, whose means are the warning's "early" values.
+        collapse_every: mutual-information collapse metrics (fastpo/collapse.py) at
+            iteration 1 and every N-th (0 = off).
+        kernel_impl: the fused loss's path: "auto" (Triton on CUDA, chunked elsewhere),
+            "reference", "chunked" or "triton".
+        progress: show the progress bar.
+        data_parallel: several processes (torchrun) only: "fsdp" (FSDP2 shards the trained
+            modules' parameters, gradients and optimizer state over the ranks) or
+            "replicate" (every rank holds them whole; summed gradients, DDP-style).
+    """
 
     iterations: int = checked(200, _at_least(1), "must be >= 1")
     seed: int = checked(0, _seed_range, "must be in [0, 2**32)")
@@ -373,7 +464,17 @@ class TrainerSection:
 
 @dataclass
 class TrainConfig:
-    """The root of the configuration tree."""
+    """The root of the configuration tree.
+
+    Attributes:
+        preset: the named presets applied, comma-separated (set by --preset).
+        model: the `model` section (ModelConfig).
+        env: the `env` section (EnvConfig).
+        rollout: the `rollout` section (RolloutSection).
+        algorithm: the `algorithm` section (AlgorithmConfig).
+        optim: the `optim` section (OptimConfig).
+        trainer: the `trainer` section (TrainerSection).
+    """
 
     preset: str = "paper"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -437,7 +538,7 @@ ENV_PRESETS: dict[str, dict] = {
 #: frozenlake` on 2 cores in under 10 minutes.
 PRESETS: dict[str, dict] = {
     "paper": {},
-    # measured choices: README "The CPU preset" (answer-only with answer examples, Dr.GRPO, 64 eval
+    # measured choices: docs/results.md, how the preset was chosen (answer-only with answer examples, Dr.GRPO, 64 eval
     # seeds before and after)
     "cpu": {
         "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 5, "max_new_tokens": 16, "max_context": 1536,
