@@ -17,6 +17,8 @@ import dataclasses
 import json
 import math
 import os
+import sys
+import types
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -376,3 +378,15 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     res["rollout"] = dataclasses.asdict(rcfg)
     res["device"] = str(device)
     return res
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: the public API's `fastpo.evaluate(cfg)` runs `run_eval(cfg)`
+    (the API name and the module of evaluation helpers share the name `fastpo.evaluate`,
+    and a submodule import rebinds the package attribute to the module)."""
+
+    def __call__(self, cfg, console=None, samples_dir: Optional[str] = None) -> dict:
+        return run_eval(cfg, console=console, samples_dir=samples_dir)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -22,11 +22,18 @@ def _sources():
     return sorted((ROOT / "fastpo").rglob("*.py"))
 
 
-def test_only_the_cli_imports_the_trainer():
+def test_only_the_cli_and_the_public_api_import_the_trainer():
+    """The CLI imports the trainer; the public API (fastpo/__init__.py) reaches it only on
+    first use of `fastpo.train`, through its table of lazy exports; nothing else does."""
     users = [p.relative_to(ROOT).as_posix() for p in _sources()
              if p.name != "trainer.py" and any(m == "fastpo.trainer" or m.startswith("fastpo.trainer.")
                                                  for m in _imports(p))]
     assert users == ["fastpo/cli.py"]
+    init = ast.parse((ROOT / "fastpo" / "__init__.py").read_text())
+    table = next(n.value for n in init.body
+                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "_EXPORTS")
+    exports = ast.literal_eval(table)
+    assert {name for name, (module, _) in exports.items() if module.startswith("fastpo.trainer")} == {"train"}
 
 
 def test_algorithms_take_plain_arguments():
