@@ -13,61 +13,27 @@ A configuration is built in layers, each validated before any model loads:
              -> YAML file -> dotted command-line overrides (``algorithm.adv_estimator=grpo``)
 
 `load_config` does all of it; errors are `ConfigError` (a `ValueError`) naming the key.
+
+This module holds the schema, the cross-field checks (`validate`) and `load_config`; the
+field machinery (rules, type checks, overrides, merging) is in fastpo.config_fields, the named
+presets in fastpo.presets, reading and writing config files in fastpo.config_files. Every
+name stays importable from fastpo.config.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown, has the wrong type or an impossible value."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """A constraint on one config field: `ok(value)` must hold for a value of the field's
-    annotated type; `why` says the rule in the error ("must be > 0")."""
-
-    ok: Callable[[Any], bool]
-    why: str
-
-
-def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
-    """A dataclass field with `default` whose values must have the annotated type and satisfy
-    `ok` (see `check_fields`)."""
-    return field(default=default, metadata={"rule": Rule(ok, why)})
-
-
-def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
-    """Check every field of dataclass `obj` that carries a `Rule` (made with `checked`): its
-    type (the annotation, as `apply_dict` reads it), then the rule. The one validator of
-    field constraints, for `validate` and for the dataclasses' own `__post_init__`.
-
-    Raises ConfigError (a ValueError) "config key 'rollout.top_p' = 2: must be in (0, 1]",
-    naming `prefix` + the field and the value.
-    """
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        rule = f.metadata.get("rule")
-        if rule is None:
-            continue
-        value, key = getattr(obj, f.name), repr(f"{prefix}{f.name}")
-        key = f"{what} {key}" if what else key
-        ok, _ = _type_ok(value, hints[f.name])
-        if not ok:
-            raise ConfigError(f"{key}: expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})")
-        if not rule.ok(value):
-            raise ConfigError(f"{key} = {value!r}: {rule.why}")
-
+# The field machinery, the presets and the config files live in their own modules; every
+# name stays importable from here.
+from fastpo.config_fields import (ConfigError, Rule, _describe, _did_you_mean, _nested, _type_ok,  # noqa: F401
+                                  apply_dict, check_fields, checked, parse_override)
+from fastpo.config_files import (_dig, config_from_dict, dump_yaml, load_run_config,  # noqa: F401
+                                 parse_config_yaml, read_config_file, read_run_config, run_settings)
+from fastpo.presets import PRESETS, cpu_preset_note, default_preset  # noqa: F401
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
 MAX_ACTIONS_PER_TURN = 64
@@ -534,193 +500,6 @@ ENV_PRESETS: dict[str, dict] = {
     "frozenlake": {},
 }
 
-#: Named presets. "paper" is the defaults; "cpu" is sized to finish `fastpo train --env
-#: frozenlake` on 2 cores in under 10 minutes.
-PRESETS: dict[str, dict] = {
-    "paper": {},
-    # measured choices: docs/results.md, how the preset was chosen (answer-only with answer examples, Dr.GRPO, 64 eval
-    # seeds before and after)
-    "cpu": {
-        "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 5, "max_new_tokens": 16, "max_context": 1536,
-                    "think": False, "prompt_examples": True, "temperature": 0.7},
-        "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},
-        "trainer": {"iterations": 8, "eval_every": 8, "eval_seeds": 64, "eval_before_training": True, "save_every": 8,
-                    "num_samples": 2, "echo_trap_window": 1},
-    },
-    # StarPO (no -S): KL 0.001 (k1) to a frozen reference, on the reward with PPO and in the loss
-    # with GRPO (kl_in_reward null), symmetric clipping, no filtering: RAGEN's train_all.sh
-    "starpo": {"algorithm": {"filter_mode": "none", "kl_coef": 0.001, "kl_estimator": "k1",
-                             "clip_low": 0.2, "clip_high": 0.2}},
-    "grpo": {"algorithm": {"adv_estimator": "grpo"}},
-    # tiny: what the end-to-end tests use (1 group x 2 trajectories, 1-2 turns, 16 new tokens).
-    "tiny": {
-        "rollout": {"env_groups": 1, "group_size": 2, "max_turns": 2, "max_new_tokens": 16, "max_context": 1024},
-        "algorithm": {"filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 2, "micro_token_budget": 1024},
-        "trainer": {"iterations": 2, "eval_every": 2, "eval_seeds": 2, "save_every": 1, "num_samples": 1,
-                    "echo_trap_window": 1, "plots": True, "progress": False},
-    },
-}
-
-#: What the CPU preset changes, said at start.
-def cpu_preset_note(cfg: "TrainConfig") -> str:
-    """What the CPU preset scaled down, said at start, with this run's values (overrides included)."""
-    r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
-    filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
-    critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
-        if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
-    prompt = "think prompt" if r.think else ("answer-only prompt with answer examples" if r.prompt_examples
-                                              else "answer-only prompt")
-    evals = f"eval on {t.eval_seeds} seeds" + (" before and after training" if t.eval_before_training else "")
-    return (
-        "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
-        "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
-        f"-> this run: {r.env_groups} groups x {r.group_size} trajectories, {r.max_turns} turn{'s' if r.max_turns != 1 else ''}, "
-        f"{r.max_new_tokens} new tokens/turn, {prompt}, temperature {r.temperature:g}, {t.iterations} iterations, "
-        f"{filt}, {critic}, actor lr {o.actor_lr:g}, {evals}. For the paper's scale use `--preset paper` on a GPU "
-        "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
-    )
-
-
-def default_preset() -> str:
-    """"paper" when CUDA is available, else "cpu"."""
-    try:
-        import torch
-
-        return "paper" if torch.cuda.is_available() else "cpu"
-    except Exception:  # torch missing or broken: the CPU preset is the safe choice
-        return "cpu"
-
-
-# ---------------------------------------------------------------------------------------------
-# Merging and type checking
-# ---------------------------------------------------------------------------------------------
-
-def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Check (and lightly coerce: int -> float) `value` against annotation `tp`."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True, value
-    if origin is Literal:
-        return (value in typing.get_args(tp)), value
-    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return True, None
-                continue
-            ok, v = _type_ok(value, arg)
-            if ok:
-                return True, v
-        return False, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return (isinstance(value, int) and not isinstance(value, bool)), value
-    if tp is float:
-        if isinstance(value, bool):
-            return False, value
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if tp is list or origin is list:
-        return isinstance(value, (list, tuple)), list(value) if isinstance(value, (list, tuple)) else value
-    if tp is dict or origin is dict:
-        return isinstance(value, dict), value
-    return isinstance(value, tp), value
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is Union:
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _did_you_mean(obj: Any, key: str, prefix: str) -> str:
-    """' (did you mean ...?)' for a key that exists one level down (a bare `group_size`) or is
-    a near miss of a key here (`grup_size`); '' otherwise."""
-    import difflib
-
-    if not isinstance(key, str):  # e.g. a YAML key `1:` or `yes:`
-        return ""
-    here = [f.name for f in dataclasses.fields(obj)]
-    below = [f"{f.name}.{key}" for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))
-             and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
-    guesses = below or difflib.get_close_matches(key, here, n=1)
-    return f" (did you mean {' or '.join(prefix + g for g in guesses)}?)" if guesses else ""
-
-
-def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
-    """Merge a nested dict into the dataclass tree `obj` in place.
-
-    Raises ConfigError naming the dotted key for an unknown key or a wrong type.
-    """
-    if not isinstance(updates, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(updates).__name__}")
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in updates.items():
-        dotted = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(obj, key, prefix)}; "
-                              f"valid keys here: {', '.join(sorted(names))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            apply_dict(current, value, dotted + ".")
-            continue
-        ok, coerced = _type_ok(value, hints[key])
-        if not ok:
-            raise ConfigError(f"config key {dotted!r}: expected {_describe(hints[key])}, got {value!r} "
-                              f"({type(value).__name__})")
-        if isinstance(current, dict) and isinstance(coerced, dict):
-            coerced = {**current, **coerced}
-        setattr(obj, key, coerced)
-
-
-def parse_override(text: str) -> dict:
-    """Turn ``"algorithm.clip_high=0.3"`` into ``{"algorithm": {"clip_high": 0.3}}``.
-
-    The value is read as YAML (numbers, true/false, null, [lists] work). Raises ConfigError
-    when there is no ``=`` or the key is empty.
-    """
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({str(e).splitlines()[0]}; quote the "
-                          "whole override for the shell if it holds spaces)") from None
-    if isinstance(value, str):
-        # YAML 1.1 reads "1e-5" (no dot) as a string; a number is what anyone means
-        try:
-            value = float(value) if not value.strip().lower() in ("nan", "inf", "-inf", ".inf") else value
-        except ValueError:
-            pass
-    return _nested(key, value)
-
-
-def _nested(key: str, value: Any) -> dict:
-    """``("a.b.c", v)`` -> ``{"a": {"b": {"c": v}}}``."""
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Refuse impossible values with a ConfigError naming the key; returns `cfg`."""
     r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
@@ -840,98 +619,3 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if not cfg.trainer.output_dir:
         cfg.trainer.output_dir = f"runs/{cfg.env.name}"
     return validate(cfg)
-
-
-def parse_config_yaml(text: Any, where: str) -> dict:
-    """The mapping in config YAML `text` (a string or an open file): the one reader of
-    config files, run folders' and checkpoints' config.yaml. An empty document is {}.
-
-    Raises ConfigError naming `where`: invalid YAML or a top level that is not a mapping.
-    """
-    try:
-        d = yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if d is None:
-        return {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping, got {type(d).__name__}")
-    return d
-
-
-def read_config_file(file: str) -> dict:
-    """The mapping in YAML config file `file`; `env: NAME` (a string) is read as `env: {name: NAME}`.
-
-    Raises FileNotFoundError for a missing file, ConfigError for an unreadable one, invalid
-    YAML, a top level that is not a mapping or an `env` that is neither a mapping nor a name.
-    """
-    try:
-        with open(file) as f:
-            d = dict(parse_config_yaml(f, f"config file {file}"))
-    except FileNotFoundError:
-        raise
-    except OSError as e:  # a folder, no permission, ...
-        raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
-    if isinstance(d.get("env"), str):
-        d["env"] = {"name": d["env"]}
-    elif d.get("env") is not None and not isinstance(d["env"], dict):
-        raise ConfigError(f"config file {file}: 'env' must be an env name or a mapping such as "
-                          f"{{name: frozenlake, options: {{}}}}, got {d['env']!r}")
-    return d
-
-
-def read_run_config(path: str) -> TrainConfig:
-    """The validated TrainConfig in a run's (or a checkpoint's) config.yaml at `path`.
-
-    Raises FileNotFoundError when it is missing; ConfigError when it cannot be read, is not
-    valid YAML or not a valid fastpo configuration (each naming `path`).
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
-    try:
-        with open(path) as f:
-            d = parse_config_yaml(f, path)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None
-    try:
-        return config_from_dict(d)
-    except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{path}: not a valid fastpo configuration ({e})") from None
-
-
-def load_run_config(out_dir: str) -> TrainConfig:
-    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
-    return read_run_config(os.path.join(out_dir, "config.yaml"))
-
-
-def run_settings(config_yaml: str) -> dict:
-    """A run's settings from its config.yaml text, without what a resume may change freely
-    (the folder's spelling, the iteration count): two runs with equal settings train alike.
-    Raises ConfigError for text that is not a YAML mapping."""
-    d = parse_config_yaml(config_yaml, "config.yaml")
-    for key in ("output_dir", "iterations"):
-        (d.get("trainer") or {}).pop(key, None)
-    return d
-
-
-def config_from_dict(d: dict) -> TrainConfig:
-    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume)."""
-    cfg = TrainConfig()
-    apply_dict(cfg, d)
-    return validate(cfg)
-
-
-def _dig(dicts: list[dict], path: tuple[str, ...]) -> Any:
-    found = None
-    for d in dicts:
-        node: Any = d
-        for p in path:
-            node = node.get(p) if isinstance(node, dict) else None
-        if node is not None:
-            found = node
-    return found
-
-
-def dump_yaml(cfg: TrainConfig) -> str:
-    """The configuration as YAML text (what `OUT/config.yaml` holds)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
