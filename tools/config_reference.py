@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import inspect
 import os
 import re
@@ -114,21 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--page", default=PAGE)
     ap.add_argument("--check", action="store_true", help="exit 1 if the page's table is not the generated one")
     args = ap.parse_args(argv)
-    with open(args.page) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{args.page}: markers not found; add the lines\n{BEGIN}\n{END}")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = head + BEGIN + "\n" + table() + "\n" + END + tail
-    if args.check:
-        if new != text:
-            print(f"{args.page} is stale: run python tools/config_reference.py", file=sys.stderr)
-            return 1
-        return 0
-    with open(args.page, "w") as f:
-        f.write(new)
-    return 0
+    status = _report().rewrite_section(args.page, BEGIN, END, table(), check=args.check)
+    if status:
+        print(f"{args.page} is stale: run python tools/config_reference.py", file=sys.stderr)
+    return status
+
+
+def _report():
+    """bench/report.py, whose `rewrite_section` regenerates a marked section of a page (the
+    performance tables too)."""
+    spec = importlib.util.spec_from_file_location("fastpo_bench_report", os.path.join(ROOT, "bench", "report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 if __name__ == "__main__":
