@@ -10,7 +10,9 @@ is fastpo's own, shared with `MultiTurnRollout`, so the two loops differ only in
 handle tokens and KV caches.
 
 It exists for side-by-side benchmarks (``bench/part_rollout.py``, the end-to-end
-benchmark); fastpo's trainer uses `MultiTurnRollout`.
+benchmark); fastpo's trainer uses `MultiTurnRollout`. It is kept apart from that loop on
+purpose, as a plain rendition of the reference's token handling (what the benchmarks measure
+fastpo against), and shares the game logic rather than repeating it.
 """
 from __future__ import annotations
 
