@@ -1,8 +1,8 @@
 #!/usr/bin/env python
-"""Regenerate the README's "Performance" section from the committed benchmark JSON.
+"""Regenerate the tables of docs/performance.md from the committed benchmark JSON.
 
-    python bench/report.py            # rewrite README.md between the perf markers
-    python bench/report.py --check    # exit 1 if README.md is out of date
+    python bench/report.py            # rewrite docs/performance.md between the perf markers
+    python bench/report.py --check    # exit 1 if docs/performance.md is out of date
 
 For each device (cpu, cuda) and each part, the newest run in `bench/results/**/*.json`
 (written by `bench/throughput.py --json`) that measured it is rendered: machine, date, the
@@ -123,24 +123,33 @@ def section(results_dir: str) -> str:
     return "\n\n".join(shown)
 
 
+def rewrite_section(page: str, begin: str, end: str, body: str, check: bool = False) -> int:
+    """Put `body` between the marker lines `begin` and `end` of Markdown file `page`, the rest
+    untouched; with `check`, write nothing and return 1 when the page differs (else 0).
+    Raises SystemExit naming the page when a marker is missing. (tools/config_reference.py
+    regenerates docs/configuration.md's key table with it too.)"""
+    with open(page) as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        raise SystemExit(f"{page}: markers not found; add the lines\n{begin}\n{end}")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = head + begin + "\n" + body + "\n" + end + tail
+    if check:
+        return 0 if new == text else 1
+    with open(page, "w") as f:
+        f.write(new)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    ap.add_argument("--page", "--readme", dest="readme", default=os.path.join(ROOT, "docs", "performance.md"),
+                    help="the Markdown file holding the perf markers (default: docs/performance.md)")
     ap.add_argument("--results", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--check", action="store_true")
     args = ap.parse_args(argv)
-    with open(args.readme) as f:
-        text = f.read()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{args.readme}: markers not found; add the lines\n{BEGIN}\n{END}")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    new = head + BEGIN + "\n" + section(args.results) + "\n" + END + tail
-    if args.check:
-        return 0 if new == text else 1
-    with open(args.readme, "w") as f:
-        f.write(new)
-    return 0
+    return rewrite_section(args.readme, BEGIN, END, section(args.results), check=args.check)
 
 
 if __name__ == "__main__":

@@ -28,22 +28,36 @@ checkpoints intact; `remove_stale_temporaries` clears what it left on the next s
 checkpoint that passes, so a damaged one is skipped with a note naming the damage, and
 pruning never deletes the newest intact checkpoint. `RunLock` holds a run folder for one
 process (an OS lock, released when the process dies).
+
+This module saves, loads, prunes and plans the resume; the manifest and the search for the
+newest intact checkpoint are in fastpo.checkpoint_manifest, durable writes and the run
+folder's markers and lock in fastpo.run_folder, the weights' origin and `find_checkpoint` in
+fastpo.checkpoint_origin (all importable from here too).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
+
+# The manifest, the run folder and the weights' origin live in their own modules; their names
+# stay importable from here (fastpo.checkpoint is what the trainer, the CLI and tests use).
+from fastpo.checkpoint_manifest import (MANIFEST, CheckpointSearch, _checkpoint_names, _files_under,  # noqa: F401
+                                        _iteration_of, checkpoint_iteration, latest_checkpoint,
+                                        search_checkpoints, verify_checkpoint, write_manifest)
+from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, _model_meta, checkpoint_origin,  # noqa: F401
+                                      find_checkpoint, local_path_shaped, model_origin)
+from fastpo.run_folder import (LOCK_FILE, RUN_MARKERS, RunFolderBusy, RunLock, atomic_write_text,  # noqa: F401
+                               clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use)
 
 
 def rng_state() -> dict:
@@ -62,43 +76,6 @@ def set_rng_state(st: dict) -> None:
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
 
-
-# ---------------------------------------------------------------------------------------------
-# Durable, atomic writes
-# ---------------------------------------------------------------------------------------------
-
-def fsync_dir(path: str) -> None:
-    """fsync a folder, so a rename or a new file in it survives a power loss (no-op where the
-    OS cannot open folders)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Replace the file `path` with `text` so that a reader, or a crash at any moment, finds the
-    old contents or the new ones, never a mix: written to `path.tmp<pid>`, fsynced, renamed over
-    `path`, the folder fsynced. The temporary file is removed if the write fails (e.g. ENOSPC;
-    the error is raised)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def save_hf_model(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
@@ -124,177 +101,6 @@ def save_hf_model(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
 
-
-# ---------------------------------------------------------------------------------------------
-# Manifest and verification
-# ---------------------------------------------------------------------------------------------
-
-#: The file, in a checkpoint folder, listing every other file's size and SHA-256 (written last).
-MANIFEST = "manifest.json"
-#: What a checkpoint written before manifests existed must hold to be used.
-_LEGACY_REQUIRED = ("model/config.json", "state.pt", "optimizer.pt")
-
-
-def _files_under(folder: str) -> list[str]:
-    """Paths of the files under `folder`, relative to it with "/" separators, sorted."""
-    out = []
-    for d, _, files in os.walk(folder):
-        for f in files:
-            out.append(os.path.relpath(os.path.join(d, f), folder).replace(os.sep, "/"))
-    return sorted(out)
-
-
-def _digest(path: str, sync: bool = False) -> str:
-    """SHA-256 (hex) of a file's bytes; `sync` also fsyncs it (it was just written)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-        if sync:
-            os.fsync(f.fileno())
-    return h.hexdigest()
-
-
-def write_manifest(folder: str, iteration: int) -> None:
-    """Fsync every file under `folder` and write `MANIFEST` (size and SHA-256 of each) last,
-    atomically: a folder whose manifest verifies holds every file complete."""
-    files = {}
-    for rel in _files_under(folder):
-        if rel == MANIFEST:
-            continue
-        p = os.path.join(folder, rel)
-        files[rel] = {"size": os.path.getsize(p), "sha256": _digest(p, sync=True)}
-    for d, _, _ in os.walk(folder):
-        fsync_dir(d)
-    atomic_write_text(os.path.join(folder, MANIFEST),
-                      json.dumps({"format": 1, "iteration": iteration, "files": files}, indent=1) + "\n")
-
-
-_verified: dict[tuple, tuple[tuple, Optional[str]]] = {}  # (folder, part) -> (file stat signature, result)
-
-
-def _signature(folder: str) -> tuple:
-    sig = []
-    for rel in _files_under(folder):
-        st = os.stat(os.path.join(folder, rel))
-        sig.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
-    return tuple(sig)
-
-
-def verify_checkpoint(folder: str, quick: bool = False, part: str = "") -> Optional[str]:
-    """None when checkpoint `folder` is intact, else what is damaged, e.g. "optimizer.pt is
-    missing" or "model/model.safetensors is 812 bytes, 1603584 when saved".
-
-    Intact: every file its manifest lists is there with that size and (unless `quick`) that
-    SHA-256; `part` (e.g. "model/") checks only the files under it. A folder without a
-    manifest (written before fastpo had them) passes when it holds model/config.json,
-    state.pt and optimizer.pt (those under `part`). A full check of an unchanged folder is
-    remembered for the life of the process (the hashing reads every byte).
-    """
-    folder = os.path.abspath(folder)
-    if not os.path.isdir(folder):
-        return "the folder is missing"
-    mpath = os.path.join(folder, MANIFEST)
-    if not os.path.exists(mpath):
-        for rel in _LEGACY_REQUIRED:
-            if rel.startswith(part) and not os.path.isfile(os.path.join(folder, rel)):
-                return f"{rel} is missing (and it has no {MANIFEST})"
-        return None
-    try:
-        with open(mpath) as f:
-            files = json.load(f)["files"]
-        if not isinstance(files, dict) or not files:
-            raise ValueError("no files listed")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{MANIFEST} is unreadable ({type(e).__name__})"
-    files = {rel: meta if isinstance(meta, dict) else {} for rel, meta in files.items() if rel.startswith(part)}
-    if part and not files:
-        return f"nothing under {part} is listed in {MANIFEST}"
-    for rel, meta in files.items():
-        p = os.path.join(folder, rel)
-        if not os.path.isfile(p):
-            return f"{rel} is missing"
-        size = os.path.getsize(p)
-        if size != meta.get("size"):
-            return f"{rel} is {size} bytes, {meta.get('size')} when saved"
-    if quick:
-        return None
-    sig = _signature(folder)
-    known = _verified.get((folder, part))
-    if known is not None and known[0] == sig:
-        return known[1]
-    problem = None
-    for rel, meta in files.items():
-        if _digest(os.path.join(folder, rel)) != meta.get("sha256"):
-            problem = f"{rel} differs from what was saved (SHA-256)"
-            break
-    _verified[(folder, part)] = (sig, problem)
-    return problem
-
-
-def _iteration_of(name: str) -> Optional[int]:
-    """The iteration number of a checkpoint folder name ``iter_000010`` (None for anything else)."""
-    if not name.startswith("iter_"):
-        return None
-    digits = name[len("iter_"):]
-    return int(digits) if digits.isdigit() else None
-
-
-def _checkpoint_names(root: str) -> list[str]:
-    """The ``iter_*`` folders in `root`, oldest (lowest iteration) first."""
-    if not os.path.isdir(root):
-        return []
-    found = [(n, d) for d in os.listdir(root)
-             if (n := _iteration_of(d)) is not None and os.path.isdir(os.path.join(root, d))]
-    return [d for _, d in sorted(found)]
-
-
-@dataclasses.dataclass
-class CheckpointSearch:
-    """The newest intact checkpoint of a run (`folder`, None when there is none) and the damaged
-    ones newer than it (`damaged`: (name, what is damaged), newest first)."""
-
-    folder: Optional[str]
-    damaged: list
-
-    def note(self) -> Optional[str]:
-        """One line about the damaged checkpoints, or None when there were none."""
-        if not self.damaged:
-            return None
-        what = "; ".join(f"{name}: {problem}" for name, problem in self.damaged)
-        used = f"using {os.path.basename(self.folder)}, the newest intact one" if self.folder else \
-            "no intact checkpoint is left"
-        return f"damaged checkpoint{'s' if len(self.damaged) > 1 else ''} skipped ({what}); {used}"
-
-
-def search_checkpoints(out_dir: str) -> CheckpointSearch:
-    """Verify the checkpoints of run `out_dir` from the newest (highest iteration) down and stop
-    at the first intact one."""
-    root = os.path.join(out_dir, "checkpoints")
-    damaged = []
-    for name in reversed(_checkpoint_names(root)):
-        problem = verify_checkpoint(os.path.join(root, name))
-        if problem is None:
-            return CheckpointSearch(os.path.join(root, name), damaged)
-        damaged.append((name, problem))
-    return CheckpointSearch(None, damaged)
-
-
-def latest_checkpoint(out_dir: str, warn: Optional[Callable[[str], None]] = None) -> Optional[str]:
-    """Folder of the newest intact checkpoint of run `out_dir`, or None; `warn` gets one line
-    naming any newer checkpoint found damaged (see `verify_checkpoint`)."""
-    found = search_checkpoints(out_dir)
-    if warn is not None and found.note():
-        warn(found.note())
-    return found.folder
-
-
-def checkpoint_iteration(folder: str) -> int:
-    """The iteration checkpoint `folder` holds (from its name)."""
-    n = _iteration_of(os.path.basename(os.path.normpath(folder)))
-    if n is None:
-        raise ValueError(f"{folder} is not a checkpoint folder (iter_NNNNNN)")
-    return n
 
 
 def load_state(ckpt: str, optimizers: bool = True) -> tuple[dict, Optional[dict]]:
@@ -483,6 +289,33 @@ def _remove_folder(root: str, name: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _save_error(e: BaseException, step: str, tmp: str, root: str, name: str, keep: int,
+                modules: tuple, optimizers: dict) -> CheckpointSaveError:
+    """The one-line error of a failed save of checkpoint `name`: the file being written (`step`,
+    or the very file the error names under `tmp`), the cause, the space a checkpoint of this run
+    takes (its tensors, or the previous checkpoint's size if larger) against the free space,
+    and whether earlier checkpoints remain. `modules`: (model, critic backbone, value head),
+    the last two possibly None."""
+    where = str(getattr(e, "filename", None) or "")
+    if where.startswith(tmp + os.sep):  # the very file (save_pretrained writes several)
+        step = re.sub(r"\.tmp\d+$", "", os.path.relpath(where, tmp).replace(os.sep, "/"))
+    needed = _tensor_bytes([m.state_dict() for m in modules if m is not None],
+                           [o.state_dict() for o in optimizers.values()])
+    prev = [d for d in _checkpoint_names(root) if d != name]
+    if prev:
+        needed = max(needed, _folder_bytes(os.path.join(root, prev[-1])))
+    cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()
+    cause = (cause[0] if cause else type(e).__name__)[:160]
+    free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
+    full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or free < needed
+    held = min(len(prev), keep) + 1  # the new one is written before pruning
+    room = f"; saving needs room for {held} checkpoints at once ({held - 1} kept + the new one)" if held > 1 else ""
+    return CheckpointSaveError(
+        f"checkpoint {name} not saved: writing {step} failed ({'disk full: ' if full else ''}{cause}); "
+        f"a checkpoint of this run takes about {_size(needed)}, {_size(free)} free in {root}{room}; "
+        + (f"the earlier checkpoints are intact (newest: {prev[-1]})" if prev else "no earlier checkpoint exists"))
+
+
 def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tokenizer: Any,
                     optimizers: dict[str, torch.optim.Optimizer], state: dict, config_yaml: str,
                     critic_backbone: Optional[torch.nn.Module] = None,
@@ -545,26 +378,8 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
         # "PytorchStreamWriter failed writing file", "unexpected pos ... iostream error")
         if not (isinstance(e, OSError) or (isinstance(e, RuntimeError) and _WRITE_FAILED.search(str(e)))):
             raise
-        where = str(getattr(e, "filename", None) or "")
-        if where.startswith(tmp + os.sep):  # the very file (save_pretrained writes several)
-            step = re.sub(r"\.tmp\d+$", "", os.path.relpath(where, tmp).replace(os.sep, "/"))
-        needed = _tensor_bytes(model.state_dict(), [o.state_dict() for o in optimizers.values()],
-                               critic_backbone.state_dict() if critic_backbone is not None else None,
-                               value_head.state_dict() if value_head is not None else None)
-        prev = [d for d in _checkpoint_names(root) if d != name]
-        if prev:
-            needed = max(needed, _folder_bytes(os.path.join(root, prev[-1])))
-        cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()
-        cause = (cause[0] if cause else type(e).__name__)[:160]
-        free = shutil.disk_usage(root).free if os.path.isdir(root) else 0
-        full = (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT)) or free < needed
-        held = min(len(prev), keep) + 1  # the new one is written before pruning
-        room = f"; saving needs room for {held} checkpoints at once ({held - 1} kept + the new one)" if held > 1 else ""
-        raise CheckpointSaveError(
-            f"checkpoint {name} not saved: writing {step} failed ({'disk full: ' if full else ''}{cause}); "
-            f"a checkpoint of this run takes about {_size(needed)}, {_size(free)} free in {root}{room}; "
-            + (f"the earlier checkpoints are intact (newest: {prev[-1]})" if prev else "no earlier checkpoint exists")
-        ) from e
+        modules = (model, critic_backbone, value_head)
+        raise _save_error(e, step, tmp, root, name, keep, modules, optimizers) from e
     try:
         atomic_write_text(os.path.join(root, "latest"), name + "\n")
     except OSError as e:  # the checkpoint is complete; `latest` only names it (found by its manifest)
@@ -596,134 +411,6 @@ def prune_checkpoints(root: str, keep: int, protect: str) -> list[str]:
         _remove_folder(root, d)
     return dropped
 
-
-# ---------------------------------------------------------------------------------------------
-# The run folder: markers, the lock, temporaries
-# ---------------------------------------------------------------------------------------------
-
-#: What marks a folder as holding a fastpo run.
-RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
-#: The lock file in a run folder (see RunLock).
-LOCK_FILE = ".lock"
-
-
-def run_folder_in_use(out_dir: str) -> list[str]:
-    """The run markers (config.yaml, metrics.jsonl, checkpoints/) present in `out_dir` (empty: free)."""
-    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
-
-
-def clear_run_folder(out_dir: str) -> None:
-    """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, eval/ outcomes,
-    tensorboard files, the configs kept from earlier resumes)."""
-    kept = [f for f in os.listdir(out_dir) if f.startswith("config.until_iter_")] if os.path.isdir(out_dir) else []
-    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", *kept):
-        p = os.path.join(out_dir, m)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        elif os.path.lexists(p):
-            os.remove(p)
-
-
-def fresh_run_folder(out_dir: str) -> str:
-    """`out_dir` if it holds no run, else the first free `out_dir-2`, `out_dir-3`, ..."""
-    if not run_folder_in_use(out_dir):
-        return out_dir
-    base = out_dir.rstrip("/\\") or out_dir
-    i = 2
-    while run_folder_in_use(f"{base}-{i}"):
-        i += 1
-    return f"{base}-{i}"
-
-
-class RunFolderBusy(RuntimeError):
-    """Another process holds the run folder (one line naming it and its pid)."""
-
-
-class RunLock:
-    """An exclusive OS lock (flock) on `OUT/.lock`, held by the process writing the run folder.
-
-    The kernel releases it when the process ends, however it ends (kill -9 included), so a
-    lock never outlives its holder. The file holds the holder's pid, for the message.
-    `acquire` raises RunFolderBusy naming the pid when another process holds it.
-    """
-
-    def __init__(self, out_dir: str):
-        self.out_dir = out_dir
-        self.path = os.path.join(out_dir, LOCK_FILE)
-        self.fd: Optional[int] = None
-
-    def acquire(self) -> "RunLock":
-        import fcntl
-
-        try:
-            os.makedirs(self.out_dir, exist_ok=True)
-        except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            from fastpo.config import ConfigError
-
-            raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise RunFolderBusy(self._busy()) from None
-            # the file may have been deleted and re-created by a holder that let go meanwhile:
-            # hold the lock on the file that is there now
-            try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-        return self
-
-    def __enter__(self) -> "RunLock":
-        return self.acquire()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def check(self) -> None:
-        """Raise RunFolderBusy when another process holds the lock now (without taking it: a
-        probe, for refusing a command before it does anything)."""
-        import fcntl
-
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
-            return  # no lock file: nobody has held this folder
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise RunFolderBusy(self._busy()) from None
-        finally:
-            os.close(fd)
-
-    def _busy(self) -> str:
-        try:
-            with open(self.path) as f:
-                pid = f.read().strip()
-        except OSError:
-            pid = ""
-        return (f"{self.out_dir} is in use by another fastpo process (pid {pid if pid.isdigit() else 'unknown'}); "
-                f"wait for it to end or stop it first")
-
-    def release(self, remove: bool = False) -> None:
-        """Let go of the lock; `remove` also deletes the lock file (a folder left empty)."""
-        if self.fd is None:
-            return
-        if remove:
-            with contextlib.suppress(OSError):
-                os.remove(self.path)
-        os.close(self.fd)  # closing the last descriptor releases the flock
-        self.fd = None
 
 
 def tidy_run_folder(out_dir: str) -> list[str]:
@@ -760,166 +447,3 @@ def tidy_run_folder(out_dir: str) -> list[str]:
             atomic_write_text(ptr, os.path.basename(newest) + "\n")
             removed.append(f"checkpoints/latest now names {os.path.basename(newest)}")
     return removed
-
-
-# ---------------------------------------------------------------------------------------------
-# Where a checkpoint's weights came from, and checkpoints named by any of their folders
-# ---------------------------------------------------------------------------------------------
-
-#: File in a checkpoint's model/ folder recording the weights' origin (see the module docstring).
-MODEL_META = "fastpo_model.json"
-
-
-@dataclasses.dataclass
-class CheckpointRef:
-    """A fastpo checkpoint found from a path.
-
-    folder: the checkpoint folder (``.../checkpoints/iter_000003``). model_dir: its HF model
-    folder. run_dir: the run folder holding it (None when it is not under ``checkpoints/``).
-    iteration: its iteration (from the folder name). config_path: the configuration it was
-    trained with: the checkpoint's own config.yaml, else the run's, else None.
-    """
-
-    folder: str
-    model_dir: str
-    run_dir: Optional[str]
-    iteration: Optional[int]
-    config_path: Optional[str]
-
-
-def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> Optional[CheckpointRef]:
-    """Read `path` as a fastpo checkpoint: its ``model/`` folder, the checkpoint folder
-    ``iter_NNNNNN`` itself, or a run folder or its ``checkpoints/`` (meaning its newest intact
-    checkpoint, `latest_checkpoint`; `warn` gets the line naming damaged newer ones).
-
-    Returns None when `path` is none of these (a plain HF model folder, a hub id, a missing
-    path). Raises ValueError for a run folder without an intact checkpoint. A checkpoint named
-    directly is returned as found: check it with `verify_checkpoint` before loading it.
-    """
-    if not isinstance(path, str) or not path:
-        return None
-    p = os.path.normpath(os.path.expanduser(path))
-    if not os.path.isdir(p):
-        return None
-    if os.path.isfile(os.path.join(p, "config.json")):
-        parent = os.path.dirname(os.path.abspath(p))
-        if os.path.basename(p) != "model" or _iteration_of(os.path.basename(parent)) is None:
-            return None
-        if not any(os.path.exists(os.path.join(parent, f)) for f in ("state.pt", "config.yaml")) \
-                and not os.path.isfile(os.path.join(p, MODEL_META)):
-            return None
-        folder = os.path.dirname(p) if os.path.dirname(p) else parent
-    elif _iteration_of(os.path.basename(p)) is not None and any(
-            os.path.isfile(os.path.join(p, f)) for f in ("model/config.json", MANIFEST, "state.pt")):
-        folder = p  # (one missing model/ is damage for verify_checkpoint to name)
-    else:
-        if os.path.basename(p) == "checkpoints" and not os.path.isdir(os.path.join(p, "checkpoints")):
-            p = os.path.dirname(os.path.abspath(p))  # run/checkpoints: the run's latest
-        if not os.path.isdir(os.path.join(p, "checkpoints")):
-            return None
-        found = search_checkpoints(p)
-        folder = found.folder
-        if folder is None and not found.damaged and not os.path.isfile(os.path.join(p, "config.yaml")):
-            return None  # a folder that merely holds a "checkpoints" folder: not a fastpo run
-        if folder is None or not os.path.isfile(os.path.join(folder, "model", "config.json")):
-            why = found.note() or f"nothing with model/config.json under {os.path.join(p, 'checkpoints')}"
-            raise ValueError(f"{path!r} is a fastpo run folder without a complete checkpoint yet ({why})")
-        if warn is not None and found.note():
-            warn(found.note())
-    checkpoints = os.path.dirname(folder)
-    run_dir = os.path.dirname(checkpoints) if os.path.basename(checkpoints) == "checkpoints" else None
-    config_path = None
-    for cand in (os.path.join(folder, "config.yaml"), os.path.join(run_dir, "config.yaml") if run_dir else None):
-        if cand and os.path.isfile(cand):
-            config_path = cand
-            break
-    return CheckpointRef(folder=folder, model_dir=os.path.join(folder, "model"), run_dir=run_dir or None,
-                         iteration=_iteration_of(os.path.basename(folder)), config_path=config_path)
-
-
-def _model_name(config_yaml: str) -> Optional[str]:
-    """`model.name` in a run's config.yaml text, or None when it names none."""
-    from fastpo.config import ConfigError, parse_config_yaml
-
-    try:
-        name = parse_config_yaml(config_yaml, "config.yaml")["model"]["name"]
-    except (ConfigError, KeyError, TypeError):
-        return None
-    return name if isinstance(name, str) and name else None
-
-
-def _config_model_name(config_path: str) -> Optional[str]:
-    """`model.name` in a run's config.yaml file, or None when unreadable."""
-    try:
-        with open(config_path) as f:
-            return _model_name(f.read())
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def local_path_shaped(name: str) -> bool:
-    """Whether a model name can only be a local path, never an HF hub id: it starts with ".",
-    "/" or "~", has more than one "/", or the folder before its last "/" exists here."""
-    parent = os.path.dirname(os.path.expanduser(name).rstrip("/"))
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (bool(parent) and os.path.isdir(parent))
-
-
-def model_origin(name: str, _depth: int = 0) -> dict:
-    """Where a model named `name` (a `model.name` value) started: {"init_model": str,
-    "random_init": True | False | None}.
-
-    ``random:<shape>`` -> random init; a fastpo checkpoint -> its own origin (so a run trained
-    from a checkpoint of a random-init run is still random-init); a missing local path ->
-    None (unknown); anything else (the embedded model, an HF id or folder) -> pretrained.
-    """
-    if name.startswith("random:"):
-        return {"init_model": name, "random_init": True}
-    try:
-        ref = find_checkpoint(name)
-    except ValueError:
-        ref = None
-    if ref is not None:
-        found = checkpoint_origin(ref.model_dir, _depth + 1) if _depth < 16 else None
-        if found:
-            return {"init_model": found["init_model"], "random_init": found["random_init"]}
-        return {"init_model": name, "random_init": None}
-    if local_path_shaped(name) and not os.path.exists(os.path.expanduser(name)):
-        return {"init_model": name, "random_init": None}
-    return {"init_model": name, "random_init": False}
-
-
-def checkpoint_origin(model_dir: str, _depth: int = 0) -> Optional[dict]:
-    """The origin record of a checkpoint's model folder: `MODEL_META` when present, else
-    (checkpoints written before it existed) worked out from the checkpoint's config.yaml.
-
-    Returns {"init_model", "random_init", "trained_from", "iteration", "run"} (some may be
-    None), or None when `model_dir` is not a fastpo checkpoint's model folder.
-    """
-    meta_path = os.path.join(model_dir, MODEL_META)
-    if os.path.isfile(meta_path):
-        try:
-            with open(meta_path) as f:
-                meta = json.load(f)
-            if isinstance(meta, dict) and isinstance(meta.get("init_model"), str):
-                return {k: meta.get(k) for k in ("init_model", "random_init", "trained_from", "iteration", "run")}
-        except (OSError, ValueError):
-            pass  # unreadable: fall back to the config below
-    try:
-        ref = find_checkpoint(model_dir)
-    except ValueError:
-        return None
-    if ref is None or ref.config_path is None:
-        return None
-    name = _config_model_name(ref.config_path)
-    if name is None:
-        return None
-    return {**model_origin(name, _depth), "trained_from": name, "iteration": ref.iteration, "run": ref.run_dir}
-
-
-def _model_meta(out_dir: str, iteration: int, config_yaml: str) -> Optional[dict]:
-    """The `MODEL_META` record of checkpoint `iteration` of run `out_dir` (None when the
-    configuration names no model)."""
-    name = _model_name(config_yaml)
-    if name is None:
-        return None
-    return {"run": os.path.abspath(out_dir), "iteration": iteration, "trained_from": name, **model_origin(name)}

@@ -16,7 +16,7 @@ On --resume only --iterations, --device and non-env/model overrides apply.
 
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
-parallel (fastpo.distributed; README "Several processes"); --nproc 1 (the default) is the
+parallel (fastpo.distributed; docs/distributed.md); --nproc 1 (the default) is the
 one-process path. Under torchrun (even with one process, a smoke test of that path) each
 process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
@@ -80,14 +80,86 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {path}: {parent} is not writable")
 
 
+def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
+    """The configuration of `--resume OUT`: the run's own, with the overrides a resume may
+    change; None when there is nothing left to train (said on `console`). Raises ConfigError
+    for an option that cannot change mid-run, RunFolderBusy when another process holds OUT."""
+    from fastpo import distributed as fdist
+    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder
+    from fastpo.config import ConfigError, apply_dict, load_run_config, parse_override, validate
+    from fastpo.metrics import warn_user
+
+    if not args.resume.strip():
+        raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
+    fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
+                                  ("--model", args.model), ("--out", args.out), ("--seed", args.seed),
+                                  ("--overwrite", args.overwrite or None)) if v is not None]
+    # and their dotted spellings (trainer.seed, trainer.output_dir, preset)
+    fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))
+              or o.split("=", 1)[0].strip() in ("env", "model", "preset", "trainer.seed", "trainer.output_dir")]
+    if fixed:
+        raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps the "
+                          f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "
+                          f"run instead")
+    cfg = load_run_config(args.resume)
+    for o in args.overrides:
+        apply_dict(cfg, parse_override(o))
+    if args.iterations is not None:
+        cfg.trainer.iterations = args.iterations
+    if args.device is not None:
+        cfg.trainer.device = args.device
+    cfg.trainer.output_dir = args.resume
+    validate(cfg)
+    fdist.check_trainer_support(cfg, world, torchrun=torchrun)
+    RunLock(args.resume).check()
+    plan = plan_resume(args.resume)
+    plan.check_run_config(args.resume)
+    if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
+        if plan.note:
+            warn_user(plan.note, console)
+        if main_rank:
+            with RunLock(args.resume):
+                tidy_run_folder(args.resume)
+        console.print(nothing_to_train_note(args.resume, plan.iteration, cfg.trainer.iterations),
+                      style="yellow")
+        return None
+    return cfg
+
+
+def _new_run_config(args, world: int, torchrun: bool, console):
+    """The configuration of a new run, with its run folder chosen: `--out` as given (refused
+    when it holds a run, unless --overwrite), else the default folder or the first free
+    `<default>-N` after it. Raises ConfigError, RunFolderBusy."""
+    from fastpo import distributed as fdist
+    from fastpo.checkpoint import RunLock, fresh_run_folder, run_folder_in_use
+    from fastpo.config import ConfigError
+
+    if args.out is not None and not args.out.strip():
+        raise ConfigError("--out needs a folder name")
+    extra = []
+    if args.iterations is not None:
+        extra.append(f"trainer.iterations={args.iterations}")
+    cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
+    fdist.check_trainer_support(cfg, world, torchrun=torchrun)
+    if args.out is not None:
+        RunLock(args.out).check()
+    used = run_folder_in_use(cfg.trainer.output_dir)
+    if used and args.out and not args.overwrite:
+        raise ConfigError(f"--out {args.out} already holds a run ({', '.join(used)}); resume it with "
+                          f"--resume {args.out}, pick another --out, or pass --overwrite to delete it")
+    if used and not args.out and not args.overwrite:
+        fresh = fresh_run_folder(cfg.trainer.output_dir)
+        console.print(f"[yellow]{cfg.trainer.output_dir} already holds a run; writing this one to {fresh}[/]")
+        cfg.trainer.output_dir = fresh
+    return cfg
+
+
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder,
-                                   nothing_to_train_note, plan_resume, run_folder_in_use, tidy_run_folder)
+    from fastpo.checkpoint import RunFolderBusy
     from fastpo import distributed as fdist
-    from fastpo.metrics import warn_user
-    from fastpo.config import ConfigError, apply_dict, parse_override, validate
+    from fastpo.config import ConfigError
 
     where = fdist.torchrun_env()
     world = where[1] if where is not None else 1
@@ -95,60 +167,11 @@ def cmd_train(args) -> int:
     console = Console(quiet=not main_rank)  # rank 0 speaks for a data-parallel job
     try:
         if args.resume is not None:
-            from fastpo.config import load_run_config
-
-            if not args.resume.strip():
-                raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
-            fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
-                                          ("--model", args.model), ("--out", args.out), ("--seed", args.seed),
-                                          ("--overwrite", args.overwrite or None)) if v is not None]
-            # and their dotted spellings (trainer.seed, trainer.output_dir, preset)
-            fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))
-                      or o.split("=", 1)[0].strip() in ("env", "model", "preset", "trainer.seed", "trainer.output_dir")]
-            if fixed:
-                raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps the "
-                                  f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "
-                                  f"run instead")
-            cfg = load_run_config(args.resume)
-            for o in args.overrides:
-                apply_dict(cfg, parse_override(o))
-            if args.iterations is not None:
-                cfg.trainer.iterations = args.iterations
-            if args.device is not None:
-                cfg.trainer.device = args.device
-            cfg.trainer.output_dir = args.resume
-            validate(cfg)
-            fdist.check_trainer_support(cfg, world, torchrun=where is not None)
-            RunLock(args.resume).check()
-            plan = plan_resume(args.resume)
-            plan.check_run_config(args.resume)
-            if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
-                if plan.note:
-                    warn_user(plan.note, console)
-                if main_rank:
-                    with RunLock(args.resume):
-                        tidy_run_folder(args.resume)
-                console.print(nothing_to_train_note(args.resume, plan.iteration, cfg.trainer.iterations),
-                              style="yellow")
+            cfg = _resume_config(args, world, where is not None, console, main_rank)
+            if cfg is None:
                 return 0
         else:
-            if args.out is not None and not args.out.strip():
-                raise ConfigError("--out needs a folder name")
-            extra = []
-            if args.iterations is not None:
-                extra.append(f"trainer.iterations={args.iterations}")
-            cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
-            fdist.check_trainer_support(cfg, world, torchrun=where is not None)
-            if args.out is not None:
-                RunLock(args.out).check()
-            used = run_folder_in_use(cfg.trainer.output_dir)
-            if used and args.out and not args.overwrite:
-                raise ConfigError(f"--out {args.out} already holds a run ({', '.join(used)}); resume it with "
-                                  f"--resume {args.out}, pick another --out, or pass --overwrite to delete it")
-            if used and not args.out and not args.overwrite:
-                fresh = fresh_run_folder(cfg.trainer.output_dir)
-                console.print(f"[yellow]{cfg.trainer.output_dir} already holds a run; writing this one to {fresh}[/]")
-                cfg.trainer.output_dir = fresh
+            cfg = _new_run_config(args, world, where is not None, console)
         from fastpo.models import resolve_device
 
         resolve_device(cfg.trainer.device)

@@ -1,7 +1,7 @@
 """Training configuration: dataclasses with the paper's defaults, presets, YAML and dotted overrides.
 
 The schema is a tree of dataclasses (`TrainConfig` at the root). Defaults are the RAGEN
-paper's (arXiv 2504.20073, Sec. 5 and App. B; DESIGN.md "The paper in numbers"): 8 env
+paper's (arXiv 2504.20073, Sec. 5 and App. B): 8 env
 groups x 16 trajectories, 5 turns, 10 actions, PPO mini-batch 32, GAE gamma = lambda = 1,
 entropy coefficient 0.001, actor lr 1e-6, critic lr 1e-5, grad clip 1.0, 200 iterations,
 eval on 256 fixed seeds at temperature 0.5 every 10 iterations, StarPO-S (top-25% reward-std
@@ -13,61 +13,27 @@ A configuration is built in layers, each validated before any model loads:
              -> YAML file -> dotted command-line overrides (``algorithm.adv_estimator=grpo``)
 
 `load_config` does all of it; errors are `ConfigError` (a `ValueError`) naming the key.
+
+This module holds the schema, the cross-field checks (`validate`) and `load_config`; the
+field machinery (rules, type checks, overrides, merging) is in fastpo.config_fields, the named
+presets in fastpo.presets, reading and writing config files in fastpo.config_files. Every
+name stays importable from fastpo.config.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Literal, Optional, Union
+from typing import Any, Callable, ClassVar, Literal, Optional
 
-import yaml
-
-
-class ConfigError(ValueError):
-    """A configuration key is unknown, has the wrong type or an impossible value."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """A constraint on one config field: `ok(value)` must hold for a value of the field's
-    annotated type; `why` says the rule in the error ("must be > 0")."""
-
-    ok: Callable[[Any], bool]
-    why: str
-
-
-def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
-    """A dataclass field with `default` whose values must have the annotated type and satisfy
-    `ok` (see `check_fields`)."""
-    return field(default=default, metadata={"rule": Rule(ok, why)})
-
-
-def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
-    """Check every field of dataclass `obj` that carries a `Rule` (made with `checked`): its
-    type (the annotation, as `apply_dict` reads it), then the rule. The one validator of
-    field constraints, for `validate` and for the dataclasses' own `__post_init__`.
-
-    Raises ConfigError (a ValueError) "config key 'rollout.top_p' = 2: must be in (0, 1]",
-    naming `prefix` + the field and the value.
-    """
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        rule = f.metadata.get("rule")
-        if rule is None:
-            continue
-        value, key = getattr(obj, f.name), repr(f"{prefix}{f.name}")
-        key = f"{what} {key}" if what else key
-        ok, _ = _type_ok(value, hints[f.name])
-        if not ok:
-            raise ConfigError(f"{key}: expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})")
-        if not rule.ok(value):
-            raise ConfigError(f"{key} = {value!r}: {rule.why}")
-
+# The field machinery, the presets and the config files live in their own modules; every
+# name stays importable from here.
+from fastpo.config_fields import (ConfigError, Rule, _describe, _did_you_mean, _nested, _type_ok,  # noqa: F401
+                                  apply_dict, check_fields, checked, parse_override)
+from fastpo.config_files import (_dig, config_from_dict, dump_yaml, load_run_config,  # noqa: F401
+                                 parse_config_yaml, read_config_file, read_run_config, run_settings)
+from fastpo.presets import PRESETS, cpu_preset_note, default_preset  # noqa: F401
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
 MAX_ACTIONS_PER_TURN = 64
@@ -101,9 +67,18 @@ def _seed_range(v: Any) -> bool:  # env and torch seeds are 32-bit
 class ModelConfig:
     """Which policy model to train and how.
 
-    `name`: "smollm2-135m-instruct" (embedded), an HF id or local path, or "random:<shape>".
-    `dtype`: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
-    `lora_rank` > 0 trains LoRA adapters through peft instead of the full weights.
+    Attributes:
+        name: the model: "smollm2-135m-instruct" (embedded, the default), an HF hub id, a
+            local model folder, a fastpo checkpoint or run folder, or "random:<shape>" (a
+            known architecture with random weights: tiny-llama, smollm2-135m, qwen2.5-0.5b,
+            qwen2.5-1.5b; fastpo.models).
+        dtype: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
+        gradient_checkpointing: recompute activations in the backward pass (less memory).
+        lora_rank: > 0 trains LoRA adapters of this rank through peft instead of the full
+            weights (0 = full fine-tuning).
+        lora_alpha: LoRA's scaling numerator (the adapters are scaled by alpha / rank).
+        lora_dropout: dropout on the LoRA adapters' input.
+        lora_target_modules: the module names that get LoRA adapters.
     """
 
     name: str = checked("smollm2-135m-instruct", bool, "must not be empty")
@@ -117,7 +92,13 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    """The environment: `name` in {bandit, sokoban, frozenlake}; `options` go to `make_env`."""
+    """The environment.
+
+    Attributes:
+        name: the game: bandit, sokoban or frozenlake (docs/environments.md).
+        options: the environment's constructor arguments (`make_env`), e.g.
+            `{size: 8, num_boxes: 2}` for Sokoban or `{p: 0.9, success_prob: 0.8}` for FrozenLake.
+    """
 
     name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
     options: dict = field(default_factory=dict)
@@ -127,33 +108,43 @@ class EnvConfig:
 class RolloutConfig:
     """Multi-turn rollout settings (defaults: the paper / RAGEN's).
 
-    max_turns: turns per trajectory (5). max_actions_per_turn: actions read from one answer
-    (5; extra ones are ignored, not penalised). max_actions_per_traj: action budget of a
-    trajectory (10); it ends when spent. max_new_tokens: response tokens per turn (400).
-    max_context: tokens per trajectory (3600); a trajectory that would pass it ends
-    truncated. temperature / top_p / top_k: sampling (temperature scales the logits; the
-    recorded log-probs are at this temperature). think: prime with "<think>" (True) or the
-    answer-only variant primed with "<answer>". format_penalty: added to a turn's reward
-    when its answer is missing or holds an invalid action (-0.1). format_rule: what counts
-    as an answer (rollout/parsing.py): "ragen" (default) is RAGEN's rule, the first
-    think/answer pattern found anywhere in the response (none found: no action runs);
-    "strict" also penalises any response that is not exactly the pattern.
-    run_valid_actions_on_format_error: in a penalised turn, still execute the valid actions
-    of the answer found (True; what RAGEN does with an answer holding an invalid action);
-    False executes nothing. stop_at_answer_close: end a response at "</answer>" (the
-    template's end-of-turn token is then appended, loss mask 0; RAGEN generates on to the
-    end-of-turn token). system_prompt: None for prompts.SYSTEM_PROMPT
-    (SYSTEM_PROMPT_NO_THINK when think is False). feedback_invalid: tell the model which
-    actions were invalid in the next user message. prompt_examples: in answer-only mode, end
-    every user message with a question and three answers in the exact format built from the
-    game's action names (prompts.move_question) instead of RAGEN's "<answer> [your answer]
-    </answer>" reminder (False; no effect with think=True, whose format it does not show);
-    the CPU preset turns it on (README, "The main job on 2 CPU cores").
-    context_window: "full" (default: every turn stays in the context) or K >= 1, the last K
-    turns (user observation + response) kept in the context, the system prompt and the
-    first user message (task rules, initial state) always kept; RAGEN's
-    `limited_multi_turn` with `max_context_window: K`. fastpo evicts the dropped turns'
-    KV entries and keeps positions (see fastpo/window.py for the design).
+    Attributes:
+        max_turns: turns per trajectory (the paper's 5).
+        max_actions_per_turn: actions read from one answer (5); extra ones are ignored, not
+            penalised.
+        max_actions_per_traj: action budget of a trajectory (10); it ends when spent.
+        max_new_tokens: response tokens per turn (400).
+        max_context: tokens per trajectory (3600); a trajectory that would pass it ends
+            truncated.
+        temperature: sampling temperature; it scales the logits, and the recorded log-probs
+            and the trainer's loss are at this temperature (greedy decoding is the engine's
+            SamplingParams(temperature=0), not a rollout setting).
+        top_p: nucleus sampling mass (1 = off).
+        top_k: sample among the k likeliest tokens (0 = off).
+        think: prime the response with "<think>" (True) or the answer-only variant primed
+            with "<answer>".
+        format_penalty: added to a turn's reward when its answer is missing or holds an
+            invalid action (-0.1).
+        format_rule: what counts as an answer (rollout/parsing.py): "ragen" is RAGEN's rule,
+            the first think/answer pattern found anywhere in the response (none found: no
+            action runs); "strict" also penalises any response that is not exactly the
+            pattern.
+        run_valid_actions_on_format_error: in a penalised turn, still execute the valid
+            actions of the answer found (what RAGEN does with an answer holding an invalid
+            action); False executes nothing.
+        stop_at_answer_close: end a response at "</answer>" (the template's end-of-turn token
+            is then appended, loss mask 0; RAGEN generates on to the end-of-turn token).
+        system_prompt: the system prompt; null for prompts.SYSTEM_PROMPT
+            (SYSTEM_PROMPT_NO_THINK when think is False).
+        feedback_invalid: tell the model which actions were invalid in the next user message.
+        prompt_examples: in answer-only mode, end every user message with a question and
+            three answers in the exact format, built from the game's action names
+            (prompts.move_question), instead of RAGEN's "<answer> [your answer] </answer>"
+            reminder; no effect with think=True. The CPU preset turns it on (docs/results.md).
+        context_window: "full" (every turn stays in the context) or K >= 1: the last K turns
+            (user observation + response) kept, the system prompt and the first user
+            message always kept; RAGEN's `limited_multi_turn` with `max_context_window: K`.
+            fastpo evicts the dropped turns' KV entries and keeps positions (fastpo/window.py).
     """
 
     max_turns: int = checked(5, _at_least(1), "must be >= 1")
@@ -198,23 +189,30 @@ def context_window_turns(value: Any, owner: str = "'rollout.context_window'") ->
 @dataclass
 class RolloutSection(RolloutConfig):
     """The `rollout` section of a training config: every RolloutConfig option (one place for
-    their defaults and meaning) plus the batch shape, env_groups x group_size trajectories
-    (paper: P=8 env groups x N=16), and the generation backend: `engine`
-    "native" (fastpo's sampler on the trained module itself) or "sglang" (an `sglang.Engine`
-    holding a bf16 copy of the weights, refreshed after each update; CUDA only,
-    `pip install "fastpo[sglang]"`), with `sglang_mem_fraction` of the GPU memory for its
-    weights and KV cache (released while training). `sampling_streams`: "batch" draws the
-    whole rollout batch from one random stream (today's one-process sampling); "group" gives
-    each env group its own stream seeded from (iteration, group), so a group samples the same
-    tokens however the batch is split over processes (native engine); "auto" (default):
-    batch with one process, group with several (fastpo.distributed).
+    their defaults and meaning) plus the batch shape, the generation backend and off-policy
+    data (RAGEN's rollout frequency and replay, arXiv 2504.20073).
 
-    Off-policy data (RAGEN's rollout frequency and replay, arXiv 2504.20073): `reuse` K >= 1
-    trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a fresh batch
-    every iteration), its old log-probs staying those of the policy that sampled it.
-    `replay` N >= 0 keeps the trajectories of the last N rollout batches (their sampler
-    log-probs with them; fastpo.replay) and mixes round(`replay_fraction` x fresh batch
-    size) of them, `replay_fraction` in [0, 1], into each update (0 = no buffer)."""
+    Attributes:
+        env_groups: initial states per iteration (the paper's P = 8 env groups).
+        group_size: trajectories sampled per env group (the paper's N = 16).
+        engine: "native" (fastpo's sampler on the trained module itself) or "sglang" (an
+            `sglang.Engine` holding a bf16 copy of the weights, refreshed after each update;
+            CUDA only, `pip install "fastpo[sglang]"`).
+        sampling_streams: "batch" draws the whole rollout batch from one random stream;
+            "group" gives each env group its own stream seeded from (iteration, group), so a
+            group samples the same tokens however the batch is split over processes (native
+            engine); "auto": batch with one process, group with several. One process and N
+            sample the same trajectories only with "group".
+        sglang_mem_fraction: share of the GPU memory SGLang takes for its weights and KV
+            cache (released while training).
+        reuse: K >= 1 trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a
+            fresh batch every iteration), its old log-probs staying those of the policy that
+            sampled it.
+        replay: N >= 0 keeps the trajectories of the last N rollout batches (with their
+            sampler log-probs; fastpo.replay) for mixing into later updates (0 = no buffer).
+        replay_fraction: replayed trajectories mixed into each update, as a fraction of the
+            fresh batch (round(fraction x batch size)).
+    """
 
     env_groups: int = checked(8, _at_least(1), "must be >= 1")
     group_size: int = checked(16, _at_least(1), "must be >= 1")
@@ -239,48 +237,67 @@ class RolloutSection(RolloutConfig):
 class AlgorithmConfig:
     """StarPO / StarPO-S algorithm settings.
 
-    `adv_estimator`: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env group),
-    "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean of the group's
-    other trajectories; RLOO), "reinforce_pp" (each model token's discounted return,
-    normalised over the batch; REINFORCE++) or "reinforce_pp_baseline" (R - group mean,
-    normalised over the batch's tokens); fastpo.algorithms.advantages.
-    `reward_position`: where a trajectory's reward sits for GAE: "last_token" (the last model
-    token of the trajectory, the paper's default) or "turn" (each turn's reward on that
-    turn's last model token).
-    `filter_mode`: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
-    with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
-    `filter_strategy` (RAGEN head's rollout filters, fastpo/algorithms/filtering.py):
-    "top_k" (default, the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
-    groups whose stds make up `filter_ratio` of the total, `filter_top_p_mode` "linear"
-    with slack `filter_eps`, or "softmax" mass), "min_p" (std >= filter_ratio x the best).
-    `filter_keep_zero_std` false drops groups without reward spread first.
-    `soft_advantage_reweight`: scale each trajectory's advantages by its group's reward std
-    / the batch's largest group std (RAGEN head), with or without filtering.
-    `kl_coef` > 0 penalises KL to a frozen reference model (plain StarPO), estimator k1 or k3,
-    either per token on the reward before the advantages (`kl_in_reward` true: verl's
-    `apply_kl_penalty`, r_t - kl_coef * kl_t on every model token, what RAGEN's PPO runs did)
-    or as a loss term (false: + kl_coef * kl_t in the policy loss, what its GRPO runs did).
-    `kl_in_reward` null (default) picks the reward for gae and reinforce_pp (token-level
-    returns: REINFORCE++ puts the KL on the reward) and the loss for the group estimators
-    (grpo, drgrpo, rloo, reinforce_pp_baseline).
-    `loss_agg`: how token losses become the mini-batch loss. "seq-mean-token-mean" (default,
-    every preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each trajectory's
-    token mean, then the mean over trajectories, so a long trajectory weighs as much as a
-    short one. "token-mean" (verl's default; fastpo's before) divides by all tokens of the
-    mini-batch; "seq-mean-token-sum" sums each trajectory's tokens.
-    `old_logprob`: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
-    from the "sampler", or "auto": the sampler's exactly when they are the same quantity
-    (native engine on the trained fp32 module; fastpo.old_logprob).
-    `ratio_level`: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
-    arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
-    trajectory; its objective is seq-mean-token-mean's).
-    `is_correction`: importance-sampling correction of the sampler -> trainer gap
-    (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
-    pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves [1/is_cap, is_cap]
-    dropped from the loss), per token or per trajectory (`is_level`); `is_cap` > 1.
-    `value_loss_agg`: the critic's clipped value loss aggregated like `loss_agg` (the same
-    function, fastpo.kernels.aggregate; verl's critic has its own setting too), "token-mean"
-    by default: over all model tokens of the mini-batch.
+    Attributes:
+        adv_estimator: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env
+            group), "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean
+            of the group's other trajectories; RLOO), "reinforce_pp" (each model token's
+            discounted return, normalised over the batch; REINFORCE++) or
+            "reinforce_pp_baseline" (R - group mean, normalised over the batch's tokens);
+            fastpo.algorithms.advantages.
+        gamma: discount over model tokens (GAE, REINFORCE++).
+        lam: GAE's lambda.
+        reward_position: where a trajectory's reward sits for GAE: "last_token" (the last
+            model token of the trajectory, the paper's default) or "turn" (each turn's
+            reward on that turn's last model token).
+        whiten_advantages: normalise GAE's advantages over the batch's model tokens.
+        filter_mode: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
+            with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
+        filter_ratio: the filter strategy's number (top_k: the share of groups kept).
+        filter_strategy: RAGEN head's rollout filters (fastpo/algorithms/filtering.py):
+            "top_k" (the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
+            groups whose stds make up `filter_ratio` of the total), "min_p" (std >=
+            filter_ratio x the best).
+        filter_top_p_mode: top_p's measure: "linear" (stds, with slack `filter_eps`) or
+            "softmax" (softmax mass of the stds).
+        filter_eps: top_p linear's slack (RAGEN's `rollout_filter_selection_eps`).
+        filter_keep_zero_std: false drops groups without reward spread first.
+        soft_advantage_reweight: scale each trajectory's advantages by its group's reward
+            std / the batch's largest group std (RAGEN head), with or without filtering.
+        clip_low: PPO's lower clip bound (ratio >= 1 - clip_low).
+        clip_high: PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above
+            clip_low).
+        dual_clip: dual-clip bound on the loss for negative advantages (null = off).
+        entropy_coef: weight of the entropy bonus in the policy loss.
+        kl_coef: > 0 penalises KL to a frozen reference model (plain StarPO).
+        kl_estimator: the KL estimator, "k1" or "k3".
+        kl_in_reward: true puts the KL penalty per token on the reward before the advantages
+            (verl's `apply_kl_penalty`, r_t - kl_coef * kl_t, what RAGEN's PPO runs did);
+            false adds + kl_coef * kl_t to the policy loss (what its GRPO runs did); null
+            picks the reward for gae and reinforce_pp and the loss for the group estimators.
+        loss_agg: how token losses become the mini-batch loss. "seq-mean-token-mean" (every
+            preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each
+            trajectory's token mean, then the mean over trajectories; "token-mean" (verl's
+            default) divides by all tokens of the mini-batch; "seq-mean-token-sum" sums each
+            trajectory's tokens.
+        old_logprob: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
+            from the "sampler", or "auto": the sampler's exactly when they are the same
+            quantity (native engine on the trained fp32 module; fastpo.old_logprob).
+        ratio_level: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
+            arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
+            trajectory).
+        is_correction: importance-sampling correction of the sampler -> trainer gap
+            (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
+            pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves
+            [1/is_cap, is_cap] dropped from the loss).
+        is_level: the correction's unit: "token" or "sequence" (one rho per trajectory).
+        is_cap: the correction's truncation bound.
+        critic: PPO's critic: "separate" (its own model) or "shared" (a value head on the
+            policy's trunk).
+        value_clip: the value loss's clip range around the old values.
+        value_coef: weight of the value loss (shared critic).
+        value_loss_agg: the critic's clipped value loss aggregated like `loss_agg` (the same
+            function, fastpo.kernels.aggregate); "token-mean" by default: over all model
+            tokens of the mini-batch.
     """
 
     adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
@@ -318,10 +335,19 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and update schedule. `mini_batch_size` counts trajectories; `micro_token_budget` tokens.
+    """Optimizer and update schedule.
 
-    `share_prefix`: pack an env group's members after one copy of their common prompt
-    (fastpo.packing.shared_prefixes); the same log-probs and gradients, less compute.
+    Attributes:
+        actor_lr: the policy's AdamW learning rate.
+        critic_lr: a separate critic's AdamW learning rate.
+        weight_decay: AdamW's weight decay.
+        betas: AdamW's betas.
+        grad_clip: gradient-norm clip.
+        ppo_epochs: passes over the batch per iteration.
+        mini_batch_size: trajectories per optimizer step.
+        micro_token_budget: tokens per packed micro-batch (forward and backward at once).
+        share_prefix: pack an env group's members after one copy of their common prompt
+            (fastpo.packing.shared_prefixes): the same log-probs and gradients, less compute.
     """
 
     actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0")
@@ -338,7 +364,38 @@ class OptimConfig:
 
 @dataclass
 class TrainerSection:
-    """Loop length, evaluation, logging, checkpoints, Echo-Trap warning."""
+    """Loop length, evaluation, logging, checkpoints, Echo-Trap warning.
+
+    Attributes:
+        iterations: training iterations (updates) of the run.
+        seed: the run's seed; every random stream derives from it (fastpo.seeds).
+        device: "auto" (CUDA when available), "cpu" or "cuda[:N]".
+        output_dir: the run folder (empty: runs/<env>, or --out).
+        eval_every: evaluate every N iterations and at the end (0 = never).
+        eval_seeds: fixed initial states the evaluation plays.
+        eval_seed_offset: the first eval seed (eval seeds are offset, offset + 1, ...).
+        eval_temperature: sampling temperature of the evaluation.
+        eval_group_size: samples per eval seed (pass@k).
+        eval_before_training: also evaluate before the first update (iteration 0).
+        save_every: write a checkpoint every N iterations (0 = only at the end).
+        keep_checkpoints: checkpoints kept (the oldest pruned; the newest intact one never).
+        num_samples: decoded eval trajectories written to samples/ per evaluation.
+        ema_decay: decay of the EMA copies of every metric (ema/...).
+        tensorboard: mirror the metrics to TensorBoard (the `tensorboard` extra).
+        wandb: mirror the metrics to Weights & Biases.
+        plots: draw plots/*.png.
+        echo_trap_drop: the Echo-Trap warning fires when reward std and rollout entropy (or
+            the collapse metrics) have fallen by this share of their early values.
+        echo_trap_window: the first N iterations, whose means are the warning's "early" values.
+        collapse_every: mutual-information collapse metrics (fastpo/collapse.py) at
+            iteration 1 and every N-th (0 = off).
+        kernel_impl: the fused loss's path: "auto" (Triton on CUDA, chunked elsewhere),
+            "reference", "chunked" or "triton".
+        progress: show the progress bar.
+        data_parallel: several processes (torchrun) only: "fsdp" (FSDP2 shards the trained
+            modules' parameters, gradients and optimizer state over the ranks) or
+            "replicate" (every rank holds them whole; summed gradients, DDP-style).
+    """
 
     iterations: int = checked(200, _at_least(1), "must be >= 1")
     seed: int = checked(0, _seed_range, "must be in [0, 2**32)")
@@ -373,7 +430,17 @@ class TrainerSection:
 
 @dataclass
 class TrainConfig:
-    """The root of the configuration tree."""
+    """The root of the configuration tree.
+
+    Attributes:
+        preset: the named presets applied, comma-separated (set by --preset).
+        model: the `model` section (ModelConfig).
+        env: the `env` section (EnvConfig).
+        rollout: the `rollout` section (RolloutSection).
+        algorithm: the `algorithm` section (AlgorithmConfig).
+        optim: the `optim` section (OptimConfig).
+        trainer: the `trainer` section (TrainerSection).
+    """
 
     preset: str = "paper"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -432,193 +499,6 @@ ENV_PRESETS: dict[str, dict] = {
     "sokoban": {},
     "frozenlake": {},
 }
-
-#: Named presets. "paper" is the defaults; "cpu" is sized to finish `fastpo train --env
-#: frozenlake` on 2 cores in under 10 minutes.
-PRESETS: dict[str, dict] = {
-    "paper": {},
-    # measured choices: README "The CPU preset" (answer-only with answer examples, Dr.GRPO, 64 eval
-    # seeds before and after)
-    "cpu": {
-        "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 5, "max_new_tokens": 16, "max_context": 1536,
-                    "think": False, "prompt_examples": True, "temperature": 0.7},
-        "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 16, "micro_token_budget": 2048},
-        "trainer": {"iterations": 8, "eval_every": 8, "eval_seeds": 64, "eval_before_training": True, "save_every": 8,
-                    "num_samples": 2, "echo_trap_window": 1},
-    },
-    # StarPO (no -S): KL 0.001 (k1) to a frozen reference, on the reward with PPO and in the loss
-    # with GRPO (kl_in_reward null), symmetric clipping, no filtering: RAGEN's train_all.sh
-    "starpo": {"algorithm": {"filter_mode": "none", "kl_coef": 0.001, "kl_estimator": "k1",
-                             "clip_low": 0.2, "clip_high": 0.2}},
-    "grpo": {"algorithm": {"adv_estimator": "grpo"}},
-    # tiny: what the end-to-end tests use (1 group x 2 trajectories, 1-2 turns, 16 new tokens).
-    "tiny": {
-        "rollout": {"env_groups": 1, "group_size": 2, "max_turns": 2, "max_new_tokens": 16, "max_context": 1024},
-        "algorithm": {"filter_mode": "none", "critic": "shared"},
-        "optim": {"actor_lr": 1e-5, "critic_lr": 1e-4, "mini_batch_size": 2, "micro_token_budget": 1024},
-        "trainer": {"iterations": 2, "eval_every": 2, "eval_seeds": 2, "save_every": 1, "num_samples": 1,
-                    "echo_trap_window": 1, "plots": True, "progress": False},
-    },
-}
-
-#: What the CPU preset changes, said at start.
-def cpu_preset_note(cfg: "TrainConfig") -> str:
-    """What the CPU preset scaled down, said at start, with this run's values (overrides included)."""
-    r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
-    filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
-    critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
-        if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
-    prompt = "think prompt" if r.think else ("answer-only prompt with answer examples" if r.prompt_examples
-                                              else "answer-only prompt")
-    evals = f"eval on {t.eval_seeds} seeds" + (" before and after training" if t.eval_before_training else "")
-    return (
-        "CPU preset (no GPU found): scaled down from the paper's 8 env groups x 16 trajectories, 5 turns, "
-        "400 new tokens/turn, 200 iterations, StarPO-S top-25% filtering and a separate critic, eval on 256 seeds "
-        f"-> this run: {r.env_groups} groups x {r.group_size} trajectories, {r.max_turns} turn{'s' if r.max_turns != 1 else ''}, "
-        f"{r.max_new_tokens} new tokens/turn, {prompt}, temperature {r.temperature:g}, {t.iterations} iterations, "
-        f"{filt}, {critic}, actor lr {o.actor_lr:g}, {evals}. For the paper's scale use `--preset paper` on a GPU "
-        "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
-    )
-
-
-def default_preset() -> str:
-    """"paper" when CUDA is available, else "cpu"."""
-    try:
-        import torch
-
-        return "paper" if torch.cuda.is_available() else "cpu"
-    except Exception:  # torch missing or broken: the CPU preset is the safe choice
-        return "cpu"
-
-
-# ---------------------------------------------------------------------------------------------
-# Merging and type checking
-# ---------------------------------------------------------------------------------------------
-
-def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
-    """Check (and lightly coerce: int -> float) `value` against annotation `tp`."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return True, value
-    if origin is Literal:
-        return (value in typing.get_args(tp)), value
-    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
-        for arg in typing.get_args(tp):
-            if arg is type(None):
-                if value is None:
-                    return True, None
-                continue
-            ok, v = _type_ok(value, arg)
-            if ok:
-                return True, v
-        return False, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return (isinstance(value, int) and not isinstance(value, bool)), value
-    if tp is float:
-        if isinstance(value, bool):
-            return False, value
-        if isinstance(value, (int, float)):
-            return True, float(value)
-        return False, value
-    if tp is str:
-        return isinstance(value, str), value
-    if tp is list or origin is list:
-        return isinstance(value, (list, tuple)), list(value) if isinstance(value, (list, tuple)) else value
-    if tp is dict or origin is dict:
-        return isinstance(value, dict), value
-    return isinstance(value, tp), value
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) is Union:
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
-
-
-def _did_you_mean(obj: Any, key: str, prefix: str) -> str:
-    """' (did you mean ...?)' for a key that exists one level down (a bare `group_size`) or is
-    a near miss of a key here (`grup_size`); '' otherwise."""
-    import difflib
-
-    if not isinstance(key, str):  # e.g. a YAML key `1:` or `yes:`
-        return ""
-    here = [f.name for f in dataclasses.fields(obj)]
-    below = [f"{f.name}.{key}" for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))
-             and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
-    guesses = below or difflib.get_close_matches(key, here, n=1)
-    return f" (did you mean {' or '.join(prefix + g for g in guesses)}?)" if guesses else ""
-
-
-def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
-    """Merge a nested dict into the dataclass tree `obj` in place.
-
-    Raises ConfigError naming the dotted key for an unknown key or a wrong type.
-    """
-    if not isinstance(updates, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(updates).__name__}")
-    hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
-    for key, value in updates.items():
-        dotted = f"{prefix}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(obj, key, prefix)}; "
-                              f"valid keys here: {', '.join(sorted(names))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            apply_dict(current, value, dotted + ".")
-            continue
-        ok, coerced = _type_ok(value, hints[key])
-        if not ok:
-            raise ConfigError(f"config key {dotted!r}: expected {_describe(hints[key])}, got {value!r} "
-                              f"({type(value).__name__})")
-        if isinstance(current, dict) and isinstance(coerced, dict):
-            coerced = {**current, **coerced}
-        setattr(obj, key, coerced)
-
-
-def parse_override(text: str) -> dict:
-    """Turn ``"algorithm.clip_high=0.3"`` into ``{"algorithm": {"clip_high": 0.3}}``.
-
-    The value is read as YAML (numbers, true/false, null, [lists] work). Raises ConfigError
-    when there is no ``=`` or the key is empty.
-    """
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r}: empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() != "" else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({str(e).splitlines()[0]}; quote the "
-                          "whole override for the shell if it holds spaces)") from None
-    if isinstance(value, str):
-        # YAML 1.1 reads "1e-5" (no dot) as a string; a number is what anyone means
-        try:
-            value = float(value) if not value.strip().lower() in ("nan", "inf", "-inf", ".inf") else value
-        except ValueError:
-            pass
-    return _nested(key, value)
-
-
-def _nested(key: str, value: Any) -> dict:
-    """``("a.b.c", v)`` -> ``{"a": {"b": {"c": v}}}``."""
-    out: dict = {}
-    node = out
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
 
 def validate(cfg: TrainConfig) -> TrainConfig:
     """Refuse impossible values with a ConfigError naming the key; returns `cfg`."""
@@ -739,98 +619,3 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if not cfg.trainer.output_dir:
         cfg.trainer.output_dir = f"runs/{cfg.env.name}"
     return validate(cfg)
-
-
-def parse_config_yaml(text: Any, where: str) -> dict:
-    """The mapping in config YAML `text` (a string or an open file): the one reader of
-    config files, run folders' and checkpoints' config.yaml. An empty document is {}.
-
-    Raises ConfigError naming `where`: invalid YAML or a top level that is not a mapping.
-    """
-    try:
-        d = yaml.safe_load(text)
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if d is None:
-        return {}
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: the top level must be a mapping, got {type(d).__name__}")
-    return d
-
-
-def read_config_file(file: str) -> dict:
-    """The mapping in YAML config file `file`; `env: NAME` (a string) is read as `env: {name: NAME}`.
-
-    Raises FileNotFoundError for a missing file, ConfigError for an unreadable one, invalid
-    YAML, a top level that is not a mapping or an `env` that is neither a mapping nor a name.
-    """
-    try:
-        with open(file) as f:
-            d = dict(parse_config_yaml(f, f"config file {file}"))
-    except FileNotFoundError:
-        raise
-    except OSError as e:  # a folder, no permission, ...
-        raise ConfigError(f"config file {file}: cannot read it ({e.strerror or e})") from None
-    if isinstance(d.get("env"), str):
-        d["env"] = {"name": d["env"]}
-    elif d.get("env") is not None and not isinstance(d["env"], dict):
-        raise ConfigError(f"config file {file}: 'env' must be an env name or a mapping such as "
-                          f"{{name: frozenlake, options: {{}}}}, got {d['env']!r}")
-    return d
-
-
-def read_run_config(path: str) -> TrainConfig:
-    """The validated TrainConfig in a run's (or a checkpoint's) config.yaml at `path`.
-
-    Raises FileNotFoundError when it is missing; ConfigError when it cannot be read, is not
-    valid YAML or not a valid fastpo configuration (each naming `path`).
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
-    try:
-        with open(path) as f:
-            d = parse_config_yaml(f, path)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None
-    try:
-        return config_from_dict(d)
-    except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{path}: not a valid fastpo configuration ({e})") from None
-
-
-def load_run_config(out_dir: str) -> TrainConfig:
-    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
-    return read_run_config(os.path.join(out_dir, "config.yaml"))
-
-
-def run_settings(config_yaml: str) -> dict:
-    """A run's settings from its config.yaml text, without what a resume may change freely
-    (the folder's spelling, the iteration count): two runs with equal settings train alike.
-    Raises ConfigError for text that is not a YAML mapping."""
-    d = parse_config_yaml(config_yaml, "config.yaml")
-    for key in ("output_dir", "iterations"):
-        (d.get("trainer") or {}).pop(key, None)
-    return d
-
-
-def config_from_dict(d: dict) -> TrainConfig:
-    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume)."""
-    cfg = TrainConfig()
-    apply_dict(cfg, d)
-    return validate(cfg)
-
-
-def _dig(dicts: list[dict], path: tuple[str, ...]) -> Any:
-    found = None
-    for d in dicts:
-        node: Any = d
-        for p in path:
-            node = node.get(p) if isinstance(node, dict) else None
-        if node is not None:
-            found = node
-    return found
-
-
-def dump_yaml(cfg: TrainConfig) -> str:
-    """The configuration as YAML text (what `OUT/config.yaml` holds)."""
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -17,6 +17,8 @@ import dataclasses
 import json
 import math
 import os
+import sys
+import types
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -205,6 +207,41 @@ def _get(cfg, dotted: str) -> Any:
     return node
 
 
+def _explicit_keys(preset: Optional[str], file: Optional[str], overrides: list[str], values: dict) -> set[str]:
+    """The dotted keys the command line sets: through its presets, its config file, its
+    overrides and its literal values (these keep their value over a checkpoint's settings)."""
+    from fastpo.config import PRESETS, parse_override, read_config_file
+
+    explicit: set[str] = set()
+    for name in (preset.split(",") if preset else []):
+        explicit |= _flat_keys(PRESETS.get(name.strip(), {}))
+    if file:
+        explicit |= _flat_keys(read_config_file(file))  # load_config read it already: it exists and is valid
+    for o in overrides:
+        explicit |= _flat_keys(parse_override(o))
+    explicit |= _flat_keys({k: None for k in values})
+    return explicit
+
+
+def _trained_settings(run, eval_env: str) -> dict[str, Any]:
+    """The settings a checkpoint's run config `run` carries over to an eval on `eval_env`, as
+    {dotted key: value}: its env.options (same env only) and every RolloutConfig setting but
+    `temperature`, less the turn and action limits the env presets fix when the env differs."""
+    from fastpo.config import ENV_PRESETS, RolloutConfig
+
+    layer: dict[str, Any] = {}
+    fixed_by_env: set[str] = set()
+    if eval_env != run.env.name:
+        for e in (run.env.name, eval_env):
+            fixed_by_env |= set(ENV_PRESETS[e].get("rollout", {}))
+    else:
+        layer.update({f"env.options.{k}": v for k, v in run.env.options.items()})
+    for f in dataclasses.fields(RolloutConfig):
+        if f.name != "temperature" and f.name not in fixed_by_env:
+            layer[f"rollout.{f.name}"] = getattr(run.rollout, f.name)
+    return layer
+
+
 def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
                 overrides: Optional[list[str]] = None, values: Optional[dict] = None, warn=None):
     """The configuration of `fastpo eval`: `fastpo.config.load_config(env, preset, file,
@@ -224,8 +261,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
     from fastpo.checkpoint import find_checkpoint
-    from fastpo.config import (ENV_PRESETS, PRESETS, ConfigError, RolloutConfig, _nested, apply_dict, load_config,
-                               parse_override, read_config_file, read_run_config, validate)
+    from fastpo.config import ConfigError, _nested, apply_dict, load_config, parse_override, read_run_config, validate
 
     overrides = list(overrides or [])
     values = dict(values or {})
@@ -249,16 +285,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     except FileNotFoundError as e:  # removed since find_checkpoint saw it
         raise ConfigError(str(e)) from None
 
-    explicit: set[str] = set()
-    for name in (preset.split(",") if preset else []):
-        explicit |= _flat_keys(PRESETS.get(name.strip(), {}))
-    file_dict: dict = {}
-    if file:
-        file_dict = read_config_file(file)  # load_config read it already: it exists and is valid
-        explicit |= _flat_keys(file_dict)
-    for o in overrides:
-        explicit |= _flat_keys(parse_override(o))
-    explicit |= _flat_keys({k: None for k in values})
+    explicit = _explicit_keys(preset, file, overrides, values)
     env_explicit = bool(env) or "env.name" in explicit
     if env_explicit:
         cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
@@ -267,16 +294,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     eval_env = cfg.env.name
     mismatch = eval_env != run.env.name
 
-    layer: dict[str, Any] = {}
-    fixed_by_env: set[str] = set()
-    if mismatch:
-        for e in (run.env.name, eval_env):
-            fixed_by_env |= set(ENV_PRESETS[e].get("rollout", {}))
-    else:
-        layer.update({f"env.options.{k}": v for k, v in run.env.options.items()})
-    for f in dataclasses.fields(RolloutConfig):
-        if f.name != "temperature" and f.name not in fixed_by_env:
-            layer[f"rollout.{f.name}"] = getattr(run.rollout, f.name)
+    layer = _trained_settings(run, eval_env)
 
     def is_explicit(key: str) -> bool:
         parts = key.split(".")
@@ -376,3 +394,15 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     res["rollout"] = dataclasses.asdict(rcfg)
     res["device"] = str(device)
     return res
+
+
+class _CallableModule(types.ModuleType):
+    """This module, callable: the public API's `fastpo.evaluate(cfg)` runs `run_eval(cfg)`
+    (the API name and the module of evaluation helpers share the name `fastpo.evaluate`,
+    and a submodule import rebinds the package attribute to the module)."""
+
+    def __call__(self, cfg, console=None, samples_dir: Optional[str] = None) -> dict:
+        return run_eval(cfg, console=console, samples_dir=samples_dir)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,5 +1,6 @@
-"""What the user sees and keeps: JSONL metrics with EMA copies, TensorBoard/W&B, PNG curves,
-the Echo-Trap early warning, sample trajectories and the end-of-run summary table.
+"""What the user sees and keeps: JSONL metrics with EMA copies, TensorBoard/W&B, the Echo-Trap
+early warning, sample trajectories and the rollout's figures; the PNG curves (fastpo.plots)
+and the end-of-run tables (fastpo.summary) are importable from here too.
 
 Metric names follow the field's conventions; units are in the name where they are not obvious
 (`time/rollout_s` seconds, `perf/train_tokens_per_s`). Every logged scalar `k` also gets an
@@ -16,6 +17,13 @@ import os
 import numpy as np
 import torch
 from typing import Any, Callable, Iterable, Optional
+
+# The plots, the end-of-run tables and the numeric helpers live in their own modules; their
+# names stay importable from here.
+from fastpo.plots import PLOT_KEYS, plot_collapse, plot_curves, plot_eval, plot_title  # noqa: F401
+from fastpo.stats import finite_number, standard_error  # noqa: F401
+from fastpo.summary import (BEFORE_AFTER_KEYS, SUMMARY_KEYS, before_after, before_after_table,  # noqa: F401
+                            summary_table)
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
 #: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
@@ -34,26 +42,6 @@ def warn_user(text: str, console: Any = None) -> None:
     else:
         logger.warning(text)
 
-#: Curves the RAGEN paper plots (Fig. 3-5), drawn to OUT/plots/<name>.png.
-PLOT_KEYS: dict[str, str] = {
-    "success_rate": "train/success_rate",
-    "eval_success_rate": "eval/success_rate",
-    "entropy": "train/rollout_entropy",
-    "reward_std": "train/in_group_reward_std",
-    "response_length": "train/response_length",
-    "grad_norm": "actor/grad_norm",
-    "score": "train/score_mean",
-}
-
-
-def standard_error(xs) -> float:
-    """Standard error of the mean of `xs`: sample std (ddof 1) / sqrt(n); 0.0 for n < 2."""
-    x = np.asarray(xs, dtype=np.float64)
-    return float(x.std(ddof=1) / math.sqrt(x.size)) if x.size > 1 else 0.0
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
 class MetricsLogger:
@@ -120,7 +108,7 @@ class MetricsLogger:
 
     def _update_ema(self, rec: dict) -> None:
         for k, v in rec.items():
-            if k.startswith("ema/") or k == "iteration" or not _is_number(v):
+            if k.startswith("ema/") or k == "iteration" or not finite_number(v):
                 continue
             prev = self.ema.get(k)
             self.ema[k] = float(v) if prev is None else self.decay * prev + (1 - self.decay) * float(v)
@@ -158,11 +146,11 @@ class MetricsLogger:
             f.write(json.dumps(rec) + "\n")  # one write: a crash leaves at most a torn last line
         if self._tb is not None:
             for k, v in rec.items():
-                if _is_number(v) and k != "iteration":
+                if finite_number(v) and k != "iteration":
                     self._tb.add_scalar(k, float(v), iteration)
             self._tb.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in rec.items() if _is_number(v)}, step=iteration)
+            self._wandb.log({k: v for k, v in rec.items() if finite_number(v)}, step=iteration)
         return rec
 
     def amend_last(self, values: dict) -> None:
@@ -173,7 +161,7 @@ class MetricsLogger:
         self._rewrite()
         if self._tb is not None:
             for k, v in values.items():
-                if _is_number(v):
+                if finite_number(v):
                     self._tb.add_scalar(k, float(v), self.records[-1]["iteration"])
 
     def extend_last(self, metrics: dict) -> dict:
@@ -189,7 +177,7 @@ class MetricsLogger:
         self._rewrite()
         if self._tb is not None:
             for k, v in new.items():
-                if _is_number(v):
+                if finite_number(v):
                     self._tb.add_scalar(k, float(v), rec["iteration"])
             self._tb.flush()
         return rec
@@ -243,7 +231,7 @@ class EchoTrapDetector:
         if self.first_iteration is None and isinstance(it, int):
             self.first_iteration = it
         for k in (self.MI_KEY, self.HZX_KEY, self.BOUND_KEY):
-            if not _is_number(rec.get(k)):
+            if not finite_number(rec.get(k)):
                 continue
             self.latest[k] = float(rec[k])
             if k == self.BOUND_KEY:
@@ -257,7 +245,7 @@ class EchoTrapDetector:
         """Feed one logged record (with its `ema/` copies); returns a warning string or None."""
         self._collapse_values(rec)
         vals = {k: rec.get(k) for k in (self.STD_KEY, self.ENT_KEY, self.SUCCESS_KEY)}
-        if any(not _is_number(v) for v in vals.values()):
+        if any(not finite_number(v) for v in vals.values()):
             return None
         if len(self.early) < self.window:
             self.early.append(vals)
@@ -305,145 +293,6 @@ class EchoTrapDetector:
                 "Consider StarPO-S filtering (algorithm.filter_mode=top), a higher entropy_coef or a lower lr.")
 
 
-def plot_title(name: str, model_label: Optional[str] = None) -> str:
-    """A curve's title: its name, then the model label on a second line (so random weights show)."""
-    title = name.replace("_", " ")
-    return f"{title}\n{model_label}" if model_label else title
-
-
-def plot_curves(records: list[dict], out_dir: str, keys: Optional[dict[str, str]] = None,
-                model_label: Optional[str] = None) -> list[str]:
-    """Draw each curve (raw and EMA) against iteration to `out_dir/<name>.png` with matplotlib (Agg).
-
-    model_label: shown under each title (e.g. "random:qwen2.5-0.5b (random weights)"); when
-    None, the records' own "model" key is used if they have one.
-    Returns the paths written; a curve with no finite values is skipped.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    os.makedirs(out_dir, exist_ok=True)
-    if model_label is None:
-        model_label = next((r["model"] for r in reversed(records) if isinstance(r.get("model"), str)), None)
-    written = []
-    for name, key in (keys or PLOT_KEYS).items():
-        pts = [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
-        if not pts:
-            continue
-        ema = [(r["iteration"], r[f"ema/{key}"]) for r in records if _is_number(r.get(f"ema/{key}"))]
-        fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
-        ax.plot(*zip(*pts), marker="o", ms=3, lw=1, alpha=0.6, label=key)
-        if len(ema) > 1:
-            ax.plot(*zip(*ema), lw=2, label="EMA")
-        ax.set_xlabel("iteration")
-        ax.set_title(plot_title(name, model_label), fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = os.path.join(out_dir, f"{name}.png")
-        fig.savefig(path)
-        plt.close(fig)
-        written.append(path)
-    if keys is None and any(_is_number(r.get("collapse/mi_estimate")) for r in records):
-        written.append(plot_collapse(records, os.path.join(out_dir, "collapse.png"), model_label))
-    if keys is None and any(_is_number(r.get("eval/success_rate")) for r in records):
-        written.append(plot_eval(records, os.path.join(out_dir, "eval.png"), model_label))
-    return written
-
-
-def _save_figure(fig, path: str, model_label: Optional[str]) -> str:
-    """Title a figure with the model label, write it to `path` (folders created) and close it."""
-    import matplotlib.pyplot as plt
-
-    if model_label:
-        fig.suptitle(model_label, fontsize=9)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def plot_eval(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
-    """The evaluations of a run in one figure (matplotlib, Agg), written to `path`: eval
-    success with the random and the optimal policy's success on the same seeds as dashed
-    lines, the format-valid rate (1 - format-penalty rate) and the score mean; each eval point
-    with +-1 standard error bars where logged (`eval/<name>_se`), the train batch's value per
-    iteration as a thin line. Returns `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    def pts(key):
-        return [(r["iteration"], r[key], r.get(f"{key}_se")) for r in records if _is_number(r.get(key))]
-
-    def last(key):
-        vals = [r[key] for r in records if _is_number(r.get(key))]
-        return vals[-1] if vals else None
-
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4), dpi=100)
-    panels = (("success rate", "eval/success_rate", "train/success_rate"),
-              ("format-valid rate", "eval/format_valid", "train/format_valid"),
-              ("score mean", "eval/score_mean", "train/score_mean"))
-    for ax, (title, ekey, tkey) in zip(axes, panels):
-        tr = pts(tkey)
-        if tr:
-            ax.plot([p[0] for p in tr], [p[1] for p in tr], "-", color="0.6", lw=1, label="train batch")
-        ev = pts(ekey)
-        if ev:
-            err = [p[2] if _is_number(p[2]) else 0.0 for p in ev]
-            ax.errorbar([p[0] for p in ev], [p[1] for p in ev], yerr=err, fmt="-o", ms=4, capsize=3, color="C0",
-                        label="eval (+-1 SE)")
-        if ekey == "eval/success_rate":
-            for key, label, color in (("eval/optimal_success", "optimal policy", "C2"),
-                                      ("eval/random_success", "random policy", "C3")):
-                v = last(key)
-                if v is not None:
-                    ax.axhline(v, ls="--", lw=1.2, color=color, label=f"{label} ({v:.2f})")
-        ax.set_xlabel("iteration")
-        ax.set_title(title, fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6.5)
-    return _save_figure(fig, path, model_label)
-
-
-def plot_collapse(records: list[dict], path: str, model_label: Optional[str] = None) -> str:
-    """The collapse metrics of a run in one figure (matplotlib, Agg), written to `path`:
-    H(Z|X), H(Z) and I(X;Z) per token (nats) with I's bound log N, and beside them train
-    success and rollout entropy. Returns `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    def pts(key):
-        return [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=100)
-    for key, label, style in (("collapse/conditional_entropy_est", "H(Z|X): variety for a given state", "-o"),
-                              ("collapse/reasoning_entropy_est", "H(Z): variety over the batch", "-s"),
-                              ("collapse/mi_estimate", "I(X;Z) = H(Z) - H(Z|X): dependence on the state", "-^"),
-                              ("collapse/mi_upper_bound", "log N (I's bound)", ":")):
-        if pts(key):
-            ax.plot(*zip(*pts(key)), style, ms=3, lw=1.2, label=label)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("nats per token")
-    ax.set_title("collapse metrics (first turn)", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5)
-    for key, label in (("train/success_rate", "train success rate"), ("train/rollout_entropy", "rollout entropy (nats)"),
-                       ("train/in_group_reward_std", "in-group reward std")):
-        if pts(key):
-            ax2.plot(*zip(*pts(key)), "-o", ms=3, lw=1.2, label=label)
-    ax2.set_xlabel("iteration")
-    ax2.set_title("the paper's signals", fontsize=9)
-    ax2.grid(alpha=0.3)
-    ax2.legend(fontsize=6.5)
-    return _save_figure(fig, path, model_label)
-
 
 def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: str = "",
                   model_label: Optional[str] = None) -> str:
@@ -462,129 +311,6 @@ def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: st
             f.write(f"===== trajectory {i} =====\n{t.rstrip()}\n\n")
     return path
 
-
-SUMMARY_KEYS = [
-    ("train/success_rate", "train success rate"),
-    ("eval/success_rate", "eval success rate"),
-    ("train/score_mean", "train score mean"),
-    ("train/format_valid", "train format-valid rate"),
-    ("train/in_group_reward_std", "in-group reward std"),
-    ("train/rollout_entropy", "rollout entropy (nats)"),
-    ("train/response_length", "response length (tokens)"),
-    ("actor/grad_norm", "actor grad norm"),
-    ("actor/approx_kl", "approx KL"),
-    ("time/iteration_s", "seconds / iteration"),
-]
-
-
-def summary_table(records: list[dict], title: str = "fastpo run summary"):
-    """A rich Table: first, last and best value of the main metrics over the run."""
-    from rich.table import Table
-
-    table = Table(title=title)
-    for col in ("metric", "first", "last", "best", "iteration of best"):
-        table.add_column(col)
-    for key, label in SUMMARY_KEYS:
-        pts = [(r["iteration"], r[key]) for r in records if _is_number(r.get(key))]
-        if not pts:
-            continue
-        lower_better = key.startswith("time/")
-        best = (min if lower_better else max)(pts, key=lambda p: p[1])
-        table.add_row(label, f"{pts[0][1]:.4g}", f"{pts[-1][1]:.4g}", f"{best[1]:.4g}", str(best[0]))
-    return table
-
-
-#: Rows of the end-of-run before/after table: (metric, label, has a standard error).
-BEFORE_AFTER_KEYS = [
-    ("eval/success_rate", "success", True),
-    ("eval/random_success", " random policy", False),
-    ("eval/optimal_success", " optimal policy", False),
-    ("eval/format_valid", "format-valid", True),
-    ("eval/score_mean", "score mean", True),
-]
-
-
-def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
-    """The per-trajectory outcomes of a run's evaluation (`run_dir/eval/iter_XXXXXX.json`,
-    written by the trainer), or None when absent or unreadable."""
-    if not run_dir:
-        return None
-    try:
-        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json")) as f:
-            d = json.load(f)
-        return d if isinstance(d, dict) else None
-    except (OSError, ValueError):
-        return None
-
-
-def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional[dict]:
-    """The first and the last evaluation of a run, compared: None with fewer than two
-    evaluations, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
-    "before", "after", "before_se", "after_se", "change", "z", "z_paired"}]}.
-
-    z = change / sqrt(before_se^2 + after_se^2): the change in standard errors of the
-    difference of two independent means. z_paired (where `run_dir` holds both evaluations'
-    per-trajectory outcomes on the same seeds): mean(d) / (std(d, ddof 1) / sqrt(n)) over the
-    per-seed differences d = after - before, which takes out what the seeds themselves make
-    easy or hard (a map without a short safe path fails before and after). Either is None
-    where it cannot be computed (no standard error, both 0, or no outcomes)."""
-    evals = [r for r in records if _is_number(r.get("eval/success_rate"))]
-    if len(evals) < 2:
-        return None
-    a, b = evals[0], evals[-1]
-    oa, ob = _eval_outcomes(run_dir, a["iteration"]), _eval_outcomes(run_dir, b["iteration"])
-    paired = oa is not None and ob is not None and oa.get("seed") == ob.get("seed") and bool(oa.get("seed"))
-    rows = []
-    for key, label, has_se in BEFORE_AFTER_KEYS:
-        if not (_is_number(a.get(key)) and _is_number(b.get(key))):
-            continue
-        row = {"key": key, "label": label, "before": float(a[key]), "after": float(b[key]),
-               "before_se": None, "after_se": None, "change": float(b[key]) - float(a[key]), "z": None,
-               "z_paired": None}
-        if has_se and _is_number(a.get(f"{key}_se")) and _is_number(b.get(f"{key}_se")):
-            row["before_se"], row["after_se"] = float(a[f"{key}_se"]), float(b[f"{key}_se"])
-            se = math.hypot(row["before_se"], row["after_se"])
-            row["z"] = row["change"] / se if se > 0 else None
-        name = key.split("/", 1)[1]
-        if has_se and paired and isinstance(oa.get(name), list) and isinstance(ob.get(name), list) \
-                and len(oa[name]) == len(ob[name]) > 1:
-            d = np.asarray(ob[name], dtype=np.float64) - np.asarray(oa[name], dtype=np.float64)
-            se = standard_error(d)
-            row["z_paired"] = float(d.mean() / se) if se > 0 else None
-        rows.append(row)
-    return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
-
-
-def before_after_table(records: list[dict], title: Optional[str] = None,
-                       run_dir: Optional[str] = None):
-    """A rich Table of `before_after(records, run_dir)` (None with fewer than two
-    evaluations): value +- standard error before and after, the change, and the change in
-    standard errors (independent, and paired by seed where the outcomes are in `run_dir`)."""
-    from rich.table import Table
-
-    ba = before_after(records, run_dir)
-    if ba is None:
-        return None
-    n = next((r.get("eval/num_seeds") for r in records if _is_number(r.get("eval/num_seeds"))), None)
-    if title is None:
-        title = "eval before and after training" + (f" ({int(n)} fixed seeds, +- 1 SE)" if n else " (+- 1 SE)")
-    caption = ("z: the change over sqrt(SE_before^2 + SE_after^2); paired z: over the standard error of the "
-               "per-seed differences; above 2: higher by more than two standard errors. Random and optimal "
-               "policy: their success on the same seeds and action horizon")
-    table = Table(title=title, caption=caption)
-    for col in ("eval", f"iter {ba['before']}", f"iter {ba['after']}", "change", "z", "paired z"):
-        table.add_column(col)
-
-    def fmt(v, se):
-        return f"{v:.3f}" + (f" +- {se:.3f}" if se is not None else "")
-
-    def z(v):
-        return f"{v:+.1f}" if v is not None else ""
-
-    for row in ba["rows"]:
-        table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
-                      f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"]))
-    return table
 
 
 def rollout_metrics(batch, prefix: str = "train") -> dict:

@@ -366,6 +366,49 @@ def _random_model(shape: str, seed: int, vocab_needed: int):
     return model
 
 
+def _load_hf(name: str, path: str, source: str, tdtype: Any, kwargs: dict, tokenizer: Any = None):
+    """(model, tokenizer) of an HF model folder (`source` "local") or hub id ("hub"): a hub id
+    from the local HF cache first (no network, no retries), then from the hub when reachable.
+    Raises RuntimeError naming `name` when the hub is unreachable or fails."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = model = None
+    if source == "hub":
+        try:
+            tok = tokenizer or AutoTokenizer.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, local_files_only=True, **kwargs)
+        except (OSError, ValueError):
+            tok = model = None
+        if model is None and not _hub_reachable():
+            raise RuntimeError(_unreachable_message(name))
+    if model is None:
+        try:
+            tok = tokenizer or AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
+        except (OSError, ValueError) as e:
+            if source == "hub":
+                raise RuntimeError(_hub_failed_message(name, e)) from e
+            raise
+    return model, tok
+
+
+def _checkpoint_origin(path: str) -> dict | None:
+    """The origin record of a local model folder that is a fastpo checkpoint's (see
+    fastpo.checkpoint_origin), with "checkpoint" (its folder) and its iteration; None else."""
+    from fastpo.checkpoint import checkpoint_origin, find_checkpoint
+
+    origin = checkpoint_origin(path)
+    if origin is not None:
+        try:
+            ref = find_checkpoint(path)
+        except ValueError:
+            ref = None
+        origin["checkpoint"] = ref.folder if ref is not None else None
+        if ref is not None and ref.iteration is not None:
+            origin["iteration"] = ref.iteration
+    return origin
+
+
 def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.device = "cpu", dtype: Any = None,
                              seed: int = 0, attn_implementation: str | None = "sdpa", tokenizer: Any = None):
     """Load a causal LM and its tokenizer for rollouts and training.
@@ -406,41 +449,12 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
         source = "embedded-gguf"
     else:
         path, source = _resolve_path(name)
-        tok = model = None
-        if source == "hub":
-            # The local HF cache first: no network, no retries.
-            try:
-                tok = tokenizer or AutoTokenizer.from_pretrained(path, local_files_only=True)
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, local_files_only=True, **kwargs)
-            except (OSError, ValueError):
-                tok = model = None
-            if model is None and not _hub_reachable():
-                raise RuntimeError(_unreachable_message(name))
-        if model is None:
-            try:
-                tok = tokenizer or AutoTokenizer.from_pretrained(path)
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=tdtype, **kwargs)
-            except (OSError, ValueError) as e:
-                if source == "hub":
-                    raise RuntimeError(_hub_failed_message(name, e)) from e
-                raise
+        model, tok = _load_hf(name, path, source, tdtype, kwargs, tokenizer)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     model = model.to(device=device, dtype=tdtype)
     model.eval()
-    origin = None
-    if source == "local":
-        from fastpo.checkpoint import checkpoint_origin, find_checkpoint
-
-        origin = checkpoint_origin(path)
-        if origin is not None:
-            try:
-                ref = find_checkpoint(path)
-            except ValueError:
-                ref = None
-            origin["checkpoint"] = ref.folder if ref is not None else None
-            if ref is not None and ref.iteration is not None:
-                origin["iteration"] = ref.iteration
+    origin = _checkpoint_origin(path) if source == "local" else None
     info = ModelInfo(
         name=name, source=source, random=(source == "random") or bool(origin and origin.get("random_init")),
         path=path, architecture=type(model).__name__, num_params=sum(p.numel() for p in model.parameters()),

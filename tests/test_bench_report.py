@@ -1,4 +1,4 @@
-"""bench/report.py picks which committed runs the README shows (synthetic results, no timing)."""
+"""bench/report.py picks which committed runs docs/performance.md shows (synthetic results, no timing)."""
 import importlib.util
 import json
 import os

@@ -95,23 +95,6 @@ def test_parse_override_types():
     assert isinstance(TrainConfig().to_dict(), dict)
 
 
-def test_readme_key_table_lists_every_config_key():
-    """The README's key table is the user's reference: every key of every section is in it."""
-    import dataclasses
-    import os
-    import re
-
-    from fastpo.config import TrainConfig
-
-    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")) as f:
-        rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", f.read(), re.M)}
-    cfg = TrainConfig()
-    for section in ("model", "env", "rollout", "algorithm", "optim", "trainer"):
-        assert section in rows, section
-        for field in dataclasses.fields(getattr(cfg, section)):
-            assert f"`{field.name}`" in rows[section], f"{section}.{field.name} missing from the README's key table"
-
-
 def test_unknown_key_suggests_the_dotted_or_near_key():
     import pytest
 

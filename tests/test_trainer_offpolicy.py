@@ -9,7 +9,7 @@ same format penalty and every advantage 0. Where a test needs a learning signal,
 `varied_rewards` fixture replaces each rollout's rewards by Bandit-like values drawn from
 the rollout's seed (everything else, model, engine, env, trainer, stays real); the
 estimators themselves are checked by hand in test_offpolicy.py, and with the embedded model
-in the README's runs."""
+in the runs of docs/algorithms.md."""
 import json
 import math
 import os

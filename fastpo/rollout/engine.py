@@ -53,13 +53,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import time
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
+# The KV buffer layer and the model checks live in kv_cache.py; the names stay importable here.
+from .kv_cache import (MIN_SHARED_PREFIX, _BufferLayer, _cache_kwarg, shared_prefix_length,  # noqa: F401
+                       unsupported_attention)
 from .sampling import SamplingParams, sample_tokens, sample_tokens_by_stream
 
 STOP_EOT = "eot"
@@ -88,105 +89,6 @@ class TurnOutput:
     stop_reason: str
     entropies: list = dataclasses.field(default_factory=list)
     values: list = dataclasses.field(default_factory=list)
-
-
-def unsupported_attention(config) -> str | None:
-    """Why a model config cannot run on the native engine, or None when every layer is full attention.
-
-    Checks ``layer_types`` (transformers >= 4.5x: anything but "full_attention", e.g.
-    "sliding_attention", "linear_attention"), else ``sliding_window`` (unless
-    ``use_sliding_window`` is False), and ``attention_chunk_size``.
-    """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        other = sorted({str(t) for t in types if t != "full_attention"})
-        if other:
-            return f"layer_types includes {other}"
-    else:
-        window = getattr(cfg, "sliding_window", None)
-        if window is not None and getattr(cfg, "use_sliding_window", True) is not False:
-            return f"sliding_window={window!r}"
-    chunk = getattr(cfg, "attention_chunk_size", None)
-    if chunk is not None:
-        return f"attention_chunk_size={chunk!r}"
-    return None
-
-
-#: Shortest common prompt prefix worth a forward of its own in `NativeEngine.start`.
-MIN_SHARED_PREFIX = 16
-
-
-def shared_prefix_length(prompts: list) -> int:
-    """Tokens at the start of every prompt that `NativeEngine.start` prefills once for all of them.
-
-    prompts: lists of token ids. The longest common prefix, less one token if it is a whole
-    prompt (every row keeps a token of its own, whose logits start its decoding); 0 for a single
-    prompt or a prefix shorter than MIN_SHARED_PREFIX.
-    """
-    if len(prompts) < 2:
-        return 0
-    first, n = prompts[0], min(len(p) for p in prompts)
-    S = 0
-    while S < n and all(p[S] == first[S] for p in prompts):
-        S += 1
-    S = min(S, n - 1)
-    return S if S >= MIN_SHARED_PREFIX else 0
-
-
-class _BufferLayer(DynamicLayer):
-    """A KV cache layer writing into a preallocated buffer; the batch is rows [:rows]."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kbuf = self.vbuf = None
-        self.rows = 0
-        self.length = 0
-        self.capacity = 0
-        self.is_initialized = True
-
-    def bind(self, kbuf, vbuf, rows: int, length: int, capacity: int) -> None:
-        self.kbuf, self.vbuf, self.rows, self.length, self.capacity = kbuf, vbuf, rows, length, capacity
-        if kbuf is not None:
-            self.device = kbuf.device
-            self.keys = kbuf[:rows, :, :length]
-            self.values = vbuf[:rows, :, :length]
-
-    def lazy_initialization(self, key_states, value_states) -> None:  # buffers come from bind()
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = key_states.shape[-2]
-        if self.kbuf is None:  # first forward of a session set: allocate now that H and D are known
-            R, H, _, D = key_states.shape
-            self.kbuf = key_states.new_zeros((R, H, self.capacity, D))
-            self.vbuf = value_states.new_zeros((R, H, self.capacity, D))
-            self.device = key_states.device
-        end = self.length + n
-        if end > self.capacity:
-            raise RuntimeError(f"KV buffer overflow: {end} > capacity {self.capacity} (fastpo engine bug)")
-        self.kbuf[: self.rows, :, self.length:end] = key_states
-        self.vbuf[: self.rows, :, self.length:end] = value_states
-        self.length = end
-        self.keys = self.kbuf[: self.rows, :, :end]
-        self.values = self.vbuf[: self.rows, :, :end]
-        return self.keys, self.values
-
-    def get_seq_length(self, *args, **kwargs) -> int:
-        return self.length
-
-
-def _cache_kwarg(model) -> str:
-    """'cache' (transformers >= 5.2x) or 'past_key_values' (older), for the model's forward."""
-    base = model
-    for attr in ("get_base_model",):  # peft wrappers
-        if hasattr(base, attr):
-            base = getattr(base, attr)()
-    try:
-        params = inspect.signature(base.forward).parameters
-    except (TypeError, ValueError):
-        return "past_key_values"
-    return "cache" if "cache" in params else "past_key_values"
 
 
 class NativeEngine:
@@ -513,11 +415,37 @@ class NativeEngine:
                 del d[s]
 
     def _generate(self, run, sessions, append, params, generator, outputs) -> None:
-        dev = self.device
+        """One turn of the sessions `run` indexes: feed their pending and appended tokens
+        (`_feed`), decode until every row stops (`_decode`), record where each session ends."""
         sess = [sessions[i] for i in run]
+        cached, T, n_max, logits, values = self._feed(sess, [append[i] for i in run], params)
+        R = len(sess)
+        row_out = list(range(R))  # buffer row -> output row
+        pos_t = torch.tensor(cached, dtype=torch.long, device=self.device)  # next position per buffer row
+        resp, lps, ents, vals, L = self._decode(sess, run, cached, T + n_max, logits, values, params, generator,
+                                                outputs, row_out, pos_t)
+        for r in range(R):
+            o = row_out[r]
+            s = sess[o]
+            self._row_of[s] = r
+            self._kept[s] += int(pos_t[r]) - cached[o]  # fed while decoding (all but the pending token)
+            self._cached[s] = int(pos_t[r])
+            outputs[run[o]].token_ids = resp[o]
+            outputs[run[o]].logprobs = lps[o]
+            outputs[run[o]].entropies = ents[o]
+            outputs[run[o]].values = vals[o]
+        self._L = L
+        self._rows = R
+
+    def _feed(self, sess, append, params):
+        """Prefill the sessions' pending and appended tokens (skipping evicted ones) into a
+        buffer compacted and sized for the turn. Returns (cached lengths, aligned length T,
+        longest chunk n_max, the next-token logits [R, V] fp32, the readout values or None);
+        a session with nothing to feed starts from the logits kept when it was opened."""
+        dev = self.device
         chunks = []
-        for i, s in zip(run, sess):
-            c = self._pending[s] + list(append[i])
+        for a, s in zip(append, sess):
+            c = self._pending[s] + list(a)
             skip = min(len(c), max(0, self._floor.get(s, 0) - self._cached[s]))  # evicted before being fed
             self._cached[s] += skip
             chunks.append(c[skip:])
@@ -546,7 +474,6 @@ class NativeEngine:
             logits = self._forward(ids.to(dev), self._mask[:, :T + n_max].long(), pos.to(dev), R, T).float()
             values = self._values
             self.stats["prefilled_tokens"] += sum(n)
-        L = T + n_max
         readout = self.readout is not None
         for r, s in enumerate(sess):
             if n[r] == 0:
@@ -564,7 +491,15 @@ class NativeEngine:
             self._pending[s] = []
             self._start_logits.pop(s, None)
             self._start_values.pop(s, None)
+        return cached, T, n_max, logits, values
 
+    def _decode(self, sess, run, cached, L, logits, values, params, generator, outputs, row_out, pos_t):
+        """Sample token by token from `logits` until every row stops (a stop token, a stop
+        string, max_new_tokens or the context); a stopped row leaves the live prefix at once
+        (`_evict`). `row_out` and `pos_t` are updated in place. Returns the per-row (tokens,
+        log-probs, entropies, values) and the buffer length L after the last step."""
+        R = len(sess)
+        readout = self.readout is not None
         # Per output row limits: max_new_tokens and the context.
         limit = [min(params.max_new_tokens, params.max_context - cached[r]) for r in range(R)]
         stop_ids = set(params.stop_token_ids)
@@ -575,9 +510,7 @@ class NativeEngine:
         lps = [[] for _ in range(R)]
         ents = [[] for _ in range(R)]
         vals = [[] for _ in range(R)]
-        row_out = list(range(R))  # buffer row -> output row
         live = R
-        pos_t = torch.tensor(cached, dtype=torch.long, device=dev)  # next position per buffer row
         while live > 0:
             if isinstance(generator, dict):  # one stream per env group (session -> generator)
                 keys = [sess[row_out[r]] for r in range(live)]
@@ -621,18 +554,7 @@ class NativeEngine:
             values = self._values
             pos_t[:live] += 1
             L += 1
-        for r in range(R):
-            o = row_out[r]
-            s = sess[o]
-            self._row_of[s] = r
-            self._kept[s] += int(pos_t[r]) - cached[o]  # fed while decoding (all but the pending token)
-            self._cached[s] = int(pos_t[r])
-            outputs[run[o]].token_ids = resp[o]
-            outputs[run[o]].logprobs = lps[o]
-            outputs[run[o]].entropies = ents[o]
-            outputs[run[o]].values = vals[o]
-        self._L = L
-        self._rows = R
+        return resp, lps, ents, vals, L
 
     def _evict(self, stopped, live, L, row_out, pos_t, tok):
         """Swap stopped rows behind the live prefix; returns (new live count, reordered tok)."""

@@ -59,7 +59,7 @@ def move_question(action_names: Sequence[str], max_actions_per_turn: int) -> str
     (answer-only, temperature 0.5, 16 new tokens, 3 turns, 64 eval seeds) mostly echoed the
     user message ("You have 10 actions left. ..."): format-penalty rate 0.995. With every
     "<answer>" in the prompt followed by valid actions it mostly answers with actions
-    (README, "The main job on 2 CPU cores"). Example: names (Left, Down, Right, Up), 5 per turn ->
+    (docs/results.md, how the CPU preset was chosen). Example: names (Left, Down, Right, Up), 5 per turn ->
     "Which way do you move? Answer with your moves, for example <answer>Down || Right</answer>
     or <answer>Up</answer> or <answer>Left || Left || Down</answer>."
     """

@@ -10,7 +10,9 @@ is fastpo's own, shared with `MultiTurnRollout`, so the two loops differ only in
 handle tokens and KV caches.
 
 It exists for side-by-side benchmarks (``bench/part_rollout.py``, the end-to-end
-benchmark); fastpo's trainer uses `MultiTurnRollout`.
+benchmark); fastpo's trainer uses `MultiTurnRollout`. It is kept apart from that loop on
+purpose, as a plain rendition of the reference's token handling (what the benchmarks measure
+fastpo against), and shares the game logic rather than repeating it.
 """
 from __future__ import annotations
 
@@ -90,33 +92,11 @@ class ReferenceRollout:
             for turn in range(T):
                 if not active:
                     break
-                prompts = [self._render(msgs[b], True) for b in active]
-                enc = tok(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-                lens = enc["attention_mask"].sum(1)
-                room = cfg.max_context - int(enc["input_ids"].shape[1])
-                if room < 1:  # the longest history no longer fits: those trajectories end truncated
-                    keep = [i for i, n in enumerate(lens.tolist()) if n + 1 <= cfg.max_context]
-                    for i, b in enumerate(active):
-                        if i not in keep:
-                            truncated[b], stop_reason[b] = True, "context"
-                    active = [active[i] for i in keep]
-                    if not active:
-                        break
-                    prompts = [prompts[i] for i in keep]
-                    enc = tok(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
-                    room = cfg.max_context - int(enc["input_ids"].shape[1])
+                active, enc, room = self._encode_histories(active, msgs, truncated, stop_reason)
+                if not active:
+                    break
                 prefilled += int(enc["attention_mask"].sum())
-                gen_kw = dict(max_new_tokens=max(1, min(cfg.max_new_tokens, room)), eos_token_id=eos, pad_token_id=pad)
-                if temp > 0:
-                    gen_kw.update(do_sample=True, temperature=float(temp), top_p=float(cfg.top_p), top_k=int(cfg.top_k))
-                else:
-                    gen_kw.update(do_sample=False)
-                if cfg.stop_at_answer_close:
-                    gen_kw.update(stop_strings=["</answer>"], tokenizer=tok)
-                torch.manual_seed(int(seed) * 1000 + turn)
-                with torch.no_grad():
-                    out = model.generate(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), **gen_kw)
-                new = out[:, enc["input_ids"].shape[1]:].cpu()
+                new = self._sample(enc, room, temp, int(seed) * 1000 + turn, eos, pad, device)
                 texts = [None] * B
                 for i, b in enumerate(active):
                     row = new[i].tolist()
@@ -148,6 +128,53 @@ class ReferenceRollout:
             model.train(was_training)
         for b in range(B):
             stop_reason[b] = stop_reason[b] or "max_turns"
+        return self._batch(msgs, env, traj_seeds, P, N, turn_rewards, penalties, num_turns, actions_left, truncated,
+                           stop_reason, resp_texts, counters, prefilled, generated, t0)
+
+    def _encode_histories(self, active: list, msgs: list, truncated, stop_reason: list):
+        """Render and tokenize the live trajectories' histories (left-padded). Those whose history
+        leaves no room for one token end truncated ("context"). Returns (the trajectories still
+        live, their encoding, the room left for new tokens)."""
+        cfg, tok = self.cfg, self.tokenizer
+        prompts = [self._render(msgs[b], True) for b in active]
+        enc = tok(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+        lens = enc["attention_mask"].sum(1)
+        room = cfg.max_context - int(enc["input_ids"].shape[1])
+        if room < 1:  # the longest history no longer fits: those trajectories end truncated
+            keep = [i for i, n in enumerate(lens.tolist()) if n + 1 <= cfg.max_context]
+            for i, b in enumerate(active):
+                if i not in keep:
+                    truncated[b], stop_reason[b] = True, "context"
+            active = [active[i] for i in keep]
+            if not active:
+                return active, enc, room
+            prompts = [prompts[i] for i in keep]
+            enc = tok(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+            room = cfg.max_context - int(enc["input_ids"].shape[1])
+        return active, enc, room
+
+    def _sample(self, enc, room: int, temp: float, torch_seed: int, eos: list, pad: int, device):
+        """`model.generate` over the encoded histories (the whole history prefilled again), with
+        the global torch RNG seeded by `torch_seed`; returns the new token ids [rows, new] (CPU)."""
+        cfg, tok = self.cfg, self.tokenizer
+        gen_kw = dict(max_new_tokens=max(1, min(cfg.max_new_tokens, room)), eos_token_id=eos, pad_token_id=pad)
+        if temp > 0:
+            gen_kw.update(do_sample=True, temperature=float(temp), top_p=float(cfg.top_p), top_k=int(cfg.top_k))
+        else:
+            gen_kw.update(do_sample=False)
+        if cfg.stop_at_answer_close:
+            gen_kw.update(stop_strings=["</answer>"], tokenizer=tok)
+        torch.manual_seed(torch_seed)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=enc["input_ids"].to(device),
+                                      attention_mask=enc["attention_mask"].to(device), **gen_kw)
+        return out[:, enc["input_ids"].shape[1]:].cpu()
+
+    def _batch(self, msgs, env, traj_seeds, P, N, turn_rewards, penalties, num_turns, actions_left, truncated,
+               stop_reason, resp_texts, counters, prefilled, generated, t0) -> TrajectoryBatch:
+        """The TrajectoryBatch of the finished rollout, from the re-tokenized final conversations."""
+        cfg, tok = self.cfg, self.tokenizer
+        B = P * N
         ids, masks, tix = self._retokenize(msgs)
         seconds = time.perf_counter() - t0
         scores = turn_rewards.sum(1)

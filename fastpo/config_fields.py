@@ -1,0 +1,178 @@
+"""The config's field machinery, for any tree of dataclasses: `ConfigError`, field rules
+(`checked` + `check_fields`), type checks against the annotations, dotted overrides
+(`parse_override`) and merging a nested dict into the dataclasses with did-you-mean errors
+(`apply_dict`). fastpo.config builds the training configuration with them."""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import field
+from typing import Any, Callable, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, has the wrong type or an impossible value."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A constraint on one config field: `ok(value)` must hold for a value of the field's
+    annotated type; `why` says the rule in the error ("must be > 0")."""
+
+    ok: Callable[[Any], bool]
+    why: str
+
+
+def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
+    """A dataclass field with `default` whose values must have the annotated type and satisfy
+    `ok` (see `check_fields`)."""
+    return field(default=default, metadata={"rule": Rule(ok, why)})
+
+
+def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
+    """Check every field of dataclass `obj` that carries a `Rule` (made with `checked`): its
+    type (the annotation, as `apply_dict` reads it), then the rule. The one validator of
+    field constraints, for `validate` and for the dataclasses' own `__post_init__`.
+
+    Raises ConfigError (a ValueError) "config key 'rollout.top_p' = 2: must be in (0, 1]",
+    naming `prefix` + the field and the value.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        rule = f.metadata.get("rule")
+        if rule is None:
+            continue
+        value, key = getattr(obj, f.name), repr(f"{prefix}{f.name}")
+        key = f"{what} {key}" if what else key
+        ok, _ = _type_ok(value, hints[f.name])
+        if not ok:
+            raise ConfigError(f"{key}: expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})")
+        if not rule.ok(value):
+            raise ConfigError(f"{key} = {value!r}: {rule.why}")
+
+
+def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+    """Check (and lightly coerce: int -> float) `value` against annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin is Literal:
+        return (value in typing.get_args(tp)), value
+    if origin is Union or (hasattr(types, "UnionType") and isinstance(tp, types.UnionType)):
+        for arg in typing.get_args(tp):
+            if arg is type(None):
+                if value is None:
+                    return True, None
+                continue
+            ok, v = _type_ok(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return (isinstance(value, int) and not isinstance(value, bool)), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        return False, value
+    if tp is str:
+        return isinstance(value, str), value
+    if tp is list or origin is list:
+        return isinstance(value, (list, tuple)), list(value) if isinstance(value, (list, tuple)) else value
+    if tp is dict or origin is dict:
+        return isinstance(value, dict), value
+    return isinstance(value, tp), value
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Union:
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _did_you_mean(obj: Any, key: str, prefix: str) -> str:
+    """' (did you mean ...?)' for a key that exists one level down (a bare `group_size`) or is
+    a near miss of a key here (`grup_size`); '' otherwise."""
+    import difflib
+
+    if not isinstance(key, str):  # e.g. a YAML key `1:` or `yes:`
+        return ""
+    here = [f.name for f in dataclasses.fields(obj)]
+    below = [f"{f.name}.{key}" for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))
+             and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
+    guesses = below or difflib.get_close_matches(key, here, n=1)
+    return f" (did you mean {' or '.join(prefix + g for g in guesses)}?)" if guesses else ""
+
+
+def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
+    """Merge a nested dict into the dataclass tree `obj` in place.
+
+    Raises ConfigError naming the dotted key for an unknown key or a wrong type.
+    """
+    if not isinstance(updates, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(updates).__name__}")
+    hints = typing.get_type_hints(type(obj))
+    names = {f.name for f in dataclasses.fields(obj)}
+    for key, value in updates.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(obj, key, prefix)}; "
+                              f"valid keys here: {', '.join(sorted(names))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            apply_dict(current, value, dotted + ".")
+            continue
+        ok, coerced = _type_ok(value, hints[key])
+        if not ok:
+            raise ConfigError(f"config key {dotted!r}: expected {_describe(hints[key])}, got {value!r} "
+                              f"({type(value).__name__})")
+        if isinstance(current, dict) and isinstance(coerced, dict):
+            coerced = {**current, **coerced}
+        setattr(obj, key, coerced)
+
+
+def parse_override(text: str) -> dict:
+    """Turn ``"algorithm.clip_high=0.3"`` into ``{"algorithm": {"clip_high": 0.3}}``.
+
+    The value is read as YAML (numbers, true/false, null, [lists] work). Raises ConfigError
+    when there is no ``=`` or the key is empty.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({str(e).splitlines()[0]}; quote the "
+                          "whole override for the shell if it holds spaces)") from None
+    if isinstance(value, str):
+        # YAML 1.1 reads "1e-5" (no dot) as a string; a number is what anyone means
+        try:
+            value = float(value) if not value.strip().lower() in ("nan", "inf", "-inf", ".inf") else value
+        except ValueError:
+            pass
+    return _nested(key, value)
+
+
+def _nested(key: str, value: Any) -> dict:
+    """``("a.b.c", v)`` -> ``{"a": {"b": {"c": v}}}``."""
+    out: dict = {}
+    node = out
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out

@@ -1,0 +1,173 @@
+"""The run folder: durable writes, the markers of a run, the one-process lock.
+
+`atomic_write_text` replaces a file so that a crash at any moment leaves the old contents
+or the new ones (every file of a run folder that is rewritten goes through it). A folder
+holds a run when it has one of `RUN_MARKERS`; `fresh_run_folder` picks a free one;
+`RunLock` holds a run folder for one process (an OS lock, released when the process dies).
+What interrupted writes leave behind is cleared by `fastpo.checkpoint.tidy_run_folder`.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from typing import Optional
+
+def fsync_dir(path: str) -> None:
+    """fsync a folder, so a rename or a new file in it survives a power loss (no-op where the
+    OS cannot open folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Replace the file `path` with `text` so that a reader, or a crash at any moment, finds the
+    old contents or the new ones, never a mix: written to `path.tmp<pid>`, fsynced, renamed over
+    `path`, the folder fsynced. The temporary file is removed if the write fails (e.g. ENOSPC;
+    the error is raised)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+#: What marks a folder as holding a fastpo run.
+RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+#: The lock file in a run folder (see RunLock).
+LOCK_FILE = ".lock"
+
+
+def run_folder_in_use(out_dir: str) -> list[str]:
+    """The run markers (config.yaml, metrics.jsonl, checkpoints/) present in `out_dir` (empty: free)."""
+    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
+
+
+def clear_run_folder(out_dir: str) -> None:
+    """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, eval/ outcomes,
+    tensorboard files, the configs kept from earlier resumes)."""
+    kept = [f for f in os.listdir(out_dir) if f.startswith("config.until_iter_")] if os.path.isdir(out_dir) else []
+    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", *kept):
+        p = os.path.join(out_dir, m)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.remove(p)
+
+
+def fresh_run_folder(out_dir: str) -> str:
+    """`out_dir` if it holds no run, else the first free `out_dir-2`, `out_dir-3`, ..."""
+    if not run_folder_in_use(out_dir):
+        return out_dir
+    base = out_dir.rstrip("/\\") or out_dir
+    i = 2
+    while run_folder_in_use(f"{base}-{i}"):
+        i += 1
+    return f"{base}-{i}"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another process holds the run folder (one line naming it and its pid)."""
+
+
+class RunLock:
+    """An exclusive OS lock (flock) on `OUT/.lock`, held by the process writing the run folder.
+
+    The kernel releases it when the process ends, however it ends (kill -9 included), so a
+    lock never outlives its holder. The file holds the holder's pid, for the message.
+    `acquire` raises RunFolderBusy naming the pid when another process holds it.
+    """
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+        self.path = os.path.join(out_dir, LOCK_FILE)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> "RunLock":
+        import fcntl
+
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+        except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from fastpo.config import ConfigError
+
+            raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunFolderBusy(self._busy()) from None
+            # the file may have been deleted and re-created by a holder that let go meanwhile:
+            # hold the lock on the file that is there now
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def __enter__(self) -> "RunLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def check(self) -> None:
+        """Raise RunFolderBusy when another process holds the lock now (without taking it: a
+        probe, for refusing a command before it does anything)."""
+        import fcntl
+
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return  # no lock file: nobody has held this folder
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise RunFolderBusy(self._busy()) from None
+        finally:
+            os.close(fd)
+
+    def _busy(self) -> str:
+        try:
+            with open(self.path) as f:
+                pid = f.read().strip()
+        except OSError:
+            pid = ""
+        return (f"{self.out_dir} is in use by another fastpo process (pid {pid if pid.isdigit() else 'unknown'}); "
+                f"wait for it to end or stop it first")
+
+    def release(self, remove: bool = False) -> None:
+        """Let go of the lock; `remove` also deletes the lock file (a folder left empty)."""
+        if self.fd is None:
+            return
+        if remove:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        os.close(self.fd)  # closing the last descriptor releases the flock
+        self.fd = None

@@ -1,0 +1,136 @@
+"""The end-of-run tables: the summary of the main metrics (first, last, best) and the eval
+before and after training, in standard errors, paired by seed where a run's per-trajectory
+outcomes (eval/iter_*.json) are there."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Optional
+
+import numpy as np
+
+from fastpo.stats import finite_number, standard_error
+
+SUMMARY_KEYS = [
+    ("train/success_rate", "train success rate"),
+    ("eval/success_rate", "eval success rate"),
+    ("train/score_mean", "train score mean"),
+    ("train/format_valid", "train format-valid rate"),
+    ("train/in_group_reward_std", "in-group reward std"),
+    ("train/rollout_entropy", "rollout entropy (nats)"),
+    ("train/response_length", "response length (tokens)"),
+    ("actor/grad_norm", "actor grad norm"),
+    ("actor/approx_kl", "approx KL"),
+    ("time/iteration_s", "seconds / iteration"),
+]
+
+
+def summary_table(records: list[dict], title: str = "fastpo run summary"):
+    """A rich Table: first, last and best value of the main metrics over the run."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("metric", "first", "last", "best", "iteration of best"):
+        table.add_column(col)
+    for key, label in SUMMARY_KEYS:
+        pts = [(r["iteration"], r[key]) for r in records if finite_number(r.get(key))]
+        if not pts:
+            continue
+        lower_better = key.startswith("time/")
+        best = (min if lower_better else max)(pts, key=lambda p: p[1])
+        table.add_row(label, f"{pts[0][1]:.4g}", f"{pts[-1][1]:.4g}", f"{best[1]:.4g}", str(best[0]))
+    return table
+
+
+#: Rows of the end-of-run before/after table: (metric, label, has a standard error).
+BEFORE_AFTER_KEYS = [
+    ("eval/success_rate", "success", True),
+    ("eval/random_success", " random policy", False),
+    ("eval/optimal_success", " optimal policy", False),
+    ("eval/format_valid", "format-valid", True),
+    ("eval/score_mean", "score mean", True),
+]
+
+
+def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
+    """The per-trajectory outcomes of a run's evaluation (`run_dir/eval/iter_XXXXXX.json`,
+    written by the trainer), or None when absent or unreadable."""
+    if not run_dir:
+        return None
+    try:
+        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json")) as f:
+            d = json.load(f)
+        return d if isinstance(d, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional[dict]:
+    """The first and the last evaluation of a run, compared: None with fewer than two
+    evaluations, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
+    "before", "after", "before_se", "after_se", "change", "z", "z_paired"}]}.
+
+    z = change / sqrt(before_se^2 + after_se^2): the change in standard errors of the
+    difference of two independent means. z_paired (where `run_dir` holds both evaluations'
+    per-trajectory outcomes on the same seeds): mean(d) / (std(d, ddof 1) / sqrt(n)) over the
+    per-seed differences d = after - before, which takes out what the seeds themselves make
+    easy or hard (a map without a short safe path fails before and after). Either is None
+    where it cannot be computed (no standard error, both 0, or no outcomes)."""
+    evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
+    if len(evals) < 2:
+        return None
+    a, b = evals[0], evals[-1]
+    oa, ob = _eval_outcomes(run_dir, a["iteration"]), _eval_outcomes(run_dir, b["iteration"])
+    paired = oa is not None and ob is not None and oa.get("seed") == ob.get("seed") and bool(oa.get("seed"))
+    rows = []
+    for key, label, has_se in BEFORE_AFTER_KEYS:
+        if not (finite_number(a.get(key)) and finite_number(b.get(key))):
+            continue
+        row = {"key": key, "label": label, "before": float(a[key]), "after": float(b[key]),
+               "before_se": None, "after_se": None, "change": float(b[key]) - float(a[key]), "z": None,
+               "z_paired": None}
+        if has_se and finite_number(a.get(f"{key}_se")) and finite_number(b.get(f"{key}_se")):
+            row["before_se"], row["after_se"] = float(a[f"{key}_se"]), float(b[f"{key}_se"])
+            se = math.hypot(row["before_se"], row["after_se"])
+            row["z"] = row["change"] / se if se > 0 else None
+        name = key.split("/", 1)[1]
+        if has_se and paired and isinstance(oa.get(name), list) and isinstance(ob.get(name), list) \
+                and len(oa[name]) == len(ob[name]) > 1:
+            d = np.asarray(ob[name], dtype=np.float64) - np.asarray(oa[name], dtype=np.float64)
+            se = standard_error(d)
+            row["z_paired"] = float(d.mean() / se) if se > 0 else None
+        rows.append(row)
+    return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
+
+
+def before_after_table(records: list[dict], title: Optional[str] = None,
+                       run_dir: Optional[str] = None):
+    """A rich Table of `before_after(records, run_dir)` (None with fewer than two
+    evaluations): value +- standard error before and after, the change, and the change in
+    standard errors (independent, and paired by seed where the outcomes are in `run_dir`)."""
+    from rich.table import Table
+
+    ba = before_after(records, run_dir)
+    if ba is None:
+        return None
+    n = next((r.get("eval/num_seeds") for r in records if finite_number(r.get("eval/num_seeds"))), None)
+    if title is None:
+        title = "eval before and after training" + (f" ({int(n)} fixed seeds, +- 1 SE)" if n else " (+- 1 SE)")
+    caption = ("z: the change over sqrt(SE_before^2 + SE_after^2); paired z: over the standard error of the "
+               "per-seed differences; above 2: higher by more than two standard errors. Random and optimal "
+               "policy: their success on the same seeds and action horizon")
+    table = Table(title=title, caption=caption)
+    for col in ("eval", f"iter {ba['before']}", f"iter {ba['after']}", "change", "z", "paired z"):
+        table.add_column(col)
+
+    def fmt(v, se):
+        return f"{v:.3f}" + (f" +- {se:.3f}" if se is not None else "")
+
+    def z(v):
+        return f"{v:+.1f}" if v is not None else ""
+
+    for row in ba["rows"]:
+        table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
+                      f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"]))
+    return table
