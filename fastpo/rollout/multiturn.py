@@ -58,6 +58,15 @@ class TurnCounters:
     penalised: int = 0  # turns with a format penalty
     turns: int = 0
 
+    def add(self, pieces: int, valid: int, executed: int, effective: int, penalised: bool) -> None:
+        """Count one trajectory's turn."""
+        self.pieces += int(pieces)
+        self.valid += int(valid)
+        self.executed += int(executed)
+        self.effective += int(effective)
+        self.penalised += int(penalised)
+        self.turns += 1
+
     def rates(self) -> dict:
         return {
             "valid_action_rate": self.valid / max(1, self.pieces),
@@ -139,12 +148,7 @@ def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, cou
             notes[b] = ("Invalid actions: " + ", ".join(pa.invalid[b]) + ".") if pa.invalid[b] else \
                 "Your answer was not in the required format."
         if counters is not None:
-            counters.pieces += int(valid[b] + invalid[b])
-            counters.valid += int(valid[b])
-            counters.executed += int(executed[b])
-            counters.effective += int(effective[b])
-            counters.penalised += int(not ok[b])
-            counters.turns += 1
+            counters.add(valid[b] + invalid[b], valid[b], executed[b], effective[b], not ok[b])
     return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
 
 
@@ -173,12 +177,7 @@ def _free_text_turn(env, cfg: RolloutConfig, answers: list, fmt_ok, has_answer, 
             notes[b] = "The game did not accept your answer." if has_answer[b] and run[b] else \
                 "Your answer was not in the required format."
         if counters is not None:
-            counters.pieces += int(has_answer[b])
-            counters.valid += int(valid[b])
-            counters.executed += int(executed[b])
-            counters.effective += int(effective[b])
-            counters.penalised += int(not ok[b])
-            counters.turns += 1
+            counters.add(has_answer[b], valid[b], executed[b], effective[b], not ok[b])
     return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
 
 
