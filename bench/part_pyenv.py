@@ -33,6 +33,7 @@ class _Timed:
     def __init__(self, env):
         self._env = env
         self.seconds = 0.0
+        self.answers = 0  # answers that reached the game's step()
 
     def __getattr__(self, name):
         value = getattr(self._env, name)
@@ -40,6 +41,8 @@ class _Timed:
             return value
 
         def timed(*a, **k):
+            if name == "step_text":
+                self.answers += sum(x is not None for x in a[0])
             t0 = time.perf_counter()
             try:
                 return value(*a, **k)
@@ -77,18 +80,20 @@ def run(ctx: BenchContext) -> list:
         ro.make_env = lambda B: made.append(_Timed(plain(B))) or made[-1]
         seeds = [ctx.seed + 17 * g for g in range(P)]
         ro.generate(seeds[:1], 1, seed=ctx.seed)  # warm-up (allocator, first calls)
-        env_s, total_s, turns_done = [], [], []
+        env_s, total_s, turns_done, answers = [], [], [], []
         for r in range(max(1, ctx.repeats if ctx.repeats_given else 1)):
             made.clear()
             t0 = time.perf_counter()
             batch = ro.generate(seeds, N, seed=ctx.seed + r)
             total_s.append(time.perf_counter() - t0)
             env_s.append(made[-1].seconds)
+            answers.append(made[-1].answers)
             turns_done.append(float(batch.num_turns.float().mean()))
         env_t, total = sorted(env_s)[len(env_s) // 2], sorted(total_s)[len(total_s) // 2]
         records.append(Record(
             PART, f"{ENV} env calls vs the whole rollout, {label}", "s", env_t, total, False,
             baseline_name="the whole rollout (generation + env)", target=20.0,
-            notes=f"env share {100 * env_t / total:.2f}% of the rollout; {turns_done[-1]:.1f} turns per trajectory; "
+            notes=f"env share {100 * env_t / total:.2f}% of the rollout; {turns_done[-1]:.1f} turns per trajectory, "
+                  f"{answers[-1]} answers stepped by the game; "
                   f"model {info.label}; median of {len(env_s)}; target: share < 5% (ratio >= 20)"))
     return records

@@ -280,3 +280,66 @@ def test_error_in_the_game_stops_the_run_naming_env_and_seed_keeping_checkpoint(
         "level file truncated" in err[0], err
     assert [r["iteration"] for r in _records(out)] == [1]
     assert os.path.isdir(os.path.join(out, "checkpoints", "iter_000001", "model"))
+
+
+def test_installed_entry_point_is_found_by_name(tmp_path, monkeypatch):
+    """A package that registers a game in the fastpo.envs entry-point group (its dist-info's
+    entry_points.txt, as pip writes it) makes `--env NAME` work; a broken one says so."""
+    (tmp_path / "toygames.py").write_text(
+        "class Coin:\n"
+        "    action_names = ('Heads', 'Tails')\n"
+        "    def reset(self, seed):\n        self.side = 'Heads' if seed % 2 else 'Tails'\n        return 'Call it.'\n"
+        "    def step(self, a):\n        return 'done', float(a == self.side), True, {'success': a == self.side}\n")
+    dist = tmp_path / "toygames-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toygames\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fastpo.envs]\ncoin = toygames:Coin\nbroken = toygames:Nothing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    resolve_env.cache_clear()
+    env = make_env("coin", 2)
+    env.reset([1, 2])
+    assert env.step(np.array([[0], [0]])).success.tolist() == [True, False]
+    with pytest.raises(EnvError, match=r"unknown environment 'coins'; choose .*an installed one \(broken, coin\)"):
+        make_env("coins", 1)
+    with pytest.raises(EnvError, match=r"environment 'broken' \(entry point 'toygames:Nothing'\) failed to load"):
+        make_env("broken", 1)
+    resolve_env.cache_clear()
+
+
+def test_example_game_and_its_reference_lines():
+    env = make_env("examples.guess_number:GuessNumber", 2, {"high": 16})
+    env.reset([0, 1])
+    assert env.free_text and "from 1 to 16" in env.instructions()[0]
+    # binary search wins within ceil(log2(17)) = 5 guesses; a random guesser 1 - (15/16)^5 of the time
+    assert env.optimal_success([0, 1], 5).tolist() == [1.0, 1.0]
+    assert env.optimal_success([0], 3).tolist() == [7 / 16]
+    assert env.random_success([0], 5)[0] == pytest.approx(1 - (15 / 16) ** 5)
+    lo, hi = 1, 16
+    for _ in range(5):  # binary search through the env: always wins
+        g = (lo + hi) // 2
+        res = env.step_text([str(g), str(g)])
+        if res.done[0]:
+            break
+        lo, hi = (g + 1, hi) if "higher" in env.render()[0] else (lo, g - 1)
+    assert env.success[0]
+    with pytest.raises(EnvError, match=r"takes no option\(s\) \['hi'\]; its options: \['low', 'high'\]"):
+        make_env("examples.guess_number:GuessNumber", 1, {"hi": 3})
+
+
+def test_config_file_takes_the_same_names_and_the_env_settings_apply(tmp_path):
+    from fastpo.config import ConfigError, load_config
+
+    p = tmp_path / "cfg.yaml"
+    p.write_text("env: {name: 'test_envs_python:Walk', options: {length: 5}, workers: 2}\n")
+    cfg = load_config(file=str(p), preset="cpu")
+    assert cfg.env.name == "test_envs_python:Walk" and cfg.env.options == {"length": 5} and cfg.env.workers == 2
+    # the game's settings are its env preset; the command line still wins
+    assert (cfg.rollout.max_turns, cfg.rollout.max_actions_per_turn, cfg.rollout.max_actions_per_traj) == (3, 2, 6)
+    assert load_config(file=str(p), preset="cpu", overrides=["rollout.max_turns=4"]).rollout.max_turns == 4
+    assert cfg.trainer.output_dir == "runs/test_envs_python_Walk"
+    p.write_text("env: 'test_envs_python:NoStep'\n")
+    with pytest.raises(ConfigError, match=r"config key 'env.name': environment 'test_envs_python:NoStep': "
+                                          r"'NoStep' does not implement"):
+        load_config(file=str(p))
+    with pytest.raises(ConfigError, match=r"config key 'env.workers' = -1: must be >= 0"):
+        load_config(env="test_envs_python:Walk", overrides=["env.workers=-1"])
