@@ -343,3 +343,19 @@ def test_config_file_takes_the_same_names_and_the_env_settings_apply(tmp_path):
         load_config(file=str(p))
     with pytest.raises(ConfigError, match=r"config key 'env.workers' = -1: must be >= 0"):
         load_config(env="test_envs_python:Walk", overrides=["env.workers=-1"])
+
+
+class BadBound(Walk):
+    def random_success(self, seeds, horizon):
+        return [2.0 for _ in seeds]
+
+    def optimal_success(self, seeds, horizon):
+        raise ValueError("no solver for horizon 4")
+
+
+def test_bad_reference_lines_are_named():
+    env = make_env("test_envs_python:BadBound", 1)
+    with pytest.raises(EnvError, match=r"random_success must return one probability in \[0, 1\] per seed"):
+        env.random_success([0, 1], 4)
+    with pytest.raises(EnvError, match=r"optimal_success\(seeds, 4\) raised ValueError: no solver for horizon 4"):
+        env.optimal_success([0], 4)

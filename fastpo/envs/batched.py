@@ -401,7 +401,11 @@ class PythonBatchedEnv:
         fn = getattr(self._probe, which, None)
         if not callable(fn):
             raise AttributeError(f"environment {self.name!r} has no {which}")
-        v = np.asarray(fn(list(seeds), horizon), dtype=np.float64).reshape(-1)
+        try:
+            v = np.asarray(fn(list(seeds), horizon), dtype=np.float64).reshape(-1)
+        except Exception as e:
+            raise EnvError(f"environment {self.name!r}: {which}(seeds, {horizon}) raised {type(e).__name__}: "
+                           f"{_one_line(e)}") from None
         if v.size not in (1, len(seeds)) or not np.all((v >= 0) & (v <= 1)):
             raise EnvError(f"environment {self.name!r}: {which} must return one probability in [0, 1] per "
                            f"seed, got {v!r:.80}")
