@@ -18,6 +18,8 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import os
+import sys
 from typing import Callable, Optional
 
 from .errors import EnvError
@@ -110,11 +112,13 @@ def _first_line(e: BaseException) -> str:
 def _import_class(name: str, module: str, attr: str):
     if not module.strip() or not attr.strip():
         raise EnvError(f"env {name!r}: an import path is 'module.path:Class'")
+    if os.getcwd() not in sys.path:  # `fastpo train --env mygame:Game` from the game's folder (as uvicorn does)
+        sys.path.append(os.getcwd())
     try:
         mod = importlib.import_module(module.strip())
     except ModuleNotFoundError as e:
         if e.name and module.strip().startswith(e.name):
-            raise EnvError(f"environment {name!r}: no module named {e.name!r} (is it installed or on PYTHONPATH?)") \
+            raise EnvError(f"environment {name!r}: no module named {e.name!r} (is it installed, on PYTHONPATH or under the current folder?)") \
                 from None
         raise EnvError(f"environment {name!r}: importing {module!r} failed: {type(e).__name__}: {_first_line(e)}") \
             from None
