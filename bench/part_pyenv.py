@@ -96,4 +96,23 @@ def run(ctx: BenchContext) -> list:
             notes=f"env share {100 * env_t / total:.2f}% of the rollout; {turns_done[-1]:.1f} turns per trajectory, "
                   f"{answers[-1]} answers stepped by the game; "
                   f"model {info.label}; median of {len(env_s)}; target: share < 5% (ratio >= 20)"))
+        records.append(_every_answer_stepped(ro, P * N, turns, total / max(1.0, turns_done[-1]), label, info.label))
     return records
+
+
+def _every_answer_stepped(ro, B: int, turns: int, rollout_turn_s: float, label: str, model: str) -> Record:
+    """The env's cost when all B trajectories answer every turn (a model that rarely answers
+    steps the game less): reset, then `turns` x (step_text of B answers + render), per turn,
+    beside the measured rollout's seconds per turn."""
+    env = ro.make_env(B)
+    t0 = time.perf_counter()
+    env.reset(list(range(B)))
+    env.instructions()
+    for t in range(turns):
+        env.step_text([str(1 + (3 * t + b) % 16) for b in range(B)])
+        env.render()
+    per_turn = (time.perf_counter() - t0) / turns
+    return Record(PART, f"{ENV} env turn with all {B} answers stepped vs a rollout turn, {label}", "s/turn", per_turn,
+                  rollout_turn_s, False, baseline_name="a rollout turn (measured above)", target=20.0,
+                  notes=f"env share {100 * per_turn / rollout_turn_s:.2f}% of a turn; reset + {turns} turns of "
+                        f"step_text(B answers) + render, divided by {turns}; model {model}")
