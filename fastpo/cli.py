@@ -36,8 +36,9 @@ import sys
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--env", choices=["bandit", "sokoban", "frozenlake"], default=None,
-                   help="environment (default: frozenlake, or the config file's)")
+    p.add_argument("--env", default=None, metavar="NAME",
+                   help="environment: bandit, sokoban, frozenlake, module.path:Class, textarena:ID, gym:ID or an "
+                        "installed fastpo.envs entry point (default: frozenlake, or the config file's)")
     p.add_argument("--preset", default=None,
                    help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
                         "(default: paper with a GPU, cpu without)")
@@ -195,6 +196,7 @@ def _train_in_process(args, cfg, ctx, console) -> int:
     """Run the trainer in this process (one of `ctx.world_size`); the exit status."""
     from fastpo.checkpoint import CheckpointSaveError, RunFolderBusy
     from fastpo.config import ConfigError
+    from fastpo.envs import EnvError
     from fastpo.trainer import train
 
     def error(text: str) -> None:  # every rank meets the same error; rank 0 says it
@@ -216,6 +218,9 @@ def _train_in_process(args, cfg, ctx, console) -> int:
         return 2
     except CheckpointSaveError as e:
         error(str(e))
+        return 1
+    except EnvError as e:  # the user's game raised (names the env and the instance's seed) or broke its contract
+        error(f"{e} (the run stopped; its last checkpoint and metrics are kept)")
         return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -281,6 +286,9 @@ def cmd_eval(args) -> int:
     for k in sorted(res):
         if k.startswith("eval/"):
             table.add_row(k[5:], f"{res[k]:.4g}")
+    for k in ("eval/optimal_success", "eval/random_success"):
+        if k not in res:  # the env gives no such reference line
+            table.add_row(k[5:], "not known")
     console.print(table)
     if args.json is not None:
         console.print(f"results: {write_json(args.json, eval_report(cfg, res, run))}", markup=False)

@@ -95,13 +95,19 @@ class EnvConfig:
     """The environment.
 
     Attributes:
-        name: the game: bandit, sokoban or frozenlake (docs/environments.md).
-        options: the environment's constructor arguments (`make_env`), e.g.
-            `{size: 8, num_boxes: 2}` for Sokoban or `{p: 0.9, success_prob: 0.8}` for FrozenLake.
+        name: the game: a built-in one (bandit, sokoban, frozenlake; docs/environments.md), a
+            plain-Python game as "module.path:Class", "textarena:ID", "gym:ID" or the name of an
+            installed `fastpo.envs` entry point (docs/custom_environments.md); checked through
+            `fastpo.envs` before any model loads.
+        options: the game's constructor arguments, e.g. `{size: 8, num_boxes: 2}` for Sokoban or
+            `{p: 0.9, success_prob: 0.8}` for FrozenLake.
+        workers: > 0 steps a plain-Python game in that many worker processes (same results as
+            in process); 0 steps it in the trainer's process. Built-in games ignore it.
     """
 
-    name: Literal["bandit", "sokoban", "frozenlake"] = "frozenlake"
+    name: str = checked("frozenlake", lambda v: bool(v.strip()), "must name an environment")
     options: dict = field(default_factory=dict)
+    workers: int = checked(0, _at_least(0), "must be >= 0 (0 = in process)")
 
 
 @dataclass
@@ -500,8 +506,10 @@ ENV_PRESETS: dict[str, dict] = {
     "frozenlake": {},
 }
 
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """Refuse impossible values with a ConfigError naming the key; returns `cfg`."""
+def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
+    """Refuse impossible values with a ConfigError naming the key; returns `cfg`. With
+    check_env=False the env name is checked but no instance is built with env.options (for a
+    look-up that only needs other keys, e.g. which model `fastpo eval` loads)."""
     r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
 
     def need(cond: bool, key: str, value: Any, why: str) -> None:
@@ -546,7 +554,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 
         need(importlib.util.find_spec("wandb") is not None, "trainer.wandb", t.wandb,
              "wandb is not installed (pip install wandb)")
-    _check_env_options(cfg.env.name, cfg.env.options)
+    if check_env:
+        _check_env_options(cfg.env.name, cfg.env.options)
     return cfg
 
 
@@ -560,24 +569,39 @@ def _check_off_policy(cfg: TrainConfig, need) -> None:
 
 
 def _check_env_options(name: str, options: dict) -> None:
-    """Dry run: build one instance of env `name` with `options` (no model; cheap). Sokoban with
-    non-default options also resets it once (under a second), which finds impossible levels
-    such as more boxes than a room holds.
+    """Dry run: build one instance of env `name` with `options` (no model; cheap;
+    `fastpo.envs.check_env`). Sokoban with non-default options also resets it once (under a
+    second), which finds impossible levels such as more boxes than a room holds.
 
-    Raises ConfigError naming `env.options` for an unknown key or a bad value.
+    Raises ConfigError naming `env.options` for an unknown key or a bad value, and the env for
+    a name that does not resolve.
     """
-    from fastpo.envs_native import make_env
+    from fastpo.envs import EnvError, check_env, resolve_env
 
     try:
-        env = make_env(name, 1, **options)
-        if name == "sokoban" and options:
-            env.reset([0])
+        resolve_env(name)
+    except EnvError as e:
+        raise ConfigError(f"config key 'env.name': {e}") from None
+    try:
+        check_env(name, options)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
 
 
+def env_preset(name: str) -> dict:
+    """The settings env `name` fixes (ENV_PRESETS for a built-in game, a plain-Python game's
+    `settings`); ConfigError naming `env.name` when the name does not resolve."""
+    from fastpo.envs import EnvError, env_preset as preset
+
+    try:
+        return preset(name)
+    except EnvError as e:
+        raise ConfigError(f"config key 'env.name': {e}") from None
+
+
 def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
-                overrides: Optional[list[str]] = None, values: Optional[dict] = None) -> TrainConfig:
+                overrides: Optional[list[str]] = None, values: Optional[dict] = None,
+                check_env: bool = True) -> TrainConfig:
     """Build and validate a TrainConfig: defaults -> named presets -> env preset -> YAML -> overrides.
 
     `preset` may be several comma-separated names applied in order (e.g. "cpu,grpo"); None
@@ -594,8 +618,9 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
             raise ConfigError(f"override 'preset={d['preset']}': presets are chosen with --preset NAME[,NAME...] "
                               "(or `preset:` in a config file), not as a dotted override")
     env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
-    if env_name not in ENV_PRESETS:
-        raise ConfigError(f"unknown env {env_name!r}; choose from {', '.join(ENV_PRESETS)}")
+    if not isinstance(env_name, str):
+        raise ConfigError(f"config key 'env.name' = {env_name!r}: must be an environment name")
+    fixed_by_env = env_preset(env_name)
     preset_names = preset or file_dict.pop("preset", None) or default_preset()
     file_dict.pop("preset", None)
     cfg = TrainConfig()
@@ -607,7 +632,7 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
         apply_dict(cfg, PRESETS[name])
-    apply_dict(cfg, ENV_PRESETS[env_name])
+    apply_dict(cfg, fixed_by_env)
     cfg.preset = ",".join(names)
     apply_dict(cfg, file_dict)
     for key, value in (values or {}).items():
@@ -617,5 +642,5 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if env and cfg.env.name != env:
         cfg.env.name = env
     if not cfg.trainer.output_dir:
-        cfg.trainer.output_dir = f"runs/{cfg.env.name}"
-    return validate(cfg)
+        cfg.trainer.output_dir = "runs/" + re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.env.name)  # no ':' or '/'
+    return validate(cfg, check_env)

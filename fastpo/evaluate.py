@@ -106,14 +106,18 @@ def success_bounds(env_name: str, env_options: dict, seeds, horizon: int) -> dic
     policy's} within `horizon` actions (see `eval_horizon`), from the environment's own
     `optimal_success` / `random_success` (FrozenLake: exact value iteration; Sokoban: exact
     breadth-first search, and a Monte-Carlo estimate for the random policy; Bandit: 1 and
-    1/2). Raises what those raise (ValueError for a bad horizon or seed, RuntimeError when a
-    Sokoban search outgrows its state cap).
+    1/2; a plain-Python game: its own, where it defines them). A line the env cannot give is
+    left out (the tables then say it is not known). Raises what those raise (ValueError for a
+    bad horizon or seed, RuntimeError when a Sokoban search outgrows its state cap).
     """
-    from fastpo.envs_native import make_env
+    from fastpo.envs import make_env
 
-    env = make_env(env_name, 1, **dict(env_options))
-    return {"eval/optimal_success": float(np.mean(env.optimal_success(seeds, horizon))),
-            "eval/random_success": float(np.mean(env.random_success(seeds, horizon)))}
+    env = make_env(env_name, 1, dict(env_options))
+    out = {}
+    for key, which in (("eval/optimal_success", "optimal_success"), ("eval/random_success", "random_success")):
+        if getattr(env, "has_bound", lambda w: True)(which):
+            out[key] = float(np.mean(getattr(env, which)(seeds, horizon)))
+    return out
 
 
 def eval_seeds(cfg) -> list[int]:
@@ -227,13 +231,13 @@ def _trained_settings(run, eval_env: str) -> dict[str, Any]:
     """The settings a checkpoint's run config `run` carries over to an eval on `eval_env`, as
     {dotted key: value}: its env.options (same env only) and every RolloutConfig setting but
     `temperature`, less the turn and action limits the env presets fix when the env differs."""
-    from fastpo.config import ENV_PRESETS, RolloutConfig
+    from fastpo.config import RolloutConfig, env_preset
 
     layer: dict[str, Any] = {}
     fixed_by_env: set[str] = set()
     if eval_env != run.env.name:
         for e in (run.env.name, eval_env):
-            fixed_by_env |= set(ENV_PRESETS[e].get("rollout", {}))
+            fixed_by_env |= set(env_preset(e).get("rollout", {}))
     else:
         layer.update({f"env.options.{k}": v for k, v in run.env.options.items()})
     for f in dataclasses.fields(RolloutConfig):
@@ -272,7 +276,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
 
     # which model, before the env is known: env.options overrides wait for the checkpoint's env
     cfg = load_config(env=env, preset=preset, file=file, overrides=[o for o in overrides if not env_options(o)],
-                      values=values)
+                      values=values, check_env=False)
     try:
         ref = find_checkpoint(cfg.model.name, warn=warn)
     except ValueError as e:
@@ -287,10 +291,15 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
 
     explicit = _explicit_keys(preset, file, overrides, values)
     env_explicit = bool(env) or "env.name" in explicit
-    if env_explicit:
-        cfg = load_config(env=env, preset=preset, file=file, overrides=overrides, values=values)
-    else:
-        cfg = load_config(env=run.env.name, preset=preset, file=file, overrides=overrides, values=values)
+    # on the run's own env its options come along (a game may need some to be built: gym's
+    # action_names); the command line's env.options overrides still win
+    same_env = not env_explicit or cfg.env.name == run.env.name
+    carried = dict(values)
+    if same_env and "env.options" not in explicit:
+        carried = {**{f"env.options.{k}": copy.deepcopy(v) for k, v in run.env.options.items()
+                      if f"env.options.{k}" not in explicit}, **values}
+    cfg = load_config(env=env if env_explicit else run.env.name, preset=preset, file=file, overrides=overrides,
+                      values=carried)
     eval_env = cfg.env.name
     mismatch = eval_env != run.env.name
 
@@ -369,7 +378,8 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
     model, tok, info = load_model_checked(cfg.model.name, device=str(device),
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
     rcfg = cfg.rollout.rollout_config(temperature=t.eval_temperature)
-    rollout = ro.MultiTurnRollout(ro.NativeEngine(model, tok), tok, cfg.env.name, dict(cfg.env.options), rcfg)
+    rollout = ro.MultiTurnRollout(ro.NativeEngine(model, tok), tok, cfg.env.name, dict(cfg.env.options), rcfg,
+                                  env_workers=cfg.env.workers)
     seeds = eval_seeds(cfg)
     if console is not None:
         console.print(f"evaluating {info.label} on {cfg.env.name}: {len(seeds)} seed{'s' if len(seeds) != 1 else ''} x {t.eval_group_size} "

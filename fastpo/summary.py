@@ -130,7 +130,12 @@ def before_after_table(records: list[dict], title: Optional[str] = None,
     def z(v):
         return f"{v:+.1f}" if v is not None else ""
 
+    shown = {row["key"] for row in ba["rows"]}
     for row in ba["rows"]:
         table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
                       f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"]))
+        if row["key"] == "eval/success_rate":  # an env without reference lines: say so, invent none
+            for key, label, _ in BEFORE_AFTER_KEYS[1:3]:
+                if key not in shown:
+                    table.add_row(label, "not known", "not known", "", "", "")
     return table

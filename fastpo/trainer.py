@@ -383,7 +383,8 @@ class Trainer:
         self.rollout_cfg = cfg.rollout.rollout_config()
         self.engine = self._make_engine(model, tok)
         self._resolve_old_logprob()
-        self.rollout = ro.MultiTurnRollout(self.engine, tok, cfg.env.name, dict(cfg.env.options), self.rollout_cfg)
+        self.rollout = ro.MultiTurnRollout(self.engine, tok, cfg.env.name, dict(cfg.env.options), self.rollout_cfg,
+                                           env_workers=cfg.env.workers)
         self.echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
         self.schedule = None  # rollout reuse (Online-K) and replay (fastpo.replay); None: a fresh batch each time
         if cfg.rollout.reuse > 1 or cfg.rollout.replay > 0:

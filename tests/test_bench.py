@@ -154,3 +154,13 @@ def test_plain_python_env_matches_batched_env():
             assert (ra.done == rp.done).all() and (ra.success == rp.success).all()
             assert (ra.num_executed == rp.num_executed).all()
             assert a.render() == p.render()
+
+
+def test_quick_pyenv_part_measures_the_python_env_share():
+    """bench part pyenv (issue 26): a real rollout of the example game with its env calls timed."""
+    part = _load("part_pyenv")
+    recs = part.run(part.BenchContext(quick=True, model="random:tiny-llama", repeats=1, parts=("pyenv",)))
+    assert len(recs) == 2 and all(r.target == 20.0 for r in recs)
+    r = recs[0]
+    assert 0 < r.fastpo < r.baseline and "env share" in r.notes and "answers stepped by the game" in r.notes
+    assert 0 < recs[1].fastpo and "with all 4 answers stepped" in recs[1].name

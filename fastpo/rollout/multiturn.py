@@ -58,6 +58,15 @@ class TurnCounters:
     penalised: int = 0  # turns with a format penalty
     turns: int = 0
 
+    def add(self, pieces: int, valid: int, executed: int, effective: int, penalised: bool) -> None:
+        """Count one trajectory's turn."""
+        self.pieces += int(pieces)
+        self.valid += int(valid)
+        self.executed += int(executed)
+        self.effective += int(effective)
+        self.penalised += int(penalised)
+        self.turns += 1
+
     def rates(self) -> dict:
         return {
             "valid_action_rate": self.valid / max(1, self.pieces),
@@ -112,6 +121,8 @@ def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, cou
         answers[b] = parsed.answer or ""
         has_answer[b] = parsed.answer is not None
         fmt_ok[b] = parsed.format_ok
+    if getattr(env, "free_text", False):
+        return _free_text_turn(env, cfg, answers, fmt_ok, has_answer, stepped, actions_left, counters)
     k_turn = cfg.max_actions_per_turn
     pa = env.parse_actions(answers, k_turn)
     acts = pa.actions.copy()
@@ -137,12 +148,36 @@ def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, cou
             notes[b] = ("Invalid actions: " + ", ".join(pa.invalid[b]) + ".") if pa.invalid[b] else \
                 "Your answer was not in the required format."
         if counters is not None:
-            counters.pieces += int(valid[b] + invalid[b])
-            counters.valid += int(valid[b])
-            counters.executed += int(executed[b])
-            counters.effective += int(effective[b])
-            counters.penalised += int(not ok[b])
-            counters.turns += 1
+            counters.add(valid[b] + invalid[b], valid[b], executed[b], effective[b], not ok[b])
+    return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
+
+
+def _free_text_turn(env, cfg: RolloutConfig, answers: list, fmt_ok, has_answer, stepped, actions_left,
+                    counters: TurnCounters | None) -> EnvTurn:
+    """`env_turn` for a free-text game (`env.free_text`, fastpo.envs.batched): each found
+    answer goes whole to `env.step_text` (under "strict" a malformed response's answer only
+    with cfg.run_valid_actions_on_format_error) and costs one action of the budget. The turn
+    is penalised unless the answer was well formed and the game accepted it (its
+    info["valid"]). Counts: one answer piece per found answer, valid = accepted."""
+    B = len(answers)
+    run = stepped & has_answer & (fmt_ok | bool(cfg.run_valid_actions_on_format_error))
+    res = env.step_text([answers[b] if run[b] else None for b in range(B)], active=stepped)
+    accepted = res.valid[:, 0] & run
+    ok = fmt_ok & has_answer & stepped & accepted
+    penalty = np.where(stepped & ~ok, np.float32(cfg.format_penalty), np.float32(0)).astype(np.float32)
+    reward = np.where(stepped, res.reward + penalty, 0).astype(np.float32)
+    executed = res.num_executed.astype(np.int64)
+    actions_left -= executed
+    valid = accepted.astype(np.int64)
+    invalid = (has_answer & stepped & ~accepted).astype(np.int64)
+    effective = res.effective[:, 0].astype(np.int64)
+    notes = [""] * B
+    for b in np.flatnonzero(stepped):
+        if cfg.feedback_invalid and not ok[b]:
+            notes[b] = "The game did not accept your answer." if has_answer[b] and run[b] else \
+                "Your answer was not in the required format."
+        if counters is not None:
+            counters.add(has_answer[b], valid[b], executed[b], effective[b], not ok[b])
     return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
 
 
@@ -159,10 +194,75 @@ def end_reason(turn_result: EnvTurn, b: int, actions_left: np.ndarray, turn: int
 
 def closing_question(cfg: RolloutConfig, action_names) -> str:
     """The closing question of a trajectory's user messages (`prompts.move_question` for its
-    action names); "" without rollout.prompt_examples or in think mode."""
-    if not cfg.prompt_examples or cfg.think:
+    action names); "" without rollout.prompt_examples, in think mode or for a free-text game
+    (no action names)."""
+    if not cfg.prompt_examples or cfg.think or not action_names:
         return ""
     return move_question(action_names, cfg.max_actions_per_turn)
+
+
+@dataclasses.dataclass
+class _Rollout:
+    """The state of one `generate` call: per trajectory b, its token ids and their
+    per-token records, its turns, rewards and why it stopped (B = P * N, group by group)."""
+
+    P: int
+    N: int
+    env: object
+    seeds: np.ndarray  # int64 [B], each trajectory's env seed
+    users: list  # B lists of user messages
+    group_prompts: list  # P prompt id lists
+    ids: list
+    turns: int  # T = cfg.max_turns
+    max_actions: int
+    mask: list = None
+    lps: list = None
+    ents: list = None
+    vals: list = None
+    tix: list = None
+    window: dict = None  # context-window bookkeeping (window.py): heads, wturn, wfed, starts, special
+
+    def __post_init__(self):
+        B, T = len(self.ids), self.turns
+        self.mask = [[False] * len(x) for x in self.ids]
+        self.lps = [[0.0] * len(x) for x in self.ids]
+        self.ents = [[0.0] * len(x) for x in self.ids]
+        self.vals = [[0.0] * len(x) for x in self.ids]
+        self.recorded = {"entropies": True, "values": True}  # did the engine record them for every token?
+        self.tix = [[-1] * len(x) for x in self.ids]
+        self.responses = [[] for _ in range(B)]
+        self.resp_texts = [[] for _ in range(B)]
+        self.turn_stops = [[] for _ in range(B)]
+        self.valid_n = np.zeros(B, dtype=np.int64)
+        self.invalid_n = np.zeros(B, dtype=np.int64)
+        self.effective_n = np.zeros(B, dtype=np.int64)
+        self.penalised_n = np.zeros(B, dtype=np.int64)
+        self.turn_rewards = np.zeros((B, T), dtype=np.float32)
+        self.penalties = np.zeros((B, T), dtype=np.float32)
+        self.num_turns = np.zeros(B, dtype=np.int64)
+        self.actions_left = np.full(B, self.max_actions, dtype=np.int64)
+        self.truncated = np.zeros(B, dtype=bool)
+        self.stop_reason = [""] * B
+        self.counters = TurnCounters()
+
+    @property
+    def B(self) -> int:
+        return len(self.ids)
+
+    def stop(self, b: int, reason: str) -> None:
+        if reason == STOP_CONTEXT:
+            self.truncated[b] = True
+        self.stop_reason[b] = reason
+
+    def extend_template(self, b: int, between: list) -> None:
+        """Append template ids (loss mask 0, no log-prob, no turn) to trajectory b."""
+        n = len(between)
+        self.ids[b].extend(between)
+        self.mask[b].extend([False] * n)
+        self.lps[b].extend([0.0] * n)
+        self.ents[b].extend([0.0] * n)
+        self.vals[b].extend([0.0] * n)
+        self.tix[b].extend([-1] * n)
 
 
 class MultiTurnRollout:
@@ -172,17 +272,21 @@ class MultiTurnRollout:
         engine: NativeEngine or SGLangEngine (the session interface: start / generate /
             finish / session_length / stats).
         tokenizer: the model's tokenizer (chat template required).
-        env_name: "bandit", "sokoban" or "frozenlake" (fastpo.envs_native.make_env).
-        env_config: keyword arguments for the environment.
+        env_name: any name `fastpo.envs.make_env` takes: "bandit", "sokoban", "frozenlake",
+            "module.path:Class", "textarena:ID", "gym:ID" or an installed entry point.
+        env_config: the environment's options.
         cfg: RolloutConfig.
-    Raises ValueError for a bad config or environment name (from make_env, at first use).
+        env_workers: worker processes stepping a plain-Python env (0: in process).
+    Raises ValueError (fastpo.envs.EnvError) for a bad config or environment name.
     """
 
-    def __init__(self, engine, tokenizer, env_name: str, env_config: dict | None = None, cfg: RolloutConfig | None = None):
+    def __init__(self, engine, tokenizer, env_name: str, env_config: dict | None = None, cfg: RolloutConfig | None = None,
+                 env_workers: int = 0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.env_name = env_name
         self.env_config = dict(env_config or {})
+        self.env_workers = int(env_workers)
         self.cfg = cfg if cfg is not None else RolloutConfig()
         if not isinstance(self.cfg, RolloutConfig):
             raise TypeError(f"cfg must be a RolloutConfig, got {type(self.cfg).__name__}")
@@ -192,10 +296,15 @@ class MultiTurnRollout:
             raise ValueError(f"rollout.context_window={self.cfg.context_window!r} needs an engine that evicts KV "
                              f"entries (the native engine); {type(engine).__name__} does not")
         self.refill_window = False  # benchmark baseline: re-prefill the window each turn (not trainable)
-        from fastpo.envs_native import ENV_NAMES
+        from fastpo.envs import resolve_env
 
-        if env_name not in ENV_NAMES:
-            raise ValueError(f"unknown environment {env_name!r}; choose one of {ENV_NAMES}")
+        resolve_env(env_name)
+
+    def make_env(self, batch_size: int):
+        """B instances of this rollout's env (`fastpo.envs.make_env`)."""
+        from fastpo.envs import make_env
+
+        return make_env(self.env_name, batch_size, self.env_config, workers=self.env_workers)
 
     def sampling_params(self, temperature: float | None = None) -> SamplingParams:
         """The engine settings for one turn under this config."""
@@ -220,8 +329,10 @@ class MultiTurnRollout:
         """Turn 1's user message of each trajectory of the freshly reset `env` (states `obs`)."""
         c = self.cfg
         instructions = env.instructions()
+        free = bool(getattr(env, "free_text", False))
         return [first_user_message(instructions[b], obs[b], c.max_actions_per_traj, c.max_actions_per_turn, c.think,
-                                   c.max_new_tokens, env.action_names(b), question=self._question(env, b))
+                                   c.max_new_tokens, env.action_names(b), question=self._question(env, b),
+                                   free_text=free)
                 for b in range(len(obs))]
 
     def _question(self, env, b: int) -> str:
@@ -231,12 +342,13 @@ class MultiTurnRollout:
         """Tokens of the first prompt (chat template, system and first user message, assistant
         header and prime) of the env group of each of `seeds`; needs the tokenizer, not the
         engine. Raises ValueError for bad seeds, like `generate`."""
-        from fastpo.envs_native import make_env
-
         seeds = _check_seeds(seeds)
-        env = make_env(self.env_name, len(seeds), **self.env_config)
-        obs = env.reset(np.asarray(seeds, dtype=np.int64))
-        return [len(self.chat.prompt_ids(m)) for m in self._first_messages(env, obs)]
+        env = self.make_env(len(seeds))
+        try:
+            obs = env.reset(np.asarray(seeds, dtype=np.int64))
+            return [len(self.chat.prompt_ids(m)) for m in self._first_messages(env, obs)]
+        finally:
+            _close(env)
 
     def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0,
                  group_ids: list | None = None) -> TrajectoryBatch:
@@ -260,217 +372,238 @@ class MultiTurnRollout:
         truncated_rate. Per trajectory the batch also holds each turn's engine stop reason
         and its valid / invalid / effective action and penalised-turn counts.
         Raises ValueError for bad seeds (not a non-empty sequence of non-negative integers:
-        floats, bools and strings are refused, not truncated), a bad `seed` or group_size.
+        floats, bools and strings are refused, not truncated), a bad `seed` or group_size;
+        fastpo.envs.EnvError from a plain-Python env's reset/step (naming the env and seed).
         """
-        from fastpo.envs_native import make_env
-
-        cfg = self.cfg
         seeds = _check_seeds(seeds)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed (the sampler seed) must be an integer, got {seed!r}")
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         t0 = time.perf_counter()
-        P, N = len(seeds), group_size
-        B = P * N
         params = self.sampling_params(temperature)
-        env = make_env(self.env_name, B, **self.env_config)
+        env = self.make_env(len(seeds) * group_size)
+        try:
+            st = self._start(env, seeds, group_size)
+            engine = self.engine
+            engine.reset_stats()
+            gen, labels = self._sampling_streams(st.P, st.N, seed, group_ids, engine.device)
+            self._turns(st, params, gen)
+            engine.finish()
+        finally:
+            _close(env)
+        for b in range(st.B):
+            if not st.stop_reason[b]:
+                st.stop_reason[b] = "max_turns"
+        return self._batch(st, labels, time.perf_counter() - t0)
+
+    def _start(self, env, seeds: list, N: int) -> _Rollout:
+        """Reset the P x N instances and build each group's first prompt (and the context-
+        window bookkeeping); a prompt that cannot fit one response token is truncated."""
+        P = len(seeds)
+        B = P * N
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
         obs = env.reset(traj_seeds)
-        think = cfg.think
         users = [[m] for m in self._first_messages(env, obs)]
         group_prompts = [self.chat.prompt_ids(users[g * N][0]) for g in range(P)]
-
         ids = [list(group_prompts[b // N]) for b in range(B)]
-        K = self.window
-        if K is not None:  # per token: its turn and the turn of the forward that fed it (window.py)
+        st = _Rollout(P, N, env, traj_seeds, users, group_prompts, ids, self.cfg.max_turns,
+                      self.cfg.max_actions_per_traj)
+        if self.window is not None:  # per token: its turn and the turn of the forward that fed it (window.py)
             heads = [ctxwin.head_length(self.chat, users[g * N][0], group_prompts[g]) for g in range(P)]
-            wturn = [[0] * heads[b // N] + [1] * (len(ids[b]) - heads[b // N]) for b in range(B)]
-            wfed = [[1] * len(x) for x in ids]
-            starts = [{1: heads[b // N]} for b in range(B)]  # turn -> index of its first token
-            special = set(self.tokenizer.all_special_ids)
-        mask = [[False] * len(x) for x in ids]
-        lps = [[0.0] * len(x) for x in ids]
-        ents = [[0.0] * len(x) for x in ids]
-        vals = [[0.0] * len(x) for x in ids]
-        recorded = {"entropies": True, "values": True}  # did the engine record them for every token?
-        tix = [[-1] * len(x) for x in ids]
-        responses = [[] for _ in range(B)]
-        resp_texts = [[] for _ in range(B)]
-        turn_stops = [[] for _ in range(B)]
-        valid_n = np.zeros(B, dtype=np.int64)
-        invalid_n = np.zeros(B, dtype=np.int64)
-        effective_n = np.zeros(B, dtype=np.int64)
-        penalised_n = np.zeros(B, dtype=np.int64)
-        T = cfg.max_turns
-        turn_rewards = np.zeros((B, T), dtype=np.float32)
-        penalties = np.zeros((B, T), dtype=np.float32)
-        num_turns = np.zeros(B, dtype=np.int64)
-        actions_left = np.full(B, cfg.max_actions_per_traj, dtype=np.int64)
-        truncated = np.zeros(B, dtype=bool)
-        stop_reason = [""] * B
-        counters = TurnCounters()
+            st.window = {
+                "heads": heads,
+                "wturn": [[0] * heads[b // N] + [1] * (len(ids[b]) - heads[b // N]) for b in range(B)],
+                "wfed": [[1] * len(x) for x in ids],
+                "starts": [{1: heads[b // N]} for b in range(B)],  # turn -> index of its first token
+                "special": set(self.tokenizer.all_special_ids),
+            }
+        for b in range(B):
+            if len(ids[b]) + 1 > self.cfg.max_context:
+                st.stop(b, STOP_CONTEXT)
+        return st
 
-        engine = self.engine
-        engine.reset_stats()
-        device = engine.device
+    @staticmethod
+    def _sampling_streams(P: int, N: int, seed: int, group_ids, device) -> tuple:
+        """(the engine's generator: one torch.Generator, or one per session b by its group's
+        id; the batch's group labels, int64 [P])."""
         if group_ids is None:
             gen = torch.Generator(device=device)
             gen.manual_seed(int(seed))
-            labels = torch.arange(P)
-        else:
-            from fastpo.seeds import group_sampling_seed
+            return gen, torch.arange(P)
+        from fastpo.seeds import group_sampling_seed
 
-            group_ids = [int(g) for g in group_ids]
-            if len(group_ids) != P or len(set(group_ids)) != P or min(group_ids) < 0:
-                raise ValueError(f"group_ids must be {P} distinct ints >= 0 (one per seed), got {group_ids!r:.200}")
-            streams = [torch.Generator(device=device).manual_seed(group_sampling_seed(int(seed), g)) for g in group_ids]
-            gen = {b: streams[b // N] for b in range(B)}  # session b is trajectory b
-            labels = torch.tensor(group_ids, dtype=torch.long)
-        # A prompt that cannot fit one response token is truncated before turn 1.
-        for b in range(B):
-            if len(ids[b]) + 1 > cfg.max_context:
-                truncated[b] = True
-                stop_reason[b] = STOP_CONTEXT
-        active = [b for b in range(B) if not truncated[b]]
+        group_ids = [int(g) for g in group_ids]
+        if len(group_ids) != P or len(set(group_ids)) != P or min(group_ids) < 0:
+            raise ValueError(f"group_ids must be {P} distinct ints >= 0 (one per seed), got {group_ids!r:.200}")
+        streams = [torch.Generator(device=device).manual_seed(group_sampling_seed(int(seed), g)) for g in group_ids]
+        return {b: streams[b // N] for b in range(P * N)}, torch.tensor(group_ids, dtype=torch.long)
+
+    def _turns(self, st: _Rollout, params: SamplingParams, gen) -> None:
+        """Up to T turns: generate every live trajectory's response, step the env, append
+        the next user message."""
+        engine, K, N = self.engine, self.window, st.N
+        active = [b for b in range(st.B) if not st.truncated[b]]
         if active:
-            engine.start(group_prompts, N)
+            engine.start(st.group_prompts, N)
         append = None
-        for turn in range(T):
+        for turn in range(st.turns):
             if not active:
                 break
             j = turn + 1
             if K is not None and j > K:
+                starts, heads = st.window["starts"], st.window["heads"]
                 if self.refill_window:
                     append = list(append)
                     for i, b in enumerate(active):
                         engine.rewind(b, heads[b // N])
-                        append[i] = ids[b][starts[b][j - K + 1]:]
+                        append[i] = st.ids[b][starts[b][j - K + 1]:]
                 else:
                     for b in active:
                         engine.evict(b, starts[b][j - K], starts[b][j - K + 1])
             outs = engine.generate(active, append, params, gen)
-            texts = [None] * B
-            emitted_eot = {}
-            ended = set()
-            for b, out in zip(active, outs):
-                if not out.token_ids:  # no room for even one token: the turn did not happen
-                    truncated[b] = True
-                    stop_reason[b] = STOP_CONTEXT
-                    ended.add(b)
-                    continue
-                r = out.token_ids
-                ids[b].extend(r)
-                mask[b].extend([True] * len(r))
-                lps[b].extend(float(x) for x in out.logprobs)
-                for key, dest in (("entropies", ents), ("values", vals)):
-                    got = getattr(out, key, None) or []
-                    if len(got) == len(r):
-                        dest[b].extend(float(x) for x in got)
-                    else:
-                        recorded[key] = False
-                        dest[b].extend([0.0] * len(r))
-                tix[b].extend([turn] * len(r))
-                if K is not None:
-                    wturn[b].extend([j] * len(r))
-                    wfed[b].extend([j] * (len(r) - 1) + [j + 1])  # the last token is fed next turn
-                responses[b].append(torch.tensor(r, dtype=torch.long))
-                turn_stops[b].append(out.stop_reason)
-                texts[b], emitted_eot[b] = self._response_text(r, params.stop_strings)
-                resp_texts[b].append(texts[b])
-                num_turns[b] += 1
-                if out.stop_reason == STOP_CONTEXT:
-                    truncated[b] = True
-                    stop_reason[b] = STOP_CONTEXT
+            texts, emitted_eot, ended = self._record_responses(st, active, outs, turn, params)
             if all(t is None for t in texts):
                 active = [b for b in active if b not in ended]
                 continue
-            res = env_turn(env, cfg, texts, actions_left, counters)
-            turn_rewards[:, turn] += res.reward
-            penalties[:, turn] += res.penalty
-            valid_n += res.valid
-            invalid_n += res.invalid
-            effective_n += res.effective
-            penalised_n += np.array([t is not None for t in texts]) & ~res.ok
-            obs_now = None
-            new_active, new_append = [], []
-            for b in active:
-                if b in ended or truncated[b]:
-                    continue
-                reason = end_reason(res, b, actions_left, turn, T)
-                if reason:
-                    stop_reason[b] = reason
-                    continue
-                if obs_now is None:
-                    obs_now = env.render()
-                msg = next_user_message(turn + 2, float(turn_rewards[b, turn]), obs_now[b], int(actions_left[b]),
-                                        think, cfg.max_new_tokens, note=res.notes[b], question=self._question(env, b))
-                between = self.chat.between_turn_ids(msg, emitted_eot.get(b, False))
-                if len(ids[b]) + len(between) + 1 > cfg.max_context:
-                    truncated[b] = True
-                    stop_reason[b] = STOP_CONTEXT
-                    continue
-                users[b].append(msg)
-                if K is not None:
-                    c = ctxwin.closing_length(between, special, self.chat.eot_token_ids)
-                    starts[b][j + 1] = len(ids[b]) + c
-                    wturn[b].extend([j] * c + [j + 1] * (len(between) - c))
-                    wfed[b].extend([j + 1] * len(between))
-                ids[b].extend(between)
-                mask[b].extend([False] * len(between))
-                lps[b].extend([0.0] * len(between))
-                ents[b].extend([0.0] * len(between))
-                vals[b].extend([0.0] * len(between))
-                tix[b].extend([-1] * len(between))
-                new_active.append(b)
-                new_append.append(between)
-            active, append = new_active, new_append
-        engine.finish()
-        for b in range(B):
-            if not stop_reason[b]:
-                stop_reason[b] = "max_turns"
-        seconds = time.perf_counter() - t0
-        stats = engine.stats
-        scores = turn_rewards.sum(1)
+            res = self._score_turn(st, texts, turn)
+            active, append = self._next_messages(st, active, ended, res, emitted_eot, turn)
+
+    def _record_responses(self, st: _Rollout, active: list, outs: list, turn: int, params: SamplingParams) -> tuple:
+        """Append each session's sampled ids (loss mask 1, with their log-probs, entropies and
+        values) to its trajectory. Returns (B response texts, None where no turn happened;
+        {b: the model emitted the template's end-of-turn token}; the sessions that ended)."""
+        K, j = self.window, turn + 1
+        texts = [None] * st.B
+        emitted_eot = {}
+        ended = set()
+        for b, out in zip(active, outs):
+            if not out.token_ids:  # no room for even one token: the turn did not happen
+                st.stop(b, STOP_CONTEXT)
+                ended.add(b)
+                continue
+            r = out.token_ids
+            st.ids[b].extend(r)
+            st.mask[b].extend([True] * len(r))
+            st.lps[b].extend(float(x) for x in out.logprobs)
+            for key, dest in (("entropies", st.ents), ("values", st.vals)):
+                got = getattr(out, key, None) or []
+                if len(got) == len(r):
+                    dest[b].extend(float(x) for x in got)
+                else:
+                    st.recorded[key] = False
+                    dest[b].extend([0.0] * len(r))
+            st.tix[b].extend([turn] * len(r))
+            if K is not None:
+                st.window["wturn"][b].extend([j] * len(r))
+                st.window["wfed"][b].extend([j] * (len(r) - 1) + [j + 1])  # the last token is fed next turn
+            st.responses[b].append(torch.tensor(r, dtype=torch.long))
+            st.turn_stops[b].append(out.stop_reason)
+            texts[b], emitted_eot[b] = self._response_text(r, params.stop_strings)
+            st.resp_texts[b].append(texts[b])
+            st.num_turns[b] += 1
+            if out.stop_reason == STOP_CONTEXT:
+                st.stop(b, STOP_CONTEXT)
+        return texts, emitted_eot, ended
+
+    def _score_turn(self, st: _Rollout, texts: list, turn: int) -> EnvTurn:
+        """Step the env with this turn's responses (`env_turn`) and tally the results."""
+        res = env_turn(st.env, self.cfg, texts, st.actions_left, st.counters)
+        st.turn_rewards[:, turn] += res.reward
+        st.penalties[:, turn] += res.penalty
+        st.valid_n += res.valid
+        st.invalid_n += res.invalid
+        st.effective_n += res.effective
+        st.penalised_n += np.array([t is not None for t in texts]) & ~res.ok
+        return res
+
+    def _next_messages(self, st: _Rollout, active: list, ended: set, res: EnvTurn, emitted_eot: dict,
+                       turn: int) -> tuple:
+        """Give each trajectory that goes on its next user message's template ids (ending
+        the others with their reason). Returns (the live sessions, their ids to append)."""
+        cfg, K, j = self.cfg, self.window, turn + 1
+        obs_now = None
+        new_active, new_append = [], []
+        for b in active:
+            if b in ended or st.truncated[b]:
+                continue
+            reason = end_reason(res, b, st.actions_left, turn, st.turns)
+            if reason:
+                st.stop_reason[b] = reason
+                continue
+            if obs_now is None:
+                obs_now = st.env.render()
+            msg = next_user_message(turn + 2, float(st.turn_rewards[b, turn]), obs_now[b], int(st.actions_left[b]),
+                                    cfg.think, cfg.max_new_tokens, note=res.notes[b],
+                                    question=self._question(st.env, b))
+            between = self.chat.between_turn_ids(msg, emitted_eot.get(b, False))
+            if len(st.ids[b]) + len(between) + 1 > cfg.max_context:
+                st.stop(b, STOP_CONTEXT)
+                continue
+            st.users[b].append(msg)
+            if K is not None:
+                w = st.window
+                c = ctxwin.closing_length(between, w["special"], self.chat.eot_token_ids)
+                w["starts"][b][j + 1] = len(st.ids[b]) + c
+                w["wturn"][b].extend([j] * c + [j + 1] * (len(between) - c))
+                w["wfed"][b].extend([j + 1] * len(between))
+            st.extend_template(b, between)
+            new_active.append(b)
+            new_append.append(between)
+        return new_active, new_append
+
+    def _batch(self, st: _Rollout, labels, seconds: float) -> TrajectoryBatch:
+        """The TrajectoryBatch of a finished rollout, with its metrics (see `generate`)."""
+        cfg, K, N, P = self.cfg, self.window, st.N, st.P
+        stats = self.engine.stats
+        scores = st.turn_rewards.sum(1)
         metrics = {
             "seconds": seconds,
             "engine_seconds": float(stats.get("seconds", 0.0)),
             "prefilled_tokens": float(stats["prefilled_tokens"]),
             "generated_tokens": float(stats["generated_tokens"]),
             "tokens_per_s": float(stats["generated_tokens"]) / max(seconds, 1e-9),
-            "response_length": float(stats["generated_tokens"]) / max(1, counters.turns),
-            "num_turns": float(num_turns.mean()),
-            "success_rate": float(env.success.mean()),
+            "response_length": float(stats["generated_tokens"]) / max(1, st.counters.turns),
+            "num_turns": float(st.num_turns.mean()),
+            "success_rate": float(st.env.success.mean()),
             "score": float(scores.mean()),
-            **counters.rates(),
-            "truncated_rate": float(truncated.mean()),
-            "num_actions": float((cfg.max_actions_per_traj - actions_left).mean()),
+            **st.counters.rates(),
+            "truncated_rate": float(st.truncated.mean()),
+            "num_actions": float((cfg.max_actions_per_traj - st.actions_left).mean()),
             "peak_kv_bytes": float(stats.get("peak_kv_bytes", 0)),
         }
         window = {}
         if K is not None:
-            window = {"context_turns": [torch.tensor(x, dtype=torch.long) for x in wturn],
-                      "visible_from": [torch.tensor([f - K + 1 for f in x], dtype=torch.long) for x in wfed]}
+            window = {"context_turns": [torch.tensor(x, dtype=torch.long) for x in st.window["wturn"]],
+                      "visible_from": [torch.tensor([f - K + 1 for f in x], dtype=torch.long)
+                                       for x in st.window["wfed"]]}
         return TrajectoryBatch(
-            input_ids=[torch.tensor(x, dtype=torch.long) for x in ids],
-            loss_mask=[torch.tensor(x, dtype=torch.bool) for x in mask],
-            sample_logprobs=[torch.tensor(x, dtype=torch.float32) for x in lps],
-            sample_entropies=[torch.tensor(x, dtype=torch.float32) for x in ents] if recorded["entropies"] else [],
-            sample_values=[torch.tensor(x, dtype=torch.float32) for x in vals] if recorded["values"] else [],
-            turn_index=[torch.tensor(x, dtype=torch.long) for x in tix],
-            turn_rewards=torch.from_numpy(turn_rewards), format_penalty=torch.from_numpy(penalties),
-            num_turns=torch.from_numpy(num_turns), scores=torch.from_numpy(scores.astype(np.float32)),
-            success=torch.from_numpy(env.success.copy()),
-            num_actions=torch.from_numpy((cfg.max_actions_per_traj - actions_left).astype(np.int64)),
-            group_ids=labels.repeat_interleave(N), seeds=torch.from_numpy(traj_seeds.copy()),
-            truncated=torch.from_numpy(truncated), stop_reason=stop_reason, responses=responses,
-            response_texts=resp_texts, metrics=metrics, user_messages=users, tokenizer=self.tokenizer,
+            input_ids=[torch.tensor(x, dtype=torch.long) for x in st.ids],
+            loss_mask=[torch.tensor(x, dtype=torch.bool) for x in st.mask],
+            sample_logprobs=[torch.tensor(x, dtype=torch.float32) for x in st.lps],
+            sample_entropies=[torch.tensor(x, dtype=torch.float32) for x in st.ents] if st.recorded["entropies"] else [],
+            sample_values=[torch.tensor(x, dtype=torch.float32) for x in st.vals] if st.recorded["values"] else [],
+            turn_index=[torch.tensor(x, dtype=torch.long) for x in st.tix],
+            turn_rewards=torch.from_numpy(st.turn_rewards), format_penalty=torch.from_numpy(st.penalties),
+            num_turns=torch.from_numpy(st.num_turns), scores=torch.from_numpy(scores.astype(np.float32)),
+            success=torch.from_numpy(st.env.success.copy()),
+            num_actions=torch.from_numpy((cfg.max_actions_per_traj - st.actions_left).astype(np.int64)),
+            group_ids=labels.repeat_interleave(N), seeds=torch.from_numpy(st.seeds.copy()),
+            truncated=torch.from_numpy(st.truncated), stop_reason=st.stop_reason, responses=st.responses,
+            response_texts=st.resp_texts, metrics=metrics, user_messages=st.users, tokenizer=self.tokenizer,
             info={"env": self.env_name, "group_size": N, "num_groups": P,
                   **({"context_window": K, "refill_window": self.refill_window} if K is not None else {})},
-            turn_stop_reasons=turn_stops, valid_actions=torch.from_numpy(valid_n),
-            invalid_actions=torch.from_numpy(invalid_n), effective_actions=torch.from_numpy(effective_n),
-            penalised_turns=torch.from_numpy(penalised_n), **window,
+            turn_stop_reasons=st.turn_stops, valid_actions=torch.from_numpy(st.valid_n),
+            invalid_actions=torch.from_numpy(st.invalid_n), effective_actions=torch.from_numpy(st.effective_n),
+            penalised_turns=torch.from_numpy(st.penalised_n), **window,
         )
+
+
+def _close(env) -> None:
+    """Stop a plain-Python env's worker processes (the Numba games have none)."""
+    close = getattr(env, "close", None)
+    if callable(close):
+        close()
 
 
 def _check_seeds(seeds) -> list:

@@ -76,7 +76,8 @@ def move_question(action_names: Sequence[str], max_actions_per_turn: int) -> str
 
 def first_user_message(instructions: str, state: str, actions_left: int, max_actions_per_turn: int,
                        think: bool, max_new_tokens: int | None = None,
-                       action_names: Sequence[str] = ("Up", "Left"), question: str = "") -> str:
+                       action_names: Sequence[str] = ("Up", "Left"), question: str = "",
+                       free_text: bool = False) -> str:
     """Turn 1's user message: the game's rules, the action limits, the state, the format and
     an answer example.
 
@@ -89,7 +90,13 @@ def first_user_message(instructions: str, state: str, actions_left: int, max_act
 
     question: when not empty (`move_question`, answer-only mode with rollout.prompt_examples),
     it ends the message in place of the format reminder and the answer example.
+    free_text: a game without named moves (fastpo.envs.interface): the whole answer is the
+    turn's move, and no answer example is made up (the game's rules show its format).
     """
+    if free_text:
+        return (f"{instructions.rstrip()}\nYour whole answer is one move per turn.\n\n"
+                f"Turn 1:\nState:\n{state}\n"
+                f"You have {actions_left} actions left. {question or format_reminder(think, max_new_tokens)}")
     if max_actions_per_turn > 1:
         limit = f"You can take up to {max_actions_per_turn} action(s) per turn, separated by ' || '.\n"
     else:
