@@ -312,7 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--json", default=None, metavar="PATH",
                     help="write the metrics, the model's label and the settings used to PATH as JSON")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    # Hydra-style overrides may stand anywhere (`--env bandit a.b=1 --out X c.d=2`): the
+    # positional list takes only those before the first option, argparse leaves the rest
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
     status = _check_processes(args, argv)
     if status is not None:
         return status
