@@ -30,6 +30,7 @@ failed or after a signal it received (once rank 0 has saved the checkpoint).
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import os
 import sys
@@ -47,6 +48,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
+
+
+def _resume_fixed(cfg) -> dict:
+    """The settings a resumed run keeps from its config.yaml, by dotted name."""
+    return {"env": copy.deepcopy(cfg.env), "model": copy.deepcopy(cfg.model), "preset": cfg.preset,
+            "trainer.seed": cfg.trainer.seed, "trainer.output_dir": cfg.trainer.output_dir}
 
 
 def _build_config(args, extra: list[str], values: dict | None = None):
@@ -110,8 +117,14 @@ def cmd_train(args) -> int:
                                   f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "
                                   f"run instead")
             cfg = load_run_config(args.resume)
+            kept = _resume_fixed(cfg)
             for o in args.overrides:
                 apply_dict(cfg, parse_override(o))
+            # whatever the spelling (e.g. a mapping `trainer={seed: 3}`), the values must not move
+            moved = [k for k, v in _resume_fixed(cfg).items() if v != kept[k]]
+            if moved:
+                raise ConfigError(f"{', '.join(moved)} cannot change on --resume (the run keeps the configuration "
+                                  f"in {os.path.join(args.resume, 'config.yaml')}); start a new run instead")
             if args.iterations is not None:
                 cfg.trainer.iterations = args.iterations
             if args.device is not None:

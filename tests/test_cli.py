@@ -29,10 +29,14 @@ sys.exit(rc)
      ["rollout.group_size", ">= 1"]),
     (["eval", "--env", "bandit", "rollout.max_turns=3", "--model", "x", "rollout.max_turnz=3"],
      ["unknown config key", "max_turnz"]),
+    (["train", "--env", "bandit", "model.lora_rank=8", "model.lora_target_modules=[]"],
+     ["model.lora_target_modules", "[]"]),
+    (["train", "--env", "bandit", "trainer.output_dir="], ["trainer.output_dir", "must name a folder"]),
     (["train", "--env", "bandit", "--out", "/tmp/x", "stray"], ["stray", "section.key=value"]),
 ])
-def test_cli_refuses_bad_config_before_loading(args, words):
-    p = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120)
+def test_cli_refuses_bad_config_before_loading(args, words, tmp_path):
+    # in an empty folder: a default run folder (runs/<env>) must not exist already
+    p = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     for w in words:
         assert w in p.stderr
