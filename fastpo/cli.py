@@ -30,6 +30,7 @@ failed or after a signal it received (once rank 0 has saved the checkpoint).
 from __future__ import annotations
 
 import argparse
+import copy
 import errno
 import os
 import sys
@@ -81,6 +82,12 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {path}: {parent} is not writable")
 
 
+def _resume_fixed(cfg) -> dict:
+    """The settings a resumed run keeps from its config.yaml, by dotted name."""
+    return {"env": copy.deepcopy(cfg.env), "model": copy.deepcopy(cfg.model), "preset": cfg.preset,
+            "trainer.seed": cfg.trainer.seed, "trainer.output_dir": cfg.trainer.output_dir}
+
+
 def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     """The configuration of `--resume OUT`: the run's own, with the overrides a resume may
     change; None when there is nothing left to train (said on `console`). Raises ConfigError
@@ -103,8 +110,14 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
                           f"configuration in {os.path.join(args.resume, 'config.yaml')}); start a new "
                           f"run instead")
     cfg = load_run_config(args.resume)
+    kept = _resume_fixed(cfg)
     for o in args.overrides:
         apply_dict(cfg, parse_override(o))
+    # whatever the spelling (e.g. a mapping `trainer={seed: 3}`), the values must not move
+    moved = [k for k, v in _resume_fixed(cfg).items() if v != kept[k]]
+    if moved:
+        raise ConfigError(f"{', '.join(moved)} cannot change on --resume (the run keeps the configuration "
+                          f"in {os.path.join(args.resume, 'config.yaml')}); start a new run instead")
     if args.iterations is not None:
         cfg.trainer.iterations = args.iterations
     if args.device is not None:
@@ -343,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--json", default=None, metavar="PATH",
                     help="write the metrics, the model's label and the settings used to PATH as JSON")
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = ap.parse_args(argv)
+    args, extra = ap.parse_known_args(argv)
+    # Hydra-style overrides may stand anywhere (`--env bandit a.b=1 --out X c.d=2`): the
+    # positional list takes only those before the first option, argparse leaves the rest
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
     status = _check_processes(args, argv)
     if status is not None:
         return status

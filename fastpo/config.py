@@ -532,6 +532,9 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
          f"must be below rollout.max_context ({r.max_context})")
     need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
          "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
+    need(bool(cfg.model.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.model.lora_target_modules),
+         "model.lora_target_modules", cfg.model.lora_target_modules,
+         "must list the names of the modules LoRA adapts, e.g. [q_proj, v_proj]")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
     if a.adv_estimator in GROUP_ESTIMATORS:
@@ -617,6 +620,11 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         if "preset" in d:  # applying it would only relabel the run, not apply the preset's settings
             raise ConfigError(f"override 'preset={d['preset']}': presets are chosen with --preset NAME[,NAME...] "
                               "(or `preset:` in a config file), not as a dotted override")
+    for d in (file_dict, *override_dicts):  # empty would silently mean the default folder
+        out = d.get("trainer") if isinstance(d.get("trainer"), dict) else {}
+        if "output_dir" in out and (out["output_dir"] is None or not str(out["output_dir"]).strip()):
+            raise ConfigError(f"config key 'trainer.output_dir' = {out['output_dir']!r}: must name a folder "
+                              "(leave it out for runs/<env>)")
     env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
     if not isinstance(env_name, str):
         raise ConfigError(f"config key 'env.name' = {env_name!r}: must be an environment name")

@@ -22,9 +22,40 @@ sys.exit(rc)
     (["train", "--preset", "turbo"], ["unknown preset", "turbo"]),
     (["eval", "--env", "bandit", "--model", "x", "--k", "0"], ["trainer.eval_group_size"]),
     (["train", "--resume", "/nonexistent/run"], ["config.yaml", "not found"]),
+    # overrides after an option are overrides too (they were "unrecognized arguments"), validated the same
+    (["train", "--env", "bandit", "rollout.group_size=4", "--out", "/tmp/x", "trainer.seed=abc"],
+     ["trainer.seed", "expected int"]),
+    (["train", "--env", "bandit", "rollout.group_size=4", "--nproc", "2", "--out", "/tmp/x", "rollout.group_size=0"],
+     ["rollout.group_size", ">= 1"]),
+    (["eval", "--env", "bandit", "rollout.max_turns=3", "--model", "x", "rollout.max_turnz=3"],
+     ["unknown config key", "max_turnz"]),
+    (["train", "--env", "bandit", "model.lora_rank=8", "model.lora_target_modules=[]"],
+     ["model.lora_target_modules", "[]"]),
+    (["train", "--env", "bandit", "trainer.output_dir="], ["trainer.output_dir", "must name a folder"]),
+    (["train", "--env", "bandit", "--out", "/tmp/x", "stray"], ["stray", "section.key=value"]),
 ])
-def test_cli_refuses_bad_config_before_loading(args, words):
-    p = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120)
+def test_cli_refuses_bad_config_before_loading(args, words, tmp_path):
+    # in an empty folder: a default run folder (runs/<env>) must not exist already
+    p = subprocess.run([sys.executable, "-c", CHECK, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert p.returncode == 2, p.stderr
     for w in words:
         assert w in p.stderr
+
+
+def test_overrides_on_both_sides_of_an_option_are_applied(no_model, tmp_path, monkeypatch):
+    import fastpo.cli
+    from run_helpers import ModelLoadReached
+
+    seen = {}
+    real = fastpo.cli._build_config
+
+    def spy(*a):
+        seen["cfg"] = cfg = real(*a)
+        return cfg
+
+    monkeypatch.setattr(fastpo.cli, "_build_config", spy)
+    with pytest.raises(ModelLoadReached):
+        fastpo.cli.main(["train", "--env", "bandit", "rollout.group_size=4", "--out", str(tmp_path / "r"),
+                         "trainer.seed=3", "--iterations", "2", "rollout.group_size=8"])
+    cfg = seen["cfg"]
+    assert (cfg.trainer.seed, cfg.rollout.group_size, cfg.trainer.iterations) == (3, 8, 2)  # in argv order

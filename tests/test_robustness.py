@@ -162,6 +162,8 @@ def test_resume_applies_iterations_and_device(tmp_path, monkeypatch):
     # the dotted spellings of --seed, --out and --preset (trainer.seed=3 used to pass where --seed 3 was refused)
     (["trainer.seed=3"], "trainer.seed"), (["trainer.output_dir=elsewhere"], "trainer.output_dir"),
     (["preset=grpo"], "preset"),
+    # a mapping spelling of the same settings (it bypassed the refusal)
+    (["trainer={seed: 3}"], "trainer.seed"), (["trainer={output_dir: elsewhere, eval_every: 2}"], "trainer.output_dir"),
 ])
 def test_resume_refuses_what_cannot_change(tmp_path, no_model, extra, word, capsys):
     out = _resumable(tmp_path)
