@@ -137,6 +137,14 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken part must not hide the others' figures
             traceback.print_exc()
             errors[name] = f"{type(e).__name__}: {e}"
+        if name == "peers":  # its SFT row: fastpo sft against TRL's SFTTrainer (bench/part_sft.py)
+            try:
+                records.extend(importlib.import_module("part_sft").run(ctx))
+            except PartSkipped as e:
+                ctx.skipped["peers: SFT"] = str(e)
+            except Exception as e:
+                traceback.print_exc()
+                errors["peers: SFT"] = f"{type(e).__name__}: {e}"
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"part {name}: {seconds[name]:.0f} s", file=sys.stderr, flush=True)
         if args.json:  # after every part: a run stopped by a time limit keeps what it measured
