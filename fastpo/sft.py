@@ -145,7 +145,7 @@ class ExpertEngine:
     its state is the rollout's. Per turn and session it returns the answer's token ids
     (`TurnOutput`, log-probs 0, stop reason "stop_string" when rollout.stop_at_answer_close,
     else the template's end-of-turn id is appended and the reason is "eot"). An answer that
-    would pass rollout.max_new_tokens keeps fewer actions (ValueError when not even one fits);
+    would pass rollout.max_new_tokens keeps fewer actions (ConfigError when not even one fits);
     one that would pass rollout.max_context ends the session ("context", no tokens), as a
     sampling engine would.
     """
@@ -201,7 +201,7 @@ class ExpertEngine:
         while k > 0 and len(self._ids([longest] * k)) > params.max_new_tokens:
             k -= 1
         if k == 0:
-            raise ValueError(f"config key 'rollout.max_new_tokens' = {params.max_new_tokens}: the expert's answer "
+            raise ConfigError(f"config key 'rollout.max_new_tokens' = {params.max_new_tokens}: the expert's answer "
                              f"with one action ({self._text([longest])!r}) takes {len(self._ids([longest]))} tokens")
         return k
 
@@ -246,8 +246,8 @@ def expert_rollout(tokenizer, env_name: str, env_options: dict, rollout_cfg, see
 
     rollout_cfg: a RolloutConfig (the prompt, format, turn and action limits of the run).
     Returns a TrajectoryBatch (input_ids, loss_mask True on the answer tokens, rewards,
-    success, ...). Raises ValueError for bad seeds or a max_new_tokens too small for one
-    action, RuntimeError when an expert answer is not read back as well formed (a bug).
+    success, ...). Raises ValueError for bad seeds, ConfigError (a ValueError) for a
+    max_new_tokens too small for one action, RuntimeError when an expert answer is not read back as well formed (a bug).
     """
     from fastpo.rollout import MultiTurnRollout
 
@@ -486,7 +486,7 @@ def cmd_sft(args) -> int:
             raise Stopped(trainer.stop_signal)
     except KeyboardInterrupt as e:
         return 128 + getattr(e, "signum", 2)
-    except (ConfigError, RunFolderBusy, FileExistsError, ValueError) as e:
+    except (ConfigError, RunFolderBusy, FileExistsError) as e:
         print(f"fastpo sft: error: {e}", file=sys.stderr)
         return 2
     except CheckpointSaveError as e:
