@@ -22,7 +22,8 @@ the CPU lacks) and computes the logits of every position.
 Timed: one warm-up step per side, then steps alternating TRL, fastpo (a TRL callback runs
 fastpo's step after each TRL step). Reported: seconds per step, trained tokens/s (the
 trajectories' real tokens, padding not counted, over the step's seconds).
-Sizes: 8 trajectories and 2 timed steps per side; --quick: 2 trajectories, 1 timed step.
+Sizes: 8 trajectories and 2 timed steps per side; --quick: 2 trajectories, 1 timed step. Not
+run by `--part all` (skipped with one line).
 """
 from __future__ import annotations
 
@@ -133,6 +134,10 @@ def compare(ctx: BenchContext) -> list[Record]:
 
 
 def run(ctx: BenchContext) -> list[Record]:
+    """The SFT row of `--part peers`; skipped in a run of every part (`--part all`, the CI's
+    --quick run included) to keep that run's time, as the peers part's TRL FrozenLake row."""
+    if len(ctx.parts) > 1:
+        raise PartSkipped("not in a run of every part (its time): python bench/throughput.py --part peers")
     return compare(ctx)
 
 
