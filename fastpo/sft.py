@@ -421,18 +421,30 @@ class SFTTrainer(_trainer_base()):
 
 # ----------------------------------------------------------------------------------------- CLI
 
+def _sft_console():
+    """A rich Console whose lines name `fastpo sft --resume` where the trainer's say `fastpo
+    train --resume` (an SFT run resumed by `train` would continue as StarPO)."""
+    from rich.console import Console
+
+    class SFTConsole(Console):
+        def print(self, *objects, **kw):
+            objects = tuple(o.replace("fastpo train --resume", "fastpo sft --resume") if isinstance(o, str) else o
+                            for o in objects)
+            return super().print(*objects, **kw)
+
+    return SFTConsole()
+
+
 def cmd_sft(args) -> int:
     """`fastpo sft`: exit status 0 done, 2 bad input (one line), 1 a checkpoint not saved or a
     full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
-    from rich.console import Console
-
     from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
                                    run_folder_in_use)
     from fastpo.cli import _build_config, _check_out_dir
     from fastpo.config import apply_dict, load_run_config, parse_override, validate
     from fastpo.trainer import Stopped
 
-    console = Console()
+    console = _sft_console()
     sft_ov = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith("sft.")]
     args.overrides = [o for o in args.overrides if o not in sft_ov]
     try:

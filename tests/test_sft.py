@@ -197,6 +197,8 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
 
     monkeypatch.setattr(SFTTrainer, "iteration", stop_after_2)
     assert main([*args, "--iterations", "3", "--out", part]) == 130
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "fastpo sft --resume" in said and "fastpo train --resume" not in said
     monkeypatch.setattr(SFTTrainer, "iteration", real)
     assert main(["sft", "--resume", part, "sft.batch_size=2"]) == 2  # the data settings are fixed
     assert "cannot change on --resume" in capsys.readouterr().err
