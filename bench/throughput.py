@@ -92,6 +92,20 @@ def print_table(header: dict, records: list[Record]) -> None:
     console.print(table)
 
 
+def _sft_row(ctx: BenchContext, records: list, errors: dict) -> None:
+    """The peers part's SFT row (bench/part_sft.py: fastpo sft against TRL's SFTTrainer),
+    after the part's own rows unless the part was skipped as a whole; skipped or failed on
+    its own line ("peers: SFT") without touching them."""
+    try:
+        records.extend(importlib.import_module("part_sft").run(ctx))
+    except PartSkipped as e:
+        ctx.skipped["peers: SFT"] = str(e)
+        print(f"part peers: SFT skipped: {e}", file=sys.stderr, flush=True)
+    except Exception as e:
+        traceback.print_exc()
+        errors["peers: SFT"] = f"{type(e).__name__}: {e}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--part", default="all", choices=PARTS + ["all"] + EXTRA_PARTS)
@@ -137,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # one broken part must not hide the others' figures
             traceback.print_exc()
             errors[name] = f"{type(e).__name__}: {e}"
+        if name == "peers" and name not in ctx.skipped:  # its SFT row (bench/part_sft.py)
+            _sft_row(ctx, records, errors)
         seconds[name] = round(time.perf_counter() - t0, 1)
         print(f"part {name}: {seconds[name]:.0f} s", file=sys.stderr, flush=True)
         if args.json:  # after every part: a run stopped by a time limit keeps what it measured

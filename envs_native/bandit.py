@@ -191,6 +191,13 @@ class BanditEnv(BatchedTextEnv):
         self._require_reset()
         return 1 - self._swapped.astype(np.int64)
 
+    def better_action(self) -> np.ndarray:
+        """np.int64 [B]: the action id of each instance's arm of higher expected reward (the
+        high-risk arm when high_reward * high_prob >= low_reward, as in the paper's 0.25 > 0.1;
+        otherwise the low-risk arm): the expert's pull. Raises RuntimeError before reset."""
+        high = self.high_risk_action()
+        return high if self.high_better else 1 - high
+
     def optimal_success(self, seeds, horizon: int = 1) -> np.ndarray:
         """float64 [n]: 1.0 per seed. Success is pulling the arm of higher expected reward
         (from low_reward, high_reward and high_prob), which the best policy always does.

@@ -119,14 +119,18 @@ def _fl_reset(seeds, p, fixed, fixed_start, ragen, maps, pos, start, rng, steps)
 
 
 @njit(cache=True)
-def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out):
+def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, policy):
     """out[b] (float64 [B]): the probability of reaching a goal from start[b] (int64 [B])
     within `horizon` actions, for the best policy (greedy) or the uniformly random one.
 
     Finite-horizon value iteration: V_0 = 0; V_k(s) = max (or mean) over actions of
     sum_s' P(s' | s, a) * (1 if s' is a goal, 0 if a hole, else V_{k-1}(s')), with the
     transition probabilities of `_fl_step`; out[b] = V_horizon(start[b]).
+    policy: int8 [B, horizon + 1, R * C] (or an empty array: not wanted): policy[b, k, s] is
+    the first action (lowest id among ties) maximising the sum above with k actions left
+    (row 0 stays 0).
     """
+    want_policy = policy.shape[0] > 0
     B, R, C = maps.shape
     n = R * C
     p_side = (1.0 - p_intended) / 2.0
@@ -134,14 +138,15 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out):
     nv = np.zeros(n)
     for b in range(B):
         v[:] = 0.0
-        for _ in range(horizon):
+        for k in range(1, horizon + 1):
             for s in range(n):
                 r0 = s // C
                 c0 = s % C
                 if maps[b, r0, c0] != _FROZEN:
                     nv[s] = 0.0
                     continue
-                best = 0.0
+                best = -1.0
+                best_a = 0
                 total = 0.0
                 for a in range(4):
                     q = 0.0
@@ -170,9 +175,13 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out):
                             q += pr
                         elif t == _FROZEN:
                             q += pr * v[r * C + c]
-                    best = max(best, q)
+                    if q > best:
+                        best = q
+                        best_a = a
                     total += q
                 nv[s] = best if greedy else total / 4.0
+                if want_policy:
+                    policy[b, k, s] = best_a
             for s in range(n):
                 v[s] = nv[s]
         out[b] = v[start[b]]
@@ -381,8 +390,31 @@ class FrozenLakeEnv(BatchedTextEnv):
         if bad >= 0:
             raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
         out = np.zeros(n, dtype=np.float64)
-        _fl_success_values(maps, start, self.is_slippery, self.success_prob, h, greedy, out)
+        _fl_success_values(maps, start, self.is_slippery, self.success_prob, h, greedy, out,
+                           np.zeros((0, 0, 0), dtype=np.int8))
         return out
+
+    def optimal_policy(self, horizon: int) -> np.ndarray:
+        """int8 [B, horizon + 1, R * C]: for each current instance, the best action id (0 Left,
+        1 Down, 2 Right, 3 Up) in each cell (row * C + column) with k = 1..horizon actions left
+        (row k), from the finite-horizon value iteration of `optimal_success` (ties: the lowest
+        id; row 0 and cells that are holes or goals hold 0). The closed-loop expert: acting
+        with table[b, k, position] at every step reaches the goal with `optimal_success`'s
+        probability. Raises ValueError for a horizon that is not an integer >= 1,
+        RuntimeError before the first reset.
+        """
+        self._require_reset()
+        h = check_horizon(horizon)
+        B, (R, C) = self._B, self.size
+        table = np.zeros((B, h + 1, R * C), dtype=np.int8)
+        _fl_success_values(self._maps, self._start, self.is_slippery, self.success_prob, h, True,
+                           np.zeros(B, dtype=np.float64), table)
+        return table
+
+    def positions(self) -> np.ndarray:
+        """int64 [B]: each instance's current cell (row * C + column). RuntimeError before reset."""
+        self._require_reset()
+        return self._pos.copy()
 
     def optimal_success(self, seeds, horizon: int) -> np.ndarray:
         """float64 [n]: for each seed's map, the probability that the best policy reaches the

@@ -1,4 +1,4 @@
-"""The `fastpo` command line: `fastpo train` and `fastpo eval`.
+"""The `fastpo` command line: `fastpo train`, `fastpo sft` (fastpo.sft) and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
                  [--out DIR [--overwrite]] [--resume DIR [--iterations N]] [--nproc N] [section.key=value ...]
@@ -347,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="data-parallel processes, one per GPU (CPU processes with gloo under --device cpu), "
                          "run by torchrun; 1 (default): one process")
+    sf = sub.add_parser("sft", help="supervised fine-tuning on the env's expert trajectories (fastpo.sft)")
+    _add_common(sf)
+    sf.add_argument("--out", default=None, help="output folder (default runs/sft-<env>)")
+    sf.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
+    sf.add_argument("--iterations", type=int, default=None, help="SFT steps (optimizer steps)")
+    sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
     _add_common(ev)
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
@@ -368,6 +374,10 @@ def main(argv: list[str] | None = None) -> int:
         return status
     if args.command == "train":
         return cmd_train(args)
+    if args.command == "sft":
+        from fastpo.sft import cmd_sft
+
+        return cmd_sft(args)
     return cmd_eval(args)
 
 

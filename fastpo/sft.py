@@ -1,0 +1,513 @@
+"""Supervised fine-tuning on expert trajectories: the RAGEN paper's SFT baseline
+(arXiv 2504.20073, appendix: SFT on expert trajectories against StarPO-S).
+
+    fastpo sft --env sokoban                      # -> runs/sft-sokoban (an HF model in its checkpoints)
+    fastpo train --env sokoban --model runs/sft-sokoban
+
+The expert data is a rollout: `expert_rollout` runs the ordinary `MultiTurnRollout` (the same
+system prompt, game rules, chat template, answer format and between-turn observation tokens)
+with an `ExpertEngine` in place of the sampling engine. Each turn the engine writes the
+expert's answer as token ids (the tokenizer's ids of "Down || Right</answer>" after the
+"<answer>" prime; in think mode "Expert plan: Down, Right.</think> <answer>Down || Right</answer>"
+after "<think>"), and the rollout parses it, steps the env and appends the next observation
+exactly as it does for a model's answer. So an SFT sequence is token for token what a rollout
+whose model sampled those answers holds, with the loss mask on the answer tokens only.
+
+The experts (envs_native): Sokoban's breadth-first `solve` (a shortest solution from the
+current state), Bandit's `better_action` (the arm of higher expected reward) and FrozenLake's
+`optimal_policy` (finite-horizon value iteration: the best action per cell and number of
+actions left). FrozenLake is stochastic: the expert acts closed loop, choosing each action at
+the cell it actually reached (its own copy of the env draws the same slips as the rollout's:
+both are seeded by the env seed). With `sft.actions_per_turn` = 1 (FrozenLake's default) every
+cell it acts on is shown to the model, so the model can imitate it exactly; with more actions
+per turn the later actions of a turn depend on slips the model never sees.
+
+Training (`SFTTrainer`, a `fastpo.trainer.Trainer` whose iteration is one optimizer step):
+token-in-token-out, the mean negative log-likelihood over the answer tokens of a mini-batch
+of `sft.batch_size` expert trajectories (token-mean, as TRL's SFTTrainer), packed into the
+trainer's padding-free micro-batches, AdamW at optim.actor_lr with optim.grad_clip. The run
+folder, checkpoints (exact resume), metrics, plots, Ctrl-C / SIGTERM safety and the
+before/after evaluation with the random and optimal lines are the trainer's; the expert's
+own success on the eval seeds is logged beside them (`eval/expert_success`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import sys
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from fastpo.config import ConfigError, TrainConfig, _at_least, checked
+
+SFT_FILE = "sft.yaml"
+_SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
+
+# What `fastpo sft` sets before the preset's and the user's overrides apply (user overrides win):
+# one evaluation after training (and the one before it from the CPU preset), lr for SFT.
+SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", "trainer.save_every=16",
+                         "optim.actor_lr=1e-5", "trainer.eval_before_training=true"]
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """The `sft.*` settings of `fastpo sft` (kept in the run folder's sft.yaml).
+
+    trajectories: expert trajectories in the data set, one per env seed seed_offset,
+    seed_offset + 1, ... (disjoint from the eval seeds: checked). batch_size: trajectories
+    per optimizer step (one trainer iteration). actions_per_turn: the expert's actions per
+    turn (capped by rollout.max_actions_per_turn and the actions left); 0 = 1 on FrozenLake
+    (closed loop: every cell acted on is observed), rollout.max_actions_per_turn otherwise.
+    """
+
+    trajectories: int = checked(128, _at_least(1), "must be >= 1")
+    batch_size: int = checked(8, _at_least(1), "must be >= 1")
+    seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
+    actions_per_turn: int = checked(0, _at_least(0), "must be >= 0 (0 = the env's default)")
+
+    def seeds(self) -> list[int]:
+        return list(range(self.seed_offset, self.seed_offset + self.trajectories))
+
+
+def sft_config(overrides: list[str], base: Optional[SFTConfig] = None) -> SFTConfig:
+    """An SFTConfig from `base` (default: the defaults) and dotted overrides "sft.key=value".
+    Raises ConfigError naming a bad key or value."""
+    from fastpo.config import apply_dict, check_fields, parse_override
+
+    cfg = dataclasses.replace(base) if base is not None else SFTConfig()
+    for o in overrides:
+        d = parse_override(o)
+        apply_dict(cfg, d.get("sft", {}), prefix="sft.")
+    check_fields(cfg, "sft.")
+    return cfg
+
+
+def check_disjoint(sft: SFTConfig, cfg: TrainConfig) -> None:
+    """ConfigError when the expert seeds overlap the eval seeds."""
+    lo, hi = cfg.trainer.eval_seed_offset, cfg.trainer.eval_seed_offset + cfg.trainer.eval_seeds
+    if sft.seed_offset < hi and lo < sft.seed_offset + sft.trajectories:
+        raise ConfigError(f"config key 'sft.seed_offset' = {sft.seed_offset}: the expert seeds "
+                          f"[{sft.seed_offset}, {sft.seed_offset + sft.trajectories}) overlap the eval seeds "
+                          f"[{lo}, {hi}); choose expert seeds outside them")
+
+
+def read_sft_config(out_dir: str) -> SFTConfig:
+    """The SFTConfig of the run in `out_dir` (its sft.yaml). Raises ConfigError when missing or bad."""
+    import yaml
+
+    path = os.path.join(out_dir, SFT_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"{path} not found: is {out_dir} a `fastpo sft` run folder?")
+    with open(path) as f:
+        d = yaml.safe_load(f) or {}
+    return sft_config([f"sft.{k}={v}" for k, v in d.items()])
+
+
+# ----------------------------------------------------------------------------------------- experts
+
+class _Expert:
+    """The expert's next action per instance of a freshly reset env `env` (the shadow copy)."""
+
+    def __init__(self, env, env_name: str, horizon: int):
+        self.env, self.name = env, env_name
+        self.plans: dict = {}
+        if env_name == "frozenlake":
+            self.policy = env.optimal_policy(horizon)
+            self.horizon = horizon
+        elif env_name == "bandit":
+            self.better = env.better_action()
+
+    def action(self, b: int, actions_left: int) -> int:
+        """Action id of instance b's next expert move with `actions_left` actions left."""
+        if self.name == "frozenlake":
+            k = min(int(actions_left), self.horizon)
+            return int(self.policy[b, k, int(self.env.positions()[b])])
+        if self.name == "bandit":
+            return int(self.better[b])
+        plan = self.plans.get(b)
+        if not plan:  # a shortest solution from the current state (deterministic: followed to the end)
+            plan = self.env.solve(b) or []
+            self.plans[b] = plan
+        if not plan:  # unsolvable (a generated level never is): any move
+            return 0
+        return self.env.action_names(b).index(plan.pop(0))
+
+
+class ExpertEngine:
+    """A rollout engine (NativeEngine's session interface) whose answers are the expert's.
+
+    Built for one `MultiTurnRollout.generate(seeds, group_size=1)` call: it keeps its own
+    copy of the env, reset from the same `seeds`, stepped with the actions it answers, so
+    its state is the rollout's. Per turn and session it returns the answer's token ids
+    (`TurnOutput`, log-probs 0, stop reason "stop_string" when rollout.stop_at_answer_close,
+    else the template's end-of-turn id is appended and the reason is "eot"). An answer that
+    would pass rollout.max_new_tokens keeps fewer actions (ConfigError when not even one fits);
+    one that would pass rollout.max_context ends the session ("context", no tokens), as a
+    sampling engine would.
+    """
+
+    device = torch.device("cpu")
+
+    def __init__(self, rollout, seeds: list[int], actions_per_turn: int = 0):
+        from fastpo.envs_native import make_env
+
+        self.ro, self.cfg, self.tok, self.chat = rollout, rollout.cfg, rollout.tokenizer, rollout.chat
+        self.seeds = list(seeds)
+        self.env = make_env(rollout.env_name, len(self.seeds), **rollout.env_config)
+        per_turn = actions_per_turn or (1 if rollout.env_name == "frozenlake" else self.cfg.max_actions_per_turn)
+        self.per_turn = min(per_turn, self.cfg.max_actions_per_turn)
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0,
+                      "peak_kv_bytes": 0}
+
+    def start(self, prompts: list, group_size: int = 1) -> None:
+        if group_size != 1 or len(prompts) != len(self.seeds):
+            raise ValueError(f"ExpertEngine serves {len(self.seeds)} env groups of one trajectory, "
+                             f"got {len(prompts)} x {group_size}")
+        self.env.reset(np.asarray(self.seeds, dtype=np.int64))
+        self.expert = _Expert(self.env, self.ro.env_name, self.cfg.max_actions_per_traj)
+        self.left = np.full(len(self.seeds), self.cfg.max_actions_per_traj, dtype=np.int64)
+        self.length = {b: len(p) for b, p in enumerate(prompts)}
+        self.stats["prefilled_tokens"] += sum(self.length.values())
+
+    def finish(self) -> None:
+        self.length = {}
+
+    def session_length(self, session: int) -> int:
+        return self.length[session]
+
+    def _text(self, names: list) -> str:
+        acts = " || ".join(names)
+        if self.chat.think:
+            return f"Expert plan: {', '.join(names)}.</think> <answer>{acts}</answer>"
+        return f"{acts}</answer>"
+
+    def _ids(self, names: list) -> list:
+        ids = self.tok(self._text(names), add_special_tokens=False)["input_ids"]
+        if not self.cfg.stop_at_answer_close:  # the model ends its turn itself
+            ids = ids + [self.chat.eot_token_ids[0]]
+        return ids
+
+    def _fit(self, params, b: int) -> int:
+        """The most actions of instance b whose answer fits max_new_tokens (longest names)."""
+        longest = max(self.env.action_names(b), key=lambda n: len(self._ids([n])))
+        k = self.per_turn
+        while k > 0 and len(self._ids([longest] * k)) > params.max_new_tokens:
+            k -= 1
+        if k == 0:
+            raise ConfigError(f"config key 'rollout.max_new_tokens' = {params.max_new_tokens}: the expert's answer "
+                             f"with one action ({self._text([longest])!r}) takes {len(self._ids([longest]))} tokens")
+        return k
+
+    def generate(self, sessions: list, append: list | None, params, generator=None) -> list:
+        from fastpo.rollout.engine import STOP_CONTEXT, STOP_EOT, STOP_STRING, TurnOutput
+
+        t0 = time.perf_counter()
+        append = append if append is not None else [[] for _ in sessions]
+        B = len(self.seeds)
+        budget = {b: min(self._fit(params, b), int(self.left[b])) for b in sessions}
+        chosen: dict = {b: [] for b in sessions}
+        going = [b for b in sessions if budget[b] > 0 and not self.env.done[b]]
+        while going:  # closed loop: each action from the state the previous one reached
+            acts = np.full((B, 1), -1, dtype=np.int64)
+            for b in going:
+                acts[b, 0] = self.expert.action(b, int(self.left[b]))
+            active = np.zeros(B, dtype=bool)
+            active[going] = True
+            res = self.env.step(acts, active=active)
+            for b in going:
+                chosen[b].append(int(acts[b, 0]))
+                self.left[b] -= int(res.num_executed[b])
+            going = [b for b in going if len(chosen[b]) < budget[b] and not self.env.done[b] and self.left[b] > 0]
+        outs = []
+        for b, extra in zip(sessions, append):
+            names = [self.env.action_names(b)[a] for a in chosen[b]]
+            ids = self._ids(names)
+            if self.length[b] + len(extra) + len(ids) > params.max_context:
+                outs.append(TurnOutput([], [], STOP_CONTEXT))
+                continue
+            self.length[b] += len(extra) + len(ids)
+            self.stats["prefilled_tokens"] += len(extra)
+            self.stats["generated_tokens"] += len(ids)
+            outs.append(TurnOutput(ids, [0.0] * len(ids), STOP_STRING if self.cfg.stop_at_answer_close else STOP_EOT))
+        self.stats["seconds"] += time.perf_counter() - t0
+        return outs
+
+
+def expert_rollout(tokenizer, env_name: str, env_options: dict, rollout_cfg, seeds: list[int],
+                   actions_per_turn: int = 0):
+    """The expert's trajectories on `seeds` (one each), rendered by `MultiTurnRollout`.
+
+    rollout_cfg: a RolloutConfig (the prompt, format, turn and action limits of the run).
+    Returns a TrajectoryBatch (input_ids, loss_mask True on the answer tokens, rewards,
+    success, ...). Raises ValueError for bad seeds, ConfigError (a ValueError) for a
+    max_new_tokens too small for one action, RuntimeError when an expert answer is not read back as well formed (a bug).
+    """
+    from fastpo.rollout import MultiTurnRollout
+
+    ro = MultiTurnRollout(None, tokenizer, env_name, dict(env_options), rollout_cfg)
+    ro.engine = ExpertEngine(ro, seeds, actions_per_turn)
+    batch = ro.generate(list(seeds), 1)
+    bad = torch.nonzero(batch.penalised_turns).flatten().tolist()
+    if bad:
+        raise RuntimeError(f"expert answers read back as malformed for seeds {[seeds[i] for i in bad[:5]]}: "
+                           f"{batch.response_texts[bad[0]]!r:.200}")
+    return batch
+
+
+# ----------------------------------------------------------------------------------------- training
+
+def batch_indices(seed: int, iteration: int, batch_size: int, n: int) -> list[int]:
+    """The expert trajectories (indices in [0, n)) of SFT step `iteration` (1-based): the
+    trajectories in order of a per-epoch shuffle, `batch_size` at a time across epochs, a
+    pure function of its arguments (so a resume continues the order); an index repeated
+    across an epoch boundary is taken once."""
+    out: list[int] = []
+    perms: dict = {}
+    for q in range((iteration - 1) * batch_size, iteration * batch_size):
+        epoch = q // n
+        if epoch not in perms:
+            g = torch.Generator().manual_seed(int(np.random.default_rng([seed, epoch, _SALT_SFT_ORDER]).integers(2**62)))
+            perms[epoch] = torch.randperm(n, generator=g).tolist()
+        i = perms[epoch][q % n]
+        if i not in out:
+            out.append(i)
+    return out
+
+
+def _trainer_base():
+    from fastpo.trainer import Trainer
+
+    return Trainer
+
+
+class SFTTrainer(_trainer_base()):
+    """`fastpo.trainer.Trainer` with SFT iterations: iteration i is one AdamW step on the
+    mean answer-token NLL of `batch_indices(seed, i, sft.batch_size, n)`'s expert trajectories.
+
+    cfg: the TrainConfig (model, env, rollout format and limits, optim, trainer: run folder,
+    evaluation, checkpoints); its algorithm section is not used (set to Dr.GRPO without
+    critic, KL or filtering so that no critic or reference model is built). sft: SFTConfig.
+    Metrics per iteration: sft/loss (mean NLL per answer token, nats), sft/answer_entropy
+    (mean entropy of the model's next-token distribution on the answer tokens, nats; also
+    logged as train/rollout_entropy for the progress line), sft/answer_tokens,
+    sft/trajectories, sft/epoch, actor/grad_norm, perf/train_tokens_per_s (all tokens of the
+    packed trajectories per second of the step), time/update_s; train/success_rate and
+    train/score_mean are the expert trajectories' of the step.
+    """
+
+    def __init__(self, cfg: TrainConfig, sft: SFTConfig, **kw):
+        a = cfg.algorithm
+        a.adv_estimator, a.kl_coef, a.filter_mode, a.entropy_coef = "drgrpo", 0.0, "none", 0.0
+        super().__init__(cfg, **kw)
+        self.sft = sft
+
+    def setup(self) -> None:
+        import yaml
+
+        from fastpo.checkpoint import atomic_write_text
+
+        super().setup()
+        t0 = time.perf_counter()
+        data = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
+                              self.sft.seeds(), self.sft.actions_per_turn)
+        self.data = data
+        self.ids = [torch.as_tensor(x, dtype=torch.long) for x in data.input_ids]
+        self.masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in data.loss_mask]
+        for m in self.masks:
+            m[0] = False
+        n_ans = int(sum(int(m.sum()) for m in self.masks))
+        self.console.print(
+            f"[bold]expert data[/] {len(self.ids)} trajectories of {self.cfg.env.name} (seeds {self.sft.seed_offset}.."
+            f"{self.sft.seed_offset + self.sft.trajectories - 1}): success {float(data.success.float().mean()):.3f}, "
+            f"{data.metrics['num_turns']:.2f} turns, {sum(x.numel() for x in self.ids)} tokens of which {n_ans} "
+            f"answer tokens ({time.perf_counter() - t0:.1f} s)")
+        if self.dist.is_main:
+            atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
+                                                                              sort_keys=False))
+        self._expert_eval: Optional[dict] = None
+
+    def expert_eval(self) -> dict:
+        """{"eval/expert_success", "eval/expert_success_se"}: the expert's success on the eval
+        seeds under this run's rollout settings (one trajectory per seed)."""
+        if self._expert_eval is None:
+            from fastpo.evaluate import eval_seeds
+            from fastpo.metrics import standard_error
+
+            b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
+                               eval_seeds(self.cfg), self.sft.actions_per_turn)
+            s = b.success.double().numpy()
+            self._expert_eval = {"eval/expert_success": float(s.mean()),
+                                 "eval/expert_success_se": float(standard_error(s))}
+        return self._expert_eval
+
+    def evaluate(self, it: int) -> dict:
+        res = super().evaluate(it)
+        res.update(self.expert_eval())
+        return res
+
+    def iteration(self, it: int) -> dict:
+        from fastpo.kernels import decoder_body, linear_logprob_entropy, lm_head_weight
+        from fastpo.trainer import _MetricMeans
+
+        t0 = time.perf_counter()
+        idx = batch_indices(self.cfg.trainer.seed, it, self.sft.batch_size, len(self.ids))
+        n_ans = sum(int(self.masks[i].sum()) for i in idx)
+        metrics = _MetricMeans()
+        self._weights_touched = True
+        self.model.train()
+        self._zero_grad()
+        total_nll = total_ent = 0.0
+        tokens = 0
+        finite = True
+        for micro in self._micro_batches(self.ids, idx, self.masks):
+            scored = micro.scored(self.masks)
+            if scored.count == 0:
+                continue
+            tokens += micro.trajectory_tokens
+            with self._autocast():
+                h = self._hidden(decoder_body(self.model), micro)
+                lp, ent = linear_logprob_entropy(h[scored.rows], lm_head_weight(self.model), scored.targets,
+                                                 impl=self.cfg.trainer.kernel_impl)
+                loss = -lp.sum() / max(n_ans, 1)
+            if not torch.isfinite(loss.detach()):
+                finite = False
+                break
+            loss.backward()
+            total_nll += float(-lp.detach().sum())
+            total_ent += float(ent.detach().sum())
+        stepped = finite and self._optimizer_step(metrics)
+        if not stepped:
+            self._warn(f"iteration {it}: non-finite loss or gradient; SFT step skipped (weights unchanged)")
+            self._zero_grad()
+        self.model.eval()
+        dt = time.perf_counter() - t0
+        m = {k: v for k, v in metrics.means().items()}
+        succ = self.data.success[idx].float()
+        ent = total_ent / max(n_ans, 1)
+        m.update({
+            "sft/loss": total_nll / max(n_ans, 1), "sft/answer_entropy": ent, "sft/answer_tokens": n_ans,
+            "sft/trajectories": len(idx), "sft/epoch": (it * self.sft.batch_size) / len(self.ids),
+            "actor/updates": int(stepped), "actor/skipped_updates": int(not stepped),
+            "train/success_rate": float(succ.mean()), "train/score_mean": float(self.data.scores[idx].mean()),
+            "train/rollout_entropy": ent, "perf/train_tokens_per_s": tokens / max(dt, 1e-9), "time/update_s": dt,
+        })
+        return m
+
+    def run(self) -> list[dict]:
+        records = super().run()
+        ev = [r for r in records if "eval/success_rate" in r]
+        if ev and self.dist.is_main:
+            last = ev[-1]
+            lines = []
+            if "eval/expert_success" in last:
+                lines.append(f"expert (the solver, rendered as above) on the eval seeds: "
+                             f"{last['eval/expert_success']:.3f} +- {last['eval/expert_success_se']:.3f}")
+            se = last.get("eval/success_rate_se")
+            if se and "eval/random_success" in last:
+                z = (last["eval/success_rate"] - last["eval/random_success"]) / se
+                lines.append(f"after SFT: success {last['eval/success_rate']:.3f} +- {se:.3f} against the random "
+                             f"policy's {last['eval/random_success']:.3f} (exact on the same seeds): z = {z:+.1f}")
+            for line in lines:
+                self.console.print(line, markup=False)
+        return records
+
+
+# ----------------------------------------------------------------------------------------- CLI
+
+def _sft_console():
+    """A rich Console whose lines name `fastpo sft --resume` where the trainer's say `fastpo
+    train --resume` (an SFT run resumed by `train` would continue as StarPO)."""
+    from rich.console import Console
+
+    class SFTConsole(Console):
+        def print(self, *objects, **kw):
+            objects = tuple(o.replace("fastpo train --resume", "fastpo sft --resume") if isinstance(o, str) else o
+                            for o in objects)
+            return super().print(*objects, **kw)
+
+    return SFTConsole()
+
+
+def cmd_sft(args) -> int:
+    """`fastpo sft`: exit status 0 done, 2 bad input (one line), 1 a checkpoint not saved or a
+    full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
+    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
+                                   run_folder_in_use)
+    from fastpo.cli import _build_config, _check_out_dir
+    from fastpo.config import apply_dict, load_run_config, parse_override, validate
+    from fastpo.trainer import Stopped
+
+    console = _sft_console()
+    sft_ov = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith("sft.")]
+    args.overrides = [o for o in args.overrides if o not in sft_ov]
+    try:
+        if args.resume is not None:
+            fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
+                                          ("--model", args.model), ("--out", args.out), ("--seed", args.seed))
+                     if v is not None] + sft_ov
+            if fixed:
+                raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps its settings in "
+                                  f"{args.resume}); start a new run instead")
+            cfg = load_run_config(args.resume)
+            sft = read_sft_config(args.resume)
+            for o in args.overrides:
+                apply_dict(cfg, parse_override(o))
+            if args.iterations is not None:
+                cfg.trainer.iterations = args.iterations
+            if args.device is not None:
+                cfg.trainer.device = args.device
+            cfg.trainer.output_dir = args.resume
+            validate(cfg)
+            RunLock(args.resume).check()
+            plan_resume(args.resume).check_run_config(args.resume)
+        else:
+            extra = list(SFT_DEFAULT_OVERRIDES)
+            if args.iterations is not None:
+                extra.append(f"trainer.iterations={args.iterations}")
+            cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None)
+            sft = sft_config(sft_ov)
+            if not args.out:
+                cfg.trainer.output_dir = f"runs/sft-{cfg.env.name}"
+                if run_folder_in_use(cfg.trainer.output_dir) and not args.overwrite:
+                    cfg.trainer.output_dir = fresh_run_folder(cfg.trainer.output_dir)
+            elif run_folder_in_use(args.out) and not args.overwrite:
+                raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
+                                  f"pick another --out, or pass --overwrite to delete it")
+        check_disjoint(sft, cfg)
+        from fastpo.models import resolve_device
+
+        resolve_device(cfg.trainer.device)
+        _check_out_dir(cfg.trainer.output_dir)
+    except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
+        print(f"fastpo sft: error: {e}", file=sys.stderr)
+        return 2
+    console.print(f"[bold]fastpo sft[/] env={cfg.env.name} preset={cfg.preset} {sft.trajectories} expert "
+                  f"trajectories, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
+                  f"-> {cfg.trainer.output_dir}")
+    try:
+        trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite)
+        trainer.run()
+        if trainer.interrupted:
+            raise Stopped(trainer.stop_signal)
+    except KeyboardInterrupt as e:
+        return 128 + getattr(e, "signum", 2)
+    except (ConfigError, RunFolderBusy, FileExistsError) as e:
+        print(f"fastpo sft: error: {e}", file=sys.stderr)
+        return 2
+    except CheckpointSaveError as e:
+        print(f"fastpo sft: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"fastpo sft: error: {e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
+              f"`fastpo sft --resume {cfg.trainer.output_dir}`", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,240 @@
+"""`fastpo sft`: the experts, the expert data rendered as a rollout renders it, loss masking,
+one SFT step, exact resume and the hand-off to `fastpo train --model RUN`.
+
+Small real runs: random:tiny-llama (with the embedded SmolLM2 tokenizer), the tiny preset."""
+import glob
+import os
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+
+import fastpo.sft
+from fastpo.cli import main
+from fastpo.config import load_config
+from fastpo.envs_native import make_env
+from fastpo.models import load_tokenizer
+from fastpo.rollout.multiturn import closing_question
+from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
+from fastpo.sft import SFTConfig, SFTTrainer, batch_indices, expert_rollout
+
+MODEL = "random:tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(MODEL)
+
+
+def _rollout_cfg(env, think=False, **changes):
+    cfg = load_config(env=env, preset="cpu")
+    changes = {"think": think, "prompt_examples": not think, "max_new_tokens": 16 if not think else 48, **changes}
+    r = cfg.rollout.rollout_config(**changes)
+    return cfg, r
+
+
+def _by_hand(tok, env_name, options, r, seed, responses):
+    """The token ids and loss mask a rollout whose model answered `responses` (token id
+    lists, one per turn) on env seed `seed` holds, assembled from the prompt functions: the
+    reference the expert data must equal."""
+    chat = ChatFormat(tok, think=r.think, system_prompt=r.system_prompt)
+    env = make_env(env_name, 1, **options)
+    obs = env.reset([seed])
+    names = env.action_names(0)
+    q = closing_question(r, names)
+    ids = chat.prompt_ids(first_user_message(env.instructions()[0], obs[0], r.max_actions_per_traj,
+                                             r.max_actions_per_turn, r.think, r.max_new_tokens, names, question=q))
+    mask = [False] * len(ids)
+    left = r.max_actions_per_traj
+    for t, resp in enumerate(responses):
+        ids += resp
+        mask += [True] * len(resp)
+        text = chat.prime + tok.decode([x for x in resp if x not in chat.eot_token_ids], skip_special_tokens=False)
+        answer = text.split("<answer>")[-1].split("</answer>")[0]
+        acts = [names.index(a.strip()) for a in answer.split("||")]
+        assert len(acts) <= min(r.max_actions_per_turn, left)
+        res = env.step(np.array([acts]))
+        left -= int(res.num_executed[0])
+        if env.done[0] or left <= 0 or t == len(responses) - 1:
+            break
+        msg = next_user_message(t + 2, float(res.reward[0]), env.render()[0], left, r.think, r.max_new_tokens,
+                                question=q)
+        between = chat.between_turn_ids(msg, resp[-1] == chat.template_eot_id)
+        ids += between
+        mask += [False] * len(between)
+    return ids, mask, bool(env.success[0])
+
+
+@pytest.mark.parametrize("env_name,think,stop", [("sokoban", False, True), ("frozenlake", False, True),
+                                                  ("bandit", False, True), ("sokoban", True, True),
+                                                  ("frozenlake", True, False)])
+def test_expert_sequence_is_token_for_token_a_rollout_with_those_answers(tok, env_name, think, stop):
+    cfg, r = _rollout_cfg(env_name, think=think, stop_at_answer_close=stop)
+    seeds = [3, 11, 27]
+    batch = expert_rollout(tok, env_name, cfg.env.options, r, seeds)
+    for b, seed in enumerate(seeds):
+        responses = [x.tolist() for x in batch.responses[b]]
+        ids, mask, success = _by_hand(tok, env_name, cfg.env.options, r, seed, responses)
+        assert batch.input_ids[b].tolist() == ids
+        assert batch.loss_mask[b].tolist() == mask  # the answer tokens only
+        assert bool(batch.success[b]) == success
+        text = tok.decode(responses[0])
+        assert ("Expert plan:" in text) == think and "</answer>" in text
+        assert (responses[-1][-1] == ChatFormat(tok).template_eot_id) == (not stop)
+    assert int(batch.penalised_turns.sum()) == 0
+
+
+def test_experts_solve_sokoban_and_pick_the_better_arm(tok):
+    cfg, r = _rollout_cfg("sokoban")
+    seeds = list(range(16))
+    batch = expert_rollout(tok, "sokoban", {}, r, seeds)
+    env = make_env("sokoban", 1)
+    solvable = env.optimal_success(seeds, 10)
+    assert batch.success.numpy().tolist() == [bool(s) for s in solvable]  # solves what 10 moves can
+    cfg, r = _rollout_cfg("bandit")
+    for opts, high in (({}, True), ({"low_reward": 0.5}, False)):
+        batch = expert_rollout(tok, "bandit", opts, r, list(range(8)))
+        env = make_env("bandit", 8, **opts)
+        env.reset(list(range(8)))
+        want = env.high_risk_action() if high else 1 - env.high_risk_action()
+        picked = [env.action_names(i).index(tok.decode(batch.responses[i][0]).split("<")[0].strip()) for i in range(8)]
+        assert picked == want.tolist()
+
+
+def test_frozenlake_policy_is_the_closed_loop_optimum():
+    """Acting with optimal_policy's table at every cell reached succeeds as often as
+    optimal_success says (Monte Carlo over slip streams on one fixed map, within 4 SE), far
+    more often than the random policy."""
+    n, h = 4000, 30
+    env = make_env("frozenlake", n, desc=["SFFF", "FHFH", "FFFH", "HFFG"])
+    env.reset(np.arange(n))
+    table = env.optimal_policy(h)
+    assert table.shape == (n, h + 1, 16) and table.dtype == np.int8
+    left = np.full(n, h)
+    for _ in range(h):
+        pos = env.positions()
+        acts = table[np.arange(n), np.maximum(left, 1), pos].astype(np.int64)
+        env.step(acts[:, None], active=~env.done)
+        left -= 1
+    want = float(env.optimal_success([0], h)[0])
+    got = float(env.success.mean())
+    assert abs(got - want) < 4 * np.sqrt(want * (1 - want) / n)
+    assert got > 3 * float(env.random_success([0], h)[0]) > 0
+
+
+def test_batch_indices_cover_each_epoch_once_and_repeat_exactly():
+    n, bs = 10, 4
+    steps = [batch_indices(0, it, bs, n) for it in range(1, 6)]
+    flat = [i for s in steps for i in s]
+    assert sorted(flat[:10]) == list(range(10))  # epoch 0 (the step crossing epochs keeps each index once)
+    assert steps == [batch_indices(0, it, bs, n) for it in range(1, 6)]
+    assert steps != [batch_indices(1, it, bs, n) for it in range(1, 6)]
+
+
+def _cfg(out, iterations=2, **kw):
+    cfg = load_config(env="sokoban", preset="cpu,tiny", overrides=[
+        f"trainer.iterations={iterations}", "trainer.eval_every=0", "trainer.plots=false", "trainer.save_every=1",
+        "optim.actor_lr=1e-3", "trainer.keep_checkpoints=3"], values={"model.name": MODEL})
+    cfg.trainer.output_dir = str(out)
+    return cfg
+
+
+def _nll(trainer):
+    """Mean answer-token NLL of the whole expert set under the trainer's model (no grad)."""
+    from fastpo.kernels import decoder_body, linear_logprob_entropy, lm_head_weight
+
+    total = n = 0.0
+    with torch.no_grad():
+        for micro in trainer._micro_batches(trainer.ids, list(range(len(trainer.ids))), trainer.masks):
+            sc = micro.scored(trainer.masks)
+            h = trainer._hidden(decoder_body(trainer.model), micro)
+            lp, _ = linear_logprob_entropy(h[sc.rows], lm_head_weight(trainer.model), sc.targets)
+            total, n = total - float(lp.sum()), n + sc.count
+    return total / n
+
+
+def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
+    torch.manual_seed(0)
+    tr = SFTTrainer(_cfg(tmp_path / "a"), SFTConfig(trajectories=4, batch_size=4), console=Console(quiet=True))
+    tr.setup()
+    try:
+        # the packed micro-batches score exactly the answer tokens, in order
+        idx = list(range(4))
+        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr._micro_batches(tr.ids, idx, tr.masks)])
+        answers = torch.cat([torch.cat(tr.data.responses[i]) for i in idx])
+        assert sorted(targets.tolist()) == sorted(answers.tolist()) and targets.numel() == answers.numel()
+        before = _nll(tr)
+        m = tr.iteration(1)
+        assert m["actor/updates"] == 1 and m["sft/answer_tokens"] == answers.numel()
+        assert abs(m["sft/loss"] - before) < 1e-3  # the step's loss is the NLL of these tokens before it
+        assert _nll(tr) < before - 0.05
+    finally:
+        tr._release_lock()
+
+
+def _weights(run):
+    from safetensors.torch import load_file
+
+    ck = sorted(glob.glob(os.path.join(run, "checkpoints", "iter_*")))[-1]
+    return load_file(os.path.join(ck, "model", "model.safetensors"))
+
+
+def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monkeypatch, capsys):
+    torch.set_num_threads(1)
+    args = ["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, "trainer.eval_every=0",
+            "trainer.plots=false", "trainer.save_every=1", "optim.actor_lr=1e-3", "sft.trajectories=6",
+            "sft.batch_size=4"]
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    assert main([*args, "--iterations", "3", "--out", full]) == 0
+    real = SFTTrainer.iteration
+
+    def stop_after_2(self, it):  # Ctrl-C during iteration 2: finish it, save, exit 130
+        m = real(self, it)
+        if it == 2:
+            self._request_stop(None, None)
+        return m
+
+    monkeypatch.setattr(SFTTrainer, "iteration", stop_after_2)
+    assert main([*args, "--iterations", "3", "--out", part]) == 130
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "fastpo sft --resume" in said and "fastpo train --resume" not in said
+    monkeypatch.setattr(SFTTrainer, "iteration", real)
+    assert main(["sft", "--resume", part, "sft.batch_size=2"]) == 2  # the data settings are fixed
+    assert "cannot change on --resume" in capsys.readouterr().err
+    assert main(["sft", "--resume", part]) == 0
+    a, b = _weights(full), _weights(part)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the hand-off: `fastpo train --model RUN` loads the SFT model
+    rl = str(tmp_path / "rl")
+    seen = {}
+    import fastpo.trainer as ft
+
+    real_setup = ft.Trainer._setup
+
+    def spy(self):
+        real_setup(self)
+        seen["w"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    monkeypatch.setattr(ft.Trainer, "_setup", spy)
+    assert main(["train", "--env", "sokoban", "--preset", "cpu,tiny", "--model", full, "--out", rl,
+                 "--iterations", "1", "trainer.eval_every=0", "trainer.plots=false"]) == 0
+    w = seen["w"]
+    assert all(torch.equal(w[k], a[k]) for k in a if k in w) and any(k in w for k in a)
+
+
+@pytest.mark.parametrize("bad,said", [("sft.trajectories=0", "sft.trajectories"),
+                                      ("sft.batch_size=x", "sft.batch_size"),
+                                      ("sft.seed_offset=1000000", "overlap the eval seeds"),
+                                      ("sft.bogus=1", "bogus")])
+def test_bad_sft_settings_exit_2_with_one_line(bad, said, capsys, no_model):
+    assert main(["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, bad]) == 2
+    err = capsys.readouterr().err.strip()
+    assert said in err and len(err.splitlines()) == 1
+
+
+def test_an_answer_that_cannot_fit_max_new_tokens_is_refused(tok):
+    cfg, r = _rollout_cfg("sokoban", max_new_tokens=2)
+    with pytest.raises(ValueError, match="rollout.max_new_tokens"):
+        expert_rollout(tok, "sokoban", {}, r, [0])
+    assert fastpo.sft.SFT_FILE == "sft.yaml"
