@@ -13,9 +13,9 @@ chunked PyTorch kernels (`trainer.kernel_impl=chunked`).
 
 `record` writes DIR/<name>.json per run: its `metrics.jsonl` records (without the keys in
 `ignored`: timings, throughput and peak memory), every `eval/*.json`, every `samples/*.txt`, and
-the SHA-256 of every file each checkpoint's `manifest.json` lists (the weights, the optimizer
-state), but `state.pt` (RNG states, loop state: its last evaluation's timings change from run to
-run) by content without the timings. The run folder's own path is replaced by `<RUN>` in all of them. `compare`
+every file each checkpoint's `manifest.json` lists: the SHA-256 of the binary ones (weights,
+optimizer state), the text of the text ones, and `state.pt` (RNG states, loop state) by
+content without its timings and Python's `random` state (see `digest`). The run folder's own path is replaced by `<RUN>` in all of them. `compare`
 repeats the runs in a temporary folder and reports every difference (exact equality: floats
 are compared as JSON writes them, i.e. bit for bit); exit status 0 when all match, 1 when not,
 2 for bad usage. `--keep` leaves the run folders (in DIR/runs/ or the temporary folder).
@@ -120,6 +120,9 @@ def run_one(name: str, out: str) -> float:
     return time.time() - t0
 
 
+TEXT_SUFFIXES = (".json", ".yaml", ".txt", ".jinja")
+
+
 def _text(path: str, run: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read().replace(os.path.realpath(run), "<RUN>").replace(run, "<RUN>")
@@ -160,15 +163,23 @@ def digest(run: str) -> dict:
     for m in sorted(glob.glob(os.path.join(run, "checkpoints", "*", "manifest.json"))):
         with open(m) as f:
             files = json.load(f)["files"]
-        # state.pt holds the last evaluation's metrics, timings included: compared by content
-        checkpoints[os.path.basename(os.path.dirname(m))] = {rel: v["sha256"] for rel, v in sorted(files.items())
-                                                             if rel != "state.pt"}
-        state = os.path.join(os.path.dirname(m), "state.pt")
-        if os.path.exists(state):
-            import torch
+        name, folder = os.path.basename(os.path.dirname(m)), os.path.dirname(m)
+        # text files name the run folder (config.yaml's output_dir, fastpo_model.json's run):
+        # compared as text with that path replaced; state.pt holds the last evaluation's
+        # timings and Python's `random` state (never seeded by fastpo, used by no training
+        # step: the interpreter's start-up entropy): compared by content without them
+        checkpoints[name] = {}
+        for rel, v in sorted(files.items()):
+            if rel == "state.pt":
+                import torch
 
-            checkpoints[os.path.basename(os.path.dirname(m))]["state.pt"] = _canonical(
-                torch.load(state, weights_only=False, map_location="cpu"))
+                state = torch.load(os.path.join(folder, rel), weights_only=False, map_location="cpu")
+                state.get("rng", {}).pop("python", None)
+                checkpoints[name][rel] = _canonical(state)
+            elif rel.endswith(TEXT_SUFFIXES):
+                checkpoints[name][rel] = _text(os.path.join(folder, rel), run)
+            else:
+                checkpoints[name][rel] = v["sha256"]
     return {"metrics": records, "eval": evals, "samples": samples, "checkpoints": checkpoints}
 
 
