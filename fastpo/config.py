@@ -27,6 +27,8 @@ from typing import Any, Callable, ClassVar, Literal, Optional, Union
 
 import yaml
 
+from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
+
 
 class ConfigError(ValueError):
     """A configuration key is unknown, has the wrong type or an impossible value."""
@@ -283,7 +285,7 @@ class AlgorithmConfig:
     by default: over all model tokens of the mini-batch.
     """
 
-    adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
+    adv_estimator: Literal[ESTIMATOR_NAMES] = "gae"  # fastpo.registry.ESTIMATORS
     gamma: float = checked(1.0, _in_unit, "must be in [0, 1]")
     lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
     reward_position: Literal["last_token", "turn"] = "last_token"
@@ -302,7 +304,7 @@ class AlgorithmConfig:
     kl_coef: float = checked(0.0, _at_least(0), "must be >= 0")
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
+    loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "seq-mean-token-mean"  # fastpo.registry.LOSS_AGGREGATIONS
     old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
     ratio_level: Literal["token", "sequence"] = "token"
     is_correction: Literal["none", "tis", "mis"] = "none"
@@ -313,7 +315,7 @@ class AlgorithmConfig:
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
     value_coef: float = checked(0.5, _at_least(0), "must be >= 0")
-    value_loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    value_loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "token-mean"
 
 
 @dataclass
@@ -405,7 +407,7 @@ class TrainConfig:
         reinforce_pp) and False for the group ones (grpo, drgrpo, rloo, reinforce_pp_baseline)."""
         a = self.algorithm
         if a.kl_in_reward is None:
-            return a.adv_estimator in TOKEN_LEVEL_ESTIMATORS
+            return estimator(a.adv_estimator).token_level
         return bool(a.kl_in_reward)
 
     @property
@@ -414,11 +416,6 @@ class TrainConfig:
         return self.kept_groups * self.rollout.group_size
 
 
-#: Advantage estimators that score each model token from token rewards (the rest score whole
-#: trajectories against their env group).
-TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_pp")
-#: Estimators whose baseline is the env group's other trajectories: they need group_size >= 2.
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +465,7 @@ def cpu_preset_note(cfg: "TrainConfig") -> str:
     r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
     filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
     critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
-        if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
+        if estimator(a.adv_estimator).needs_critic else f"{a.adv_estimator} (no critic)"
     prompt = "think prompt" if r.think else ("answer-only prompt with answer examples" if r.prompt_examples
                                               else "answer-only prompt")
     evals = f"eval on {t.eval_seeds} seeds" + (" before and after training" if t.eval_before_training else "")
@@ -646,7 +643,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
          "the SGLang engine takes full weights; LoRA (model.lora_rank > 0) needs rollout.engine=native")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
-    if a.adv_estimator in GROUP_ESTIMATORS:
+    if estimator(a.adv_estimator).needs_groups:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
     _check_off_policy(cfg, need)

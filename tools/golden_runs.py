@@ -2,6 +2,7 @@
 
     python tools/golden_runs.py record DIR [--only NAME[,NAME...]] [--keep]
     python tools/golden_runs.py compare DIR [--only NAME[,NAME...]] [--keep]
+    python tools/golden_runs.py diff DIR OTHER_DIR [--only ...]
     python tools/golden_runs.py list
 
 Each run is `python -m fastpo train ...` with the interpreter that runs this script, in the
@@ -12,13 +13,17 @@ single-threaded (OMP_NUM_THREADS=1: two-thread CPU runs are not bit-reproducible
 chunked PyTorch kernels (`trainer.kernel_impl=chunked`).
 
 `record` writes DIR/<name>.json per run: its `metrics.jsonl` records (without the keys in
-`ignored`: timings, throughput and peak memory), every `eval/*.json`, every `samples/*.txt`, and
-every file each checkpoint's `manifest.json` lists: the SHA-256 of the binary ones (weights,
-optimizer state), the text of the text ones, and `state.pt` (RNG states, loop state) by
-content without its timings and Python's `random` state (see `digest`). The run folder's own path is replaced by `<RUN>` in all of them. `compare`
-repeats the runs in a temporary folder and reports every difference (exact equality: floats
-are compared as JSON writes them, i.e. bit for bit); exit status 0 when all match, 1 when not,
-2 for bad usage. `--keep` leaves the run folders (in DIR/runs/ or the temporary folder).
+`ignored`: timings, throughput and peak memory), every `eval/*.json`, every `samples/*.txt`,
+and every file each checkpoint's `manifest.json` lists: the SHA-256 of the binary ones
+(weights, optimizer state), the text of the text ones, and `state.pt` (RNG states, loop state)
+by content without its timings and Python's `random` state (see `digest`). The run folder's own
+path is replaced by `<RUN>` in all of them. `compare` repeats the runs in a temporary folder
+and reports every difference (exact equality: floats are compared as JSON writes them, i.e. bit
+for bit); exit status 0 when all match, 1 when not, 2 for bad usage. `--keep` leaves the run
+folders (in DIR/runs/ or the temporary folder).
+The metrics in `SUMMATION_ORDER` (sums taken in another order on purpose; each named there
+with its reason) are left out unless `--strict`. `diff` compares the digests two `record`s
+wrote, without running anything.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 #: Metric keys that are not results: wall-clock timings, throughput, and their EMA copies ...
 IGNORED_PREFIXES = ("time/", "perf/", "ema/time/", "ema/perf/")
@@ -50,6 +56,11 @@ def ignored(key: str) -> bool:
 #: Metrics a refactor may change in the last bits because it sums the same values in a
 #: different order (say why beside each). Compared only when `--strict` is given.
 SUMMATION_ORDER = (
+    # issue 23's one code path for one process and N: these batch means are the data-parallel
+    # ones (float64 sums over every process's tokens or trajectories, mean = sum / count,
+    # std from the sums of squares) where one process took torch's float32 mean and std
+    "train/rollout_entropy", "train/logprob_gap_mean", "train/advantage_mean", "train/advantage_std",
+    "train/soft_reweight_mean",
 )
 
 _COMMON = ["--device", "cpu", "trainer.kernel_impl=chunked", "trainer.plots=false", "trainer.progress=false"]
@@ -183,14 +194,30 @@ def digest(run: str) -> dict:
     return {"metrics": records, "eval": evals, "samples": samples, "checkpoints": checkpoints}
 
 
+def _summation_order(key) -> bool:
+    return isinstance(key, str) and key.removeprefix("ema/").startswith(SUMMATION_ORDER)
+
+
+def _without_summation_order(x):
+    """`x` (a loaded state.pt's canonical form) without the SUMMATION_ORDER metrics it stores
+    (the reuse/replay schedule keeps its batch's rollout metrics)."""
+    if isinstance(x, dict):
+        return {k: _without_summation_order(v) for k, v in x.items() if not _summation_order(k)}
+    if isinstance(x, list):
+        return [_without_summation_order(v) for v in x]
+    return x
+
+
 def differences(want: dict, got: dict, strict: bool = False, limit: int = 20) -> list[str]:
     """Human-readable differences between two digests (at most `limit`)."""
     out: list[str] = []
+    if not strict:
+        want, got = ({**d, "checkpoints": _without_summation_order(d["checkpoints"])} for d in (want, got))
     if len(want["metrics"]) != len(got["metrics"]):
         out.append(f"metrics.jsonl: {len(want['metrics'])} records recorded, {len(got['metrics'])} now")
     for i, (a, b) in enumerate(zip(want["metrics"], got["metrics"])):
         for k in sorted(set(a) | set(b)):
-            if ignored(k) or (not strict and k.startswith(SUMMATION_ORDER + tuple("ema/" + s for s in SUMMATION_ORDER))):
+            if ignored(k) or (not strict and _summation_order(k)):
                 continue
             if a.get(k, "<missing>") != b.get(k, "<missing>"):
                 out.append(f"metrics.jsonl record {i} {k}: {a.get(k, '<missing>')!r} -> {b.get(k, '<missing>')!r}")
@@ -208,10 +235,33 @@ def differences(want: dict, got: dict, strict: bool = False, limit: int = 20) ->
     return out[:limit] + ([f"... and {len(out) - limit} more"] if len(out) > limit else [])
 
 
+def diff_dirs(one: str, other: Optional[str], names: list[str], strict: bool, ap) -> int:
+    """`diff`: the differences between the digests of `one` and `other`; exit status as `compare`."""
+    if not other:
+        ap.error("diff needs two folders")
+    failed = []
+    for name in names:
+        paths = [os.path.join(d, f"{name}.json") for d in (one, other)]
+        if not all(os.path.exists(p) for p in paths):
+            print(f"{name}: not in both folders")
+            failed.append(name)
+            continue
+        want, got = (json.load(open(p)) for p in paths)
+        diffs = differences(want, got, strict=strict)
+        print(f"{name}: {'identical' if not diffs else 'DIFFERS'}")
+        for d in diffs:
+            print(f"    {d}")
+        if diffs:
+            failed.append(name)
+    print("all identical" if not failed else f"DIFFERENT: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="golden_runs.py", description=__doc__.split("\n\n")[0])
-    ap.add_argument("command", choices=["record", "compare", "list"])
+    ap.add_argument("command", choices=["record", "compare", "diff", "list"])
     ap.add_argument("dir", nargs="?", help="the folder of recorded digests")
+    ap.add_argument("other", nargs="?", help="diff: the second folder of recorded digests")
     ap.add_argument("--only", default=None, help="comma-separated run names (default: all)")
     ap.add_argument("--keep", action="store_true", help="keep the run folders")
     ap.add_argument("--strict", action="store_true", help="also compare the SUMMATION_ORDER metrics")
@@ -226,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [n for n in names if n not in RUNS]
     if bad or not names:
         ap.error(f"--only {a.only!r}: unknown run {', '.join(bad) or '(none named)'}; choose from {', '.join(RUNS)}")
+    if a.command == "diff":
+        return diff_dirs(a.dir, a.other, names, a.strict, ap)
     tree = check_tree()
     print(f"golden_runs {a.command}: fastpo from {tree}, python {sys.executable}", flush=True)
     if a.command == "record":
