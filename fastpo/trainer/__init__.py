@@ -32,7 +32,8 @@ ranks before clipping (trainer.data_parallel: `fsdp`, the default, shards the po
 separate critic and the value head with FSDP2, their parameters gathered whole for the
 rollout and the evaluation; `replicate` keeps whole parameters and optimizer state on every
 rank), and rank 0 alone evaluates and writes metrics, samples and checkpoints (whole model
-and optimizer state, gathered from the shards). One process runs none of this.
+and optimizer state, gathered from the shards). One process is a world of one: the same
+steps, whose collectives are identities (fastpo.distributed).
 
 Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
 send before they kill) stops within a bounded time: an iteration whose update has not begun

@@ -116,7 +116,7 @@ class Iteration:
             return self._reuse_iteration(it)
         tm: dict[str, float] = {}
         self.weight_sync_seconds = 0.0
-        self._weights_touched = False
+        self.stop_state.weights_touched = False
         items = None
         # FSDP2: whole parameters on every rank from the rollout to the advantages (generation,
         # old log-probs and collapse metrics run different forward counts on each rank)
@@ -143,7 +143,7 @@ class Iteration:
                 if self.schedule is not None:
                     items = batch.rows()
                 batch = self._off_policy(it, metrics, batch, fresh=True)
-            if self._sync_stop() and self._term_requested():
+            if self._sync_stop() and self.stop_state.term:
                 raise _Drop  # every rank drops this iteration before its update (see _request_stop)
         if items is not None:  # past the droppable part: a dropped iteration leaves the schedule as it was
             self.schedule.start(it, items, rollout_m)
@@ -321,7 +321,7 @@ class Iteration:
         `rollout/reuse_index` 1..K-1), plus this iteration's replayed trajectories."""
         tm: dict[str, float] = {"time/rollout_s": 0.0, "time/weight_sync_s": 0.0}
         self.weight_sync_seconds = 0.0
-        self._weights_touched = False
+        self.stop_state.weights_touched = False
         with self._droppable():
             t1 = time.perf_counter()
             metrics = dict(self.schedule.metrics)

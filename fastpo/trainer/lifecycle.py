@@ -4,6 +4,7 @@ checkpoints (one-process format, gathered from FSDP2 shards) and the evaluation 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import time
 from typing import Optional
@@ -28,19 +29,45 @@ class _Drop(BaseException):
     evaluation): that work is dropped. A BaseException, so no `except Exception` swallows it."""
 
 
+@dataclasses.dataclass
+class StopState:
+    """The run's stop state: the one object the signal handler writes and the run loop reads
+    (one process: the handler itself; data parallel: `_sync_stop` at the points the ranks share).
+
+    requested: stop at the next point that allows it (a signal, or `Trainer.stop_after`).
+    signum: the signal that asked (SIGINT or SIGTERM; SIGTERM wins), None for `stop_after`.
+    interrupted: the run stopped on a signal (after saving), not by reaching its end; `train`
+    then raises Stopped. droppable: inside a phase a SIGTERM may drop at once (a rollout and
+    what follows it up to the update, an evaluation). weights_touched: the current
+    iteration's update has begun (an error then leaves no consistent state to save).
+    """
+
+    requested: bool = False
+    signum: Optional[int] = None
+    interrupted: bool = False
+    droppable: bool = False
+    weights_touched: bool = False
+
+    @property
+    def term(self) -> bool:
+        """A SIGTERM asked to stop (drop what may be dropped, postpone evaluations)."""
+        return self.requested and self.signum == signal.SIGTERM
+
+
 class Lifecycle:
     """`Trainer`'s lifecycle: the signal handler (`_request_stop`), stopping where every
     process agrees (`_sync_stop`), droppable phases, checkpoints (`_save`), the run lock."""
 
     def _sync_stop(self) -> bool:
-        """Data parallel: share a stop request among the ranks (each may have got its signal at
-        another moment), so that all of them stop at the same point; SIGTERM wins over SIGINT.
-        Returns whether a stop is requested."""
-        stop, term = fdist.all_reduce(self.dist, [float(self._stop_requested), float(self._term_requested())], "max")
-        if stop and not self._stop_requested:
-            self._stop_requested = self.interrupted = True
+        """Share a stop request among the ranks (each may have got its signal at another moment),
+        so that all of them stop at the same point; SIGTERM wins over SIGINT (one process: its
+        own request). Returns whether a stop is requested."""
+        st = self.stop_state
+        stop, term = fdist.all_reduce(self.dist, [float(st.requested), float(st.term)], "max")
+        if stop and not st.requested:
+            st.requested = st.interrupted = True
         if stop:
-            self.stop_signal = signal.SIGTERM if term else (self.stop_signal or signal.SIGINT)
+            st.signum = signal.SIGTERM if term else (st.signum or signal.SIGINT)
         return bool(stop)
 
     def _request_stop(self, signum, frame) -> None:
@@ -52,25 +79,25 @@ class Lifecycle:
             # (`_sync_stop`: before an update, after an iteration), so a rollout or evaluation under
             # way finishes. No second-signal abort: torchrun forwards one signal as several and
             # kills the workers itself after its grace period.
-            first = not self._stop_requested
-            self._stop_requested = self.interrupted = True
-            if self.stop_signal != signal.SIGTERM:
-                self.stop_signal = signum
+            first = not self.stop_state.requested
+            self.stop_state.requested = self.stop_state.interrupted = True
+            if self.stop_state.signum != signal.SIGTERM:
+                self.stop_state.signum = signum
             if first and self.dist.is_main:
                 self.console.print(f"[yellow]{signal.Signals(signum).name}[/]: stopping all processes at the next "
                                    "shared point (before this iteration's update or after it), saving the last "
                                    "complete iteration, then exit")
             return
-        if self._stop_requested:
+        if self.stop_state.requested:
             raise Stopped(signum)
-        self._stop_requested = self.interrupted = True
-        self.stop_signal = signum
+        self.stop_state.requested = self.stop_state.interrupted = True
+        self.stop_state.signum = signum
         if signum == signal.SIGTERM:
             self.console.print("[yellow]SIGTERM[/]: stopping: the current rollout or evaluation is dropped (an update "
                                "under way finishes), the last complete iteration is saved, then exit (signal again "
                                "to abort without saving)")
-            if self._droppable_now:
-                self._droppable_now = False
+            if self.stop_state.droppable:
+                self.stop_state.droppable = False
                 raise _Drop
         else:
             self.console.print("[yellow]Ctrl-C[/]: finishing this iteration, saving a checkpoint, then exiting "
@@ -80,14 +107,11 @@ class Lifecycle:
     def _droppable(self):
         """Around work that changes no weight (a rollout and what follows it up to the update, an
         evaluation): a SIGTERM inside raises _Drop out of it at once."""
-        self._droppable_now = True
+        self.stop_state.droppable = True
         try:
             yield
         finally:
-            self._droppable_now = False
-
-    def _term_requested(self) -> bool:
-        return self._stop_requested and self.stop_signal == signal.SIGTERM
+            self.stop_state.droppable = False
 
     def _save(self, it: int, rng: Optional[dict] = None, eval_pending: bool = False) -> str:
         """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume

@@ -16,7 +16,7 @@ from fastpo.config import TrainConfig, cpu_preset_note
 from fastpo.models import resolve_device
 from fastpo.metrics import before_after_table, plot_curves, summary_table
 from fastpo.trainer.iteration import Iteration
-from fastpo.trainer.lifecycle import Lifecycle, Stopped, _Drop
+from fastpo.trainer.lifecycle import Lifecycle, StopState, Stopped, _Drop
 from fastpo.trainer.scoring import Scoring
 from fastpo.trainer.setup import Setup
 from fastpo.trainer.update import Update
@@ -48,11 +48,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
         self.resume = resume
         self.overwrite = overwrite
         self.device = dist.device if dist.initialized and dist.device.type == "cuda" else resolve_device(cfg.trainer.device)
-        self._stop_requested = False
-        self.interrupted = False  # stopped by Ctrl-C or SIGTERM (after saving), not by reaching the end
-        self.stop_signal: Optional[int] = None
-        self._droppable_now = False  # inside a phase a SIGTERM may drop (see _droppable)
-        self._weights_touched = False  # the current iteration's update has begun
+        self.stop_state = StopState()  # what the signal handler writes and the loop reads
         self._eval_pending = False
         self._lock: Optional[RunLock] = None
         self.stop_after = stop_after
@@ -93,7 +89,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             self._emergency_save(run, e)
             raise
         finally:
-            self._droppable_now = False
+            self.stop_state.droppable = False
             for sig, handler in old_handlers.items():
                 signal.signal(sig, handler)
             self.logger.close()
@@ -131,7 +127,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
         to stop the loop (a signal, `stop_after`). `show(stats)`: the progress line."""
         t = self.cfg.trainer
         self._sync_stop()  # (data parallel: the ranks agree on a stop request)
-        if self._stop_requested:  # a signal before this iteration began (e.g. the initial eval)
+        if self.stop_state.requested:  # a signal before this iteration began (e.g. the initial eval)
             if run.updated > run.last_saved:
                 self._save(run.updated)
                 run.last_saved = run.updated
@@ -140,7 +136,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             return False
         t_it = time.perf_counter()
         run.rng_at_start = rng_state()  # what a resume restores if this iteration is dropped
-        self._weights_touched = True  # until iteration() says its update has not begun
+        self.stop_state.weights_touched = True  # until iteration() says its update has not begun
         try:
             metrics = self.iteration(it)
         except _Drop:
@@ -152,7 +148,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             return False
         run.updated = it  # the weights now hold this iteration's update
         if self.stop_after is not None and it >= self.stop_after:
-            self._stop_requested = True
+            self.stop_state.requested = True
         self._sync_stop()  # every rank takes the same evaluate/save/stop decisions
         eval_pending, rng_before_eval = False, None
         if t.eval_every and (it % t.eval_every == 0 or it == t.iterations):
@@ -160,20 +156,20 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             eval_pending = not self._evaluate_due(it, metrics)
         metrics["time/iteration_s"] = time.perf_counter() - t_it
         self._log(it, metrics, run, show)
-        if (t.save_every and it % t.save_every == 0) or it == t.iterations or self._stop_requested:
+        if (t.save_every and it % t.save_every == 0) or it == t.iterations or self.stop_state.requested:
             self._save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)
             run.last_saved = it
-        if self._stop_requested and (it < t.iterations or eval_pending):
+        if self.stop_state.requested and (it < t.iterations or eval_pending):
             self.console.print(f"stopped after iteration {it}; resume with `fastpo train --resume {self.out}`")
             return False
-        self.interrupted = False  # a Ctrl-C in the last iteration still finished the run
+        self.stop_state.interrupted = False  # a Ctrl-C in the last iteration still finished the run
         return True
 
     def _evaluate_due(self, it: int, metrics: dict) -> bool:
         """The evaluation of iteration `it` into `metrics`; False when a SIGTERM postponed it to
         the resume (the record gets it then)."""
         ev = None
-        if not self._term_requested():
+        if not self.stop_state.term:
             try:
                 with self._droppable():
                     ev = self._evaluate_all(it)
@@ -210,7 +206,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
     def _emergency_save(self, run: "_RunProgress", e: Exception) -> None:
         """After an error following an update (eval, logging, plots, disk) or before one began:
         keep the trained iterations. (Not when the failure was that very save: it would fail again.)"""
-        consistent = run.updated == run.it or not self._weights_touched
+        consistent = run.updated == run.it or not self.stop_state.weights_touched
         if consistent and run.updated > run.last_saved and not isinstance(e, CheckpointSaveError):
             try:
                 self._save(run.updated, rng=run.rng_at_start if run.updated < run.it else None)
@@ -269,6 +265,6 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
         console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")
     trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite, dist=dist)
     records = trainer.run()
-    if trainer.interrupted:
-        raise Stopped(trainer.stop_signal)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)
+    if trainer.stop_state.interrupted:
+        raise Stopped(trainer.stop_state.signum)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)
     return records

@@ -101,9 +101,10 @@ class Scoring:
 
     def _old_from_sampler(self, rollout, batch: TrainBatch):
         """(old_lp, ent, vals, ref, recomputed log-probs or None) of `batch`, the record of
-        `rollout` (a TrajectoryBatch), with the sampler's log-probs as old_lp; entropies and a shared critic's values from the rollout where it recorded them,
-        and one pass over the batch for only what is still missing (a separate critic, a
-        reference model, or an engine that records no entropies)."""
+        `rollout` (a TrajectoryBatch), with the sampler's log-probs as old_lp; entropies and a
+        shared critic's values from the rollout where it recorded them, and one pass over the
+        batch for only what is still missing (a separate critic, a reference model, or an
+        engine that records no entropies)."""
         ent = [torch.as_tensor(x, dtype=torch.float32) for x in rollout.sample_entropies] or None
         if ent is None and not len(batch):  # no trajectory (a rank the filter left empty): nothing is missing
             ent = []

@@ -240,7 +240,7 @@ class Update:
 
     def _train(self, it: int, metrics: dict, tm: dict, batch: TrainBatch) -> None:
         """The update phase of an iteration: `update`, then its metrics into `metrics` and its time into `tm`."""
-        self._weights_touched = True
+        self.stop_state.weights_touched = True
         t3 = time.perf_counter()
         um, train_tokens = self.update(it, batch)
         self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
