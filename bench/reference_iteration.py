@@ -202,7 +202,10 @@ class ReferenceTrainer(Trainer):
         return h, torch.nn.functional.linear(h, lm_head_weight(self.model))
 
     @torch.no_grad()
-    def compute_old(self, ids, masks):
+    def compute_old(self, batch, logprobs: bool = True, values: bool = True):
+        """The trainer's `compute_old` on the batch record, the reference way (padded
+        micro-batches, materialized logits); every column is computed."""
+        ids, masks = batch.input_ids, batch.loss_mask
         if self.ref_model is not None:
             raise NotImplementedError("ReferenceTrainer covers the StarPO-S setting (kl_coef = 0)")
         temp = self.cfg.rollout.temperature
@@ -234,8 +237,14 @@ class ReferenceTrainer(Trainer):
                     vals[i][1:] = torch.where(sc[j, : n - 1], v[j, : n - 1], 0.0).cpu()
         return old_lp, ent, vals, None
 
-    def update(self, it, ids, masks, old_lp, adv, vals, returns, ref) -> dict:
+    def update(self, it, batch) -> tuple[dict, int]:
+        """The trainer's `update` on the batch record, the reference way; (metrics, trained tokens)."""
         from fastpo.kernels.reference import aggregation_weights, policy_loss_terms
+
+        if batch.is_weights is not None:
+            raise NotImplementedError("ReferenceTrainer covers the StarPO-S setting (no importance weights)")
+        ids, masks, old_lp, adv = batch.input_ids, batch.loss_mask, batch.old_logprobs, batch.advantages
+        vals, returns = batch.values, batch.returns
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
         g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
@@ -312,4 +321,4 @@ class ReferenceTrainer(Trainer):
         self.model.eval()
         return {"actor/pg_loss": float(np.mean(losses)) if losses else 0.0,
                 "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-                "actor/updates": steps, "actor/skipped_updates": skipped, "_train_tokens": train_tokens}
+                "actor/updates": steps, "actor/skipped_updates": skipped}, train_tokens

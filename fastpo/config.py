@@ -34,6 +34,7 @@ from fastpo.config_fields import (ConfigError, Rule, _describe, _did_you_mean, _
 from fastpo.config_files import (_dig, config_from_dict, dump_yaml, load_run_config,  # noqa: F401
                                  parse_config_yaml, read_config_file, read_run_config, run_settings)
 from fastpo.presets import PRESETS, cpu_preset_note, default_preset  # noqa: F401
+from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
 MAX_ACTIONS_PER_TURN = 64
@@ -306,7 +307,7 @@ class AlgorithmConfig:
             tokens of the mini-batch.
     """
 
-    adv_estimator: Literal["gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "gae"
+    adv_estimator: Literal[ESTIMATOR_NAMES] = "gae"  # fastpo.registry.ESTIMATORS
     gamma: float = checked(1.0, _in_unit, "must be in [0, 1]")
     lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
     reward_position: Literal["last_token", "turn"] = "last_token"
@@ -325,7 +326,7 @@ class AlgorithmConfig:
     kl_coef: float = checked(0.0, _at_least(0), "must be >= 0")
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
-    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "seq-mean-token-mean"
+    loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "seq-mean-token-mean"  # fastpo.registry.LOSS_AGGREGATIONS
     old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
     ratio_level: Literal["token", "sequence"] = "token"
     is_correction: Literal["none", "tis", "mis"] = "none"
@@ -336,7 +337,7 @@ class AlgorithmConfig:
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
     value_coef: float = checked(0.5, _at_least(0), "must be >= 0")
-    value_loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
+    value_loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "token-mean"
 
 
 @dataclass
@@ -478,20 +479,13 @@ class TrainConfig:
         reinforce_pp) and False for the group ones (grpo, drgrpo, rloo, reinforce_pp_baseline)."""
         a = self.algorithm
         if a.kl_in_reward is None:
-            return a.adv_estimator in TOKEN_LEVEL_ESTIMATORS
+            return estimator(a.adv_estimator).token_level
         return bool(a.kl_in_reward)
 
     @property
     def train_batch_size(self) -> int:
         """Trajectories per iteration after filtering."""
         return self.kept_groups * self.rollout.group_size
-
-
-#: Advantage estimators that score each model token from token rewards (the rest score whole
-#: trajectories against their env group).
-TOKEN_LEVEL_ESTIMATORS = ("gae", "reinforce_pp")
-#: Estimators whose baseline is the env group's other trajectories: they need group_size >= 2.
-GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -537,7 +531,7 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
          "must list the names of the modules LoRA adapts, e.g. [q_proj, v_proj]")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
-    if a.adv_estimator in GROUP_ESTIMATORS:
+    if estimator(a.adv_estimator).needs_groups:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
     _check_off_policy(cfg, need)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastpo.registry import estimator
+
 if TYPE_CHECKING:
     from fastpo.config import TrainConfig
 
@@ -43,7 +45,7 @@ def cpu_preset_note(cfg: "TrainConfig") -> str:
     r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
     filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"
     critic = {"shared": "critic sharing the policy trunk", "separate": "a separate critic"}[a.critic] \
-        if a.adv_estimator == "gae" else f"{a.adv_estimator} (no critic)"
+        if estimator(a.adv_estimator).needs_critic else f"{a.adv_estimator} (no critic)"
     prompt = "think prompt" if r.think else ("answer-only prompt with answer examples" if r.prompt_examples
                                               else "answer-only prompt")
     evals = f"eval on {t.eval_seeds} seeds" + (" before and after training" if t.eval_before_training else "")

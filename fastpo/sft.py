@@ -97,13 +97,13 @@ def check_disjoint(sft: SFTConfig, cfg: TrainConfig) -> None:
 
 def read_sft_config(out_dir: str) -> SFTConfig:
     """The SFTConfig of the run in `out_dir` (its sft.yaml). Raises ConfigError when missing or bad."""
-    import yaml
+    from fastpo.config_files import parse_config_yaml
 
     path = os.path.join(out_dir, SFT_FILE)
     if not os.path.isfile(path):
         raise ConfigError(f"{path} not found: is {out_dir} a `fastpo sft` run folder?")
-    with open(path) as f:
-        d = yaml.safe_load(f) or {}
+    with open(path, encoding="utf-8") as f:
+        d = parse_config_yaml(f, path)
     return sft_config([f"sft.{k}={v}" for k, v in d.items()])
 
 
@@ -312,16 +312,16 @@ class SFTTrainer(_trainer_base()):
         import yaml
 
         from fastpo.checkpoint import atomic_write_text
+        from fastpo.trainer import TrainBatch
 
         super().setup()
         t0 = time.perf_counter()
         data = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
                               self.sft.seeds(), self.sft.actions_per_turn)
         self.data = data
-        self.ids = [torch.as_tensor(x, dtype=torch.long) for x in data.input_ids]
-        self.masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in data.loss_mask]
-        for m in self.masks:
-            m[0] = False
+        # the trainer's batch record (token 0 unscored), packed as the update packs it
+        self.batch = TrainBatch.from_rollout(data, 0)
+        self.ids, self.masks = self.batch.input_ids, self.batch.loss_mask
         n_ans = int(sum(int(m.sum()) for m in self.masks))
         self.console.print(
             f"[bold]expert data[/] {len(self.ids)} trajectories of {self.cfg.env.name} (seeds {self.sft.seed_offset}.."
@@ -354,19 +354,19 @@ class SFTTrainer(_trainer_base()):
 
     def iteration(self, it: int) -> dict:
         from fastpo.kernels import decoder_body, linear_logprob_entropy, lm_head_weight
-        from fastpo.trainer import _MetricMeans
+        from fastpo.trainer.update import _MetricMeans
 
         t0 = time.perf_counter()
         idx = batch_indices(self.cfg.trainer.seed, it, self.sft.batch_size, len(self.ids))
         n_ans = sum(int(self.masks[i].sum()) for i in idx)
         metrics = _MetricMeans()
-        self._weights_touched = True
+        self.stop_state.weights_touched = True
         self.model.train()
         self._zero_grad()
         total_nll = total_ent = 0.0
         tokens = 0
         finite = True
-        for micro in self._micro_batches(self.ids, idx, self.masks):
+        for micro in self._micro_batches(self.batch, idx):
             scored = micro.scored(self.masks)
             if scored.count == 0:
                 continue
@@ -494,8 +494,8 @@ def cmd_sft(args) -> int:
     try:
         trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite)
         trainer.run()
-        if trainer.interrupted:
-            raise Stopped(trainer.stop_signal)
+        if trainer.stop_state.interrupted:
+            raise Stopped(trainer.stop_state.signum)
     except KeyboardInterrupt as e:
         return 128 + getattr(e, "signum", 2)
     except (ConfigError, RunFolderBusy, FileExistsError) as e:

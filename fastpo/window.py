@@ -25,7 +25,7 @@ Design: evict and keep positions.
   mask, one advantage per token: filtering, advantages and loss aggregation are unchanged.
   Only the attention inside the trajectory changes: `window_mask` builds the rule above from
   two per-token labels the rollout records (`TrajectoryBatch.context_turns`,
-  `visible_from`), and packing (`pack_micro_batch(windows=...)`) applies it per packed
+  `visible_from`; in training, plain fields of the batch record, fastpo.trainer.batch), and packing (`pack_micro_batch(windows=...)`) applies it per packed
   segment (fastpo's "segments" attention: one sdpa call per trajectory with a [S, P+S]
   boolean mask instead of the causal fast path; "mask" attention: in the block mask).
   Padding-free packing, shared prompt prefixes and the fused log-prob / loss kernels (which
@@ -85,20 +85,3 @@ def head_length(chat, first_user: str, prompt_ids: Sequence[int]) -> int:
     if 0 < len(head) < len(prompt_ids) and list(prompt_ids[:len(head)]) == list(head):
         return len(head)
     return len(prompt_ids)
-
-
-_ATTR = "_fastpo_window"
-
-
-def attach(ids: torch.Tensor, turn: torch.Tensor, visible_from: torch.Tensor) -> None:
-    """Record a trajectory's window labels on its input-id tensor (the trainer's per-trajectory
-    lists are filtered and reordered together; the labels travel with the ids). Raises
-    ValueError when the lengths differ."""
-    if not (ids.numel() == turn.numel() == visible_from.numel()):
-        raise ValueError(f"window labels of {turn.numel()} / {visible_from.numel()} entries for {ids.numel()} tokens")
-    setattr(ids, _ATTR, (torch.as_tensor(turn, dtype=torch.long), torch.as_tensor(visible_from, dtype=torch.long)))
-
-
-def labels(ids: torch.Tensor):
-    """(turn, visible_from) attached to `ids`, or None."""
-    return getattr(ids, _ATTR, None)

@@ -140,15 +140,15 @@ def gathered_check(ctx) -> dict:
     are DTensor shards outside and inside `gathered`, the LM-head weight the fused kernels
     get inside it, and logits and greedy tokens computed by rank 0 alone inside it (no
     collective: rank 1 waits at the barrier), vs the unsharded model's."""
-    from fastpo import distributed as fd
+    from fastpo import fsdp as ffsdp
     from fastpo.kernels.hf import lm_head_weight
     from torch.distributed.tensor import DTensor
 
     model = tiny_model()
     ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
-    root = fd.shard_trainer_modules(ctx, model)
+    root = ffsdp.shard_trainer_modules(ctx, model)
     res = {"sharded_before": all(isinstance(p, DTensor) for p in model.parameters())}
-    with fd.gathered(root):
+    with ffsdp.gathered(root):
         w = lm_head_weight(model)
         res["lm_head"] = (type(w).__name__, tuple(w.shape))
         res["whole_inside"] = not any(isinstance(p, DTensor) for p in model.parameters())

@@ -13,6 +13,7 @@ from fastpo.models import load_model_and_tokenizer
 from fastpo.packing import pack_micro_batch
 from fastpo.rollout import MultiTurnRollout, NativeEngine
 from fastpo.trainer import Trainer
+from fastpo.trainer.batch import TrainBatch
 
 
 @pytest.fixture(scope="module")
@@ -32,17 +33,14 @@ def _trainer(tmp_path, *overrides, env="sokoban"):
 
 
 def _scored(tr, batch, labels=True):
-    ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
-    if labels:
-        for x, tn, vf in zip(ids, batch.context_turns, batch.visible_from):
-            ctxwin.attach(x, tn, vf)
-    masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
-    for m in masks:
-        m[0] = False
-    old, *_ = tr.compute_old(ids, masks)
+    record = TrainBatch.from_rollout(batch, 1)
+    if not labels:
+        record.context_turns = record.visible_from = None
+    masks = record.loss_mask
+    old, *_ = tr.compute_old(record)
     allm = torch.cat(masks)
     samp = torch.cat([torch.as_tensor(x) for x in batch.sample_logprobs])
-    return float((torch.cat(old) - samp)[allm].abs().max()), ids, masks
+    return float((torch.cat(old) - samp)[allm].abs().max()), record, masks
 
 
 # -- config -------------------------------------------------------------------------------------
@@ -177,13 +175,11 @@ def test_trainer_scores_what_the_sampler_saw(tmp_path, env, K, share):
     tr = _trainer(tmp_path, f"rollout.context_window={K}", f"optim.share_prefix={str(share).lower()}", env=env)
     batch = tr._generate([11, 12], 2, tr.cfg.rollout.temperature, seed=3)
     assert int(batch.num_turns.max()) > K  # some turn had evicted context
-    gap, ids, masks = _scored(tr, batch)
+    gap, record, masks = _scored(tr, batch)
     assert gap < 1e-4, gap
     # the control: scored with plain causal attention the gap is far above the bound
-    for x in ids:
-        tn, vf = ctxwin.labels(x)
-        ctxwin.attach(x, tn, torch.zeros_like(vf))
-    old, *_ = tr.compute_old(ids, masks)
+    record.visible_from = [torch.zeros_like(vf) for vf in record.visible_from]
+    old, *_ = tr.compute_old(record)
     allm = torch.cat(masks)
     samp = torch.cat([torch.as_tensor(x) for x in batch.sample_logprobs])
     assert float((torch.cat(old) - samp)[allm].abs().max()) > 1e-3

@@ -162,7 +162,7 @@ KILL_AT = {
     "iteration: advantages (old log-probs done)": lambda: _before(fastpo.trainer.Trainer, "compute_advantages",
                                                                   _kill_self),
     "iteration: update, after one optimizer step": lambda: _after(torch.optim.AdamW, "step", _kill_self),
-    "iteration: eval, after its samples are written": lambda: _after(fastpo.trainer, "write_samples", _kill_self),
+    "iteration: eval, after its samples are written": lambda: _after(fastpo.trainer.setup, "write_samples", _kill_self),
     "iteration: half-way through the metrics append": lambda: _after(fastpo.metrics.MetricsLogger, "log",
                                                                      _torn_metrics_line()),
     "iteration: right after the metrics append": lambda: _after(fastpo.metrics.MetricsLogger, "log", _kill_self),

@@ -20,6 +20,7 @@ from fastpo.old_logprob import resolve_old_logprob
 from fastpo.rollout import NativeEngine, SamplingParams
 from fastpo.rollout.sampling import sample_tokens
 from fastpo.trainer import Trainer
+from fastpo.trainer.batch import TrainBatch
 
 
 def _trainer(tmp_path, *overrides, env="frozenlake"):
@@ -41,11 +42,8 @@ def _random_value_head(tr, seed=0):
 
 def _rollout(tr, seed=3):
     batch = tr._generate([11, 12], 2, tr.cfg.rollout.temperature, seed=seed)
-    ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
-    masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
-    for m in masks:
-        m[0] = False
-    return batch, ids, masks
+    record = TrainBatch.from_rollout(batch, 1)
+    return batch, record, record.loss_mask
 
 
 def _gap(a, b, masks):
@@ -65,8 +63,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_auto_picks_the_sampler_only_where_the_gap_is_below_1e_4(tmp_path, case):
     tr = _trainer(tmp_path, "algorithm.old_logprob=auto", *CASES[case])
-    batch, ids, masks = _rollout(tr)
-    old_lp, _, _, _ = tr.compute_old(ids, masks)
+    batch, record, masks = _rollout(tr)
+    old_lp, _, _, _ = tr.compute_old(record)
     gap = _gap(old_lp, [torch.as_tensor(x) for x in batch.sample_logprobs], masks)
     if tr.old_logprob_source == "sampler":
         assert gap < 1e-4, (case, gap)
@@ -126,13 +124,13 @@ def test_sampler_gives_the_trainers_entropies_and_values(tmp_path, critic):
     _random_value_head(tr)
     batch, ids, masks = _rollout(tr)
     assert batch.sample_entropies and (bool(batch.sample_values) == (critic == "shared"))
-    samp = [torch.as_tensor(x) for x in batch.sample_logprobs]
+    samp = ids.sample_logprobs  # (the batch record's: the sampler's log-probs as fp32 tensors)
     policy_calls, h1 = _count_forwards(tr.model)
-    old_lp, ent, vals, ref, recomputed = tr._old_from_sampler(batch, ids, masks, samp)
+    old_lp, ent, vals, ref, recomputed = tr._old_from_sampler(batch, ids)
     h1.remove()
     assert old_lp is samp and recomputed is None and ref is None
     assert policy_calls == []  # the policy's forward pass over the batch is gone
-    r_lp, r_ent, r_vals, _ = tr.compute_old(ids, masks)
+    r_lp, r_ent, r_vals, _ = tr.compute_old(ids)
     assert _gap(r_lp, samp, masks) < 1e-4
     # entropies of a random model are ~log V = 10.8 nats: fp32 sums over V terms differ by ~1e-5 of that
     assert _gap(r_ent, ent, masks) < 2e-5 * float(torch.cat(r_ent).max())

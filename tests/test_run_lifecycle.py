@@ -190,7 +190,7 @@ def test_sglang_engine_is_shut_down_when_setup_fails_after_starting_it(tmp_path,
     def broken_logger(*a, **k):
         raise OSError("wandb/tensorboard/disk failure")
 
-    monkeypatch.setattr(fastpo.trainer, "MetricsLogger", broken_logger)
+    monkeypatch.setattr(fastpo.trainer.setup, "MetricsLogger", broken_logger)
     tr = Trainer(_sg_cfg(tmp_path / "run"), console=Console(quiet=True))
     with pytest.raises(OSError):
         tr.run()

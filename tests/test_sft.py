@@ -146,7 +146,7 @@ def _nll(trainer):
 
     total = n = 0.0
     with torch.no_grad():
-        for micro in trainer._micro_batches(trainer.ids, list(range(len(trainer.ids))), trainer.masks):
+        for micro in trainer._micro_batches(trainer.batch, list(range(len(trainer.ids)))):
             sc = micro.scored(trainer.masks)
             h = trainer._hidden(decoder_body(trainer.model), micro)
             lp, _ = linear_logprob_entropy(h[sc.rows], lm_head_weight(trainer.model), sc.targets)
@@ -161,7 +161,7 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
     try:
         # the packed micro-batches score exactly the answer tokens, in order
         idx = list(range(4))
-        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr._micro_batches(tr.ids, idx, tr.masks)])
+        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr._micro_batches(tr.batch, idx)])
         answers = torch.cat([torch.cat(tr.data.responses[i]) for i in idx])
         assert sorted(targets.tolist()) == sorted(answers.tolist()) and targets.numel() == answers.numel()
         before = _nll(tr)

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from fastpo.cli import main as cli_main
 from fastpo.config import load_config
-from fastpo.trainer import Trainer
+from fastpo.trainer import Trainer, TrainBatch
 from run_helpers import records as _records, stable as _stable
 
 pytestmark = pytest.mark.slow
@@ -63,8 +63,9 @@ def test_bandit_grpo_one_iteration_writes_everything(tmp_path, capsys):
     masks = [torch.zeros(len(ids[0]), dtype=torch.bool)]
     masks[0][-4:] = True
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    res = tr.update(2, ids, masks, [torch.zeros(len(ids[0]))], [torch.full((len(ids[0]),), float("nan"))],
-                    None, None, None)
+    nan_batch = TrainBatch(ids, masks, [torch.zeros(len(ids[0]))], [2], old_logprobs=[torch.zeros(len(ids[0]))],
+                           advantages=[torch.full((len(ids[0]),), float("nan"))])
+    res, _ = tr.update(2, nan_batch)
     assert res["actor/skipped_updates"] == 1 and res["actor/updates"] == 0
     for k, v in tr.model.state_dict().items():
         assert torch.equal(v, before[k]), k

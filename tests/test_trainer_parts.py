@@ -1,4 +1,5 @@
 """Trainer parts without a rollout: metrics JSONL + EMA, Echo-Trap warning, plots, samples, checkpoints."""
+import dataclasses
 import json
 import os
 
@@ -100,11 +101,11 @@ def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
         "optim.micro_token_budget=4096", "trainer.plots=false"])
     tr = Trainer(cfg, console=Console(quiet=True))
     tr.setup()
+    from fastpo.trainer.batch import TrainBatch
+
     batch = tr._generate([3, 4], 3, 1.0, seed=0)
-    ids = [torch.as_tensor(x, dtype=torch.long) for x in batch.input_ids]
-    masks = [torch.as_tensor(x, dtype=torch.bool).clone() for x in batch.loss_mask]
-    for m in masks:
-        m[0] = False
+    record = TrainBatch.from_rollout(batch, 1)
+    ids, masks = record.input_ids, record.loss_mask
     start = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.value_head.state_dict())
     results = {}
     for share in (True, False):
@@ -112,10 +113,10 @@ def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
         tr.model.load_state_dict(start[0])
         tr.value_head.load_state_dict(start[1])
         tr.actor_opt.state.clear()
-        computed = [pb.num_tokens for pb in tr._micro_batches(ids, list(range(len(ids))), masks)]
-        old_lp, ent, vals, _ = tr.compute_old(ids, masks)
+        computed = [pb.num_tokens for pb in tr._micro_batches(record, list(range(len(ids))))]
+        old_lp, ent, vals, _ = tr.compute_old(record)
         adv, returns, _ = tr.compute_advantages(batch, masks, vals)
-        tr.update(1, ids, masks, old_lp, adv, vals, returns, None)
+        tr.update(1, dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns))
         # the last mini-batch's (clipped) gradients stay on the parameters after the step
         results[share] = (sum(computed), old_lp, vals, [p.grad.clone() for p in tr.model.parameters()])
     assert results[True][0] < results[False][0] == sum(len(x) for x in ids)  # the prompts were computed once

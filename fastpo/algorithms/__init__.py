@@ -14,6 +14,8 @@ from fastpo.algorithms.advantages import (
     reinforce_pp_baseline_advantages,
     rloo_advantages,
 )
+from fastpo.algorithms.estimators import (AdvantageInputs, AdvantageOutputs, estimate_advantages,
+                                          register_estimator)
 from fastpo.algorithms.correction import IS_CORRECTIONS, IS_LEVELS, RolloutCorrection, rollout_correction
 from fastpo.algorithms.filtering import (FilterResult, filter_groups, group_reward_std, select_groups,
                                          soft_advantage_weights)
@@ -28,6 +30,10 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "AdvantageInputs",
+    "AdvantageOutputs",
+    "estimate_advantages",
+    "register_estimator",
     "IS_CORRECTIONS",
     "IS_LEVELS",
     "RolloutCorrection",

@@ -1,0 +1,62 @@
+"""The StarPO / StarPO-S training loop (RAGEN, arXiv 2504.20073, Alg. 1).
+
+One iteration:
+
+1. rollout: P env groups x N trajectories from seeds derived from (seed, iteration), with the
+   native engine sharing the policy module (so step 6 needs no weight transfer);
+2. filter: StarPO-S keeps the env groups with the highest in-group reward std;
+3. old log-probs (and values, reference log-probs) recomputed by the trainer on packed
+   micro-batches, the gap to the sampling log-probs logged (`train/logprob_gap_*`); or,
+   where they are the same quantity (`algorithm.old_logprob`, fastpo.old_logprob), the
+   sampler's own log-probs and entropies, with a shared critic's values read out in the
+   sampling pass, and only what is still missing computed;
+4. advantages: GAE over model tokens with the critic (PPO), group-baselined scores (GRPO,
+   Dr.GRPO, RLOO, REINFORCE++-baseline) or batch-normalised returns (REINFORCE++);
+   off-policy data (fastpo.replay): with `rollout.reuse` = K > 1 the next K - 1 iterations
+   skip steps 1-4 and train again on this batch; `rollout.replay` mixes in trajectories of
+   earlier batches (old log-probs recomputed); `algorithm.is_correction` weighs the
+   sampler -> trainer gap (fastpo.algorithms.correction);
+5. updates: `ppo_epochs` passes over shuffled mini-batches of trajectories, each split into
+   token-budget micro-batches with gradient accumulation, fused policy loss from
+   `fastpo.kernels`, clipped value loss, gradient clipping; a non-finite loss or gradient
+   skips the update with a warning;
+6. the engine sees the new weights (same module); evaluation, metrics, plots, samples and
+   checkpoints as configured.
+
+Data parallel (N processes under torchrun, `dist`; README "Several processes"): each rank
+rolls out its whole env groups (each group from its own sampling stream, so trajectories do
+not depend on N), the StarPO-S filter ranks every rank's groups, advantages are per group
+(batch statistics such as GAE's whitening over every rank's tokens), the mini-batches are
+those of the global batch with global loss denominators, gradients are summed over the
+ranks before clipping (trainer.data_parallel: `fsdp`, the default, shards the policy, a
+separate critic and the value head with FSDP2, their parameters gathered whole for the
+rollout and the evaluation; `replicate` keeps whole parameters and optimizer state on every
+rank), and rank 0 alone evaluates and writes metrics, samples and checkpoints (whole model
+and optimizer state, gathered from the shards). One process is a world of one: the same
+steps, whose collectives are identities (fastpo.distributed).
+
+Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what schedulers
+send before they kill) stops within a bounded time: an iteration whose update has not begun
+is dropped at once (resume redoes it identically), an update under way is finished, and an
+evaluation it interrupts or would start is postponed to the resume; then the last complete
+iteration is saved. The process holds its run folder (`fastpo.checkpoint.RunLock`).
+Data parallel, a signal takes effect at the next point the ranks share (before the
+iteration's update, where SIGTERM drops the iteration, or after it), so a rollout or an
+evaluation under way finishes first; rank 0 saves; there is no second-signal abort
+(torchrun kills the workers itself after its grace period).
+
+The package's files follow the iteration: `batch` (`TrainBatch`, the one record of the
+trajectories in training), `loop` (the run loop, `Trainer`, `train`),
+`iteration` (the iteration's named steps), `scoring` (old log-probs, values), `update`
+(epochs, micro-batch loss, optimizer step), `setup` (models, critic, optimizers, engine,
+resume) and `lifecycle` (signals, the run lock, checkpoints). `Trainer` is one object made of
+those parts (each a class of the methods of its job).
+"""
+from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.lifecycle import Stopped
+from fastpo.trainer.loop import Trainer, train
+from fastpo.trainer.setup import NothingToTrain, ValueHead
+from fastpo.trainer.update import loss_denominator, policy_loss_settings
+
+__all__ = ["Trainer", "train", "TrainBatch", "Stopped", "NothingToTrain", "ValueHead", "loss_denominator",
+           "policy_loss_settings"]
