@@ -88,20 +88,19 @@ def _resume_fixed(cfg) -> dict:
             "trainer.seed": cfg.trainer.seed, "trainer.output_dir": cfg.trainer.output_dir}
 
 
-def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
-    """The configuration of `--resume OUT`: the run's own, with the overrides a resume may
-    change; None when there is nothing left to train (said on `console`). Raises ConfigError
-    for an option that cannot change mid-run, RunFolderBusy when another process holds OUT."""
-    from fastpo import distributed as fdist
-    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder
+def resumed_run_config(args, fixed: list[str] = ()):
+    """The run config of `--resume OUT` (for `fastpo train` and `fastpo sft`): OUT's
+    config.yaml with the overrides, --iterations and --device a resume may change, validated.
+    Raises ConfigError naming what cannot change mid-run (an option, or a dotted override in
+    any spelling that moves the env, model, preset, seed or output folder); `fixed` lists
+    further options the caller refuses."""
     from fastpo.config import ConfigError, apply_dict, load_run_config, parse_override, validate
-    from fastpo.metrics import warn_user
 
     if not args.resume.strip():
         raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
     fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
                                   ("--model", args.model), ("--out", args.out), ("--seed", args.seed),
-                                  ("--overwrite", args.overwrite or None)) if v is not None]
+                                  ("--overwrite", args.overwrite or None)) if v is not None] + list(fixed)
     # and their dotted spellings (trainer.seed, trainer.output_dir, preset)
     fixed += [o for o in args.overrides if o.split("=", 1)[0].strip().startswith(("env.", "model."))
               or o.split("=", 1)[0].strip() in ("env", "model", "preset", "trainer.seed", "trainer.output_dir")]
@@ -123,7 +122,19 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     if args.device is not None:
         cfg.trainer.device = args.device
     cfg.trainer.output_dir = args.resume
-    validate(cfg)
+    return validate(cfg)
+
+
+def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
+    """The configuration of `--resume OUT` (`resumed_run_config`); None when there is nothing
+    left to train (said on `console`). Raises ConfigError for an option that cannot change
+    mid-run or the data-parallel trainer does not support, RunFolderBusy when another process
+    holds OUT."""
+    from fastpo import distributed as fdist
+    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder
+    from fastpo.metrics import warn_user
+
+    cfg = resumed_run_config(args)
     fdist.check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
     plan = plan_resume(args.resume)

@@ -440,8 +440,7 @@ def cmd_sft(args) -> int:
     full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
     from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
                                    run_folder_in_use)
-    from fastpo.cli import _build_config, _check_out_dir
-    from fastpo.config import apply_dict, load_run_config, parse_override, validate
+    from fastpo.cli import _build_config, _check_out_dir, resumed_run_config
     from fastpo.trainer import Stopped
 
     console = _sft_console()
@@ -449,22 +448,8 @@ def cmd_sft(args) -> int:
     args.overrides = [o for o in args.overrides if o not in sft_ov]
     try:
         if args.resume is not None:
-            fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
-                                          ("--model", args.model), ("--out", args.out), ("--seed", args.seed))
-                     if v is not None] + sft_ov
-            if fixed:
-                raise ConfigError(f"{', '.join(fixed)} cannot change on --resume (the run keeps its settings in "
-                                  f"{args.resume}); start a new run instead")
-            cfg = load_run_config(args.resume)
+            cfg = resumed_run_config(args, fixed=sft_ov)
             sft = read_sft_config(args.resume)
-            for o in args.overrides:
-                apply_dict(cfg, parse_override(o))
-            if args.iterations is not None:
-                cfg.trainer.iterations = args.iterations
-            if args.device is not None:
-                cfg.trainer.device = args.device
-            cfg.trainer.output_dir = args.resume
-            validate(cfg)
             RunLock(args.resume).check()
             plan_resume(args.resume).check_run_config(args.resume)
         else:

@@ -202,6 +202,8 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
     monkeypatch.setattr(SFTTrainer, "iteration", real)
     assert main(["sft", "--resume", part, "sft.batch_size=2"]) == 2  # the data settings are fixed
     assert "cannot change on --resume" in capsys.readouterr().err
+    assert main(["sft", "--resume", part, "trainer={seed: 3}"]) == 2  # as `fastpo train --resume` refuses it
+    assert "trainer.seed cannot change on --resume" in capsys.readouterr().err
     assert main(["sft", "--resume", part]) == 0
     a, b = _weights(full), _weights(part)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
