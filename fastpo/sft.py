@@ -302,6 +302,9 @@ class SFTTrainer(_trainer_base()):
     train/score_mean are the expert trajectories' of the step.
     """
 
+    # an SFT run resumed by `fastpo train` would continue as StarPO
+    resume_command = "fastpo sft --resume"
+
     def __init__(self, cfg: TrainConfig, sft: SFTConfig, **kw):
         a = cfg.algorithm
         a.adv_estimator, a.kl_coef, a.filter_mode, a.entropy_coef = "drgrpo", 0.0, "none", 0.0
@@ -421,20 +424,6 @@ class SFTTrainer(_trainer_base()):
 
 # ----------------------------------------------------------------------------------------- CLI
 
-def _sft_console():
-    """A rich Console whose lines name `fastpo sft --resume` where the trainer's say `fastpo
-    train --resume` (an SFT run resumed by `train` would continue as StarPO)."""
-    from rich.console import Console
-
-    class SFTConsole(Console):
-        def print(self, *objects, **kw):
-            objects = tuple(o.replace("fastpo train --resume", "fastpo sft --resume") if isinstance(o, str) else o
-                            for o in objects)
-            return super().print(*objects, **kw)
-
-    return SFTConsole()
-
-
 def cmd_sft(args) -> int:
     """`fastpo sft`: exit status 0 done, 2 bad input (one line), 1 a checkpoint not saved or a
     full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
@@ -443,7 +432,9 @@ def cmd_sft(args) -> int:
     from fastpo.cli import _build_config, _check_out_dir, resumed_run_config
     from fastpo.trainer import Stopped
 
-    console = _sft_console()
+    from rich.console import Console
+
+    console = Console()
     sft_ov = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith("sft.")]
     args.overrides = [o for o in args.overrides if o not in sft_ov]
     try:

@@ -37,6 +37,9 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
     Public entry point: `run()`, returning the list of metric records.
     """
 
+    #: The command that continues this kind of run, named in the stop and error messages.
+    resume_command = "fastpo train --resume"
+
     def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
                  stop_after: Optional[int] = None, overwrite: bool = False, dist: fdist.DistContext = fdist.SINGLE):
         from rich.console import Console
@@ -144,7 +147,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
                 self._save(run.updated, rng=run.rng_at_start)
                 run.last_saved = run.updated
             self.console.print(f"stopped in iteration {it} before its update: dropped (a resume redoes "
-                               f"it); resume with `fastpo train --resume {self.out}`")
+                               f"it); resume with `{self.resume_command} {self.out}`")
             return False
         run.updated = it  # the weights now hold this iteration's update
         if self.stop_after is not None and it >= self.stop_after:
@@ -160,7 +163,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             self._save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)
             run.last_saved = it
         if self.stop_state.requested and (it < t.iterations or eval_pending):
-            self.console.print(f"stopped after iteration {it}; resume with `fastpo train --resume {self.out}`")
+            self.console.print(f"stopped after iteration {it}; resume with `{self.resume_command} {self.out}`")
             return False
         self.stop_state.interrupted = False  # a Ctrl-C in the last iteration still finished the run
         return True
@@ -211,7 +214,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             try:
                 self._save(run.updated, rng=run.rng_at_start if run.updated < run.it else None)
                 self.console.print(f"[red]error after iteration {run.updated}[/]: emergency checkpoint saved; "
-                                   f"resume with `fastpo train --resume {self.out}`")
+                                   f"resume with `{self.resume_command} {self.out}`")
             except Exception as e2:  # the original error matters more than the failed save
                 self.console.print(f"[red]emergency checkpoint failed[/]: {e2}", markup=False)
 
