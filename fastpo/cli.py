@@ -197,9 +197,9 @@ def cmd_train(args) -> int:
                 return 0
         else:
             cfg = _new_run_config(args, world, where is not None, console)
-        from fastpo.models import resolve_device
+        from fastpo.models import check_kernel_impl, resolve_device
 
-        resolve_device(cfg.trainer.device)
+        check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         _check_out_dir(cfg.trainer.output_dir)
         ctx = fdist.SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's

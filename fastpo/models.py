@@ -472,6 +472,16 @@ def load_model_and_tokenizer(name: str = DEFAULT_MODEL, device: str | torch.devi
 
 # ---- the run's model and device, with bad input refused in one line (trainer, eval, CLI) ----
 
+def check_kernel_impl(impl: str, device: torch.device) -> None:
+    """Refuse `trainer.kernel_impl="triton"` for a run whose device is not CUDA, before any model
+    loads (the Triton kernels take CUDA tensors), unless TRITON_INTERPRET=1 runs them under
+    Triton's interpreter on the CPU. Raises ConfigError naming the value."""
+    if impl == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"trainer.kernel_impl='triton' needs a CUDA device (trainer.device resolves to "
+                          f"{device.type}): use auto or chunked, or TRITON_INTERPRET=1 to run the Triton kernels "
+                          "under the interpreter")
+
+
 def resolve_device(name: str) -> torch.device:
     """"auto" -> cuda when available else cpu.
 

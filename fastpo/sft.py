@@ -457,9 +457,9 @@ def cmd_sft(args) -> int:
                 raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
                                   f"pick another --out, or pass --overwrite to delete it")
         check_disjoint(sft, cfg)
-        from fastpo.models import resolve_device
+        from fastpo.models import check_kernel_impl, resolve_device
 
-        resolve_device(cfg.trainer.device)
+        check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         _check_out_dir(cfg.trainer.output_dir)
     except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
         print(f"fastpo sft: error: {e}", file=sys.stderr)

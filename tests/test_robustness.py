@@ -318,3 +318,19 @@ def test_wandb_without_wandb_and_empty_preset(no_model, capsys):
         assert "pip install wandb" in capsys.readouterr().err
     assert main(["train", "--env", "bandit", "--preset", ","]) == 2
     assert "names no preset" in capsys.readouterr().err
+
+
+def test_triton_kernels_without_cuda_are_refused_before_loading(tmp_path, no_model, capsys, monkeypatch):
+    """kernel_impl=triton on a CPU-only run used to load the model, roll out, then end in a
+    traceback inside the kernels, leaving a folder that blocked the next run."""
+    out = str(tmp_path / "run")
+    args = ["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
+            "trainer.device=cpu", "trainer.kernel_impl=triton"]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "trainer.kernel_impl='triton' needs a CUDA device" in err and len(err.strip().splitlines()) == 1
+    assert not os.path.exists(out)  # nothing to clear before the same command runs again
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs them on the CPU: allowed
+    with pytest.raises(_ModelLoad):
+        main(args)
