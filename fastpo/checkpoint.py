@@ -237,7 +237,7 @@ def plan_resume(out_dir: str) -> ResumePlan:
 
 def nothing_to_train_note(out_dir: str, done: int, iterations: int) -> str:
     """What a resume of a run that already ran `done` of `iterations` iterations says."""
-    return (f"{out_dir} already ran {done} iterations (trainer.iterations = {iterations}): nothing to train; "
+    return (f"{out_dir} already ran {done} iteration{'s' if done != 1 else ''} (trainer.iterations = {iterations}): nothing to train; "
             f"pass --iterations N with N > {done} to train further")
 
 

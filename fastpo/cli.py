@@ -232,7 +232,7 @@ def _train_in_process(args, cfg, ctx, console) -> int:
                   f"filter={cfg.algorithm.filter_mode}:{cfg.algorithm.filter_ratio}"
                   f"{'' if cfg.algorithm.filter_strategy == 'top_k' else ':' + cfg.algorithm.filter_strategy} "
                   f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}, "
-                  f"{cfg.trainer.iterations} iterations -> {cfg.trainer.output_dir}")
+                  f"{cfg.trainer.iterations} iteration{'s' if cfg.trainer.iterations != 1 else ''} -> {cfg.trainer.output_dir}")
     try:
         train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite, dist=ctx)
     except KeyboardInterrupt as e:  # stopped by a signal; the checkpoint is saved

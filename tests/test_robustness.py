@@ -334,3 +334,10 @@ def test_triton_kernels_without_cuda_are_refused_before_loading(tmp_path, no_mod
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs them on the CPU: allowed
     with pytest.raises(_ModelLoad):
         main(args)
+
+
+def test_one_iteration_is_said_in_the_singular(tmp_path, no_model, capsys):
+    with pytest.raises(_ModelLoad):
+        main(["train", "--env", "bandit", "--preset", "tiny", "--out", str(tmp_path / "r"), "--iterations", "1"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "1 iteration ->" in said and "1 iterations" not in said
