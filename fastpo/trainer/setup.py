@@ -168,12 +168,6 @@ class Setup:
             decoder_body(model)
         except ValueError as e:
             raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
-        if ckpt is not None and cfg.model.lora_rank == 0:
-            # (with LoRA the base stays frozen; only the adapter is restored, below)
-            load_checkpoint(ckpt, model=model)
-        self.load_seconds = time.perf_counter() - t0
-        c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
-                f"{self.device} (loaded in {self.load_seconds:.1f} s)")
         # packed rows attend per trajectory (sum of L_i^2, not N^2); generation still runs sdpa
         use_segment_attention(model)
         if cfg.rollout.context_window != "full" and packing_attention(model) == "varlen":
@@ -184,7 +178,15 @@ class Setup:
             model.gradient_checkpointing_enable()
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
+            # the KL term's reference is the run's starting model (model.name, which a resume
+            # cannot change): copied before a checkpoint's weights load into the policy
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if ckpt is not None and cfg.model.lora_rank == 0:
+            # (with LoRA the base stays frozen; only the adapter is restored, below)
+            load_checkpoint(ckpt, model=model)
+        self.load_seconds = time.perf_counter() - t0
+        c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
+                f"{self.device} (loaded in {self.load_seconds:.1f} s)")
         hidden = model.config.hidden_size
         a = cfg.algorithm
         self.critic_body = None
