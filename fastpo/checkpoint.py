@@ -26,8 +26,8 @@ interrupted or failed save (a full disk: `CheckpointSaveError`) leaves the previ
 checkpoints intact; `remove_stale_temporaries` clears what it left on the next start.
 `verify_checkpoint` checks a folder against its manifest; `latest_checkpoint` is the newest
 checkpoint that passes, so a damaged one is skipped with a note naming the damage, and
-pruning never deletes the newest intact checkpoint. `RunLock` holds a run folder for one
-process (an OS lock, released when the process dies).
+pruning keeps the `keep` newest intact checkpoints (a damaged one never counts). `RunLock`
+holds a run folder for one process (an OS lock, released when the process dies).
 
 This module saves, loads, prunes and plans the resume; the manifest and the search for the
 newest intact checkpoint are in fastpo.checkpoint_manifest, durable writes and the run
@@ -324,8 +324,8 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
     """Write checkpoint `iteration` under `out_dir/checkpoints/` atomically; returns its folder.
 
     `state` is the loop's own state (iteration counters, echo-trap state, ...); the RNG states
-    are added here (`rng`, else the current ones). Older checkpoints beyond the newest `keep`
-    are deleted, except the newest intact one (`prune_checkpoints`).
+    are added here (`rng`, else the current ones). Then all but the `keep` newest intact
+    checkpoints and this one are deleted (`prune_checkpoints`).
     Raises ValueError if keep < 1, CheckpointSaveError (one line: the file, the cause, the
     space a checkpoint needs and the free space) when writing fails; nothing of the failed
     save remains and the earlier checkpoints are untouched.
@@ -390,23 +390,24 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
 
 
 def prune_checkpoints(root: str, keep: int, protect: str) -> list[str]:
-    """Delete all but the `keep` highest-iteration checkpoints in `root`; returns the deleted names.
+    """Delete all checkpoints in `root` but the `keep` newest intact ones and `protect` (the
+    checkpoint just written, never deleted); returns the deleted names.
 
-    Ordered by iteration number (not by name), and `protect` (the checkpoint just written)
-    is never deleted, even if folders with higher iteration numbers exist. When none of the
-    kept ones passes `verify_checkpoint(quick=True)`, the newest intact one among the others is
-    kept as well: pruning never deletes the last intact checkpoint.
+    Only checkpoints that pass `verify_checkpoint(quick=True)` count towards `keep` (the
+    protected one too, when intact): a damaged checkpoint is deleted (a resume skips it
+    anyway) and never takes the place of an intact one. Newest means the highest iteration
+    number (not the name's sort order).
     """
     names = _checkpoint_names(root)
-    others = [d for d in names if d != protect]
-    n_drop = max(0, len(others) - (keep - 1))
-    dropped = others[:n_drop]
-    kept = [d for d in names if d not in dropped]
-    if dropped and not any(verify_checkpoint(os.path.join(root, d), quick=True) is None for d in kept):
-        for d in reversed(dropped):
-            if verify_checkpoint(os.path.join(root, d), quick=True) is None:
-                dropped.remove(d)
-                break
+    kept = {protect} if protect in names else set()
+    intact = int(protect in kept and verify_checkpoint(os.path.join(root, protect), quick=True) is None)
+    for d in reversed(names):
+        if intact >= keep:
+            break
+        if d != protect and verify_checkpoint(os.path.join(root, d), quick=True) is None:
+            kept.add(d)
+            intact += 1
+    dropped = [d for d in names if d not in kept]
     for d in dropped:
         _remove_folder(root, d)
     return dropped

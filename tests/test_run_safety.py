@@ -206,6 +206,21 @@ def test_pruning_never_deletes_the_last_intact_checkpoint(two_checkpoints, tmp_p
     assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_000001", "iter_000003"]
 
 
+def test_pruning_counts_only_intact_checkpoints(two_checkpoints, tmp_path):
+    """keep_checkpoints=2, the newest checkpoint damaged, a resume that saves only at its end:
+    the intact iter_000002 it resumed from and the new one are kept (two usable checkpoints);
+    the damaged one and the oldest go."""
+    out = str(tmp_path / "run")
+    shutil.copytree(two_checkpoints, out)
+    root = os.path.join(out, "checkpoints")
+    shutil.copytree(os.path.join(root, "iter_000002"), os.path.join(root, "iter_000003"))
+    _truncate(os.path.join(root, "iter_000003", "optimizer.pt"))
+    assert main(["train", "--resume", out, "--iterations", "4", "trainer.save_every=4"]) == 0
+    assert _iterations(out) == [1, 2, 3, 4]
+    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_000002", "iter_000004"]
+    assert all(verify_checkpoint(os.path.join(root, n)) is None for n in ("iter_000002", "iter_000004"))
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. A full disk
 # ---------------------------------------------------------------------------------------------
