@@ -19,6 +19,12 @@ a checkpoint of a `random:<shape>` run still says it started from random weights
 `find_checkpoint` reads a model folder, a checkpoint folder or a run folder (its latest
 checkpoint) as a checkpoint.
 
+Trust: optimizer.pt and state.pt hold plain data only (containers, numbers, strings and
+tensors; `plain_data`) and load with `torch.load(weights_only=True)`, so a run folder from
+someone else runs no code when resumed (the weights are safetensors). A file that needs full
+unpickling (an older fastpo's state.pt held NumPy objects) is refused in one line naming it
+and TRUST_FLAG (`UntrustedCheckpoint`), and loads, with a warning, only with that flag.
+
 Crash safety: the folder is written under a temporary name (`.tmp-iter_*`), every file is
 fsynced, the manifest is written last (atomically), and only then is the folder renamed into
 place; `OUT/checkpoints/latest` (a one-line text file, replaced atomically) names it. An
@@ -26,8 +32,8 @@ interrupted or failed save (a full disk: `CheckpointSaveError`) leaves the previ
 checkpoints intact; `remove_stale_temporaries` clears what it left on the next start.
 `verify_checkpoint` checks a folder against its manifest; `latest_checkpoint` is the newest
 checkpoint that passes, so a damaged one is skipped with a note naming the damage, and
-pruning never deletes the newest intact checkpoint. `RunLock` holds a run folder for one
-process (an OS lock, released when the process dies).
+pruning keeps the `keep` newest intact checkpoints (a damaged one never counts). `RunLock`
+holds a run folder for one process (an OS lock, released when the process dies).
 
 This module saves, loads, prunes and plans the resume; the manifest and the search for the
 newest intact checkpoint are in fastpo.checkpoint_manifest, durable writes and the run
@@ -41,6 +47,7 @@ import dataclasses
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -56,26 +63,117 @@ from fastpo.checkpoint_manifest import (MANIFEST, CheckpointSearch, _checkpoint_
                                         search_checkpoints, verify_checkpoint, write_manifest)
 from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, _model_meta, checkpoint_origin,  # noqa: F401
                                       find_checkpoint, local_path_shaped, model_origin)
+from fastpo.config_fields import ConfigError
 from fastpo.run_folder import (LOCK_FILE, RUN_MARKERS, RunFolderBusy, RunLock, atomic_write_text,  # noqa: F401
                                clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use)
 
 
 def rng_state() -> dict:
-    """Python, NumPy, torch CPU (and CUDA where present) RNG states."""
-    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python, NumPy, torch CPU (and CUDA where present) RNG states, as plain data (a checkpoint's
+    state.pt loads them without pickle's code paths): python: `random.getstate()`, a tuple of
+    ints; numpy: the global MT19937 state as `np.random.get_state(legacy=False)` gives it, its
+    key a [624] int64 tensor; torch: a uint8 tensor; cuda: a list of uint8 tensors."""
+    np_state = np.random.get_state(legacy=False)
+    np_state["state"]["key"] = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
+    st = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
 
 
 def set_rng_state(st: dict) -> None:
-    """Restore what `rng_state` captured."""
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
+    """Restore what `rng_state` captured (or an older fastpo's checkpoint held: NumPy's state as
+    the tuple `np.random.get_state()` gives)."""
+    version, internal, gauss_next = st["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    np_state = st["numpy"]
+    if isinstance(np_state, dict):
+        key = np.asarray(np_state["state"]["key"], dtype=np.int64).astype(np.uint32)
+        np_state = {**np_state, "state": {**np_state["state"], "key": key}}
+    np.random.set_state(np_state)
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(st["cuda"])
 
+
+def plain_data(x: Any, where: str = "the state") -> Any:
+    """`x` as plain data, which `torch.load(weights_only=True)` reads back with no code of its
+    own running: dicts with str or int keys, lists, tuples, str, int, float, bool, None and
+    tensors; NumPy scalars become Python numbers and NumPy arrays tensors.
+
+    Raises TypeError naming where anything else sits (`where`: what `x` is, for the message):
+    a checkpoint holding it could not be resumed without --trust-checkpoint.
+    """
+    if isinstance(x, np.generic):  # before float: np.float64 is a float that pickles as a NumPy object
+        return x.item()
+    if x is None or isinstance(x, torch.Tensor) or type(x) in (bool, int, float, str):
+        return x
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(np.array(x, dtype=np.int64 if x.dtype == np.uint32 else x.dtype))
+    if isinstance(x, dict):
+        bad = [k for k in x if type(k) not in (str, int)]
+        if bad:
+            raise TypeError(f"{where} has a key of type {type(bad[0]).__name__} ({bad[0]!r}): not plain data")
+        return {k: plain_data(v, f"{where}[{k!r}]") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        items = [plain_data(v, f"{where}[{i}]") for i, v in enumerate(x)]
+        return tuple(items) if isinstance(x, tuple) else items
+    raise TypeError(f"{where} holds a {type(x).__module__}.{type(x).__qualname__}: not plain data")
+
+
+#: The command-line flag that lets a resume unpickle checkpoint files (named in the messages).
+TRUST_FLAG = "--trust-checkpoint"
+#: The torch files of a checkpoint: plain data, loaded with `weights_only=True`.
+TORCH_FILES = ("state.pt", "optimizer.pt")
+
+
+class UntrustedCheckpoint(ConfigError):
+    """A checkpoint file needs full unpickling to load (it holds Python objects beyond plain
+    data: an older fastpo's state.pt, or a file fastpo did not write), which can run any code,
+    and the user did not say they trust it (TRUST_FLAG). One line naming the file and the flag."""
+
+
+def _untrusted(path: str) -> UntrustedCheckpoint:
+    return UntrustedCheckpoint(
+        f"{path} holds pickled Python objects, which can run any code when loaded (a checkpoint of an older "
+        f"fastpo, or a file fastpo did not write): not loaded; if you trust whoever made it, resume with {TRUST_FLAG}")
+
+
+def _load_torch_file(path: str, trust: bool = False) -> Any:
+    """torch.load of checkpoint file `path` as plain data (`weights_only=True`: nothing in the
+    file runs). A file that needs full unpickling raises UntrustedCheckpoint, or with `trust`
+    loads with it."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        if not trust:
+            raise _untrusted(path) from None
+    return torch.load(path, weights_only=False)
+
+
+def check_trust(ckpt: str, trust: bool = False) -> Optional[str]:
+    """Check, without reading their tensors, that checkpoint `ckpt`'s torch files load as plain
+    data. Returns None when they do; with `trust`, one warning line naming those that need full
+    unpickling (they will be loaded with it). Raises UntrustedCheckpoint naming the first such
+    file and TRUST_FLAG otherwise."""
+    needs = []
+    for name in TORCH_FILES:
+        path = os.path.join(ckpt, name)
+        if not os.path.isfile(path):
+            continue
+        try:  # mmap: the pickled structure is read, the tensors' bytes are not
+            torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except pickle.UnpicklingError:
+            if not trust:
+                raise _untrusted(path) from None
+            needs.append(path)
+        except RuntimeError:  # not torch's zip format (mmap needs it): the full load decides
+            pass
+    if not needs:
+        return None
+    return (f"{' and '.join(needs)} hold{'s' if len(needs) == 1 else ''} pickled Python objects (an older fastpo's "
+            f"checkpoint?): loaded with full unpickling because of {TRUST_FLAG}; the checkpoints this run saves "
+            f"are plain data")
 
 
 def save_hf_model(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
@@ -103,37 +201,39 @@ def save_hf_model(model: torch.nn.Module, tokenizer: Any, path: str) -> None:
 
 
 
-def load_state(ckpt: str, optimizers: bool = True) -> tuple[dict, Optional[dict]]:
+def load_state(ckpt: str, optimizers: bool = True, trust: bool = False) -> tuple[dict, Optional[dict]]:
     """(loop state with RNG, optimizer state dicts) of checkpoint folder `ckpt` (without
-    `optimizers`: None for the second).
+    `optimizers`: None for the second), loaded as plain data (`torch.load(weights_only=True)`).
 
-    Raises FileNotFoundError naming the missing file.
+    Raises FileNotFoundError naming the missing file; UntrustedCheckpoint (one line naming the
+    file and TRUST_FLAG) for a file that needs full unpickling, which only `trust` allows.
     """
     for f in ("state.pt", "optimizer.pt") if optimizers else ("state.pt",):
         if not os.path.exists(os.path.join(ckpt, f)):
             raise FileNotFoundError(f"checkpoint {ckpt} is incomplete: {f} is missing")
-    state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=False)
-    opt = torch.load(os.path.join(ckpt, "optimizer.pt"), weights_only=False) if optimizers else None
+    state = _load_torch_file(os.path.join(ckpt, "state.pt"), trust)
+    opt = _load_torch_file(os.path.join(ckpt, "optimizer.pt"), trust) if optimizers else None
     return state, opt
 
 
 def load_checkpoint(ckpt: str, *, model: Optional[torch.nn.Module] = None,
                     optimizers: Optional[dict[str, torch.optim.Optimizer]] = None,
                     critic_backbone: Optional[torch.nn.Module] = None, value_head: Optional[torch.nn.Module] = None,
-                    rng: bool = False) -> dict:
+                    rng: bool = False, trust: bool = False) -> dict:
     """Restore into the given objects what `save_checkpoint` wrote into folder `ckpt` (the same
     keywords); returns the loop's `state` dict (iteration, last_eval, ...).
 
     model: a peft model gets its LoRA adapter (model/adapter/), any other the full weights of
     model/ (a tied LM head, stored once, may be missing); optimizers: name -> optimizer, each
     loaded from its saved state; critic_backbone: the weights of critic/; value_head:
-    critic/value_head.safetensors; rng: set the RNG states saved with it.
+    critic/value_head.safetensors; rng: set the RNG states saved with it; trust: allow files
+    that need full unpickling (`load_state`).
     Raises FileNotFoundError naming a missing file, RuntimeError when the weights do not fit
-    the module (missing or unexpected keys).
+    the module (missing or unexpected keys), UntrustedCheckpoint (see `load_state`).
     """
     from safetensors.torch import load_file
 
-    state, opts = load_state(ckpt, optimizers=bool(optimizers))
+    state, opts = load_state(ckpt, optimizers=bool(optimizers), trust=trust)
     if model is not None:
         if hasattr(model, "get_base_model"):  # peft: the base stays as loaded, the adapter is the trained part
             adapter = os.path.join(ckpt, "model", "adapter", "adapter_model.safetensors")
@@ -169,15 +269,19 @@ def _load_weights(module: torch.nn.Module, folder: str, body: bool = False) -> N
 class ResumePlan:
     """How `--resume` continues a run, for the CLI and the trainer alike: `checkpoint`, the
     newest intact checkpoint folder; `iteration`, the one it holds; `note`, one line naming
-    damaged newer checkpoints that were skipped (None when there were none)."""
+    damaged newer checkpoints that were skipped (None when there were none); `trust`, whether
+    its files may be fully unpickled (TRUST_FLAG); `trust_note`, the warning line when some
+    need it (None when all are plain data)."""
 
     checkpoint: str
     iteration: int
     note: Optional[str]
+    trust: bool = False
+    trust_note: Optional[str] = None
 
     def eval_pending(self) -> bool:
         """Whether its evaluation was stopped (by SIGTERM) and is still to run (reads its state)."""
-        state, _ = load_state(self.checkpoint, optimizers=False)
+        state, _ = load_state(self.checkpoint, optimizers=False, trust=self.trust)
         return bool(state.get("eval_pending"))
 
     def check_run_config(self, out_dir: str) -> None:
@@ -222,17 +326,22 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def plan_resume(out_dir: str) -> ResumePlan:
-    """The ResumePlan of `--resume out_dir`: its newest intact checkpoint.
+def plan_resume(out_dir: str, trust: bool = False) -> ResumePlan:
+    """The ResumePlan of `--resume out_dir`: its newest intact checkpoint, whose torch files
+    are checked to load as plain data (`check_trust`; `trust`: those that do not may load
+    with full unpickling, said in the plan's `trust_note`).
 
-    Raises FileNotFoundError (one line, naming damaged checkpoints) when there is none.
+    Raises FileNotFoundError (one line, naming damaged checkpoints) when there is none,
+    UntrustedCheckpoint (one line naming the file and TRUST_FLAG) for a file that needs full
+    unpickling without `trust`.
     """
     found = search_checkpoints(out_dir)
     if found.folder is None:
         why = f" ({found.note()})" if found.note() else ""
         raise FileNotFoundError(f"--resume {out_dir}: no checkpoint found under {os.path.join(out_dir, 'checkpoints')}"
                                 f"{why}; if nothing was trained yet, start again with --out {out_dir} --overwrite")
-    return ResumePlan(found.folder, checkpoint_iteration(found.folder), found.note())
+    return ResumePlan(found.folder, checkpoint_iteration(found.folder), found.note(), trust,
+                      check_trust(found.folder, trust))
 
 
 def nothing_to_train_note(out_dir: str, done: int, iterations: int) -> str:
@@ -324,11 +433,13 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
     """Write checkpoint `iteration` under `out_dir/checkpoints/` atomically; returns its folder.
 
     `state` is the loop's own state (iteration counters, echo-trap state, ...); the RNG states
-    are added here (`rng`, else the current ones). Older checkpoints beyond the newest `keep`
-    are deleted, except the newest intact one (`prune_checkpoints`).
-    Raises ValueError if keep < 1, CheckpointSaveError (one line: the file, the cause, the
-    space a checkpoint needs and the free space) when writing fails; nothing of the failed
-    save remains and the earlier checkpoints are untouched.
+    are added here (`rng`, else the current ones); state.pt holds them as plain data
+    (`plain_data`), as optimizer.pt does torch's optimizer state dicts. Then all but the
+    `keep` newest intact checkpoints and this one are deleted (`prune_checkpoints`).
+    Raises ValueError if keep < 1, TypeError when `state` holds anything but plain data,
+    CheckpointSaveError (one line: the file, the cause, the space a checkpoint needs and the
+    free space) when writing fails; nothing of the failed save remains and the earlier
+    checkpoints are untouched.
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
@@ -357,10 +468,12 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
                 critic_backbone.save_pretrained(os.path.join(tmp, "critic"))
             save_file({k: v.detach().contiguous().cpu() for k, v in value_head.state_dict().items()},
                       os.path.join(tmp, "critic", "value_head.safetensors"))
+        # plain data only: a resume loads these files with torch.load(weights_only=True), which
+        # runs no code of theirs (torch's optimizer state dicts are; plain_data makes the loop's)
         step = "optimizer.pt"
         torch.save({k: o.state_dict() for k, o in optimizers.items()}, os.path.join(tmp, "optimizer.pt"))
         step = "state.pt"
-        torch.save({"iteration": iteration, "rng": rng if rng is not None else rng_state(), **state},
+        torch.save(plain_data({"iteration": iteration, "rng": rng if rng is not None else rng_state(), **state}),
                    os.path.join(tmp, "state.pt"))
         step = "config.yaml"
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
@@ -390,23 +503,24 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
 
 
 def prune_checkpoints(root: str, keep: int, protect: str) -> list[str]:
-    """Delete all but the `keep` highest-iteration checkpoints in `root`; returns the deleted names.
+    """Delete all checkpoints in `root` but the `keep` newest intact ones and `protect` (the
+    checkpoint just written, never deleted); returns the deleted names.
 
-    Ordered by iteration number (not by name), and `protect` (the checkpoint just written)
-    is never deleted, even if folders with higher iteration numbers exist. When none of the
-    kept ones passes `verify_checkpoint(quick=True)`, the newest intact one among the others is
-    kept as well: pruning never deletes the last intact checkpoint.
+    Only checkpoints that pass `verify_checkpoint(quick=True)` count towards `keep` (the
+    protected one too, when intact): a damaged checkpoint is deleted (a resume skips it
+    anyway) and never takes the place of an intact one. Newest means the highest iteration
+    number (not the name's sort order).
     """
     names = _checkpoint_names(root)
-    others = [d for d in names if d != protect]
-    n_drop = max(0, len(others) - (keep - 1))
-    dropped = others[:n_drop]
-    kept = [d for d in names if d not in dropped]
-    if dropped and not any(verify_checkpoint(os.path.join(root, d), quick=True) is None for d in kept):
-        for d in reversed(dropped):
-            if verify_checkpoint(os.path.join(root, d), quick=True) is None:
-                dropped.remove(d)
-                break
+    kept = {protect} if protect in names else set()
+    intact = int(protect in kept and verify_checkpoint(os.path.join(root, protect), quick=True) is None)
+    for d in reversed(names):
+        if intact >= keep:
+            break
+        if d != protect and verify_checkpoint(os.path.join(root, d), quick=True) is None:
+            kept.add(d)
+            intact += 1
+    dropped = [d for d in names if d not in kept]
     for d in dropped:
         _remove_folder(root, d)
     return dropped

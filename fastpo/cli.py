@@ -1,7 +1,8 @@
 """The `fastpo` command line: `fastpo train`, `fastpo sft` (fastpo.sft) and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
-                 [--out DIR [--overwrite]] [--resume DIR [--iterations N]] [--nproc N] [section.key=value ...]
+                 [--out DIR [--overwrite]] [--resume DIR [--iterations N] [--trust-checkpoint]] [--nproc N]
+                 [section.key=value ...]
     fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T]
 
 The configuration (defaults, presets, file, dotted overrides) is validated before any model
@@ -12,7 +13,9 @@ line; a traceback means a bug.
 A new run never destroys an old one: without --out, a folder that already holds a run is
 replaced by the first free `runs/<env>-2`, `-3`, ...; a named --out holding a run is refused
 unless --overwrite, and so is a folder another fastpo process is writing (naming its pid).
-On --resume only --iterations, --device and non-env/model overrides apply.
+On --resume only --iterations, --device and non-env/model overrides apply; its checkpoint
+files load as plain data, and one that needs full unpickling (an older fastpo's) is refused
+unless --trust-checkpoint (fastpo.checkpoint, "Trust").
 
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
@@ -49,6 +52,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("overrides", nargs="*", metavar="section.key=value",
                    help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
+
+
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="with --resume: load checkpoint files that need full unpickling (an older fastpo's "
+                        "state.pt), which can run any code they hold; only for run folders you trust")
 
 
 def _build_config(args, extra: list[str], values: dict | None = None):
@@ -137,11 +146,12 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     cfg = resumed_run_config(args)
     fdist.check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
-    plan = plan_resume(args.resume)
+    plan = plan_resume(args.resume, trust=args.trust_checkpoint)
     plan.check_run_config(args.resume)
     if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
-        if plan.note:
-            warn_user(plan.note, console)
+        for note in (plan.note, plan.trust_note):
+            if note:
+                warn_user(note, console)
         if main_rank:
             with RunLock(args.resume):
                 tidy_run_folder(args.resume)
@@ -234,7 +244,8 @@ def _train_in_process(args, cfg, ctx, console) -> int:
                   f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}, "
                   f"{cfg.trainer.iterations} iteration{'s' if cfg.trainer.iterations != 1 else ''} -> {cfg.trainer.output_dir}")
     try:
-        train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite, dist=ctx)
+        train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite, dist=ctx,
+              trust_checkpoint=args.trust_checkpoint)
     except KeyboardInterrupt as e:  # stopped by a signal; the checkpoint is saved
         return 128 + getattr(e, "signum", 2)
     except (ConfigError, RunFolderBusy, FileExistsError) as e:  # bad input found late; not a bug
@@ -355,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="delete the run already in --out (without it such a folder is refused)")
     tr.add_argument("--iterations", type=int, default=None)
     tr.add_argument("--resume", default=None, metavar="OUT", help="continue the run in folder OUT from its latest checkpoint")
+    _add_trust(tr)
     tr.add_argument("--nproc", type=int, default=None, metavar="N",
                     help="data-parallel processes, one per GPU (CPU processes with gloo under --device cpu), "
                          "run by torchrun; 1 (default): one process")
@@ -364,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     sf.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
     sf.add_argument("--iterations", type=int, default=None, help="SFT steps (optimizer steps)")
     sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
+    _add_trust(sf)
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
     _add_common(ev)
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")

@@ -51,7 +51,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fastpo.packing import pack_micro_batch, packing_attention, plan_micro_batches
+from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype, plan_micro_batches
 
 #: Stability constant of the MI z-score (RAGEN's std_eps).
 STD_EPS = 1e-3
@@ -208,8 +208,7 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[torch.Tensor], resp
     share = share_prompt and attention == "segments"
     prefix = (plen, pgroup) if share else (None, None)
     plan = plan_micro_batches([int(s.numel()) for s in seqs], token_budget, *prefix)
-    impl_name = getattr(model.config, "_attn_implementation", "sdpa")
-    mdtype = torch.bool if impl_name in ("sdpa", "fastpo_segments") else torch.float32
+    mdtype = packing_mask_dtype(model)
     sums = torch.zeros(N * R, dtype=torch.float64)
     tokens = forwards = 0
     was_training = model.training

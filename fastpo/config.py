@@ -385,7 +385,7 @@ class TrainerSection:
         eval_group_size: samples per eval seed (pass@k).
         eval_before_training: also evaluate before the first update (iteration 0).
         save_every: write a checkpoint every N iterations (0 = only at the end).
-        keep_checkpoints: checkpoints kept (the oldest pruned; the newest intact one never).
+        keep_checkpoints: intact checkpoints kept (the oldest and any damaged one pruned).
         num_samples: decoded eval trajectories written to samples/ per evaluation.
         ema_decay: decay of the EMA copies of every metric (ema/...).
         tensorboard: mirror the metrics to TensorBoard (the `tensorboard` extra).

@@ -514,3 +514,21 @@ def packing_attention(model: torch.nn.Module) -> str:
     if "flash_attention" in impl:
         return "varlen"
     return "segments" if impl == SEGMENT_ATTENTION else "mask"
+
+
+def packing_mask_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the block-causal mask `pack_micro_batch` builds for `model` ("mask" packing).
+
+    torch.bool for sdpa (True = attend; any query dtype, autocast or not); for any other
+    attention (eager) the additive form in the dtype of the model's hidden states, as
+    transformers builds its own eager masks (the embeddings' output dtype: the parameters'
+    dtype, under autocast too): eager adds the mask to its [N, N] scores, which a float32
+    mask would turn into float32 for a bf16 model. "segments" and "varlen" packing build no
+    mask (the value is then unused).
+    """
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    if impl in ("sdpa", SEGMENT_ATTENTION):
+        return torch.bool
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    weight = getattr(emb, "weight", None)
+    return weight.dtype if weight is not None and weight.dtype.is_floating_point else torch.float32

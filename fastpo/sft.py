@@ -442,7 +442,7 @@ def cmd_sft(args) -> int:
             cfg = resumed_run_config(args, fixed=sft_ov)
             sft = read_sft_config(args.resume)
             RunLock(args.resume).check()
-            plan_resume(args.resume).check_run_config(args.resume)
+            plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
         else:
             extra = list(SFT_DEFAULT_OVERRIDES)
             if args.iterations is not None:
@@ -468,7 +468,8 @@ def cmd_sft(args) -> int:
                   f"trajectories, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
                   f"-> {cfg.trainer.output_dir}")
     try:
-        trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite)
+        trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite,
+                             trust_checkpoint=args.trust_checkpoint)
         trainer.run()
         if trainer.stop_state.interrupted:
             raise Stopped(trainer.stop_state.signum)

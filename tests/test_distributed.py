@@ -333,10 +333,13 @@ def test_trajectory_batches_concatenate_in_order():
 #: std, one trajectory per micro-batch (so the micro-batch means are over the same set),
 #: scores from the sampled tokens (tests/dist_train.py), a checkpoint every iteration; each
 #: env group samples from its own stream in one process too (what "auto" gives several), so
-#: the trajectories do not depend on the number of processes, across the resume as well.
+#: the trajectories do not depend on the number of processes, across the resume as well. A KL
+#: term (k3, in the loss) to the reference model, with a learning rate that moves the policy
+#: away from it at once: a resume must measure it against the run's starting model.
 TRAIN = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--device", "cpu",
          "trainer.plots=false", "trainer.collapse_every=2", "rollout.env_groups=4", "rollout.group_size=2",
          "algorithm.adv_estimator=grpo", "algorithm.filter_mode=top", "algorithm.filter_ratio=0.5",
+         "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3", "optim.actor_lr=1e-4",
          "optim.micro_token_budget=16", "trainer.keep_checkpoints=5", "trainer.eval_every=0",
          "rollout.sampling_streams=group"]
 #: Metrics that are timings, sizes of this process's buffers, or per-rank figures.
@@ -438,9 +441,11 @@ def test_two_processes_train_as_one(dp_runs):
 def test_two_process_checkpoint_resumes_with_one_process(dp_runs):
     """Iteration 2 of the 2-process run, resumed from its checkpoint by one process, equals
     iteration 2 of the uninterrupted 1-process run (metrics and parameters): the checkpoint
-    holds the full model and optimizer state, whatever the world size."""
+    holds the full model and optimizer state, whatever the world size, and the KL term is
+    measured against the run's starting model, not the checkpoint's policy."""
     one, two = _records(dp_runs["one"]), _records(dp_runs["two"])
     assert [r["iteration"] for r in two] == [1, 2, 3]
+    assert one[1]["actor/kl"] > 1e-5  # the policy left the reference: KL to the wrong model would show
     _same_metrics(one[1], two[1])
     assert not any(k.startswith("dist/") for k in two[1])  # one process: no per-rank figures
     _same_weights(_weights(dp_runs["one"], 2), _weights(dp_runs["two"], 2))
@@ -449,8 +454,10 @@ def test_two_process_checkpoint_resumes_with_one_process(dp_runs):
 def test_one_process_checkpoint_resumes_with_two_sharded_processes(dp_runs):
     """And back: iteration 3, resumed with two FSDP2 processes from the checkpoint one process
     wrote (whole optimizer state, sharded on load), equals the uninterrupted 1-process run's
-    (metrics, parameters and the optimizer state in the checkpoint)."""
+    (metrics, parameters and the optimizer state in the checkpoint): every rank's reference
+    model is rank 0's starting model (broadcast), not the checkpoint's policy."""
     one, two = _records(dp_runs["one"]), _records(dp_runs["two"])
+    assert one[2]["actor/kl"] > 1e-5
     _same_metrics(one[2], two[2])
     assert two[2]["dist/rank1/trajectories"] >= 0 and "dist/rank0/parameter_mib" in two[2]
     _same_weights(_weights(dp_runs["one"], 3), _weights(dp_runs["two"], 3))

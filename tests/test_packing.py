@@ -207,3 +207,39 @@ def test_shared_prefix_logprobs_and_gradients_equal_one_at_a_time(kind, device):
     assert total == sum(int(m[1:].sum()) for m in masks)
     for (name, p), q in zip(ref.named_parameters(), seg.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=tol, rtol=10 * tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "segments"])
+def test_trainer_micro_batches_carry_the_mask_the_attention_takes(attn, dtype):
+    """The trainer's packed micro-batches (`Scoring._micro_batches`, which the old log-probs and
+    the update read) give each attention the mask it takes: eager adds an additive mask to its
+    scores, built as transformers builds its own eager masks (0 / finfo.min in the dtype of the
+    model's hidden states: a float32 mask would turn a bf16 model's [N, N] scores into float32);
+    sdpa takes a boolean one; segment attention none. The packed log-probs equal the
+    one-trajectory-at-a-time ones."""
+    import types
+
+    from fastpo.config import load_config
+    from fastpo.trainer.batch import TrainBatch
+    from fastpo.trainer.scoring import Scoring
+
+    model = _tiny("llama", attn).to(dtype)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, 97, (n,), generator=g) for n in (7, 13, 4, 10)]
+    masks = [torch.arange(len(s)) >= 2 for s in seqs]
+    batch = TrainBatch(seqs, masks, [torch.zeros(len(s)) for s in seqs], [1] * len(seqs))
+    cfg = load_config(env="bandit", preset="tiny", overrides=["optim.micro_token_budget=24"])
+    trainer = types.SimpleNamespace(model=model, cfg=cfg, device=torch.device("cpu"))
+    micro = list(Scoring._micro_batches(trainer, batch, list(range(len(seqs)))))
+    assert len(micro) >= 2 and any(len(pb.members) > 1 for pb in micro)
+    want = {"eager": dtype, "sdpa": torch.bool, "segments": None}[attn]
+    with torch.no_grad():
+        alone = [_token_logprobs(model(s[None]).logits, s[None])[0] for s in seqs]
+        for pb in micro:
+            assert (None if pb.attention_mask is None else pb.attention_mask.dtype) == want
+            lp_all = torch.log_softmax(model(**pb.model_inputs()).logits.float(), -1)[0]
+            for i, piece in zip(pb.indices, pb.split(lp_all)):
+                lp = torch.gather(piece[:-1], -1, seqs[i][1:, None])[:, 0]
+                tol = 1e-5 if dtype == torch.float32 else 3e-2
+                torch.testing.assert_close(lp, alone[i], atol=tol, rtol=tol)

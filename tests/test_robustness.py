@@ -62,16 +62,23 @@ def test_trainer_refuses_a_used_folder_without_overwrite(tmp_path, no_model):
     assert os.path.exists(os.path.join(out, "metrics.jsonl"))
 
 
+def _intact(folder):
+    """A checkpoint folder that passes `verify_checkpoint` (one without a manifest: its three files)."""
+    (folder / "model").mkdir(parents=True)
+    for f in ("model/config.json", "state.pt", "optimizer.pt"):
+        (folder / f).write_text("{}")
+
+
 def test_pruning_keeps_the_checkpoint_just_written(tmp_path):
     root = tmp_path / "checkpoints"
     for n in (200, 300, 3, 1000000):
-        (root / f"iter_{n:06d}").mkdir(parents=True)
+        _intact(root / f"iter_{n:06d}")
     # the newly written iter_000003 survives although older-run folders have higher numbers
     dropped = prune_checkpoints(str(root), keep=2, protect="iter_000003")
     assert sorted(os.listdir(root)) == ["iter_000003", "iter_1000000"]
     assert sorted(dropped) == ["iter_000200", "iter_000300"]
     # by iteration number, not by name: iter_1000000 is newer than iter_999999
-    (root / "iter_999999").mkdir()
+    _intact(root / "iter_999999")
     prune_checkpoints(str(root), keep=2, protect="iter_999999")
     assert sorted(os.listdir(root)) == ["iter_1000000", "iter_999999"]
 

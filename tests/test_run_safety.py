@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,7 +26,7 @@ import fastpo.trainer
 from fastpo.checkpoint import RunFolderBusy, RunLock, latest_checkpoint, prune_checkpoints, verify_checkpoint
 from fastpo.cli import main
 from fastpo.config import ConfigError, load_config
-from run_helpers import records as _records
+from run_helpers import WritesAFile, plant_in_checkpoint, records as _records, stable as _stable
 
 TINY = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama"]
 QUIET = ["trainer.plots=false", "trainer.eval_every=0", "rollout.think=false", "rollout.max_new_tokens=8"]
@@ -204,6 +205,81 @@ def test_pruning_never_deletes_the_last_intact_checkpoint(two_checkpoints, tmp_p
     # the checkpoint just written is damaged (a disk that lost data): the older intact one stays
     prune_checkpoints(str(root), keep=1, protect="iter_000003")
     assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_000001", "iter_000003"]
+
+
+def test_pruning_counts_only_intact_checkpoints(two_checkpoints, tmp_path):
+    """keep_checkpoints=2, the newest checkpoint damaged, a resume that saves only at its end:
+    the intact iter_000002 it resumed from and the new one are kept (two usable checkpoints);
+    the damaged one and the oldest go."""
+    out = str(tmp_path / "run")
+    shutil.copytree(two_checkpoints, out)
+    root = os.path.join(out, "checkpoints")
+    shutil.copytree(os.path.join(root, "iter_000002"), os.path.join(root, "iter_000003"))
+    _truncate(os.path.join(root, "iter_000003", "optimizer.pt"))
+    assert main(["train", "--resume", out, "--iterations", "4", "trainer.save_every=4"]) == 0
+    assert _iterations(out) == [1, 2, 3, 4]
+    assert sorted(n for n in os.listdir(root) if n.startswith("iter_")) == ["iter_000002", "iter_000004"]
+    assert all(verify_checkpoint(os.path.join(root, n)) is None for n in ("iter_000002", "iter_000004"))
+
+
+@pytest.mark.parametrize("target", ["state.pt", "optimizer.pt"])
+def test_a_checkpoint_holding_a_pickle_that_runs_code_is_refused(two_checkpoints, tmp_path, capsys, target):
+    """`--resume` of a run folder whose checkpoint file holds a pickle that would run code exits 2
+    with one line naming the file and --trust-checkpoint, and the code never runs; `fastpo
+    eval` of that run reads its model only (safetensors, JSON, YAML) and runs nothing either."""
+    out = str(tmp_path / "run")
+    shutil.copytree(two_checkpoints, out)
+    marker = tmp_path / "the-pickle-ran"
+    path = plant_in_checkpoint(os.path.join(out, "checkpoints", "iter_000002"), target, WritesAFile(str(marker)))
+    capsys.readouterr()
+    assert main(["train", "--resume", out, "--iterations", "3"]) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and path in err[0] and "--trust-checkpoint" in err[0], err
+    assert not marker.exists()
+    assert _iterations(out) == [1, 2]  # nothing trained, nothing written
+    assert main(["eval", "--model", out, "--seeds", "1"]) == 0
+    assert not marker.exists()
+
+
+def _as_written_by_an_older_fastpo(ckpt):
+    """Rewrite checkpoint `ckpt`'s state.pt as fastpo wrote it before its loop state was plain
+    data (NumPy's RNG state as `np.random.get_state()` gives it: a tuple holding an ndarray,
+    which needs pickle), the same RNG states, and its manifest."""
+    path = os.path.join(ckpt, "state.pt")
+    state = torch.load(path, weights_only=False)
+    now = ck.rng_state()
+    try:
+        ck.set_rng_state(state["rng"])
+        state["rng"]["numpy"] = np.random.get_state()
+    finally:
+        ck.set_rng_state(now)
+    torch.save(state, path)
+    ck.write_manifest(ckpt, ck.checkpoint_iteration(ckpt))
+    return path
+
+
+def test_a_checkpoint_of_an_older_fastpo_resumes_only_when_trusted(two_checkpoints, tmp_path, capsys):
+    """An older checkpoint (state.pt holding pickled objects) is refused in one line naming the
+    file and the flag; with --trust-checkpoint it resumes with one warning line, exactly as
+    the same checkpoint in today's format does, and what it saves needs no trust."""
+    new, old = str(tmp_path / "new"), str(tmp_path / "old")
+    shutil.copytree(two_checkpoints, new)
+    shutil.copytree(two_checkpoints, old)
+    path = _as_written_by_an_older_fastpo(os.path.join(old, "checkpoints", "iter_000002"))
+    capsys.readouterr()
+    assert main(["train", "--resume", old, "--iterations", "3"]) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and path in err[0] and "--trust-checkpoint" in err[0], err
+    assert main(["train", "--resume", old, "--iterations", "3", "--trust-checkpoint"]) == 0
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert said.count("--trust-checkpoint") == 1 and path in said, said
+    assert main(["train", "--resume", new, "--iterations", "3"]) == 0
+    a, b = _stable(_records(new)[2]), _stable(_records(old)[2])
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == (pytest.approx(a[k], rel=1e-6, abs=1e-9) if isinstance(a[k], float) else a[k]), k
+    assert main(["train", "--resume", old, "--iterations", "4"]) == 0  # its own checkpoint: no trust needed
+    assert _iterations(old) == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ one SFT step, exact resume and the hand-off to `fastpo train --model RUN`.
 Small real runs: random:tiny-llama (with the embedded SmolLM2 tokenizer), the tiny preset."""
 import glob
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 from rich.console import Console
 
 import fastpo.sft
+from fastpo.checkpoint import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.envs_native import make_env
@@ -18,6 +20,7 @@ from fastpo.models import load_tokenizer
 from fastpo.rollout.multiturn import closing_question
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
 from fastpo.sft import SFTConfig, SFTTrainer, batch_indices, expert_rollout
+from run_helpers import WritesAFile, plant_in_checkpoint
 
 MODEL = "random:tiny-llama"
 
@@ -204,6 +207,12 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
     assert "cannot change on --resume" in capsys.readouterr().err
     assert main(["sft", "--resume", part, "trainer={seed: 3}"]) == 2  # as `fastpo train --resume` refuses it
     assert "trainer.seed cannot change on --resume" in capsys.readouterr().err
+    # a checkpoint file holding a pickle that would run code is refused, and the code never runs
+    bad, marker = str(tmp_path / "bad"), tmp_path / "the-pickle-ran"
+    shutil.copytree(part, bad)
+    path = plant_in_checkpoint(latest_checkpoint(bad), "optimizer.pt", WritesAFile(str(marker)))
+    assert main(["sft", "--resume", bad]) == 2
+    assert path in capsys.readouterr().err and not marker.exists()
     assert main(["sft", "--resume", part]) == 0
     a, b = _weights(full), _weights(part)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -95,16 +95,39 @@ def test_frozenlake_ppo_resume_reproduces_uninterrupted_run(tmp_path):
     Trainer(_cfg("frozenlake", b, *common), console=Console(quiet=True), stop_after=1).run()
     assert [r["iteration"] for r in _records(b)] == [1]
     assert cli_main(["train", "--resume", b]) == 0
-    resumed = _records(b)
-    assert [r["iteration"] for r in resumed] == [1, 2]
+    _same_records(full, _records(b))
+
+
+def _same_records(full: list, resumed: list) -> None:
+    """The records of an interrupted and resumed run equal the uninterrupted run's (all but timings)."""
+    assert [r["iteration"] for r in resumed] == [r["iteration"] for r in full]
     for ra, rb in zip(full, resumed):
         sa, sb = _stable(ra), _stable(rb)
         assert sa.keys() == sb.keys()
         for k in sa:
             if isinstance(sa[k], float):
-                assert sb[k] == pytest.approx(sa[k], rel=1e-5, abs=1e-6), k
+                assert sb[k] == pytest.approx(sa[k], rel=1e-5, abs=1e-6), (ra["iteration"], k)
             else:
-                assert sb[k] == sa[k], k
+                assert sb[k] == sa[k], (ra["iteration"], k)
+
+
+@pytest.mark.parametrize("kl_in_reward, kl_estimator", [(True, "k1"), (False, "k3")])
+def test_kl_runs_resume_against_the_starting_model(tmp_path, kl_in_reward, kl_estimator):
+    """A run with a KL term, stopped after iteration 1 and resumed, measures KL against the run's
+    starting model (not against the policy the checkpoint holds), as the uninterrupted run does:
+    KL on the reward (PPO with the shared critic, k1) and in the loss (k3)."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    # a large learning rate so that the policy leaves the reference at once (a KL of 0 would pass)
+    common = ["model.name=random:tiny-llama", "algorithm.kl_coef=0.1", f"algorithm.kl_estimator={kl_estimator}",
+              f"algorithm.kl_in_reward={str(kl_in_reward).lower()}", "optim.actor_lr=1e-3", "trainer.iterations=2",
+              "trainer.eval_every=0", "trainer.plots=false"]
+    Trainer(_cfg("bandit", a, *common), console=Console(quiet=True)).run()
+    full = _records(a)
+    kl = "train/kl_reward" if kl_in_reward else "actor/kl"
+    assert abs(full[1][kl]) > 1e-4, full[1][kl]
+    Trainer(_cfg("bandit", b, *common), console=Console(quiet=True), stop_after=1).run()
+    assert cli_main(["train", "--resume", b]) == 0
+    _same_records(full, _records(b))
 
 
 @pytest.mark.parametrize("kl_in_reward", [True, False])

@@ -131,6 +131,6 @@ def test_resume_with_reuse_and_replay_reproduces_the_uninterrupted_run(tmp_path,
         assert sa.keys() == sb.keys()
         for k in sa:
             assert sb[k] == sa[k], (ra["iteration"], k)
-    state = torch.load(os.path.join(b, "checkpoints", "iter_000004", "state.pt"), weights_only=False)
+    state = torch.load(os.path.join(b, "checkpoints", "iter_000004", "state.pt"), weights_only=True)  # plain data
     sched = state["rollout_schedule"]
     assert len(sched["current"]) == 4 and len(sched["buffer"]["items"]) == 4 and sched["started"] == 3

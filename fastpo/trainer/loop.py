@@ -31,7 +31,8 @@ def _in_main_thread() -> bool:
 class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`.
 
-    `resume=True` continues the run found in the output folder from its latest checkpoint.
+    `resume=True` continues the run found in the output folder from its latest checkpoint
+    (`trust_checkpoint`: whose files may need full unpickling, see `train`).
     `console` is a rich Console (created when None). `stop_after` (an iteration) stops the
     run there exactly as a Ctrl-C during that iteration would: checkpoint, then return.
     Public entry point: `run()`, returning the list of metric records.
@@ -41,7 +42,8 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
     resume_command = "fastpo train --resume"
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
-                 stop_after: Optional[int] = None, overwrite: bool = False, dist: fdist.DistContext = fdist.SINGLE):
+                 stop_after: Optional[int] = None, overwrite: bool = False, dist: fdist.DistContext = fdist.SINGLE,
+                 trust_checkpoint: bool = False):
         from rich.console import Console
 
         self.cfg = cfg
@@ -49,6 +51,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
         self.console = console or Console(quiet=not dist.is_main)
         self.out = cfg.trainer.output_dir
         self.resume = resume
+        self.trust_checkpoint = trust_checkpoint  # --trust-checkpoint: a resume may unpickle its files
         self.overwrite = overwrite
         self.device = dist.device if dist.initialized and dist.device.type == "cuda" else resolve_device(cfg.trainer.device)
         self.stop_state = StopState()  # what the signal handler writes and the loop reads
@@ -250,7 +253,7 @@ class _RunProgress:
 
 
 def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False,
-          dist: fdist.DistContext = fdist.SINGLE) -> list[dict]:
+          dist: fdist.DistContext = fdist.SINGLE, trust_checkpoint: bool = False) -> list[dict]:
     """Build a Trainer and run it; prints what the CPU preset scaled down.
 
     A new run (resume=False) refuses an output folder that already holds a run
@@ -258,7 +261,10 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
     Stopped (a KeyboardInterrupt) after a Ctrl-C or SIGTERM stop, once the checkpoint is saved.
     `dist`: this process's place in a data-parallel job (`fastpo.distributed.init_from_env`);
     the default is one process. Raises fastpo.distributed.DistributedError for a setting the
-    data-parallel trainer does not support (`check_trainer_support`).
+    data-parallel trainer does not support (`check_trainer_support`). `trust_checkpoint`
+    (`--trust-checkpoint`): a resume may load checkpoint files that need full unpickling
+    (an older fastpo's), with a warning; without it they raise
+    fastpo.checkpoint.UntrustedCheckpoint (a ConfigError naming the file).
     """
     from rich.console import Console
 
@@ -266,7 +272,8 @@ def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite
     console = console or Console(quiet=not dist.is_main)
     if "cpu" in cfg.preset.split(",") and dist.is_main:
         console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")
-    trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite, dist=dist)
+    trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite, dist=dist,
+                      trust_checkpoint=trust_checkpoint)
     records = trainer.run()
     if trainer.stop_state.interrupted:
         raise Stopped(trainer.stop_state.signum)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)

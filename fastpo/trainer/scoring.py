@@ -10,7 +10,8 @@ import torch
 from fastpo.kernels import linear_logprob_entropy
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.trainer.batch import TrainBatch
-from fastpo.packing import pack_micro_batch, packing_attention, plan_micro_batches, shared_prefixes
+from fastpo.packing import (pack_micro_batch, packing_attention, packing_mask_dtype, plan_micro_batches,
+                            shared_prefixes)
 
 
 class Scoring:
@@ -31,9 +32,7 @@ class Scoring:
         plan = plan_micro_batches(lengths, self.cfg.optim.micro_token_budget,
                                   None if prefix is None else [prefix[i] for i in indices],
                                   None if groups is None else [groups[i] for i in indices])
-        # sdpa takes a boolean mask whatever the query dtype (autocast or not); eager adds a float one
-        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
-        mdtype = torch.bool if impl == "sdpa" else torch.float32
+        mdtype = packing_mask_dtype(self.model)
         windows = None
         if self.cfg.rollout.context_window != "full":  # each turn attends as the sampler's window did
             if batch.context_turns is None:

@@ -143,9 +143,10 @@ class Setup:
         fdist.on_main(self.dist, self._prepare_folder)
         ckpt = None
         if self.resume:
-            plan = plan_resume(self.out)
-            if plan.note:
-                self._warn(plan.note)
+            plan = plan_resume(self.out, trust=self.trust_checkpoint)
+            for note in (plan.note, plan.trust_note):
+                if note:
+                    self._warn(note)
             ckpt = plan.checkpoint
         self.model, self.tokenizer = model, tok = self._load_models(tok, ckpt)
         self._build_trainables(ckpt)
@@ -168,12 +169,6 @@ class Setup:
             decoder_body(model)
         except ValueError as e:
             raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
-        if ckpt is not None and cfg.model.lora_rank == 0:
-            # (with LoRA the base stays frozen; only the adapter is restored, below)
-            load_checkpoint(ckpt, model=model)
-        self.load_seconds = time.perf_counter() - t0
-        c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
-                f"{self.device} (loaded in {self.load_seconds:.1f} s)")
         # packed rows attend per trajectory (sum of L_i^2, not N^2); generation still runs sdpa
         use_segment_attention(model)
         if cfg.rollout.context_window != "full" and packing_attention(model) == "varlen":
@@ -184,7 +179,15 @@ class Setup:
             model.gradient_checkpointing_enable()
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
+            # the KL term's reference is the run's starting model (model.name, which a resume
+            # cannot change): copied before a checkpoint's weights load into the policy
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if ckpt is not None and cfg.model.lora_rank == 0:
+            # (with LoRA the base stays frozen; only the adapter is restored, below)
+            load_checkpoint(ckpt, model=model, trust=self.trust_checkpoint)
+        self.load_seconds = time.perf_counter() - t0
+        c.print(f"[bold]model[/] {info.label}: {info.num_params / 1e6:.1f}M parameters, {info.dtype}, "
+                f"{self.device} (loaded in {self.load_seconds:.1f} s)")
         hidden = model.config.hidden_size
         a = cfg.algorithm
         self.critic_body = None
@@ -203,7 +206,7 @@ class Setup:
                                                      target_modules=list(cfg.model.lora_target_modules),
                                                      task_type="CAUSAL_LM"))
             if ckpt is not None:
-                load_checkpoint(ckpt, model=model)  # the adapter
+                load_checkpoint(ckpt, model=model, trust=self.trust_checkpoint)  # the adapter
         return model, tok
 
     def _build_trainables(self, ckpt: Optional[str]) -> None:
@@ -216,7 +219,8 @@ class Setup:
         fdist.broadcast_modules(self.dist, model, self.ref_model, self.critic_body, self.value_head)
         if self.dist.initialized and cfg.trainer.data_parallel == "fsdp":
             if ckpt is not None and self.value_head is not None:  # whole tensors, before sharding
-                load_checkpoint(ckpt, critic_backbone=self.critic_body, value_head=self.value_head)
+                load_checkpoint(ckpt, critic_backbone=self.critic_body, value_head=self.value_head,
+                                trust=self.trust_checkpoint)
             # FSDP2: the policy, a separate critic and the value head sharded over the ranks (the
             # reference model stays whole on every rank: no gradient, no optimizer state)
             self._fsdp_root = ffsdp.shard_trainer_modules(self.dist, model, self.critic_body, self.value_head)
@@ -249,13 +253,13 @@ class Setup:
         reuse/replay schedule from checkpoint `ckpt` (None: a new run)."""
         c = self.console
         if ckpt is not None and self._fsdp_root is not None:  # the one-process optimizer state, sharded
-            state = load_checkpoint(ckpt, rng=True)
-            saved = load_state(ckpt)[1]
+            state = load_checkpoint(ckpt, rng=True, trust=self.trust_checkpoint)
+            saved = load_state(ckpt, trust=self.trust_checkpoint)[1]
             for name, opt in self._optimizers().items():
                 ffsdp.load_full_optimizer_state(self.dist, self._fsdp_root, opt, saved[name])
         elif ckpt is not None:
             state = load_checkpoint(ckpt, optimizers=self._optimizers(), critic_backbone=self.critic_body,
-                                    value_head=self.value_head, rng=True)
+                                    value_head=self.value_head, rng=True, trust=self.trust_checkpoint)
         if ckpt is not None:
             self.start_iteration = int(state["iteration"]) + 1
             self.last_eval = state.get("last_eval", {})

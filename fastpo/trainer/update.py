@@ -13,7 +13,7 @@ from fastpo import fsdp as ffsdp
 from fastpo.config import TrainConfig
 from fastpo.kernels import PolicyLossSettings, linear_policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
-from fastpo.packing import pack_micro_batch, packing_attention
+from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
 from fastpo.registry import loss_denominator_of
 from fastpo.trainer.batch import TrainBatch
 from fastpo.seeds import mini_batch_generator_seed
@@ -166,9 +166,8 @@ class Update:
         """0 from a 2-token dummy row through every sharded module (the policy's body and LM
         head, the critic): the forward and backward of a micro-batch this rank does not have,
         with zero gradients."""
-        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         micro = pack_micro_batch([torch.zeros(2, dtype=torch.long)], [0], attention=packing_attention(self.model),
-                                 mask_dtype=torch.bool if impl == "sdpa" else torch.float32, device=self.device)
+                                 mask_dtype=packing_mask_dtype(self.model), device=self.device)
         with self._autocast():
             h = self._hidden(decoder_body(self.model), micro)
             total = h.float().sum() * 0 + lm_head_weight(self.model).float().sum() * 0
