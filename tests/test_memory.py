@@ -74,3 +74,44 @@ def test_trainer_run_bounds_the_heap_before_loading_anything(tmp_path, monkeypat
     with pytest.raises(Stop):
         loop.Trainer(cfg, console=Console(quiet=True)).run()
     assert calls == ["bound_heap", "setup"]
+
+
+def test_gradient_checkpointing_update_is_bit_identical(tmp_path):
+    """The CPU preset recomputes activations in the backward (model.gradient_checkpointing):
+    the update's gradients are the same bits as with the activations kept, so only memory and
+    time change."""
+    import dataclasses
+
+    import torch
+    from rich.console import Console
+
+    from fastpo.config import load_config
+    from fastpo.trainer import Trainer
+    from fastpo.trainer.batch import TrainBatch
+
+    assert load_config(env="frozenlake", preset="cpu").model.gradient_checkpointing
+    cfg = load_config(env="frozenlake", preset="tiny", overrides=[
+        f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama", "rollout.max_new_tokens=8",
+        "trainer.plots=false"])
+    tr = Trainer(cfg, console=Console(quiet=True))
+    tr.setup()
+    rollout = tr._generate([3], 2, 1.0, seed=0)
+    record = TrainBatch.from_rollout(rollout, 1)
+    old_lp, _, vals, _ = tr.compute_old(record)
+    adv, returns, _ = tr.compute_advantages(rollout, record.loss_mask, vals)
+    record = dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns)
+    start = {k: v.clone() for k, v in tr.model.state_dict().items()}
+    grads, step = {}, tr._optimizer_step
+
+    def keep(metrics):
+        grads[ckpt] = [p.grad.clone() for p in tr.model.parameters()]
+        return False  # no step: both updates start from the same weights
+
+    tr._optimizer_step = keep
+    for ckpt in (False, True):
+        tr.model.load_state_dict(start)
+        (tr.model.gradient_checkpointing_enable if ckpt else tr.model.gradient_checkpointing_disable)()
+        tr.update(1, record)
+    tr._optimizer_step = step
+    assert any(float(g.abs().max()) > 0 for g in grads[False])
+    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
