@@ -5,7 +5,6 @@ run, and their ratio expressed so that > 1 always means fastpo is better.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
 import statistics
@@ -91,19 +90,17 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Call
 def fix_malloc_threshold() -> None:
     """Make glibc return large blocks to the OS when freed, so that memory peaks measured one
     after the other do not depend on which side ran first (the dynamic mmap threshold would
-    otherwise keep the first side's freed blocks in the heap). Call once, before measuring."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 256 * 1024)  # M_MMAP_THRESHOLD; setting it disables the dynamic adjustment
-    except (OSError, AttributeError):  # not glibc: measure as is
-        pass
+    otherwise keep the first side's freed blocks in the heap): `fastpo.memory.bound_heap`,
+    which `Trainer.run` also calls. Call once, before measuring."""
+    from fastpo.memory import bound_heap
+
+    bound_heap()
 
 
 def _trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    from fastpo.memory import release_free_memory
+
+    release_free_memory()
 
 
 def _status_kib(key: str) -> int:

@@ -17,6 +17,9 @@ PRESETS: dict[str, dict] = {
     # measured choices: docs/results.md, how the preset was chosen (answer-only with answer examples, Dr.GRPO, 64 eval
     # seeds before and after)
     "cpu": {
+        # activations recomputed in the backward (as verl's default): a 2048-token micro-batch's
+        # ~3 GiB of them kept the main job's peak at twice its model state (docs/performance.md)
+        "model": {"gradient_checkpointing": True},
         "rollout": {"env_groups": 4, "group_size": 4, "max_turns": 5, "max_new_tokens": 16, "max_context": 1536,
                     "think": False, "prompt_examples": True, "temperature": 0.7},
         "algorithm": {"adv_estimator": "drgrpo", "filter_mode": "none", "critic": "shared"},

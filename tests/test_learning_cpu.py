@@ -30,7 +30,9 @@ def test_cpu_preset_raises_the_format_valid_rate(tmp_path):
         f"trainer.output_dir={out}", "trainer.seed=0", "rollout.env_groups=2", "rollout.group_size=4",
         "rollout.max_turns=1", "optim.mini_batch_size=8", "optim.actor_lr=5e-5", "trainer.iterations=3",
         "trainer.eval_every=3", "trainer.eval_seeds=4", "trainer.plots=false", "trainer.collapse_every=0",
-        "trainer.progress=false"])
+        "trainer.progress=false",
+        # the same gradients bit for bit (test_memory.py), without the recompute's time
+        "model.gradient_checkpointing=false"])
     records = Trainer(cfg, console=Console(quiet=True)).run()
     train = [r["train/format_valid"] for r in records if "train/format_valid" in r]
     assert len(train) == 3

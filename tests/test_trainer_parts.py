@@ -108,6 +108,14 @@ def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
     ids, masks = record.input_ids, record.loss_mask
     start = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.value_head.state_dict())
     results = {}
+    grads: list = []
+    step = tr._optimizer_step
+
+    def keep_grads(metrics):  # the gradients as the step sees them (the update frees them after it)
+        grads[:] = [p.grad.clone() for p in tr.model.parameters()]
+        return step(metrics)
+
+    tr._optimizer_step = keep_grads
     for share in (True, False):
         tr.cfg.optim.share_prefix = share
         tr.model.load_state_dict(start[0])
@@ -117,8 +125,9 @@ def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
         old_lp, ent, vals, _ = tr.compute_old(record)
         adv, returns, _ = tr.compute_advantages(batch, masks, vals)
         tr.update(1, dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns))
-        # the last mini-batch's (clipped) gradients stay on the parameters after the step
-        results[share] = (sum(computed), old_lp, vals, [p.grad.clone() for p in tr.model.parameters()])
+        # the last mini-batch's gradients (before clipping)
+        results[share] = (sum(computed), old_lp, vals, list(grads))
+        assert all(p.grad is None for p in tr.model.parameters())  # freed after the update
     assert results[True][0] < results[False][0] == sum(len(x) for x in ids)  # the prompts were computed once
     for a, b in zip(results[True][1] + results[True][2], results[False][1] + results[False][2]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)

@@ -175,8 +175,8 @@ class Setup:
             raise ConfigError(f"config key 'rollout.context_window' = {cfg.rollout.context_window!r} needs a "
                               "per-token attention mask, which flash-attn's varlen packing cannot take; load the "
                               "model with sdpa or eager attention")
-        if cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        if cfg.model.gradient_checkpointing:  # (transformers >= 5.2x renamed it; the old name warns)
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
         self.ref_model = None
         if cfg.algorithm.kl_coef > 0:
             # the KL term's reference is the run's starting model (model.name, which a resume

@@ -13,6 +13,7 @@ from fastpo import fsdp as ffsdp
 from fastpo.config import TrainConfig
 from fastpo.kernels import PolicyLossSettings, linear_policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
+from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
 from fastpo.registry import loss_denominator_of
 from fastpo.trainer.batch import TrainBatch
@@ -127,7 +128,11 @@ class Update:
                 skipped += 1
                 self._warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
                 self._zero_grad()
+        # the gradients are not read again before the next update's first zero_grad: freed now,
+        # not held (the policy's size again) through the evaluation and the next rollout
+        self._zero_grad()
         self.model.eval()
+        release_free_memory()  # the micro-batches' activations, back to the system
         # means over every rank's micro-batches (and steps)
         metrics = _MetricMeans.merged(fdist.all_gather_object(self.dist, (metrics.sums, metrics.counts)))
         train_tokens = int(fdist.all_reduce(self.dist, [train_tokens])[0])
