@@ -345,7 +345,22 @@ def _check_processes(args, argv: list[str]) -> int | None:
     return None
 
 
+def _degrade_console() -> None:
+    """Make stdout and stderr write what their encoding cannot hold as backslash escapes
+    (`\\u221a` for a grid's `√`) instead of raising UnicodeEncodeError: a locale that is not
+    UTF-8 (`LC_ALL=C` with PYTHONUTF8=0, a Windows code page) must not end a run at its first
+    printed observation. Streams that cannot be reconfigured (a test's capture) are left as they are."""
+    for stream in (sys.stdout, sys.stderr):
+        enc = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if enc != "utf8" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _degrade_console()
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train with StarPO / StarPO-S")

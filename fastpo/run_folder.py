@@ -36,7 +36,7 @@ def atomic_write_text(path: str, text: str) -> None:
     the error is raised)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -155,7 +155,7 @@ class RunLock:
 
     def _busy(self) -> str:
         try:
-            with open(self.path) as f:
+            with open(self.path, encoding="utf-8") as f:
                 pid = f.read().strip()
         except OSError:
             pid = ""

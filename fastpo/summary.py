@@ -59,7 +59,7 @@ def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
     if not run_dir:
         return None
     try:
-        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json")) as f:
+        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json"), encoding="utf-8") as f:
             d = json.load(f)
         return d if isinstance(d, dict) else None
     except (OSError, ValueError):

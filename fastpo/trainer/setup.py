@@ -29,7 +29,7 @@ from fastpo.trainer.update import policy_loss_settings
 
 
 def _read(path: str) -> str:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         return f.read()
 
 
