@@ -57,7 +57,8 @@ from fastpo.checkpoint_manifest import (MANIFEST, CheckpointSearch, _checkpoint_
 from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, _model_meta, checkpoint_origin,  # noqa: F401
                                       find_checkpoint, local_path_shaped, model_origin)
 from fastpo.run_folder import (LOCK_FILE, RUN_MARKERS, RunFolderBusy, RunLock, atomic_write_text,  # noqa: F401
-                               clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use)
+                               clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use,
+                               untrained_start)
 
 
 def rng_state() -> dict:

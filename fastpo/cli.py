@@ -67,7 +67,9 @@ def _build_config(args, extra: list[str], values: dict | None = None):
 
 
 def _check_out_dir(path: str, flag: str = "--out") -> None:
-    """Refuse an output folder that cannot be created or written, before any model loads."""
+    """Refuse an output folder that cannot be created or written, before any model loads
+    (ConfigError naming `flag` and the folder). On `--resume` the run folder itself and the
+    files a resume rewrites (metrics.jsonl, config.yaml) must be writable."""
     from fastpo.config import ConfigError
 
     p = os.path.abspath(path)
@@ -78,6 +80,16 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ConfigError(f"{flag} {path}: {parent} is not a folder")
+    if flag == "--resume":
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ConfigError(f"--resume {path}: the run folder is not writable (a resumed run writes its "
+                              f"checkpoints and metrics there); make it writable, or copy the run elsewhere "
+                              f"and resume the copy")
+        stuck = [n for n in ("metrics.jsonl", "config.yaml")
+                 if os.path.exists(os.path.join(p, n)) and not os.access(os.path.join(p, n), os.W_OK)]
+        if stuck:
+            raise ConfigError(f"--resume {path}: {', '.join(stuck)} {'is' if len(stuck) == 1 else 'are'} not "
+                              f"writable (a resumed run rewrites {'it' if len(stuck) == 1 else 'them'})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {parent} is not writable")
 
@@ -127,16 +139,24 @@ def resumed_run_config(args, fixed: list[str] = ()):
 
 def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     """The configuration of `--resume OUT` (`resumed_run_config`); None when there is nothing
-    left to train (said on `console`). Raises ConfigError for an option that cannot change
-    mid-run or the data-parallel trainer does not support, RunFolderBusy when another process
-    holds OUT."""
+    left to train (said on `console`). OUT without a checkpoint, where nothing was trained
+    (`untrained_start`: a run stopped or failed before its first checkpoint), starts again from
+    iteration 1 with OUT's config.yaml: `args.resume` becomes None and `args.out` OUT. Raises
+    ConfigError for an option that cannot change mid-run or the data-parallel trainer does not
+    support, RunFolderBusy when another process holds OUT."""
     from fastpo import distributed as fdist
-    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder
+    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder, untrained_start
     from fastpo.metrics import warn_user
 
     cfg = resumed_run_config(args)
     fdist.check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
+    if untrained_start(args.resume):  # stopped or failed before its first checkpoint
+        console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing was "
+                      f"trained): starting it again from iteration 1 with its config.yaml", markup=False,
+                      soft_wrap=True)
+        args.resume, args.out = None, args.resume  # a new run into the same folder (it is reused)
+        return cfg
     plan = plan_resume(args.resume)
     plan.check_run_config(args.resume)
     if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
@@ -200,7 +220,7 @@ def cmd_train(args) -> int:
         from fastpo.models import check_kernel_impl, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
-        _check_out_dir(cfg.trainer.output_dir)
+        _check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
         ctx = fdist.SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
             # choice of run folder is everyone's

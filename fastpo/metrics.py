@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 # names stay importable from here.
 from fastpo.plots import PLOT_KEYS, plot_collapse, plot_curves, plot_eval, plot_title  # noqa: F401
 from fastpo.stats import finite_number, standard_error  # noqa: F401
-from fastpo.summary import (BEFORE_AFTER_KEYS, SUMMARY_KEYS, before_after, before_after_table,  # noqa: F401
-                            summary_table)
+from fastpo.summary import (BEFORE_AFTER_KEYS, SUMMARY_KEYS, before_after, before_after_note,  # noqa: F401
+                            before_after_table, summary_table)
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
 #: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
