@@ -24,8 +24,9 @@ refused with exit status 2 before any model loads (fastpo.distributed.check_trai
 
 Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
 full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
-Under torchrun these are each process's statuses; torchrun itself exits 1 when a process
-failed or after a signal it received (once rank 0 has saved the checkpoint).
+Under `--nproc N` the job exits as one process would (rank 0's status, 130 / 143 after a
+signal once rank 0 has saved the checkpoint), without torchrun's exception report; torchrun
+run directly keeps its own statuses (1 when a process failed or after a signal).
 """
 from __future__ import annotations
 
@@ -341,8 +342,8 @@ def cmd_eval(args) -> int:
 
 def _check_processes(args, argv: list[str]) -> int | None:
     """`--nproc` and torchrun: None to go on in this process, else the exit status (2 for bad
-    input). --nproc N > 1 replaces this process by torchrun (`os.execv`: torchrun gets the
-    signals and gives the exit status)."""
+    input). --nproc N > 1 runs torchrun's launcher in this process (`_launch_processes`) and
+    gives the job's exit status."""
     from fastpo import distributed as fdist
     from fastpo.config import ConfigError
 
@@ -359,10 +360,51 @@ def _check_processes(args, argv: list[str]) -> int | None:
     except (fdist.DistributedError, ConfigError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command == "train" and (args.nproc or 1) > 1:  # become torchrun (it runs N of this command)
-        cmd = fdist.torchrun_command(args.nproc, fdist.strip_nproc(argv))
-        os.execv(cmd[0], cmd)
+    if args.command == "train" and (args.nproc or 1) > 1:  # torchrun runs N of this command
+        return _launch_processes(args.nproc, fdist.strip_nproc(argv))
     return None
+
+
+def _launch_processes(nproc: int, argv: list[str]) -> int:
+    """Run `fastpo <argv>` in `nproc` processes with torchrun's own launcher (the arguments of
+    `fastpo.distributed.torchrun_command`, run in this process) and return the job's exit status
+    as one process gives it: rank 0's status when a process failed (2 bad input, 1, 130 after
+    Ctrl-C, 143 after SIGTERM, 128 + N for a rank killed by signal N), 128 + the signal when this
+    launcher got one. A Ctrl-C or SIGTERM reaches the workers (from the terminal, or forwarded by
+    torchrun's agent, which waits for them to save and exit); the processes print their own
+    lines, and torchrun's exception report (the SignalException or ChildFailedError traceback) is
+    not printed over them."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from fastpo import distributed as fdist
+
+    cmd = fdist.torchrun_command(nproc, argv)
+    targs = parse_args(cmd[3:])  # after `python -m torch.distributed.run`
+    # the agent's own warnings ("Received 2 death signal, shutting down workers") repeat what
+    # rank 0 already said (its loggers set their own levels when imported)
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        run(targs)
+    except ChildFailedError as e:
+        ranks = sorted(e.failures)
+        code = e.failures[0 if 0 in e.failures else ranks[0]].exitcode
+        if 0 not in e.failures or code not in (2, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+            print(f"fastpo train: process{'es' if len(ranks) > 1 else ''} of rank {', '.join(map(str, ranks))} "
+                  f"ended with status {', '.join(str(f.exitcode) for _, f in sorted(e.failures.items()))}",
+                  file=sys.stderr)
+        return 128 - code if code < 0 else code
+    except SignalException as e:  # raised once the agent has forwarded the signal and the workers ended
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # a Ctrl-C before torchrun's agent took the signals over
+        return 128 + signal.SIGINT
+    return 0
 
 
 def _degrade_console() -> None:

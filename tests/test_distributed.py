@@ -15,6 +15,7 @@ import torch
 
 from fastpo import distributed as fd
 from fastpo.algorithms.filtering import filter_groups
+import fastpo.cli
 from fastpo.cli import main
 from fastpo.seeds import iteration_seeds
 from run_helpers import ModelLoadReached
@@ -171,7 +172,7 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
 def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, monkeypatch, no_model):
     """Said in one line, exit status 2, before torchrun starts anything."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    monkeypatch.setattr(fastpo.cli, "_launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
     assert main(["train", "--env", "bandit", "--device", "cpu", "--nproc", "2", *extra]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
