@@ -119,3 +119,11 @@ def test_a_frozenlake_run_and_its_eval_under_an_ascii_locale(tmp_path):
     assert "success_rate" in said
     assert "√" in next((tmp_path / "eval_samples").iterdir()).read_text(encoding="utf-8")
     assert json.loads((tmp_path / "eval.json").read_text(encoding="utf-8"))
+
+
+def test_the_cli_console_writes_escapes_where_the_locale_cannot_encode():
+    code = ("import sys; from fastpo.cli import _degrade_console; _degrade_console(); "
+            "from rich.console import Console; Console().print('P \\u221a _'); print('grid: \\u221a', file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], env=ASCII_LOCALE, capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode("utf-8", "replace")
+    assert b"P \\u221a _" in p.stdout and b"grid: \\u221a" in p.stderr
