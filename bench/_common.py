@@ -104,7 +104,7 @@ def _trim() -> None:
 
 
 def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
+    with open("/proc/self/status", encoding="utf-8") as f:
         for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
@@ -112,7 +112,7 @@ def _status_kib(key: str) -> int:
 
 
 def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+    with open("/proc/self/statm", encoding="utf-8") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -141,7 +141,7 @@ def peak_memory(fn: Callable[[], Any], device: str = "cpu", interval_s: float = 
     _trim()
     try:
         start_kib = _status_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
             f.write("5")
     except (OSError, KeyError):
         return _sampled_peak(fn, interval_s)

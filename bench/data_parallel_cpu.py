@@ -42,11 +42,11 @@ def run(nproc: int, threads: int, iterations: int, overrides: list[str], out: st
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, encoding="utf-8")
     wall = time.perf_counter() - t0
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
+    with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
         recs = [json.loads(line) for line in f][1:]  # iteration 1 warms up
     res = {"nproc": nproc, "threads_per_process": threads, "wall_s": wall}
     for k in PHASES:
@@ -80,7 +80,7 @@ def compare_sharding(a) -> None:
           f"{med['fsdp']['time/iteration_s']:.2f} (update {med['replicate']['time/update_s']:.2f} vs "
           f"{med['fsdp']['time/update_s']:.2f})")
     if a.json:
-        with open(a.json, "w") as f:
+        with open(a.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
 
 
@@ -119,7 +119,7 @@ def main() -> None:
     print(f"median s/iteration: 1 process x {a.nproc} threads {one_n:.2f}, 1 process x 1 thread {one_1:.2f}, "
           f"{a.nproc} processes x 1 thread {many:.2f}: ratios {one_n / many:.2f} and {one_1 / many:.2f}")
     if a.json:
-        with open(a.json, "w") as f:
+        with open(a.json, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)
 
 

@@ -165,7 +165,7 @@ def ptxas_for(target: int):
         raise Unavailable("this Triton offers no way to find its ptxas")
     if not path or not os.path.exists(path):
         raise Unavailable(f"no ptxas for sm_{target} here (Triton gave {path!r})")
-    out = subprocess.run([path, "--version"], capture_output=True, text=True)
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, encoding="utf-8")
     version = (out.stdout.strip().splitlines() or ["?"])[-1]
     return path, version
 
@@ -189,10 +189,10 @@ def ptxas_usage(ptx: str, target: int, ptxas: str) -> dict:
             f.write(ptx)
         cmd = [ptxas, "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={sm_arch(target)}", src,
                "-o", os.path.join(d, "k.cubin")]
-        r = subprocess.run(cmd, capture_output=True, text=True)
+        r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8")
         if r.returncode != 0:  # an older ptxas may not know --regAllocOptLevel
             cmd.remove("--regAllocOptLevel=2")
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8")
     log = r.stdout + r.stderr
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed ({r.returncode}): {' '.join(log.split())[:400]}")

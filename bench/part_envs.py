@@ -248,7 +248,7 @@ def bench_compile(ctx: BenchContext) -> list[Record]:
         runs = []
         for _ in range(2):
             r = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT, names], env=env, capture_output=True, text=True,
-                               timeout=600)
+                               timeout=600, encoding="utf-8")
             if r.returncode != 0:
                 raise RuntimeError(f"compile-time probe failed: {r.stderr[-2000:]}")
             runs.append(json.loads(r.stdout.strip().splitlines()[-1]))

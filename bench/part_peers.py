@@ -433,7 +433,7 @@ def _hwm_reset() -> int:
 
     _trim()
     try:
-        with open("/proc/self/clear_refs", "w") as f:
+        with open("/proc/self/clear_refs", "w", encoding="utf-8") as f:
             f.write("5")
         return _status_kib("VmRSS")
     except OSError:

@@ -88,7 +88,7 @@ def section(results_dir: str) -> str:
     with the parts it is the newest for; full runs first."""
     runs: dict[str, list[tuple[str, dict]]] = {}
     for path in glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True):
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             try:
                 result = json.load(f)
             except json.JSONDecodeError as e:
@@ -128,7 +128,7 @@ def rewrite_section(page: str, begin: str, end: str, body: str, check: bool = Fa
     untouched; with `check`, write nothing and return 1 when the page differs (else 0).
     Raises SystemExit naming the page when a marker is missing. (tools/config_reference.py
     regenerates docs/configuration.md's key table with it too.)"""
-    with open(page) as f:
+    with open(page, encoding="utf-8") as f:
         text = f.read()
     if begin not in text or end not in text:
         raise SystemExit(f"{page}: markers not found; add the lines\n{begin}\n{end}")
@@ -137,7 +137,7 @@ def rewrite_section(page: str, begin: str, end: str, body: str, check: bool = Fa
     new = head + begin + "\n" + body + "\n" + end + tail
     if check:
         return 0 if new == text else 1
-    with open(page, "w") as f:
+    with open(page, "w", encoding="utf-8") as f:
         f.write(new)
     return 0
 

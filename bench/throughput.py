@@ -32,7 +32,7 @@ def machine_header(ctx: BenchContext) -> dict:
     """CPU, GPU and library versions, and the model the run used."""
     cpu = platform.processor() or ""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith("model name"):
                     cpu = line.split(":", 1)[1].strip()

@@ -65,7 +65,8 @@ from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, _model_meta, ch
                                       find_checkpoint, local_path_shaped, model_origin)
 from fastpo.config_fields import ConfigError
 from fastpo.run_folder import (LOCK_FILE, RUN_MARKERS, RunFolderBusy, RunLock, atomic_write_text,  # noqa: F401
-                               clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use)
+                               clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use,
+                               untrained_start)
 
 
 def rng_state() -> dict:
@@ -297,9 +298,9 @@ class ResumePlan:
         ran_path, run_path = os.path.join(self.checkpoint, "config.yaml"), os.path.join(out_dir, "config.yaml")
         if not os.path.isfile(ran_path):
             return
-        with open(ran_path) as f:
+        with open(ran_path, encoding="utf-8") as f:
             ran = _flat(parse_config_yaml(f, ran_path))
-        with open(run_path) as f:
+        with open(run_path, encoding="utf-8") as f:
             run = _flat(parse_config_yaml(f, run_path))
         missing = [k for k in ran if k not in run]
         changed = [f"{k} = {run[k]!r} (checkpoint: {ran[k]!r})" for k in ran if k in run and run[k] != ran[k]
@@ -457,7 +458,7 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
         meta = _model_meta(out_dir, iteration, config_yaml)
         if meta is not None:
             step = f"model/{MODEL_META}"
-            with open(os.path.join(tmp, "model", MODEL_META), "w") as f:
+            with open(os.path.join(tmp, "model", MODEL_META), "w", encoding="utf-8") as f:
                 json.dump(meta, f, indent=1)
         if value_head is not None:
             from safetensors.torch import save_file
@@ -476,7 +477,7 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
         torch.save(plain_data({"iteration": iteration, "rng": rng if rng is not None else rng_state(), **state}),
                    os.path.join(tmp, "state.pt"))
         step = "config.yaml"
-        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+        with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
             f.write(config_yaml)
         step = MANIFEST
         write_manifest(tmp, iteration)
@@ -553,7 +554,7 @@ def tidy_run_folder(out_dir: str) -> list[str]:
     ptr = os.path.join(root, "latest")
     if newest is not None:
         try:
-            with open(ptr) as f:
+            with open(ptr, encoding="utf-8") as f:
                 named = f.read().strip()
         except OSError:
             named = None

@@ -82,7 +82,7 @@ def verify_checkpoint(folder: str, quick: bool = False, part: str = "") -> Optio
                 return f"{rel} is missing (and it has no {MANIFEST})"
         return None
     try:
-        with open(mpath) as f:
+        with open(mpath, encoding="utf-8") as f:
             files = json.load(f)["files"]
         if not isinstance(files, dict) or not files:
             raise ValueError("no files listed")

@@ -95,7 +95,7 @@ def _model_name(config_yaml: str) -> Optional[str]:
 def _config_model_name(config_path: str) -> Optional[str]:
     """`model.name` in a run's config.yaml file, or None when unreadable."""
     try:
-        with open(config_path) as f:
+        with open(config_path, encoding="utf-8") as f:
             return _model_name(f.read())
     except (OSError, UnicodeDecodeError):
         return None
@@ -142,7 +142,7 @@ def checkpoint_origin(model_dir: str, _depth: int = 0) -> Optional[dict]:
     meta_path = os.path.join(model_dir, MODEL_META)
     if os.path.isfile(meta_path):
         try:
-            with open(meta_path) as f:
+            with open(meta_path, encoding="utf-8") as f:
                 meta = json.load(f)
             if isinstance(meta, dict) and isinstance(meta.get("init_model"), str):
                 return {k: meta.get(k) for k in ("init_model", "random_init", "trained_from", "iteration", "run")}

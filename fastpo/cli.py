@@ -27,8 +27,9 @@ refused with exit status 2 before any model loads (fastpo.distributed.check_trai
 
 Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
 full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
-Under torchrun these are each process's statuses; torchrun itself exits 1 when a process
-failed or after a signal it received (once rank 0 has saved the checkpoint).
+Under `--nproc N` the job exits as one process would (rank 0's status, 130 / 143 after a
+signal once rank 0 has saved the checkpoint), without torchrun's exception report; torchrun
+run directly keeps its own statuses (1 when a process failed or after a signal).
 """
 from __future__ import annotations
 
@@ -76,7 +77,9 @@ def _build_config(args, extra: list[str], values: dict | None = None):
 
 
 def _check_out_dir(path: str, flag: str = "--out") -> None:
-    """Refuse an output folder that cannot be created or written, before any model loads."""
+    """Refuse an output folder that cannot be created or written, before any model loads
+    (ConfigError naming `flag` and the folder). On `--resume` the run folder itself and the
+    files a resume rewrites (metrics.jsonl, config.yaml) must be writable."""
     from fastpo.config import ConfigError
 
     p = os.path.abspath(path)
@@ -87,6 +90,16 @@ def _check_out_dir(path: str, flag: str = "--out") -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ConfigError(f"{flag} {path}: {parent} is not a folder")
+    if flag == "--resume":
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ConfigError(f"--resume {path}: the run folder is not writable (a resumed run writes its "
+                              f"checkpoints and metrics there); make it writable, or copy the run elsewhere "
+                              f"and resume the copy")
+        stuck = [n for n in ("metrics.jsonl", "config.yaml")
+                 if os.path.exists(os.path.join(p, n)) and not os.access(os.path.join(p, n), os.W_OK)]
+        if stuck:
+            raise ConfigError(f"--resume {path}: {', '.join(stuck)} {'is' if len(stuck) == 1 else 'are'} not "
+                              f"writable (a resumed run rewrites {'it' if len(stuck) == 1 else 'them'})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag} {path}: {parent} is not writable")
 
@@ -136,16 +149,24 @@ def resumed_run_config(args, fixed: list[str] = ()):
 
 def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     """The configuration of `--resume OUT` (`resumed_run_config`); None when there is nothing
-    left to train (said on `console`). Raises ConfigError for an option that cannot change
-    mid-run or the data-parallel trainer does not support, RunFolderBusy when another process
-    holds OUT."""
+    left to train (said on `console`). OUT without a checkpoint, where nothing was trained
+    (`untrained_start`: a run stopped or failed before its first checkpoint), starts again from
+    iteration 1 with OUT's config.yaml: `args.resume` becomes None and `args.out` OUT. Raises
+    ConfigError for an option that cannot change mid-run or the data-parallel trainer does not
+    support, RunFolderBusy when another process holds OUT."""
     from fastpo import distributed as fdist
-    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder
+    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder, untrained_start
     from fastpo.metrics import warn_user
 
     cfg = resumed_run_config(args)
     fdist.check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
+    if untrained_start(args.resume):  # stopped or failed before its first checkpoint
+        console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing was "
+                      f"trained): starting it again from iteration 1 with its config.yaml", markup=False,
+                      soft_wrap=True)
+        args.resume, args.out = None, args.resume  # a new run into the same folder (it is reused)
+        return cfg
     plan = plan_resume(args.resume, trust=args.trust_checkpoint)
     plan.check_run_config(args.resume)
     if plan.nothing_to_do(cfg.trainer.iterations):  # say so without loading the model
@@ -210,7 +231,7 @@ def cmd_train(args) -> int:
         from fastpo.models import check_kernel_impl, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
-        _check_out_dir(cfg.trainer.output_dir)
+        _check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
         ctx = fdist.SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
             # choice of run folder is everyone's
@@ -332,8 +353,8 @@ def cmd_eval(args) -> int:
 
 def _check_processes(args, argv: list[str]) -> int | None:
     """`--nproc` and torchrun: None to go on in this process, else the exit status (2 for bad
-    input). --nproc N > 1 replaces this process by torchrun (`os.execv`: torchrun gets the
-    signals and gives the exit status)."""
+    input). --nproc N > 1 runs torchrun's launcher in this process (`_launch_processes`) and
+    gives the job's exit status."""
     from fastpo import distributed as fdist
     from fastpo.config import ConfigError
 
@@ -350,13 +371,69 @@ def _check_processes(args, argv: list[str]) -> int | None:
     except (fdist.DistributedError, ConfigError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command == "train" and (args.nproc or 1) > 1:  # become torchrun (it runs N of this command)
-        cmd = fdist.torchrun_command(args.nproc, fdist.strip_nproc(argv))
-        os.execv(cmd[0], cmd)
+    if args.command == "train" and (args.nproc or 1) > 1:  # torchrun runs N of this command
+        return _launch_processes(args.nproc, fdist.strip_nproc(argv))
     return None
 
 
+def _launch_processes(nproc: int, argv: list[str]) -> int:
+    """Run `fastpo <argv>` in `nproc` processes with torchrun's own launcher (the arguments of
+    `fastpo.distributed.torchrun_command`, run in this process) and return the job's exit status
+    as one process gives it: rank 0's status when a process failed (2 bad input, 1, 130 after
+    Ctrl-C, 143 after SIGTERM, 128 + N for a rank killed by signal N), 128 + the signal when this
+    launcher got one. A Ctrl-C or SIGTERM reaches the workers (from the terminal, or forwarded by
+    torchrun's agent, which waits for them to save and exit); the processes print their own
+    lines, and torchrun's exception report (the SignalException or ChildFailedError traceback) is
+    not printed over them."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from fastpo import distributed as fdist
+
+    cmd = fdist.torchrun_command(nproc, argv)
+    targs = parse_args(cmd[3:])  # after `python -m torch.distributed.run`
+    # the agent's own warnings ("Received 2 death signal, shutting down workers") repeat what
+    # rank 0 already said (its loggers set their own levels when imported)
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        run(targs)
+    except ChildFailedError as e:
+        ranks = sorted(e.failures)
+        code = e.failures[0 if 0 in e.failures else ranks[0]].exitcode
+        if 0 not in e.failures or code not in (2, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+            print(f"fastpo train: process{'es' if len(ranks) > 1 else ''} of rank {', '.join(map(str, ranks))} "
+                  f"ended with status {', '.join(str(f.exitcode) for _, f in sorted(e.failures.items()))}",
+                  file=sys.stderr)
+        return 128 - code if code < 0 else code
+    except SignalException as e:  # raised once the agent has forwarded the signal and the workers ended
+        return 128 + int(e.sigval)
+    except KeyboardInterrupt:  # a Ctrl-C before torchrun's agent took the signals over
+        return 128 + signal.SIGINT
+    return 0
+
+
+def _degrade_console() -> None:
+    """Make stdout and stderr write what their encoding cannot hold as backslash escapes
+    (`\\u221a` for a grid's `√`) instead of raising UnicodeEncodeError: a locale that is not
+    UTF-8 (`LC_ALL=C` with PYTHONUTF8=0, a Windows code page) must not end a run at its first
+    printed observation. Streams that cannot be reconfigured (a test's capture) are left as they are."""
+    for stream in (sys.stdout, sys.stderr):
+        enc = (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "")
+        if enc != "utf8" and hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):
+                pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _degrade_console()
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train with StarPO / StarPO-S")

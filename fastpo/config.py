@@ -79,7 +79,9 @@ class ModelConfig:
             weights (0 = full fine-tuning).
         lora_alpha: LoRA's scaling numerator (the adapters are scaled by alpha / rank).
         lora_dropout: dropout on the LoRA adapters' input.
-        lora_target_modules: the module names that get LoRA adapters.
+        lora_target_modules: the module names that get LoRA adapters (peft's rule: a layer whose
+            name is one of them or ends with "." + one); a name that matches no linear or
+            embedding layer of the model is refused in one line once it loads (exit 2).
     """
 
     name: str = checked("smollm2-135m-instruct", bool, "must not be empty")

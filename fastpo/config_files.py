@@ -37,7 +37,7 @@ def read_config_file(file: str) -> dict:
     YAML, a top level that is not a mapping or an `env` that is neither a mapping nor a name.
     """
     try:
-        with open(file) as f:
+        with open(file, encoding="utf-8") as f:
             d = dict(parse_config_yaml(f, f"config file {file}"))
     except FileNotFoundError:
         raise
@@ -60,7 +60,7 @@ def read_run_config(path: str) -> TrainConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = parse_config_yaml(f, path)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None

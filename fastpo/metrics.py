@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 # names stay importable from here.
 from fastpo.plots import PLOT_KEYS, plot_collapse, plot_curves, plot_eval, plot_title  # noqa: F401
 from fastpo.stats import finite_number, standard_error  # noqa: F401
-from fastpo.summary import (BEFORE_AFTER_KEYS, SUMMARY_KEYS, before_after, before_after_table,  # noqa: F401
-                            summary_table)
+from fastpo.summary import (BEFORE_AFTER_KEYS, SUMMARY_KEYS, before_after, before_after_note,  # noqa: F401
+                            before_after_table, summary_table)
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
 #: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
@@ -71,7 +71,7 @@ class MetricsLogger:
         self.records: list[dict] = []
         if resume_from is not None and os.path.exists(self.path):
             torn = []
-            with open(self.path, errors="replace") as f:
+            with open(self.path, errors="replace", encoding="utf-8") as f:
                 for n, line in enumerate(f, 1):
                     line = line.strip()
                     if not line:
@@ -142,7 +142,7 @@ class MetricsLogger:
             if k in self.ema:
                 rec[f"ema/{k}"] = self.ema[k]
         self.records.append(rec)
-        with open(self.path, "a") as f:
+        with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(rec) + "\n")  # one write: a crash leaves at most a torn last line
         if self._tb is not None:
             for k, v in rec.items():
@@ -302,7 +302,7 @@ def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: st
     """
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"iter_{iteration:06d}.txt")
-    with open(path, "w") as f:
+    with open(path, "w", encoding="utf-8") as f:
         if model_label:
             f.write(f"model: {model_label}\n")
         if header:

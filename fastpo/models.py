@@ -503,6 +503,25 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def check_lora_targets(model: torch.nn.Module, targets: list, model_name: str) -> None:
+    """Refuse LoRA target module names that match no layer of `model` (peft's rule for a list:
+    a module whose dotted name is the target or ends with "." + target), before peft wraps it.
+    Raises ConfigError (one line) naming the unmatched targets, a close match, and the names of
+    the model's linear and embedding layers that peft can adapt."""
+    import difflib
+
+    adaptable = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d)
+    names = [n for n, m in model.named_modules() if n and isinstance(m, adaptable)]
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    guesses = sorted({g for t in missing for g in difflib.get_close_matches(t, leaves, n=1)})
+    raise ConfigError(f"config key 'model.lora_target_modules' = {list(targets)}: no layer of {model_name} is named "
+                      f"{', '.join(missing)}" + (f" (did you mean {' or '.join(guesses)}?)" if guesses else "")
+                      + f"; its linear and embedding layers: {', '.join(leaves)}")
+
+
 class ModelLoadError(ConfigError):
     """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
 

@@ -2,7 +2,9 @@
 
 `atomic_write_text` replaces a file so that a crash at any moment leaves the old contents
 or the new ones (every file of a run folder that is rewritten goes through it). A folder
-holds a run when it has one of `RUN_MARKERS`; `fresh_run_folder` picks a free one;
+holds a run when it has one of `RUN_MARKERS`, unless that run stopped or failed before its first
+checkpoint (`untrained_start`: nothing trained, nothing but fastpo's files; the next run reuses
+such a folder); `fresh_run_folder` picks a free one;
 `RunLock` holds a run folder for one process (an OS lock, released when the process dies).
 What interrupted writes leave behind is cleared by `fastpo.checkpoint.tidy_run_folder`.
 """
@@ -36,7 +38,7 @@ def atomic_write_text(path: str, text: str) -> None:
     the error is raised)."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -54,16 +56,67 @@ RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 LOCK_FILE = ".lock"
 
 
+#: What a run writes into its folder before its first checkpoint (besides the markers): a folder
+#: holding anything else is never taken for an untrained start.
+_START_FILES = ("plots", "samples", "eval", "tensorboard", "wandb", "sft.yaml", LOCK_FILE)
+#: What an interrupted write leaves (cleared by fastpo.checkpoint.tidy_run_folder).
+_TEMPORARIES = ("metrics.jsonl.tmp", "config.yaml.tmp", "sft.yaml.tmp")
+
+
+def _trained_iterations(metrics_path: str) -> bool:
+    """Whether metrics.jsonl records an iteration >= 1 (or cannot be read: assume so)."""
+    import json
+
+    try:
+        with open(metrics_path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip() and json.loads(line).get("iteration", 1) != 0:
+                    return True
+    except (OSError, ValueError, AttributeError):
+        return True
+    return False
+
+
+def untrained_start(out_dir: str) -> bool:
+    """True when `out_dir` holds only what a run stopped or failed before its first checkpoint
+    leaves: config.yaml, a metrics.jsonl with no record past iteration 0 (the evaluation before
+    training), that evaluation's eval/, samples/, plots/, tensorboard or wandb files, the lock,
+    and no checkpoint (checkpoints/ absent, or holding only interrupted temporaries). Nothing
+    was trained there, so the next run may reuse it; a folder holding a checkpoint, a trained
+    iteration or any file that is not fastpo's is not one (False)."""
+    found = run_markers(out_dir)
+    if not found:
+        return False
+    for name in os.listdir(out_dir):
+        if name in RUN_MARKERS + _START_FILES or name.startswith(_TEMPORARIES):
+            continue
+        return False
+    ckpts = os.path.join(out_dir, "checkpoints")
+    if os.path.lexists(ckpts):
+        if not os.path.isdir(ckpts) or os.path.islink(ckpts):
+            return False
+        if any(not n.startswith((".tmp-iter_", ".trash-", "latest.tmp")) for n in os.listdir(ckpts)):
+            return False
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    return not (os.path.lexists(metrics) and _trained_iterations(metrics))
+
+
+def run_markers(out_dir: str) -> list[str]:
+    """The run markers (config.yaml, metrics.jsonl, checkpoints/) present in `out_dir`."""
+    return [m for m in RUN_MARKERS if os.path.lexists(os.path.join(out_dir, m))]
+
+
 def run_folder_in_use(out_dir: str) -> list[str]:
-    """The run markers (config.yaml, metrics.jsonl, checkpoints/) present in `out_dir` (empty: free)."""
-    return [m for m in RUN_MARKERS if os.path.exists(os.path.join(out_dir, m))]
+    """The run markers present in `out_dir` when it holds a run to keep; empty when it is free
+    (no marker, or an `untrained_start` the next run reuses)."""
+    return [] if untrained_start(out_dir) else run_markers(out_dir)
 
 
 def clear_run_folder(out_dir: str) -> None:
     """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, eval/ outcomes,
     tensorboard files, the configs kept from earlier resumes)."""
     kept = [f for f in os.listdir(out_dir) if f.startswith("config.until_iter_")] if os.path.isdir(out_dir) else []
-    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", *kept):
+    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", "wandb", *kept):
         p = os.path.join(out_dir, m)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
@@ -155,7 +208,7 @@ class RunLock:
 
     def _busy(self) -> str:
         try:
-            with open(self.path) as f:
+            with open(self.path, encoding="utf-8") as f:
                 pid = f.read().strip()
         except OSError:
             pid = ""

@@ -428,7 +428,7 @@ def cmd_sft(args) -> int:
     """`fastpo sft`: exit status 0 done, 2 bad input (one line), 1 a checkpoint not saved or a
     full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
     from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
-                                   run_folder_in_use)
+                                   run_folder_in_use, untrained_start)
     from fastpo.cli import _build_config, _check_out_dir, resumed_run_config
     from fastpo.trainer import Stopped
 
@@ -440,9 +440,20 @@ def cmd_sft(args) -> int:
     try:
         if args.resume is not None:
             cfg = resumed_run_config(args, fixed=sft_ov)
-            sft = read_sft_config(args.resume)
             RunLock(args.resume).check()
-            plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
+            untrained = untrained_start(args.resume)
+            if untrained and not os.path.isfile(os.path.join(args.resume, SFT_FILE)):
+                raise ConfigError(f"--resume {args.resume}: the run stopped before its first checkpoint and before "
+                                  f"writing {SFT_FILE} (nothing was trained); run the same `fastpo sft` command "
+                                  f"again: it reuses the folder")
+            sft = read_sft_config(args.resume)
+            if untrained:  # stopped before its first checkpoint: start it again
+                console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing "
+                              f"was trained): starting it again from step 1 with its config.yaml", markup=False,
+                              soft_wrap=True)
+                args.resume, args.out = None, args.resume
+            else:
+                plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
         else:
             extra = list(SFT_DEFAULT_OVERRIDES)
             if args.iterations is not None:
@@ -460,7 +471,7 @@ def cmd_sft(args) -> int:
         from fastpo.models import check_kernel_impl, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
-        _check_out_dir(cfg.trainer.output_dir)
+        _check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
     except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
         print(f"fastpo sft: error: {e}", file=sys.stderr)
         return 2

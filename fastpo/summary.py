@@ -59,7 +59,7 @@ def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
     if not run_dir:
         return None
     try:
-        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json")) as f:
+        with open(os.path.join(run_dir, "eval", f"iter_{int(iteration):06d}.json"), encoding="utf-8") as f:
             d = json.load(f)
         return d if isinstance(d, dict) else None
     except (OSError, ValueError):
@@ -67,8 +67,8 @@ def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
 
 
 def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional[dict]:
-    """The first and the last evaluation of a run, compared: None with fewer than two
-    evaluations, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
+    """The evaluation before training (iteration 0) and the last one, compared: None without
+    an evaluation at iteration 0 or a later one, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
     "before", "after", "before_se", "after_se", "change", "z", "z_paired"}]}.
 
     z = change / sqrt(before_se^2 + after_se^2): the change in standard errors of the
@@ -78,7 +78,7 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
     easy or hard (a map without a short safe path fails before and after). Either is None
     where it cannot be computed (no standard error, both 0, or no outcomes)."""
     evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
-    if len(evals) < 2:
+    if len(evals) < 2 or evals[0]["iteration"] != 0:  # no "before": see before_after_note
         return None
     a, b = evals[0], evals[-1]
     oa, ob = _eval_outcomes(run_dir, a["iteration"]), _eval_outcomes(run_dir, b["iteration"])
@@ -102,6 +102,21 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
             row["z_paired"] = float(d.mean() / se) if se > 0 else None
         rows.append(row)
     return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
+
+
+def before_after_note(records: list[dict]) -> Optional[str]:
+    """One line for a run that evaluated but not before training (no iteration-0 record:
+    trainer.eval_before_training off, or that evaluation stopped by a signal), where
+    `before_after` compares nothing: the last evaluation's success rate, and why there is no
+    before/after table. None when there is an evaluation at iteration 0, or none at all."""
+    evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
+    if not evals or evals[0]["iteration"] == 0:
+        return None
+    last = evals[-1]
+    se = last.get("eval/success_rate_se")
+    return (f"no evaluation before training (trainer.eval_before_training is off, or it was stopped), so no "
+            f"before/after table; eval success at iteration {last['iteration']}: {last['eval/success_rate']:.3f}"
+            + (f" +- {se:.3f}" if finite_number(se) else ""))
 
 
 def before_after_table(records: list[dict], title: Optional[str] = None,

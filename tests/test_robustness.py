@@ -194,6 +194,8 @@ def test_resume_bad_input(tmp_path, no_model, capsys):
     out2 = _resumable(tmp_path / "b")
     import shutil
     shutil.rmtree(os.path.join(out2, "checkpoints"))
+    with open(os.path.join(out2, "metrics.jsonl"), "w", encoding="utf-8") as f:
+        f.write('{"iteration": 2}\n')  # trained, and its checkpoints lost (without it: a reusable start)
     assert main(["train", "--resume", out2]) == 2
     assert "no checkpoint found" in capsys.readouterr().err
 

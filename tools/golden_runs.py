@@ -109,7 +109,7 @@ def _env() -> dict:
 def check_tree() -> str:
     """The folder this interpreter imports fastpo from; exits 2 when it is not under the cwd."""
     p = subprocess.run([sys.executable, "-c", "import fastpo, fastpo.kernels; print(fastpo.__file__)"],
-                       capture_output=True, text=True, env=_env())
+                       capture_output=True, text=True, env=_env(), encoding="utf-8")
     where = os.path.realpath(p.stdout.strip()) if p.returncode == 0 else ""
     here = os.path.realpath(os.getcwd())
     if not where.startswith(here + os.sep):
@@ -123,7 +123,7 @@ def run_one(name: str, out: str) -> float:
     args, _ = RUNS[name]
     cmd = [sys.executable, "-m", "fastpo", *command(args, out)]
     t0 = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    p = subprocess.run(cmd, capture_output=True, text=True, env=_env(), encoding="utf-8")
     if p.returncode != 0:
         print(f"golden_runs: {name} failed (exit {p.returncode}): {' '.join(cmd)}\n{(p.stdout + p.stderr)[-4000:]}",
               file=sys.stderr)
@@ -172,7 +172,7 @@ def digest(run: str) -> dict:
     samples = {os.path.basename(p): _text(p, run) for p in sorted(glob.glob(os.path.join(run, "samples", "*")))}
     checkpoints = {}
     for m in sorted(glob.glob(os.path.join(run, "checkpoints", "*", "manifest.json"))):
-        with open(m) as f:
+        with open(m, encoding="utf-8") as f:
             files = json.load(f)["files"]
         name, folder = os.path.basename(os.path.dirname(m)), os.path.dirname(m)
         # text files name the run folder (config.yaml's output_dir, fastpo_model.json's run):
@@ -246,7 +246,7 @@ def diff_dirs(one: str, other: Optional[str], names: list[str], strict: bool, ap
             print(f"{name}: not in both folders")
             failed.append(name)
             continue
-        want, got = (json.load(open(p)) for p in paths)
+        want, got = (json.load(open(p, encoding="utf-8")) for p in paths)
         diffs = differences(want, got, strict=strict)
         print(f"{name}: {'identical' if not diffs else 'DIFFERS'}")
         for d in diffs:
@@ -297,12 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             got = digest(run)
             path = os.path.join(a.dir, f"{name}.json")
             if a.command == "record":
-                with open(path, "w") as f:
+                with open(path, "w", encoding="utf-8") as f:
                     json.dump(got, f, indent=1, sort_keys=True)
                 print(f"{name}: recorded ({len(got['metrics'])} records, {len(got['eval'])} evals, "
                       f"{len(got['checkpoints'])} checkpoints; {secs:.0f} s)", flush=True)
             else:
-                with open(path) as f:
+                with open(path, encoding="utf-8") as f:
                     diffs = differences(json.load(f), got, strict=a.strict)
                 print(f"{name}: {'identical' if not diffs else 'DIFFERS'} ({secs:.0f} s)", flush=True)
                 for d in diffs:

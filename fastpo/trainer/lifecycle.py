@@ -182,6 +182,18 @@ class Lifecycle:
         self._eval_pending = False
         return True
 
+    def _untrained_hint(self) -> str:
+        """What to do with the run folder when nothing was trained there yet ("" when a
+        checkpoint or a trained iteration is there): the same command reuses it, and so does a
+        resume (from iteration 1 with its config.yaml)."""
+        from fastpo.checkpoint import untrained_start
+
+        if not self.dist.is_main or not untrained_start(self.out):
+            return ""
+        return (f"nothing was trained yet and {self.out} holds no checkpoint: run the same command again (it "
+                f"reuses the folder), or `{self.resume_command} {self.out}` to start again from iteration 1 "
+                f"with its config.yaml")
+
     def _release_lock(self, remove: bool = False) -> None:
         if self._lock is not None:
             self._lock.release(remove=remove)

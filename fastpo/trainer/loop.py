@@ -11,11 +11,11 @@ from typing import Any, Optional
 import torch
 
 from fastpo import distributed as fdist
-from fastpo.checkpoint import CheckpointSaveError, RunLock, nothing_to_train_note, rng_state
+from fastpo.checkpoint import LOCK_FILE, CheckpointSaveError, RunLock, nothing_to_train_note, rng_state
 from fastpo.config import TrainConfig, cpu_preset_note
 from fastpo.memory import bound_heap
 from fastpo.models import resolve_device
-from fastpo.metrics import before_after_table, plot_curves, summary_table
+from fastpo.metrics import before_after_note, before_after_table, plot_curves, summary_table
 from fastpo.trainer.iteration import Iteration
 from fastpo.trainer.lifecycle import Lifecycle, StopState, Stopped, _Drop
 from fastpo.trainer.scoring import Scoring
@@ -91,10 +91,16 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
                         break
         except KeyboardInterrupt:
             # A second signal: the current iteration is incomplete; keep the last saved checkpoint.
-            self.console.print(f"[yellow]aborted[/]; the last checkpoint is iteration {run.last_saved}")
+            hint = self._untrained_hint()
+            self.console.print("[yellow]aborted[/]; " + (hint or f"the last checkpoint is iteration {run.last_saved}"),
+                               soft_wrap=True)
             raise
         except Exception as e:
             self._emergency_save(run, e)
+            hint = self._untrained_hint()
+            if hint:
+                self.console.print(f"[red]error before the first checkpoint[/] ({type(e).__name__}): {hint}",
+                                   soft_wrap=True)
             raise
         finally:
             self.stop_state.droppable = False
@@ -139,8 +145,9 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             if run.updated > run.last_saved:
                 self._save(run.updated)
                 run.last_saved = run.updated
-            self.console.print(f"stopped before iteration {it}" +
-                               ("" if run.updated > self.start_iteration - 1 else "; nothing new to save"))
+            hint = self._untrained_hint()
+            self.console.print(f"stopped before iteration {it}" + (f"; {hint}" if hint else
+                               "" if run.updated > self.start_iteration - 1 else "; nothing new to save"), soft_wrap=True)
             return False
         t_it = time.perf_counter()
         run.rng_at_start = rng_state()  # what a resume restores if this iteration is dropped
@@ -151,8 +158,10 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             if run.updated > run.last_saved:
                 self._save(run.updated, rng=run.rng_at_start)
                 run.last_saved = run.updated
-            self.console.print(f"stopped in iteration {it} before its update: dropped (a resume redoes "
-                               f"it); resume with `{self.resume_command} {self.out}`")
+            hint = self._untrained_hint()
+            self.console.print(f"stopped in iteration {it} before its update: " + (hint or
+                               f"dropped (a resume redoes it); resume with `{self.resume_command} {self.out}`"),
+                               soft_wrap=True)
             return False
         run.updated = it  # the weights now hold this iteration's update
         if self.stop_after is not None and it >= self.stop_after:
@@ -226,12 +235,19 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
     def _report(self) -> None:
         """The end of a run (rank 0): final plots, the summary and before/after tables, the outputs."""
         records = self.logger.records
+        if not any(r.get("iteration", 0) >= 1 for r in records):  # stopped before any iteration
+            held = sorted(n for n in os.listdir(self.out) if n != LOCK_FILE) if os.path.isdir(self.out) else []
+            self.console.print(f"no iteration was trained; {self.out}/ holds {', '.join(held) or 'nothing'}",
+                               markup=False, soft_wrap=True)
+            return
         if self.cfg.trainer.plots and records:
             plot_curves(records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(records, title=f"fastpo: {self.cfg.env.name}, {self.info.label}"))
         ba = before_after_table(records, run_dir=self.out)
         if ba is not None:
             self.console.print(ba)
+        elif before_after_note(records):
+            self.console.print(before_after_note(records), markup=False, soft_wrap=True)
         held = [name for name in ("metrics.jsonl", "plots/", "eval/", "samples/", "checkpoints/")
                 if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
         self.console.print(f"outputs in {self.out}/: {', '.join(held)}")

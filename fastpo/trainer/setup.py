@@ -16,11 +16,11 @@ import torch
 from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
 from fastpo.checkpoint import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, load_checkpoint, load_state,
-                               plan_resume, run_folder_in_use, tidy_run_folder)
+                               plan_resume, run_folder_in_use, tidy_run_folder, untrained_start)
 from fastpo.config import ConfigError, dump_yaml, run_settings
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
 from fastpo.kernels.hf import decoder_body, lm_head_weight
-from fastpo.models import ModelLoadError, load_model_checked
+from fastpo.models import ModelLoadError, check_lora_targets, load_model_checked
 from fastpo.metrics import EchoTrapDetector, MetricsLogger, warn_user, write_samples
 from fastpo.packing import packing_attention, use_segment_attention
 from fastpo.registry import estimator
@@ -29,7 +29,7 @@ from fastpo.trainer.update import policy_loss_settings
 
 
 def _read(path: str) -> str:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         return f.read()
 
 
@@ -201,6 +201,7 @@ class Setup:
         if cfg.model.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
 
+            check_lora_targets(model, cfg.model.lora_target_modules, cfg.model.name)  # peft's error is a traceback
             model = get_peft_model(model, LoraConfig(r=cfg.model.lora_rank, lora_alpha=cfg.model.lora_alpha,
                                                      lora_dropout=cfg.model.lora_dropout,
                                                      target_modules=list(cfg.model.lora_target_modules),
@@ -306,6 +307,10 @@ class Setup:
                 raise FileExistsError(f"{self.out} already holds a run ({', '.join(used)}); resume it, "
                                       f"choose another output folder or pass overwrite=True (--overwrite)")
             if used:
+                clear_run_folder(self.out)
+            elif untrained_start(self.out):  # stopped or failed before its first checkpoint: nothing to keep
+                self.console.print(f"{self.out}: reusing the folder of a run that stopped before its first "
+                                   "checkpoint (nothing was trained there)", markup=False, soft_wrap=True)
                 clear_run_folder(self.out)
         tidied = tidy_run_folder(self.out)
         if tidied:
