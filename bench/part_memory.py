@@ -41,7 +41,7 @@ TARGET = 1.5  # peak RSS at most 1.5 x (parameters + gradients + optimizer state
 
 
 def _reset_hwm() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
         f.write("5")  # VmHWM := VmRSS
 
 
