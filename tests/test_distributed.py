@@ -36,6 +36,36 @@ def _torchrun(args, tmp_path, timeout=120, nproc=2, env=None):
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_nodes(args, timeout=180, env=None):
+    """(exit statuses, output) of docs/distributed.md's several-node command run as two
+    "nodes" on this machine: two torchrun agents, `--nnodes 2 --nproc_per_node 1`, meeting at
+    a c10d rendezvous on 127.0.0.1 (a free port); gloo on the CPU. With c10d the rendezvous,
+    not the order of start, decides which node holds rank 0."""
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        e.pop(k, None)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
+                               "fastpo-test", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], "\n".join(outs)
+
+
 # --- one process: the helpers are today's computation ------------------------------------
 
 def test_split_groups_keeps_groups_whole_and_balanced():
@@ -527,6 +557,42 @@ def test_sharded_evaluation_equals_one_process(dp_runs):
         assert json.loads((dp_runs["rep"] / "eval" / f"iter_{it:06d}.json").read_text()) == json.loads(
             (dp_runs["one"] / "eval" / f"iter_{it:06d}.json").read_text())
         assert rep[it]["dist/rank1/eval_seeds"] == 1
+
+
+def _digests(run) -> dict:
+    """{checkpoint file: SHA-256} of every weight file (safetensors) in the run's checkpoints."""
+    import glob
+    import hashlib
+
+    return {os.path.relpath(p, run): hashlib.sha256(open(p, "rb").read()).hexdigest()
+            for p in sorted(glob.glob(os.path.join(str(run), "checkpoints", "iter_*", "**", "*.safetensors"),
+                                      recursive=True))}
+
+
+def test_two_nodes_train_checkpoint_and_resume_as_one_node(dp_runs, tmp_path):
+    """docs/distributed.md's several-node torchrun command, as two nodes of one process each
+    on this machine (c10d rendezvous on 127.0.0.1): iteration 1 on the two nodes, iteration 2
+    resumed by one process, iteration 3 resumed on the two nodes again (each node reads the
+    checkpoint from the shared folder): the dp_runs two-process run on one node does the
+    same, and every record (metrics, sharded evaluations included) and every checkpoint's
+    weights are the same bit for bit."""
+    run = tmp_path / "nodes"
+    codes, out = _two_nodes(["tests/dist_train.py", "train", *TRAIN, *EVAL, "--iterations", "1", "--out", str(run)])
+    assert codes == [0, 0], out
+    rc, out = _python(["tests/dist_train.py", "train", "--resume", str(run), "--iterations", "2"])
+    assert rc == 0, out
+    codes, out = _two_nodes(["tests/dist_train.py", "train", "--resume", str(run), "--iterations", "3"])
+    assert codes == [0, 0], out
+    got, want = _records(run, before=True), _records(dp_runs["two"], before=True)
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3]
+    for a, b in zip(want, got):
+        keys = [k for k in a if not k.startswith(NOT_COMPARED) and not k.endswith(("_s", "seconds", "tokens_per_s"))]
+        assert set(keys) <= set(b) and len(keys) > 40
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}, a["iteration"]
+    assert got[3]["dist/rank1/eval_seeds"] == 1 and got[1]["dist/rank1/trajectories"] >= 0
+    digests = _digests(run)
+    assert len(digests) == 3 and digests == _digests(dp_runs["two"])
+    assert sorted(os.listdir(run)) == sorted(os.listdir(dp_runs["two"]))
 
 
 def test_fastpo_eval_in_two_processes_equals_one(dp_runs, tmp_path):
