@@ -3,7 +3,7 @@
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
                  [--out DIR [--overwrite]] [--resume DIR [--iterations N] [--trust-checkpoint]] [--nproc N]
                  [section.key=value ...]
-    fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T]
+    fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T] [--nproc N]
 
 The configuration (defaults, presets, file, dotted overrides) is validated before any model
 loads; a bad key or value exits with status 2 and a message naming it. Other bad input (an
@@ -20,7 +20,8 @@ unless --trust-checkpoint (fastpo.checkpoint, "Trust").
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
 parallel (fastpo.distributed; docs/distributed.md); --nproc 1 (the default) is the
-one-process path. Under torchrun (even with one process, a smoke test of that path) each
+one-process path. `fastpo eval --nproc N` (or under torchrun) shares the eval seeds out over
+the processes; rank 0 prints and writes the results. Under torchrun (even with one process, a smoke test of that path) each
 process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
 refused with exit status 2 before any model loads (fastpo.distributed.check_trainer_support).
@@ -295,9 +296,12 @@ def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from fastpo import distributed as fdist
     from fastpo.config import ConfigError
 
-    console = Console()
+    where = fdist.torchrun_env()  # under torchrun each process evaluates its share of the seeds
+    main_rank = where is None or where[0] == 0
+    console = Console(quiet=not main_rank)  # rank 0 speaks for the job
     ov = []
     if args.seeds is not None:
         ov.append(f"trainer.eval_seeds={args.seeds}")
@@ -331,10 +335,17 @@ def cmd_eval(args) -> int:
             console.print(run.describe(), markup=False)
             if run.mismatch_note():
                 console.print(run.mismatch_note(), style="yellow", markup=False)
-        res = run_eval(cfg, console=console, samples_dir=args.samples)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"fastpo eval: error: {e}", file=sys.stderr)
+        ctx = fdist.init_from_env(cfg.trainer.device) if where is not None else fdist.SINGLE
+        try:
+            res = run_eval(cfg, console=console, samples_dir=args.samples, dist=ctx)
+        finally:
+            fdist.shutdown(ctx)
+    except (ConfigError, FileNotFoundError, fdist.DistributedError) as e:
+        if main_rank:
+            print(f"fastpo eval: error: {e}", file=sys.stderr)
         return 2
+    if not main_rank:
+        return 0
     console.print(f"model: {res['model']}", markup=False)
     table = Table(title=f"fastpo eval: {cfg.env.name}")
     table.add_column("metric")
@@ -358,21 +369,19 @@ def _check_processes(args, argv: list[str]) -> int | None:
     from fastpo import distributed as fdist
     from fastpo.config import ConfigError
 
+    nproc = getattr(args, "nproc", None)
     try:
-        if args.command == "train" and args.nproc is not None:
-            fdist.check_nproc(args.nproc, args.device)
-        where = fdist.torchrun_env()
-        world = where[1] if where is not None else (getattr(args, "nproc", None) or 1)
-        if args.command == "eval" and world > 1:
-            raise fdist.DistributedError(f"fastpo eval runs in one process, not {world}")
-        if args.command == "train" and (args.nproc or 1) > 1 and args.resume is None:
+        if nproc is not None:
+            fdist.check_nproc(nproc, args.device)
+        fdist.torchrun_env()  # bad torchrun variables: one line
+        if args.command == "train" and (nproc or 1) > 1 and args.resume is None:
             # what the N processes would each refuse, said once before torchrun starts them
             fdist.check_trainer_support(_build_config(args, []), args.nproc)
     except (fdist.DistributedError, ConfigError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
-    if args.command == "train" and (args.nproc or 1) > 1:  # torchrun runs N of this command
-        return _launch_processes(args.nproc, fdist.strip_nproc(argv))
+    if (nproc or 1) > 1:  # torchrun runs N of this command
+        return _launch_processes(nproc, fdist.strip_nproc(argv))
     return None
 
 
@@ -462,6 +471,9 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--samples", default=None, help="folder to write sample trajectories to")
     ev.add_argument("--json", default=None, metavar="PATH",
                     help="write the metrics, the model's label and the settings used to PATH as JSON")
+    ev.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="processes sharing out the seeds, one per GPU (CPU processes with gloo under --device cpu), "
+                         "run by torchrun; 1 (default): one process")
     argv = list(sys.argv[1:] if argv is None else argv)
     args, extra = ap.parse_known_args(argv)
     # Hydra-style overrides may stand anywhere (`--env bandit a.b=1 --out X c.d=2`): the

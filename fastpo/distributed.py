@@ -2,8 +2,10 @@
 
 Process-group setup from torchrun's environment (gloo on the CPU, NCCL on CUDA) with a
 timeout on every collective, so that a rank that fails or hangs ends the whole job instead
-of leaving the others waiting; rank-0-only side effects (metrics, evaluation, checkpoints)
-with the result, or the error, shared (`on_main`); the split of env groups across ranks
+of leaving the others waiting; rank-0-only side effects (metrics, checkpoints) with the
+result, or the error, shared (`on_main`); work shared out with the results gathered to rank 0
+and any rank's error raised on all (`gather_results`, e.g. the evaluation's seeds split by
+`split_evenly`); the split of env groups across ranks
 (whole groups, seeds independent of the world size); the StarPO-S filter on the global batch
 from all-gathered per-group reward stds; global token/sequence counts for the loss
 normalisation and global batch statistics (`masked_mean`, `masked_whiten`); the gradient
@@ -111,7 +113,7 @@ def timeout_seconds(env: Optional[dict] = None) -> float:
 
 
 def check_nproc(nproc: int, device: Optional[str] = None) -> None:
-    """Validate `fastpo train --nproc N`: N >= 1, and on CUDA at most one process per visible
+    """Validate `fastpo train|eval --nproc N`: N >= 1, and on CUDA at most one process per visible
     GPU. device: the --device flag (None or "auto": CUDA when available). Raises DistributedError."""
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise DistributedError(f"--nproc {nproc!r}: needs a whole number of processes >= 1")
@@ -238,14 +240,12 @@ def shutdown(ctx: DistContext) -> None:
 
 
 def on_main(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Any:
-    """Run `fn` on rank 0 only (writing metrics.jsonl, a checkpoint, an evaluation) and return
+    """Run `fn` on rank 0 only (writing metrics.jsonl, a checkpoint, the evaluation files) and return
     its result on every rank (pickled and broadcast). An exception in `fn` is raised on every
     rank (the same type and message; one that cannot be pickled as a RuntimeError with its
     text), so that all ranks stop together instead of waiting for a result."""
     if not ctx.initialized:
         return fn(*args, **kwargs)
-    import pickle
-
     import torch.distributed as dist
 
     box: list = [None]
@@ -253,16 +253,43 @@ def on_main(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Any:
         try:
             box[0] = ("ok", fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - re-raised below, on every rank
-            try:
-                pickle.dumps(e)
-                box[0] = ("error", e)
-            except Exception:
-                box[0] = ("error", RuntimeError(f"{type(e).__name__}: {e}"))
+            box[0] = ("error", _portable(e))
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "error":
         raise value
     return value
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` if it pickles, else a RuntimeError with its type and text (to send it to other ranks)."""
+    import pickle
+
+    try:
+        pickle.dumps(e)
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+def gather_results(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Optional[list]:
+    """Run `fn` on every rank (each on its own share of some work, e.g. its evaluation seeds)
+    and return [every rank's result] in rank order on rank 0, None on the others (pickled).
+    An exception in `fn` on any rank is raised on every rank once all have finished `fn`
+    (the lowest failing rank's, sent as `on_main` sends one), so that no rank waits for a result
+    that will not come. One process: [fn()], its exceptions raised as they are."""
+    if not ctx.initialized:
+        return [fn(*args, **kwargs)]
+    value, error = None, None
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        error = _portable(e)
+    errors = all_gather_object(ctx, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return gather_to_main(ctx, value)
 
 
 def all_gather_object(ctx: DistContext, obj: Any) -> list:
@@ -374,12 +401,20 @@ def split_groups(n_groups: int, world_size: int, rank: int) -> range:
     statistics need every trajectory of a group on one rank), block sizes differing by at
     most one, earlier ranks taking the extra groups. Raises DistributedError when there are
     fewer groups than ranks or the rank is out of range."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise DistributedError(f"rank {rank} is outside [0, {world_size})")
     if n_groups < world_size:
         raise DistributedError(f"rollout.env_groups={n_groups} is below the number of processes ({world_size}); "
                                f"each process needs at least one whole env group")
-    base, extra = divmod(n_groups, world_size)
+    return split_evenly(n_groups, world_size, rank)
+
+
+def split_evenly(n: int, world_size: int, rank: int) -> range:
+    """Rank `rank`'s contiguous block of `n` items (e.g. the evaluation's seeds): block sizes
+    differ by at most one, earlier ranks take the extra items, and a rank gets an empty range
+    when n < world_size; the blocks in rank order are range(n). Raises DistributedError when
+    the rank is out of range."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise DistributedError(f"rank {rank} is outside [0, {world_size})")
+    base, extra = divmod(int(n), world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
 

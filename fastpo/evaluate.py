@@ -44,52 +44,92 @@ def format_valid_per_trajectory(batch) -> torch.Tensor:
     return 1.0 - (batch.format_penalty != 0).float().sum(dim=1) / turns
 
 
+def _outcomes(batch):
+    """`batch` without what the evaluation's metrics do not read (the per-token log-probs,
+    entropies, values and turn indices, the response texts and messages, the tokenizer), so
+    that the chunks held until the end, and sent to rank 0, stay small."""
+    return dataclasses.replace(batch, sample_logprobs=[], turn_index=[], sample_entropies=[], sample_values=[],
+                               context_turns=[], visible_from=[], responses=[], response_texts=[],
+                               user_messages=[], turn_stop_reasons=[], tokenizer=None)
+
+
 def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: float, seed: int = 0,
-                    chunk: int = 64, autocast=contextlib.nullcontext, model: Optional[torch.nn.Module] = None) -> dict:
+                    chunk: int = 64, autocast=contextlib.nullcontext, model: Optional[torch.nn.Module] = None,
+                    dist=None) -> dict:
     """Run the rollout on fixed `seeds` (group_size samples each) and score it.
 
+    Each seed's env group samples from its own stream, seeded by (`seed`, the seed's index in
+    `seeds`) (`fastpo.seeds.group_sampling_seed`), so a seed's trajectories do not depend on
+    which other seeds share its batch, the chunk it falls in or the process that plays it.
+    With `dist` (a `fastpo.distributed.DistContext` of several processes) the seeds are
+    split over the ranks in contiguous blocks (`split_evenly`: sizes differ by at most one,
+    a rank may get none), each rank rolls out its block with its own (whole) model, and the
+    trajectories are gathered to rank 0, which computes the metrics on their concatenation
+    in seed order: the same per-trajectory results and the same metrics as one process
+    evaluating every seed, except the engine's cost figures (seconds, tokens per second,
+    prefilled tokens, peak KV-cache bytes). Every rank must call it (it is collective) and
+    gets the same metrics back; an exception on any rank is raised on every rank.
+
     Returns {"eval/success_rate", "eval/score_mean", "eval/pass@1", "eval/pass@k" (k = group_size),
-    ... rollout metrics ..., "eval/format_valid" (1 - the format-penalty rate: the mean over
-    trajectories of the share of their turns without the format penalty), the standard errors
-    "eval/success_rate_se", "eval/score_mean_se", "eval/format_valid_se" (sample std / sqrt(n)
-    over the n = len(seeds) x group_size trajectories), "_batch": the first chunk's
-    TrajectoryBatch (for samples), "_per_trajectory": {"seed", "success_rate", "score_mean",
-    "format_valid"}: one list entry per trajectory, in seed order}. Seeds run `chunk` at a
+    ... rollout metrics of all trajectories (`rollout_metrics`; the engine's action and turn
+    rates from the per-trajectory counts, `count_rates`) ..., "eval/format_valid" (1 - the
+    format-penalty rate: the mean over trajectories of the share of their turns without the
+    format penalty), the standard errors "eval/success_rate_se", "eval/score_mean_se",
+    "eval/format_valid_se" (sample std / sqrt(n) over the n = len(seeds) x group_size
+    trajectories), "_batch": the TrajectoryBatch of the first seeds (the first chunk of rank
+    0's share, for samples; None on the other ranks), "_per_trajectory": {"seed", "success_rate", "score_mean",
+    "format_valid"}: one list entry per trajectory, in seed order, "_ranks": per rank
+    {"seeds": how many it evaluated, "seconds": its rollout time}}. Seeds run `chunk` at a
     time to bound memory.
     """
+    from fastpo import distributed as fdist
+    from fastpo.rollout.batch import TrajectoryBatch, count_rates
+
+    ctx = dist if dist is not None else fdist.SINGLE
     if model is not None:
         model.eval()
-    succ = []
-    metrics_acc: dict[str, list] = {}
-    first = None
-    per_traj: dict[str, list] = {"success_rate": [], "score_mean": [], "format_valid": []}
-    traj_seeds: list = []
-    for s in range(0, len(seeds), chunk):
-        part = seeds[s:s + chunk]
-        with torch.no_grad(), autocast():
-            b = rollout.generate(part, group_size, temperature=temperature, seed=seed + s)
-        if first is None:
-            first = b
-        for k, v in rollout_metrics(b, prefix="eval").items():
-            metrics_acc.setdefault(k, []).append((v, len(part)))
-        ok = b.success.bool()
-        per_traj["success_rate"] += ok.float().tolist()
-        per_traj["score_mean"] += b.scores.float().tolist()
-        per_traj["format_valid"] += format_valid_per_trajectory(b).tolist()
-        traj_seeds += [int(x) for x in b.seeds.tolist()]
-        for g in torch.unique(b.group_ids).tolist():
-            succ.append(ok[b.group_ids == g].tolist())
-    res = {k: sum(v * w for v, w in vals) / sum(w for _, w in vals) for k, vals in metrics_acc.items()}
-    res["eval/format_valid"] = float(np.mean(per_traj["format_valid"]))
-    for k, xs in per_traj.items():
-        res[f"eval/{k}_se"] = standard_error(xs)
-    n = group_size
-    res["eval/pass@1"] = float(np.mean([pass_at_k(len(x), sum(x), 1) for x in succ]))
-    if n > 1:
-        res[f"eval/pass@{n}"] = float(np.mean([pass_at_k(len(x), sum(x), n) for x in succ]))
-    res["eval/num_seeds"] = len(seeds)
-    res["_batch"] = first
-    res["_per_trajectory"] = {"seed": traj_seeds, **per_traj}
+    share = fdist.split_evenly(len(seeds), ctx.world_size, ctx.rank)
+
+    first: dict = {}
+
+    def roll_share() -> tuple:
+        import time
+
+        t0, parts = time.perf_counter(), []
+        for s in range(share.start, share.stop, chunk):
+            idx = list(range(s, min(s + chunk, share.stop)))
+            with torch.no_grad(), autocast():
+                b = rollout.generate([seeds[i] for i in idx], group_size, temperature=temperature, seed=seed,
+                                     group_ids=idx)
+            if s == 0:  # the first seeds, kept whole here (rank 0) for the samples
+                first["batch"] = b
+            parts.append(_outcomes(b))
+        return parts, {"seeds": len(share), "seconds": time.perf_counter() - t0}
+
+    shares = fdist.gather_results(ctx, roll_share)
+
+    def summarize() -> dict:
+        whole = TrajectoryBatch.concat([b for parts, _ in shares for b in parts])  # seed order
+        whole.metrics.update(count_rates(whole))
+        res = rollout_metrics(whole, prefix="eval")
+        ok = whole.success.bool()
+        per_traj = {"success_rate": ok.float().tolist(), "score_mean": whole.scores.float().tolist(),
+                    "format_valid": format_valid_per_trajectory(whole).tolist()}
+        res["eval/format_valid"] = float(np.mean(per_traj["format_valid"]))
+        for k, xs in per_traj.items():
+            res[f"eval/{k}_se"] = standard_error(xs)
+        succ = [ok[whole.group_ids == g].tolist() for g in range(len(seeds))]
+        n = group_size
+        res["eval/pass@1"] = float(np.mean([pass_at_k(len(x), sum(x), 1) for x in succ]))
+        if n > 1:
+            res[f"eval/pass@{n}"] = float(np.mean([pass_at_k(len(x), sum(x), n) for x in succ]))
+        res["eval/num_seeds"] = len(seeds)
+        res["_per_trajectory"] = {"seed": [int(x) for x in whole.seeds.tolist()], **per_traj}
+        res["_ranks"] = [info for _, info in shares]
+        return res
+
+    res = fdist.on_main(ctx, summarize)
+    res["_batch"] = first.get("batch")
     return res
 
 
@@ -128,14 +168,15 @@ def eval_seeds(cfg) -> list[int]:
 
 
 def evaluate_config(rollout, cfg, autocast=contextlib.nullcontext,
-                    model: Optional[torch.nn.Module] = None) -> tuple[dict, Any]:
+                    model: Optional[torch.nn.Module] = None, dist=None) -> tuple[dict, Any]:
     """The evaluation of TrainConfig `cfg` that training and `fastpo eval` share:
     `evaluate_policy` on `eval_seeds(cfg)`, trainer.eval_group_size samples each, at
-    trainer.eval_temperature with the run's eval sampling seed. Returns (metrics, the first
-    chunk's TrajectoryBatch for samples)."""
+    trainer.eval_temperature with the run's eval sampling seed; with `dist` (several
+    processes) the seeds are shared out over the ranks (collective). Returns (metrics, the
+    first chunk's TrajectoryBatch for samples, None on ranks other than 0)."""
     t = cfg.trainer
     res = evaluate_policy(rollout, eval_seeds(cfg), t.eval_group_size, t.eval_temperature,
-                          seed=eval_sampling_seed(t.seed), autocast=autocast, model=model)
+                          seed=eval_sampling_seed(t.seed), autocast=autocast, model=model, dist=dist)
     return res, res.pop("_batch")
 
 
@@ -359,22 +400,27 @@ def write_json(path: str, record: dict) -> str:
     return path
 
 
-def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
+def run_eval(cfg, console=None, samples_dir: Optional[str] = None, dist=None) -> dict:
     """`fastpo eval`: load `cfg.model.name` (name, HF id, or a fastpo checkpoint) and
     evaluate it on `cfg.trainer.eval_seeds` fixed seeds, `eval_group_size` samples each, at
     `eval_temperature`. Returns the metrics dict plus "model" (its label, e.g.
     "random:tiny-llama (random weights)"), "model_random_weights" (bool), "model_info" (the
     ModelInfo as a dict), "rollout" (the RolloutConfig used, as a dict) and "device"; the
     samples file, named after the checkpoint's iteration (iter_000000.txt for a model that
-    is not a checkpoint), starts with the same label."""
+    is not a checkpoint), starts with the same label. With `dist` (a DistContext of several
+    processes, e.g. `fastpo eval --nproc N`) every rank loads the model on its device and
+    evaluates its share of the seeds (`evaluate_policy`); rank 0 computes the success bounds
+    and writes the samples, and every rank gets the result."""
     import time
 
+    from fastpo import distributed as fdist
     from fastpo import rollout as ro
     from fastpo.metrics import write_samples
     from fastpo.models import load_model_checked, resolve_device
 
     t = cfg.trainer
-    device = resolve_device(t.device)
+    ctx = dist if dist is not None else fdist.SINGLE
+    device = ctx.device if ctx.initialized else resolve_device(t.device)
     model, tok, info = load_model_checked(cfg.model.name, device=str(device),
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
     rcfg = cfg.rollout.rollout_config(temperature=t.eval_temperature)
@@ -382,22 +428,29 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None) -> dict:
                                   env_workers=cfg.env.workers)
     seeds = eval_seeds(cfg)
     if console is not None:
+        procs = f" in {ctx.world_size} processes" if ctx.world_size > 1 else ""
         console.print(f"evaluating {info.label} on {cfg.env.name}: {len(seeds)} seed{'s' if len(seeds) != 1 else ''} x {t.eval_group_size} "
                       f"sample{'s' if t.eval_group_size != 1 else ''}, temperature {t.eval_temperature}, "
                       f"{rcfg.max_turns} turn{'s' if rcfg.max_turns != 1 else ''}, {rcfg.max_new_tokens} new "
-                      f"tokens/turn, {'think' if rcfg.think else 'answer-only'} prompt")
+                      f"tokens/turn, {'think' if rcfg.think else 'answer-only'} prompt{procs}")
     t0 = time.perf_counter()
-    res, batch = evaluate_config(rollout, cfg, model=model)
+    res, batch = evaluate_config(rollout, cfg, model=model, dist=ctx)
     res["eval/seconds"] = time.perf_counter() - t0
     res.pop("_per_trajectory")
-    res.update(config_success_bounds(cfg))
-    if samples_dir:
-        it = info.iteration if info.iteration is not None else 0
-        path = write_samples(samples_dir, it, batch.texts()[: max(1, t.num_samples)],
-                             header=f"eval of {info.label}: success rate {res['eval/success_rate']:.3f}",
-                             model_label=info.label)
-        if console is not None:
-            console.print(f"samples: {path}")
+    res.pop("_ranks")
+
+    def finish() -> dict:
+        res.update(config_success_bounds(cfg))
+        if samples_dir:
+            it = info.iteration if info.iteration is not None else 0
+            path = write_samples(samples_dir, it, batch.texts()[: max(1, t.num_samples)],
+                                 header=f"eval of {info.label}: success rate {res['eval/success_rate']:.3f}",
+                                 model_label=info.label)
+            if console is not None:
+                console.print(f"samples: {path}")
+        return res
+
+    res = fdist.on_main(ctx, finish)
     res["model"] = info.label
     res["model_random_weights"] = bool(info.random)
     res["model_info"] = dataclasses.asdict(info)

@@ -10,7 +10,8 @@ It runs `fastpo.cli.main(ARGS)` with two test-only changes to the rollout:
   would score the same format penalty and every advantage would be 0. Each trajectory's
   score is replaced by a function of its own sampled tokens, (sum of its response token ids
   mod 5) / 4, and success by score > 0.5: deterministic, and independent of how the batch is
-  split over processes, so one and two processes must see the same scores.
+  split over processes, so one and two processes must see the same scores. Evaluations'
+  trajectories are scored the same way (so that their per-seed outcomes differ).
 - flat groups: with FASTPO_TEST_FLAT_FROM=G, env groups G and above score 0.25 each (no
   spread), so StarPO-S keeps only groups below G and a rank holding only those keeps no
   trajectory (a rank with an empty share of the update).
@@ -33,6 +34,16 @@ def token_scores(batch) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.float32)
 
 
+def _in_evaluation() -> bool:
+    """Whether fastpo.evaluate.evaluate_policy is on the call stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "evaluate_policy":
+            return True
+        f = f.f_back
+    return False
+
+
 def patch_rollout() -> None:
     from fastpo.rollout.multiturn import MultiTurnRollout
 
@@ -44,7 +55,9 @@ def patch_rollout() -> None:
 
     def generate(self, seeds, group_size, temperature=None, seed=0, **kw):
         batch = original(self, seeds, group_size, temperature=temperature, seed=seed, **kw)
-        if kw.get("group_ids") is None:  # an evaluation (training here samples per env group)
+        if _in_evaluation():  # scored alike, not counted as an iteration's rollout
+            batch.scores = token_scores(batch)
+            batch.success = batch.scores > 0.5
             return batch
         calls["n"] += 1
         rank = os.environ.get("RANK", "0")

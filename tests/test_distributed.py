@@ -37,6 +37,36 @@ def _torchrun(args, tmp_path, timeout=120, nproc=2, env=None):
     return p.returncode, p.stdout + p.stderr, time.monotonic() - t0
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _two_nodes(args, timeout=180, env=None):
+    """(exit statuses, output) of docs/distributed.md's several-node command run as two
+    "nodes" on this machine: two torchrun agents, `--nnodes 2 --nproc_per_node 1`, meeting at
+    a c10d rendezvous on 127.0.0.1 (a free port); gloo on the CPU. With c10d the rendezvous,
+    not the order of start, decides which node holds rank 0."""
+    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        e.pop(k, None)
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+                               "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
+                               "fastpo-test", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [p.returncode for p in procs], "\n".join(outs)
+
+
 # --- one process: the helpers are today's computation ------------------------------------
 
 def test_split_groups_keeps_groups_whole_and_balanced():
@@ -208,6 +238,22 @@ def test_torchrun_command():
                    "train", "--env", "bandit"]
 
 
+def test_eval_nproc_becomes_torchrun(monkeypatch, no_model):
+    """`fastpo eval --nproc 2` runs torchrun's launcher over `fastpo eval` (the same
+    arguments but --nproc) in 2 processes; a bad count is refused in one line."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    seen = []
+
+    def launch(nproc, argv):  # what torchrun's launcher would run
+        seen.append((nproc, argv))
+        return 0
+
+    monkeypatch.setattr(fastpo.cli, "_launch_processes", launch)
+    assert main(["eval", "--env", "bandit", "--device", "cpu", "--nproc", "2", "--seeds", "3"]) == 0
+    assert seen == [(2, ["eval", "--env", "bandit", "--device", "cpu", "--seeds", "3"])]
+    assert main(["eval", "--env", "bandit", "--nproc", "0"]) == 2
+
+
 def test_plain_torchrun_refuses_an_unsupported_setting_in_each_rank(tmp_path):
     """`torchrun --nproc_per_node 2 -m fastpo train` with an estimator that is not
     data-parallel yet: each rank refuses before loading anything, rank 0 says why once, and
@@ -308,6 +354,51 @@ def test_group_streams_sample_a_group_alike_in_any_batch():
     assert torch.equal(ro.generate(seeds, 3, seed=5).input_ids[4], ro.generate(seeds, 3, seed=5).input_ids[4])
 
 
+#: Eval metrics that measure the engine's work, not the policy: they depend on how the seeds
+#: are batched (each batch prefills its shared prompt prefix once, and so on).
+EVAL_COST = ("eval/seconds", "eval/engine_seconds", "eval/tokens_per_s", "eval/prefilled_tokens",
+             "eval/peak_kv_bytes")
+
+
+def test_eval_seed_samples_alike_in_any_chunk():
+    """`evaluate_policy` samples each eval seed from its own stream, so the per-trajectory
+    results and every eval metric but the engine's cost figures are the same whether the
+    seeds run one at a time, two at a time or all in one batch (as on the ranks of a
+    sharded evaluation). Scores come from the sampled tokens (tests/dist_train.py), so they
+    differ between seeds and samples."""
+    from dist_train import token_scores
+
+    from fastpo.config import RolloutConfig
+    from fastpo.evaluate import evaluate_policy
+    from fastpo.models import load_model_and_tokenizer
+    from fastpo.rollout import MultiTurnRollout, NativeEngine
+
+    class TokenScored:
+        def __init__(self, ro):
+            self.ro, self.tokenizer = ro, ro.tokenizer
+
+        def generate(self, *args, **kw):
+            b = self.ro.generate(*args, **kw)
+            b.scores = token_scores(b)
+            b.success = b.scores > 0.5
+            return b
+
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    cfg = RolloutConfig(max_turns=2, max_new_tokens=6, max_context=2048, temperature=1.0)
+    ro = TokenScored(MultiTurnRollout(NativeEngine(model, tok), tok, "frozenlake", {"size": 4}, cfg))
+    runs = [evaluate_policy(ro, [7, 8, 9], 2, 0.5, seed=3, chunk=c) for c in (64, 2, 1)]
+    whole = runs[0]
+    assert len(set(whole["_per_trajectory"]["score_mean"])) > 1
+    assert whole["_per_trajectory"]["seed"] == [7, 7, 8, 8, 9, 9] and len(whole["_batch"]) == 6
+    for other in runs[1:]:
+        assert other["_per_trajectory"] == whole["_per_trajectory"]
+        keys = [k for k in whole if k.startswith("eval/") and k not in EVAL_COST]
+        assert {"eval/success_rate", "eval/score_std", "eval/pass@2", "eval/valid_action_rate",
+                "eval/response_length_per_turn", "eval/in_group_reward_std"} <= set(keys)
+        assert {k: other[k] for k in keys} == {k: whole[k] for k in keys}
+    assert len(runs[2]["_batch"]) == 2  # the first chunk's trajectories, for the samples file
+
+
 def test_trajectory_batches_concatenate_in_order():
     from fastpo.config import RolloutConfig
     from fastpo.models import load_model_and_tokenizer
@@ -343,6 +434,9 @@ TRAIN = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", 
          "algorithm.kl_coef=0.1", "algorithm.kl_estimator=k3", "optim.actor_lr=1e-4",
          "optim.micro_token_budget=16", "trainer.keep_checkpoints=5", "trainer.eval_every=0",
          "rollout.sampling_streams=group"]
+#: The dp_runs' evaluation: before training and after every iteration, on an odd number of
+#: seeds (rank 0 plays 2, rank 1 one), 2 samples each.
+EVAL = ["trainer.eval_every=1", "trainer.eval_seeds=3", "trainer.eval_group_size=2", "trainer.eval_before_training=true"]
 #: Metrics that are timings, sizes of this process's buffers, or per-rank figures.
 NOT_COMPARED = ("time/", "perf/", "dist/", "ema/time/", "ema/perf/", "ema/dist/")
 
@@ -355,9 +449,10 @@ def _python(args, timeout=180, env=None):
     return p.returncode, p.stdout + p.stderr
 
 
-def _records(run):
+def _records(run, before: bool = False):
+    """metrics.jsonl's records; `before`: with iteration 0's (the evaluation before training)."""
     with open(run / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if before or r["iteration"] > 0]
 
 
 def _weights(run, it):
@@ -396,13 +491,14 @@ def _same_weights(a: dict, b: dict):
 def dp_runs(tmp_path_factory):
     """One process for 3 iterations; two processes (torchrun, gloo; FSDP2, the default) for 1
     iteration, resumed with one process to 2, then with two processes again to 3; two
-    replicating processes (trainer.data_parallel=replicate) for 1 iteration."""
+    replicating processes (trainer.data_parallel=replicate) for 1 iteration. Each evaluates
+    before training and after every iteration (EVAL)."""
     root = tmp_path_factory.mktemp("dp")
     one, two, rep = root / "one", root / "two", root / "rep"
-    rc, out = _python(["tests/dist_train.py", "train", *TRAIN, "--iterations", "3", "--out", str(one)])
+    rc, out = _python(["tests/dist_train.py", "train", *TRAIN, *EVAL, "--iterations", "3", "--out", str(one)])
     assert rc == 0, out
-    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "--iterations", "1", "--out", str(two)], root,
-                           timeout=180)
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, *EVAL, "--iterations", "1", "--out", str(two)],
+                           root, timeout=180)
     assert rc == 0, out
     first = _records(two)
     w1 = _weights(two, 1)
@@ -412,8 +508,8 @@ def dp_runs(tmp_path_factory):
     rc, out, _ = _torchrun(["tests/dist_train.py", "train", "--resume", str(two), "--iterations", "3"], root,
                            timeout=180)
     assert rc == 0, out
-    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, "trainer.data_parallel=replicate", "--iterations",
-                            "1", "--out", str(rep)], root, timeout=180)
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *TRAIN, *EVAL, "trainer.data_parallel=replicate",
+                            "--iterations", "1", "--out", str(rep)], root, timeout=180)
     assert rc == 0, out
     return {"one": one, "two": two, "two_first": first, "two_w1": w1, "two_files": files, "rep": rep}
 
@@ -437,6 +533,85 @@ def test_two_processes_train_as_one(dp_runs):
             assert b[f"dist/rank{r}/{name}"] > 0
     assert "dist/rank2/update_s" not in b
     assert dp_runs["two_files"] == sorted(os.listdir(dp_runs["one"]))  # what one process writes, nothing more
+
+
+def test_sharded_evaluation_equals_one_process(dp_runs):
+    """Two processes share out the eval seeds (3 seeds: 2 on rank 0, 1 on rank 1; FSDP2's
+    parameters gathered whole on each), and rank 0 gathers the trajectories: the per-seed
+    outcomes (eval/iter_*.json) and every eval metric but the engine's cost figures equal one
+    process evaluating all seeds, before training and after each iteration (iterations 1 and
+    3 evaluated by two processes, 2 by one after the resume); the replicated exchange too."""
+    one, two = _records(dp_runs["one"], before=True), _records(dp_runs["two"], before=True)
+    assert [r["iteration"] for r in one] == [0, 1, 2, 3] == [r["iteration"] for r in two]
+    for it in range(4):
+        a, b = (json.loads((run / "eval" / f"iter_{it:06d}.json").read_text()) for run in (dp_runs["one"],
+                                                                                         dp_runs["two"]))
+        assert a == b, it
+        assert len(a["seed"]) == 6 and len(set(a["seed"])) == 3 and len(set(a["score_mean"])) > 1
+        keys = [k for k in one[it] if k.startswith("eval/") and k not in EVAL_COST]
+        assert len(keys) > 15 and {k: two[it][k] for k in keys} == {k: one[it][k] for k in keys}, it
+    for it in (0, 1, 3):  # each rank evaluated its share
+        assert (two[it]["dist/rank0/eval_seeds"], two[it]["dist/rank1/eval_seeds"]) == (2, 1)
+        assert two[it]["dist/rank1/eval_rollout_s"] > 0
+    assert not any(k.startswith("dist/") for k in two[2])
+    rep = _records(dp_runs["rep"], before=True)
+    for it in (0, 1):
+        assert json.loads((dp_runs["rep"] / "eval" / f"iter_{it:06d}.json").read_text()) == json.loads(
+            (dp_runs["one"] / "eval" / f"iter_{it:06d}.json").read_text())
+        assert rep[it]["dist/rank1/eval_seeds"] == 1
+
+
+def _digests(run) -> dict:
+    """{checkpoint file: SHA-256} of every weight file (safetensors) in the run's checkpoints."""
+    import glob
+    import hashlib
+
+    return {os.path.relpath(p, run): hashlib.sha256(open(p, "rb").read()).hexdigest()
+            for p in sorted(glob.glob(os.path.join(str(run), "checkpoints", "iter_*", "**", "*.safetensors"),
+                                      recursive=True))}
+
+
+def test_two_nodes_train_checkpoint_and_resume_as_one_node(dp_runs, tmp_path):
+    """docs/distributed.md's several-node torchrun command, as two nodes of one process each
+    on this machine (c10d rendezvous on 127.0.0.1): iteration 1 on the two nodes, iteration 2
+    resumed by one process, iteration 3 resumed on the two nodes again (each node reads the
+    checkpoint from the shared folder): the dp_runs two-process run on one node does the
+    same, and every record (metrics, sharded evaluations included) and every checkpoint's
+    weights are the same bit for bit."""
+    run = tmp_path / "nodes"
+    codes, out = _two_nodes(["tests/dist_train.py", "train", *TRAIN, *EVAL, "--iterations", "1", "--out", str(run)])
+    assert codes == [0, 0], out
+    rc, out = _python(["tests/dist_train.py", "train", "--resume", str(run), "--iterations", "2"])
+    assert rc == 0, out
+    codes, out = _two_nodes(["tests/dist_train.py", "train", "--resume", str(run), "--iterations", "3"])
+    assert codes == [0, 0], out
+    got, want = _records(run, before=True), _records(dp_runs["two"], before=True)
+    assert [r["iteration"] for r in got] == [0, 1, 2, 3]
+    for a, b in zip(want, got):
+        keys = [k for k in a if not k.startswith(NOT_COMPARED) and not k.endswith(("_s", "seconds", "tokens_per_s"))]
+        assert set(keys) <= set(b) and len(keys) > 40
+        assert {k: b[k] for k in keys} == {k: a[k] for k in keys}, a["iteration"]
+    assert got[3]["dist/rank1/eval_seeds"] == 1 and got[1]["dist/rank1/trajectories"] >= 0
+    digests = _digests(run)
+    assert len(digests) == 3 and digests == _digests(dp_runs["two"])
+    assert sorted(os.listdir(run)) == sorted(os.listdir(dp_runs["two"]))
+
+
+def test_fastpo_eval_in_two_processes_equals_one(dp_runs, tmp_path):
+    """`fastpo eval` under torchrun (2 processes, gloo) of the one-process run's last
+    checkpoint, on its eval seeds (3 x 2 samples: rank 0 plays 2 seeds, rank 1 one): the
+    same metrics, but the cost figures, as that run's own one-process evaluation of the
+    same weights; rank 0 alone prints the table and writes the JSON and the samples."""
+    rc, out, _ = _torchrun(["tests/dist_train.py", "eval", "--model", str(dp_runs["one"]), "--device", "cpu",
+                            "--seeds", "3", "--k", "2", "--json", str(tmp_path / "two.json"), "--samples",
+                            str(tmp_path / "s")], tmp_path)
+    assert rc == 0, out
+    assert out.count("fastpo eval: bandit") == 1 and "in 2 processes" in out, out
+    got = json.loads((tmp_path / "two.json").read_text())["metrics"]
+    want = {k[len("eval/"):]: v for k, v in _records(dp_runs["one"])[-1].items()
+            if k.startswith("eval/") and k not in EVAL_COST}
+    assert len(want) > 15 and want["score_std"] > 0 and {k: got[k] for k in want} == want
+    assert os.listdir(tmp_path / "s") == ["iter_000003.txt"]
 
 
 def test_two_process_checkpoint_resumes_with_one_process(dp_runs):

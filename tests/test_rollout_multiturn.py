@@ -341,6 +341,12 @@ def test_rewards_penalties_budget_with_scripted_responses(tiny, run_valid):
     assert batch.effective_actions[0] == 4 and batch.effective_actions[3] == 0
     v, inv = batch.valid_actions.sum(), batch.invalid_actions.sum()
     assert batch.metrics["valid_action_rate"] == pytest.approx(float(v / (v + inv)))
+    # the same rates from the per-trajectory counts (what a concatenation of batches reports)
+    from fastpo.rollout.batch import count_rates
+
+    rates = count_rates(batch)
+    del rates["response_length"]  # tokens per turn: this scripted engine counts no generated tokens
+    assert rates == {k: batch.metrics[k] for k in rates} and rates["effective_action_rate"] > 0
     assert batch.turn_stop_reasons == [["eot"] * int(n) for n in batch.num_turns]
     sub = batch.select([3, 1])
     assert sub.penalised_turns.tolist() == [2, 1] and sub.turn_stop_reasons == [batch.turn_stop_reasons[3],

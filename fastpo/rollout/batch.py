@@ -162,6 +162,25 @@ class TrajectoryBatch:
         return torch.tensor([int(m.sum()) for m in self.loss_mask], dtype=torch.long)
 
 
+def count_rates(batch: TrajectoryBatch) -> dict:
+    """The engine's per-action and per-turn rates of `batch` from its per-trajectory counts, as
+    one rollout of all its trajectories would report them (`MultiTurnRollout.generate`'s
+    metrics; exact for a concatenation, where `combine_metrics` weights each part's rate by
+    its trajectories): valid_action_rate (recognised / all answer pieces), effective_action_rate
+    (state-changing / executed actions), response_length (model tokens per turn) and
+    num_actions (executed actions per trajectory). {} when the batch holds no counts."""
+    if batch.valid_actions is None or batch.invalid_actions is None or batch.effective_actions is None:
+        return {}
+    valid, invalid = int(batch.valid_actions.sum()), int(batch.invalid_actions.sum())
+    executed, turns = int(batch.num_actions.sum()), int(batch.num_turns.sum())
+    return {
+        "valid_action_rate": valid / max(1, valid + invalid),
+        "effective_action_rate": int(batch.effective_actions.sum()) / max(1, executed),
+        "response_length": float(sum(int(m.sum()) for m in batch.loss_mask)) / max(1, turns),
+        "num_actions": executed / max(1, len(batch)),
+    }
+
+
 #: Batch metrics that add up over batches rolled out side by side (counts of tokens, bytes).
 SUMMED_METRICS = ("prefilled_tokens", "generated_tokens")
 #: Batch metrics of wall-clock time or peak size: the largest batch's (they ran side by side).

@@ -159,10 +159,10 @@ class Lifecycle:
         return view(self.model), opts, view(self.critic_body), view(self.value_head)
 
     def _evaluate_all(self, it: int) -> dict:
-        """`evaluate` on rank 0 (the others wait for its result; one process: evaluate);
-        FSDP2: with the parameters gathered on every rank meanwhile."""
+        """`evaluate` (each rank its share of the eval seeds); FSDP2: with the parameters
+        gathered whole on every rank meanwhile."""
         with ffsdp.gathered(self._fsdp_root):
-            return fdist.on_main(self.dist, self.evaluate, it)
+            return self.evaluate(it)
 
     def _run_pending_eval(self) -> bool:
         """The evaluation of the resumed checkpoint's iteration that a SIGTERM stopped: run it and

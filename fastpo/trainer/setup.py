@@ -409,22 +409,37 @@ class Setup:
     def evaluate(self, it: int) -> dict:
         """Success rate and pass@k on the fixed eval seeds at the eval temperature, with the
         best and the random policy's success on the same seeds and horizon beside it
-        (`eval/optimal_success`, `eval/random_success`, computed once); writes samples."""
+        (`eval/optimal_success`, `eval/random_success`, computed once); writes samples and the
+        per-trajectory outcomes. Several processes: collective, every rank evaluates its share
+        of the seeds (`evaluate_config`), rank 0 writes the files, each rank's seed count and
+        rollout seconds are `dist/rank<R>/eval_seeds` and `eval_rollout_s`, and every rank
+        gets the metrics."""
         t = self.cfg.trainer
         t0 = time.perf_counter()
         with self._engine_awake():
-            res, batch = evaluate_config(self.rollout, self.cfg, autocast=self._autocast, model=self.model)
-        if self._success_bounds is None:  # fixed seeds: computed once (a Sokoban search past its cap: none)
-            self._success_bounds = config_success_bounds(self.cfg, warn=self._warn)
-        res.update(self._success_bounds)
-        # per-trajectory outcomes, for the paired before/after comparison (metrics.before_after)
-        write_json(os.path.join(self.out, "eval", f"iter_{it:06d}.json"), res.pop("_per_trajectory"))
-        write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
-                      header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
-                             f"(temperature {t.eval_temperature}, {t.eval_seeds} seeds)",
-                      model_label=self.info.label)
-        res["time/eval_s"] = time.perf_counter() - t0
-        return res
+            res, batch = evaluate_config(self.rollout, self.cfg, autocast=self._autocast, model=self.model,
+                                         dist=self.dist)
+        ranks = res.pop("_ranks")
+        per_traj = res.pop("_per_trajectory")
+
+        def record() -> dict:
+            if self._success_bounds is None:  # fixed seeds: computed once (a Sokoban search past its cap: none)
+                self._success_bounds = config_success_bounds(self.cfg, warn=self._warn)
+            res.update(self._success_bounds)
+            # per-trajectory outcomes, for the paired before/after comparison (metrics.before_after)
+            write_json(os.path.join(self.out, "eval", f"iter_{it:06d}.json"), per_traj)
+            write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
+                          header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
+                                 f"(temperature {t.eval_temperature}, {t.eval_seeds} seeds)",
+                          model_label=self.info.label)
+            if self.dist.initialized:
+                for r, info in enumerate(ranks):
+                    res[f"dist/rank{r}/eval_seeds"] = info["seeds"]
+                    res[f"dist/rank{r}/eval_rollout_s"] = info["seconds"]
+            res["time/eval_s"] = time.perf_counter() - t0
+            return res
+
+        return fdist.on_main(self.dist, record)
 
     def collapse_metrics(self, batch) -> dict:
         """`collapse/*` (fastpo/collapse.py) of a rollout batch's first turns, scored by the
