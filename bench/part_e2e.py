@@ -58,6 +58,7 @@ def run(ctx: BenchContext) -> list[Record]:
     from rich.console import Console
 
     from fastpo.config import load_config
+    import limits
     from fastpo.trainer import Trainer
     from reference_iteration import ReferenceTrainer
 
@@ -80,6 +81,7 @@ def run(ctx: BenchContext) -> list[Record]:
             tr = cls(cfg, console=quiet)
             tr.setup()
             trainers[side] = tr
+        spy = limits.UpdateSpy(trainers["fastpo"])
         res = {s: {"total": [], "mem": [], "tokens": [], "generated": [], "trained": [],
                    **{p: [] for p in PHASES}} for s in trainers}
         for it in range(1, 1 + warmup + timed):
@@ -108,6 +110,9 @@ def run(ctx: BenchContext) -> list[Record]:
                 r["trained"].append(m["train/response_length"] * n_traj)
         cfg = trainers["fastpo"].cfg
         label = trainers["fastpo"].info.label
+        # the machine's limits, measured now, against the last timed iteration's update and rollout
+        limit_recs = limits.limit_records(trainers["fastpo"], spy, res["fastpo"]["update"][-1], ctx.device,
+                                          f"{preset} preset, {label}")
         source = trainers["fastpo"].old_logprob_source
         for tr in trainers.values():
             tr.logger.close()
@@ -151,7 +156,7 @@ def run(ctx: BenchContext) -> list[Record]:
                        "; target: lower than the baseline")
     rec.met = rec.ratio is not None and rec.ratio > 1.0
     recs.append(rec)
-    return recs
+    return recs + limit_recs
 
 
 if __name__ == "__main__":
