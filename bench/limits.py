@@ -45,11 +45,13 @@ def _text_config(model):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def model_shapes(model) -> dict:
+def model_shapes(model, compute_bytes: int | None = None) -> dict:
     """Shapes of a transformers causal LM (Llama/Qwen-style): hidden, layers, heads, head dim,
     KV heads, intermediate, vocab (ints); `layer_matmul_params` (the decoder layers' 2-D
     weights: attention and MLP projections), `weight_bytes` (every parameter, tied ones once)
-    and `kv_bytes_per_token` (K and V of one token in all layers, in the model's dtype)."""
+    and `kv_bytes_per_token` (K and V of one token in all layers), both at `compute_bytes` per
+    value (default: the parameters' own size; 2 under bf16 autocast, whose weight casts a
+    rollout reuses across its forwards)."""
     cfg = _text_config(model)
     hidden = int(cfg.hidden_size)
     heads = int(cfg.num_attention_heads)
@@ -58,12 +60,12 @@ def model_shapes(model) -> dict:
     layers = int(cfg.num_hidden_layers)
     body = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     matmul = sum(p.numel() for n, p in body.named_parameters() if ".layers." in f".{n}" and p.dim() == 2)
+    dtype_bytes = compute_bytes or next(model.parameters()).element_size()
     seen, weight_bytes = set(), 0
     for p in model.parameters():
         if p.data_ptr() not in seen:
             seen.add(p.data_ptr())
-            weight_bytes += p.numel() * p.element_size()
-    dtype_bytes = next(model.parameters()).element_size()
+            weight_bytes += p.numel() * dtype_bytes
     return dict(hidden=hidden, heads=heads, head_dim=head_dim, kv_heads=kv_heads, layers=layers,
                 intermediate=int(getattr(cfg, "intermediate_size", 4 * hidden)), vocab=int(cfg.vocab_size),
                 layer_matmul_params=int(matmul), weight_bytes=int(weight_bytes),
@@ -168,10 +170,12 @@ def memory_bandwidth(device: str, nbytes: int | None = None, repeats: int = 3) -
 
 
 @torch.no_grad()
-def bare_decode_step(model, rows: int, context: int, steps: int = 4, seed: int = 0) -> float:
+def bare_decode_step(model, rows: int, context: int, steps: int = 4, seed: int = 0, autocast=None) -> float:
     """Median seconds of a plain transformers forward of one token per row with a
     `DynamicCache` holding `context` tokens per row (random ids; `steps` timed steps after one
-    untimed)."""
+    untimed), inside `autocast()` when given (the trainer's bf16 autocast on CUDA)."""
+    import contextlib
+
     from transformers import DynamicCache
 
     from fastpo.rollout.kv_cache import _cache_kwarg
@@ -181,24 +185,25 @@ def bare_decode_step(model, rows: int, context: int, steps: int = 4, seed: int =
     vocab = int(model.get_input_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(seed)
     rows, context = max(1, int(rows)), max(1, int(context))
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     was = model.training
     model.eval()
     try:
-        cache = DynamicCache()
-        ids = torch.randint(0, vocab, (rows, context), generator=g).to(dev)
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
-        tok = torch.randint(0, vocab, (rows, 1), generator=g).to(dev)
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        times = []
-        for step in range(steps + 1):
-            sync()
-            t0 = time.perf_counter()
-            out = model(input_ids=tok, use_cache=True, logits_to_keep=1, **{kw: cache})
-            tok = out.logits[:, -1].argmax(-1, keepdim=True)
-            sync()
-            if step:
-                times.append(time.perf_counter() - t0)
-        del cache
+        with (autocast or contextlib.nullcontext)():
+            cache = DynamicCache()
+            ids = torch.randint(0, vocab, (rows, context), generator=g).to(dev)
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kw: cache})
+            tok = torch.randint(0, vocab, (rows, 1), generator=g).to(dev)
+            times = []
+            for step in range(steps + 1):
+                sync()
+                t0 = time.perf_counter()
+                out = model(input_ids=tok, use_cache=True, logits_to_keep=1, **{kw: cache})
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                sync()
+                if step:
+                    times.append(time.perf_counter() - t0)
+            del cache
         return statistics.median(times)
     finally:
         model.train(was)
@@ -210,7 +215,9 @@ def limit_records(trainer, spy: UpdateSpy, update_s: float, device: str, label: 
     memory bandwidth and the bare decode forward measured now. Needs the native engine (an
     SGLang engine has no decode counters: its decode records are left out)."""
     model = trainer.model
-    sh = model_shapes(model)
+    # the trainer's bf16 autocast (CUDA): the rollout's weights and KV cache are 2-byte values
+    autocast = trainer._autocast if device.startswith("cuda") and trainer.cfg.model.dtype == "auto" else None
+    sh = model_shapes(model, 2 if autocast is not None else None)
     gemm, gemm_how = gemm_flops(sh, spy.max_tokens or 512, device)
     bw = memory_bandwidth(device)
     ckpt = bool(getattr(trainer.cfg.model, "gradient_checkpointing", False))
@@ -241,7 +248,7 @@ def limit_records(trainer, spy: UpdateSpy, update_s: float, device: str, label: 
         ctx = st["decode_kv_columns"] / max(1, st["decode_rows"])
         kv = st["decode_kv_columns"] / st["decode_steps"] * sh["kv_bytes_per_token"]
         read_s = (sh["weight_bytes"] + kv) / bw
-        bare = bare_decode_step(model, round(rows), round(ctx))
+        bare = bare_decode_step(model, round(rows), round(ctx), autocast=autocast)
         dec_note = (f"{label}; {st['decode_steps']} decode steps, mean {rows:.1f} live rows at a mean context of "
                     f"{ctx:.0f} tokens; engine step = its decode loops' time (sampling and stop checks included) over "
                     f"their one-token forwards")

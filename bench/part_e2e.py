@@ -16,6 +16,13 @@ so that load from other processes hits both alike. On CUDA the first iteration o
 a warm-up; on the CPU (minutes per iteration) none is, and 2 are timed with `--part e2e`
 (median and spread reported), 1 in the full run of every part.
 
+After the timed iterations, the machine's own limits are measured in the same process and
+set against fastpo's last timed iteration (`bench/limits.py`): the update's FLOP/s (computed
+tokens, and every trajectory token) as a fraction of the GEMM FLOP/s at the model's shapes,
+the rollout's decode seconds per step against a bare DynamicCache forward and against
+reading the weights and live KV cache once at the measured memory bandwidth, and its
+prefill FLOP/s against the same GEMM FLOP/s ("limit: ..." records).
+
 Because the two loops sample through different code paths, their trajectories differ; the
 notes give generated and trained tokens per iteration for both, and one record reports
 trajectory tokens per second of iteration, which normalizes for length.
