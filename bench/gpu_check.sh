@@ -7,7 +7,9 @@
 # smoke of the data-parallel trainer 30 s, benchmark parts kernels 60 + rollout 70 + train 35
 # + e2e 50 + peers 55 s; peers = Liger's fused GRPO loss, eager and compiled, and Cut
 # Cross-Entropy's (impl="cce", filter_eps=None) at equal numerics, last): 480 s of limits, and
-# 5 s more for a step to die after its limit (timeout -k 5), plus the wheel install.
+# 5 s more for a step to die after its limit (timeout -k 5), plus the wheel install. The e2e
+# part also measures the machine's limits after its iterations (bench/limits.py: a GEMM at the
+# model's shapes, a 2 GiB copy, a bare DynamicCache decode forward; a few seconds, inside its 50 s).
 # Figures land as JSON in $OUT (default bench/results/gpu-DATE).
 #
 # Carried in, in the ignored folder $FASTPO_GPU_CARRY (default .gpucarry), prepared on a

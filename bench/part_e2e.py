@@ -16,6 +16,13 @@ so that load from other processes hits both alike. On CUDA the first iteration o
 a warm-up; on the CPU (minutes per iteration) none is, and 2 are timed with `--part e2e`
 (median and spread reported), 1 in the full run of every part.
 
+After the timed iterations, the machine's own limits are measured in the same process and
+set against fastpo's last timed iteration (`bench/limits.py`): the update's FLOP/s (computed
+tokens, and every trajectory token) as a fraction of the GEMM FLOP/s at the model's shapes,
+the rollout's decode seconds per step against a bare DynamicCache forward and against
+reading the weights and live KV cache once at the measured memory bandwidth, and its
+prefill FLOP/s against the same GEMM FLOP/s ("limit: ..." records).
+
 Because the two loops sample through different code paths, their trajectories differ; the
 notes give generated and trained tokens per iteration for both, and one record reports
 trajectory tokens per second of iteration, which normalizes for length.
@@ -58,6 +65,7 @@ def run(ctx: BenchContext) -> list[Record]:
     from rich.console import Console
 
     from fastpo.config import load_config
+    import limits
     from fastpo.trainer import Trainer
     from reference_iteration import ReferenceTrainer
 
@@ -80,6 +88,7 @@ def run(ctx: BenchContext) -> list[Record]:
             tr = cls(cfg, console=quiet)
             tr.setup()
             trainers[side] = tr
+        spy = limits.UpdateSpy(trainers["fastpo"])
         res = {s: {"total": [], "mem": [], "tokens": [], "generated": [], "trained": [],
                    **{p: [] for p in PHASES}} for s in trainers}
         for it in range(1, 1 + warmup + timed):
@@ -108,6 +117,9 @@ def run(ctx: BenchContext) -> list[Record]:
                 r["trained"].append(m["train/response_length"] * n_traj)
         cfg = trainers["fastpo"].cfg
         label = trainers["fastpo"].info.label
+        # the machine's limits, measured now, against the last timed iteration's update and rollout
+        limit_recs = limits.limit_records(trainers["fastpo"], spy, res["fastpo"]["update"][-1], ctx.device,
+                                          f"{preset} preset, {label}")
         source = trainers["fastpo"].old_logprob_source
         for tr in trainers.values():
             tr.logger.close()
@@ -151,7 +163,7 @@ def run(ctx: BenchContext) -> list[Record]:
                        "; target: lower than the baseline")
     rec.met = rec.ratio is not None and rec.ratio > 1.0
     recs.append(rec)
-    return recs
+    return recs + limit_recs
 
 
 if __name__ == "__main__":

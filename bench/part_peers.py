@@ -189,16 +189,16 @@ def _fastpo_trainer(ctx: BenchContext, s: Sizes, out: str):
 
 
 def _prompt_ids(rollout, seed: int) -> list:
-    """fastpo's first-turn prompt (token ids) of one env seed, as MultiTurnRollout renders it."""
-    from fastpo.envs_native import make_env
-    from fastpo.rollout.prompts import first_user_message
+    """fastpo's first-turn prompt (token ids) of one env seed, as MultiTurnRollout renders it
+    (its own first message: with `rollout.prompt_examples`, the closing question too)."""
+    from fastpo.rollout.multiturn import _close
 
-    cfg = rollout.cfg
-    env = make_env(rollout.env_name, 1, **rollout.env_config)
-    obs = env.reset([seed])
-    msg = first_user_message(env.instructions()[0], obs[0], cfg.max_actions_per_traj, cfg.max_actions_per_turn,
-                             cfg.think, cfg.max_new_tokens, env.action_names(0))
-    return rollout.chat.prompt_ids(msg)
+    env = rollout.make_env(1)
+    try:
+        obs = env.reset(np.asarray([seed], dtype=np.int64))
+        return rollout.chat.prompt_ids(rollout._first_messages(env, obs)[0])
+    finally:
+        _close(env)
 
 
 def _model_folder(ctx: BenchContext, tr, tmp: str) -> str:

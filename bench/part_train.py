@@ -11,10 +11,14 @@
    once per trajectory, as the baseline computes it), and peak memory.
 2. Seconds per iteration of `fastpo train` at the CPU preset (FrozenLake, embedded model),
    split by phase (no baseline: reported as is). With --device cuda and a random:qwen2.5-0.5b
-   model at the paper's scale, the same split.
+   model at the paper's scale, the same split. On the CPU, beside it, the machine's limits
+   measured after the iteration in the same process (`bench/limits.py`, as the e2e part does:
+   update and prefill FLOP/s against the GEMM FLOP/s, decode seconds per step against a bare
+   forward and the weights + KV read time).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -130,6 +134,7 @@ def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
 def _iteration(ctx: BenchContext) -> list[Record]:
     from rich.console import Console
 
+    import limits
     from fastpo.config import load_config
     from fastpo.trainer import Trainer
 
@@ -149,11 +154,15 @@ def _iteration(ctx: BenchContext) -> list[Record]:
         cfg = load_config(env=env, preset=preset, overrides=ov + [f"trainer.output_dir={d}", f"trainer.device={ctx.device}"])
         tr = Trainer(cfg, console=Console(quiet=True))
         tr.setup()
+        spy = limits.UpdateSpy(tr)
         recs = []
         last = None
         for it in range(1, cfg.trainer.iterations + 1):
             last = tr.iteration(it)
         tr.logger.close()
+        if ctx.device == "cpu":  # on CUDA the e2e part measures them (the GPU check's time budget)
+            lim = limits.limit_records(tr, spy, float(last["time/update_s"]), ctx.device, f"{preset} preset, {tr.info.label}")
+            lim = [dataclasses.replace(r, part="train") for r in lim]
     total = sum(v for k, v in last.items() if k.startswith("time/") and k.endswith("_s"))
     label = f"{preset} preset, {env}, {cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, " \
             f"{cfg.rollout.max_turns} turns, {cfg.rollout.max_new_tokens} new tokens/turn, {tr.info.label}"
@@ -162,7 +171,7 @@ def _iteration(ctx: BenchContext) -> list[Record]:
         recs.append(Record("train", f"  phase {k[5:-2]}", "s", float(last[k]), None, False, notes=label))
     for k in ("perf/rollout_tokens_per_s", "perf/train_tokens_per_s"):
         recs.append(Record("train", f"  {k[5:]}", "tokens/s", float(last[k]), None, True, notes=label))
-    return recs
+    return recs + (lim if ctx.device == "cpu" else [])
 
 
 def run(ctx: BenchContext) -> list[Record]:

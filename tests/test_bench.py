@@ -73,6 +73,10 @@ def test_quick_json_schema(quick_result):
     assert {"seconds per training iteration", "phase rollout", "phase old_logprob", "phase advantage",
             "phase update", "peak memory per iteration"} <= set(e2e)
     assert e2e["seconds per training iteration"]["target"] == 2.5 and e2e["seconds per training iteration"]["unit"] == "s"
+    # the machine's limits, measured in the same run (bench/limits.py, issue 28)
+    assert {"limit: update FLOP/s, computed tokens (fwd + bwd after prefix sharing)",
+            "limit: update FLOP/s, effective (every trajectory token)", "limit: decode seconds per step",
+            "limit: decode seconds per step, weights + live KV read once", "limit: prefill FLOP/s"} <= set(e2e)
     # the table went to stdout
     assert "fastpo benchmarks" in proc.stdout
 
@@ -164,3 +168,51 @@ def test_quick_pyenv_part_measures_the_python_env_share():
     r = recs[0]
     assert 0 < r.fastpo < r.baseline and "env share" in r.notes and "answers stepped by the game" in r.notes
     assert 0 < recs[1].fastpo and "with all 4 answers stepped" in recs[1].name
+
+
+def test_limits_of_a_tiny_iteration(tmp_path):
+    """bench/limits.py (issue 28): the update, decode and prefill limit fractions of a real
+    iteration (tiny preset, random:tiny-llama, 1 turn) are computed, sane, and the update's
+    FLOPs are the ones counted from the model's shapes and the packed micro-batches."""
+    from rich.console import Console
+
+    from fastpo.config import load_config
+    from fastpo.trainer import Trainer
+
+    limits = _load("limits")
+    cfg = load_config(env="frozenlake", preset="tiny", overrides=[
+        "model.name=random:tiny-llama", "trainer.iterations=1", "trainer.eval_every=0", "trainer.save_every=0",
+        "trainer.plots=false", "rollout.max_turns=1", f"trainer.output_dir={tmp_path}"])
+    tr = Trainer(cfg, console=Console(quiet=True))
+    tr.setup()
+    spy = limits.UpdateSpy(tr)
+    m = tr.iteration(1)
+    tr.logger.close()
+    c = tr.model.config
+    sh = limits.model_shapes(tr.model)
+    hd = c.hidden_size // c.num_attention_heads
+    per_layer = c.hidden_size * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) \
+        + 3 * c.hidden_size * c.intermediate_size
+    assert sh["layer_matmul_params"] == c.num_hidden_layers * per_layer
+    assert sh["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4
+    # the group's 2 trajectories share their prompt: computed once, counted twice by the effective rate
+    assert 0 < spy.computed < spy.trajectory and spy.micro >= 1 and 0 < spy.scored < spy.computed
+    assert spy.trajectory == round(m["perf/train_tokens_per_s"] * m["time/update_s"])
+    assert spy.computed <= spy.pairs <= spy.computed * (spy.computed + 1) // 2
+    update_s = m["time/update_s"]
+    by_name = {r.name: r for r in limits.limit_records(tr, spy, update_s, "cpu", "tiny")}
+    assert len(by_name) == 5 and all(r.part == "e2e" and r.fastpo > 0 for r in by_name.values()), sorted(by_name)
+    upd = by_name["limit: update FLOP/s, computed tokens (fwd + bwd after prefix sharing)"]
+    eff = by_name["limit: update FLOP/s, effective (every trajectory token)"]
+    flops = 3 * (2 * sh["layer_matmul_params"] * spy.computed
+                 + 4 * c.num_hidden_layers * c.num_attention_heads * hd * spy.pairs
+                 + 2 * c.hidden_size * c.vocab_size * spy.scored)
+    assert upd.fastpo * 1e9 * update_s == pytest.approx(flops, rel=1e-9)
+    assert upd.target == 0.7 and 0 < upd.ratio < 1.5 and isinstance(upd.met, bool) and upd.baseline > 0
+    assert eff.ratio == pytest.approx(upd.ratio * spy.trajectory / spy.computed, rel=1e-9) and eff.target is None
+    bare = by_name["limit: decode seconds per step"]
+    read = by_name["limit: decode seconds per step, weights + live KV read once"]
+    assert bare.fastpo == read.fastpo > 0 and bare.baseline > 0 and 0 < read.baseline
+    assert read.target == pytest.approx(1 / 1.2) and 0 < read.ratio < 1.5 and "GB/s" in read.notes
+    pre = by_name["limit: prefill FLOP/s"]
+    assert 0 < pre.ratio < 1.5 and "tokens/s" in pre.notes

@@ -119,6 +119,23 @@ def test_throughput_records_a_skipped_part(tmp_path, monkeypatch):
     assert d["records"] == [] and d["errors"] == {}
 
 
+def test_trl_prompt_is_fastpos_first_prompt_at_the_cpu_preset():
+    """The prompt the TRL side gets is the one fastpo's rollout renders, the CPU preset's
+    closing question (rollout.prompt_examples) included: else the equal-work check fails on
+    prompt tokens."""
+    from fastpo.config import load_config
+    from fastpo.models import load_model_and_tokenizer
+    from fastpo.rollout import MultiTurnRollout, NativeEngine
+
+    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    for env in ("bandit", "frozenlake"):
+        cfg = load_config(env=env, preset="cpu", overrides=["model.name=random:tiny-llama"])
+        assert cfg.rollout.prompt_examples
+        ro = MultiTurnRollout(NativeEngine(model, tok), tok, env, dict(cfg.env.options), cfg.rollout.rollout_config())
+        for seed in (0, 7):
+            assert len(part_peers._prompt_ids(ro, seed)) == ro.prompt_lengths([seed])[0], (env, seed)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(part_peers._missing("trl", part_peers.TRL_VERSION) is not None, reason="needs the bench extra")
 def test_real_trl_step_does_the_same_work_as_fastpo():

@@ -87,3 +87,9 @@ def test_dates_with_other_offsets_are_compared_as_times(tmp_path):
     (tmp_path / "part.json").write_text(json.dumps(_result(
         "2026-02-01T09:30:00-02:00", [("rollout", "rollout-newer")], part="rollout")))
     assert "rollout-newer" in _report().section(str(tmp_path))
+
+
+def test_performance_page_is_current():
+    """docs/performance.md's tables are what bench/report.py renders from the committed JSON
+    (run `python bench/report.py` after committing a result)."""
+    assert _report().main(["--check"]) == 0, "docs/performance.md is stale: run python bench/report.py"

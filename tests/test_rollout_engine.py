@@ -118,6 +118,7 @@ def test_prefix_shared_by_all_prompts_prefilled_once(tiny):
 
 
 def test_finished_rows_leave_the_batch(tiny):
+    """Stopped rows leave the decode batch at once; the decode counters count what is left."""
     model, tok = tiny
     eng = NativeEngine(model, tok)
     sizes = []
@@ -134,6 +135,16 @@ def test_finished_rows_leave_the_batch(tiny):
     # decode forward k feeds exactly the rows that sampled k+1 tokens without stopping
     decode_rows = [s[0] for s in sizes[1:]]
     assert decode_rows == [sum(1 for n in lens if n > k + 1) for k in range(max(lens) - 1)]
+    # stats' decode counters (bench/limits.py divides by them): one step per one-token forward,
+    # its live rows, the KV columns they read (20 prompt columns + the k + 1 tokens sampled since)
+    st = eng.stats
+    assert st["decode_steps"] == len(decode_rows) and st["decode_rows"] == sum(decode_rows)
+    assert st["decode_kv_columns"] == sum(r * (21 + k) for k, r in enumerate(decode_rows))
+    assert st["generated_tokens"] == 6 + st["decode_rows"] == sum(lens)
+    assert st["prefill_seconds"] > 0 and st["decode_seconds"] > 0
+    assert st["prefill_seconds"] + st["decode_seconds"] <= st["seconds"]
+    eng.reset_stats()
+    assert eng.stats["decode_steps"] == 0 and eng.stats["decode_seconds"] == 0.0
 
 
 def test_reproducible_and_seed_dependent(tiny):

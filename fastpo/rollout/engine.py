@@ -102,7 +102,14 @@ class NativeEngine:
 
     Counters (cumulative, reset with ``reset_stats()``): ``stats["prefilled_tokens"]``
     (real tokens fed in prefill forwards), ``stats["generated_tokens"]`` (sampled tokens),
-    ``stats["forward_passes"]``, ``stats["seconds"]``.
+    ``stats["forward_passes"]``, ``stats["seconds"]``; where the time goes, for comparing
+    with the machine's limits (bench/limits.py): ``stats["prefill_seconds"]`` (the prefill
+    forwards), ``stats["decode_seconds"]`` (the decode loops: sampling, stop checks and the
+    one-token forwards), ``stats["decode_steps"]`` (one-token forwards),
+    ``stats["decode_rows"]`` (rows summed over those forwards) and
+    ``stats["decode_kv_columns"]`` (KV buffer columns each forward reads, summed over its
+    rows: rows x buffer length; a layer's K and V of one column are 2 x KV heads x head dim
+    values).
 
     ``readout``: None, or a callable mapping the final hidden states [R, H] (the LM head's
     input) to a float tensor [R]; while set, every sampled token also records the readout of
@@ -134,7 +141,14 @@ class NativeEngine:
     def reset_stats(self) -> None:
         """Zero the token and time counters."""
         self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0,
-                      "peak_kv_bytes": 0}
+                      "peak_kv_bytes": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_steps": 0,
+                      "decode_rows": 0, "decode_kv_columns": 0}
+
+    def _clock(self) -> float:
+        """perf_counter after the device's queued work (CUDA runs asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _clear(self) -> None:
         self._layers = [_BufferLayer() for _ in range(self.num_layers)]
@@ -294,6 +308,7 @@ class NativeEngine:
             pos[g, Lp - (n - S):] = torch.arange(S, n)
         tok[:, S:] = ids
         with self._inference():
+            t0 = self._clock()
             self._alloc(P, Lp)
             self._mask = mask.to(dev)
             self._pos, self._tok = pos.to(dev), tok.to(dev)
@@ -305,6 +320,7 @@ class NativeEngine:
                     layer.kbuf = layer.kbuf.expand(P, -1, -1, -1).contiguous()
                     layer.vbuf = layer.vbuf.expand(P, -1, -1, -1).contiguous()
             logits = self._forward(ids.to(dev), self._mask.long(), self._pos[:, S:], P, S)
+            self.stats["prefill_seconds"] += self._clock() - t0
         self._note_kv()
         self._L, self._rows = Lp, P
         self.stats["prefilled_tokens"] += S + sum(len(p) - S for p in prompts)
@@ -471,7 +487,9 @@ class NativeEngine:
             self._mask[:, T:T + n_max] = cm.to(dev)
             self._pos[:, T:T + n_max] = pos.to(dev)
             self._tok[:, T:T + n_max] = ids.to(dev)
+            t0 = self._clock()
             logits = self._forward(ids.to(dev), self._mask[:, :T + n_max].long(), pos.to(dev), R, T).float()
+            self.stats["prefill_seconds"] += self._clock() - t0
             values = self._values
             self.stats["prefilled_tokens"] += sum(n)
         readout = self.readout is not None
@@ -511,6 +529,7 @@ class NativeEngine:
         ents = [[] for _ in range(R)]
         vals = [[] for _ in range(R)]
         live = R
+        t0 = self._clock()
         while live > 0:
             if isinstance(generator, dict):  # one stream per env group (session -> generator)
                 keys = [sess[row_out[r]] for r in range(live)]
@@ -551,9 +570,13 @@ class NativeEngine:
             self._pos[:live, L] = pos_t[:live]
             self._tok[:live, L] = tok[:live]
             logits = self._forward(tok[:live, None], self._mask[:live, :L + 1].long(), pos_t[:live, None], live, L).float()
+            self.stats["decode_steps"] += 1
+            self.stats["decode_rows"] += live
+            self.stats["decode_kv_columns"] += live * (L + 1)
             values = self._values
             pos_t[:live] += 1
             L += 1
+        self.stats["decode_seconds"] += self._clock() - t0
         return resp, lps, ents, vals, L
 
     def _evict(self, stopped, live, L, row_out, pos_t, tok):
