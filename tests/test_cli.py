@@ -33,6 +33,9 @@ sys.exit(rc)
      ["model.lora_target_modules", "[]"]),
     (["train", "--env", "bandit", "trainer.output_dir="], ["trainer.output_dir", "must name a folder"]),
     (["train", "--env", "bandit", "--out", "/tmp/x", "stray"], ["stray", "section.key=value"]),
+    # the flag would do nothing without --resume: said, not ignored
+    (["train", "--env", "bandit", "--trust-checkpoint"], ["--trust-checkpoint", "--resume"]),
+    (["sft", "--env", "bandit", "--trust-checkpoint"], ["--trust-checkpoint", "--resume"]),
 ])
 def test_cli_refuses_bad_config_before_loading(args, words, tmp_path):
     # in an empty folder: a default run folder (runs/<env>) must not exist already
