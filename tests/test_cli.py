@@ -44,7 +44,7 @@ def test_cli_refuses_bad_config_before_loading(args, words, tmp_path):
         assert w in p.stderr
 
 
-def test_sft_refuses_trust_without_resume(tmp_path, monkeypatch, capsys):
+def test_sft_refuses_trust_without_resume(no_model, tmp_path, monkeypatch, capsys):
     from fastpo.cli import main
 
     monkeypatch.chdir(tmp_path)
