@@ -56,6 +56,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
 
 
+def check_trust_flag(args) -> None:
+    """--trust-checkpoint without --resume: ConfigError (it would silently do nothing; a new
+    run, `--model RUN` included, reads no pickled file)."""
+    from fastpo.config import ConfigError
+
+    if getattr(args, "trust_checkpoint", False) and args.resume is None:
+        raise ConfigError("--trust-checkpoint applies to --resume DIR only (a new run reads no pickled file)")
+
+
 def _add_trust(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-checkpoint", action="store_true",
                    help="with --resume: load checkpoint files that need full unpickling (an older fastpo's "
@@ -223,6 +232,7 @@ def cmd_train(args) -> int:
     main_rank = where is None or where[0] == 0
     console = Console(quiet=not main_rank)  # rank 0 speaks for a data-parallel job
     try:
+        check_trust_flag(args)
         if args.resume is not None:
             cfg = _resume_config(args, world, where is not None, console, main_rank)
             if cfg is None:

@@ -429,7 +429,7 @@ def cmd_sft(args) -> int:
     full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
     from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
                                    run_folder_in_use, untrained_start)
-    from fastpo.cli import _build_config, _check_out_dir, resumed_run_config
+    from fastpo.cli import _build_config, _check_out_dir, check_trust_flag, resumed_run_config
     from fastpo.trainer import Stopped
 
     from rich.console import Console
@@ -438,6 +438,7 @@ def cmd_sft(args) -> int:
     sft_ov = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith("sft.")]
     args.overrides = [o for o in args.overrides if o not in sft_ov]
     try:
+        check_trust_flag(args)
         if args.resume is not None:
             cfg = resumed_run_config(args, fixed=sft_ov)
             RunLock(args.resume).check()

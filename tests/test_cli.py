@@ -33,6 +33,8 @@ sys.exit(rc)
      ["model.lora_target_modules", "[]"]),
     (["train", "--env", "bandit", "trainer.output_dir="], ["trainer.output_dir", "must name a folder"]),
     (["train", "--env", "bandit", "--out", "/tmp/x", "stray"], ["stray", "section.key=value"]),
+    # the flag would do nothing without --resume: said, not ignored
+    (["train", "--env", "bandit", "--trust-checkpoint"], ["--trust-checkpoint", "--resume"]),
 ])
 def test_cli_refuses_bad_config_before_loading(args, words, tmp_path):
     # in an empty folder: a default run folder (runs/<env>) must not exist already
@@ -40,6 +42,16 @@ def test_cli_refuses_bad_config_before_loading(args, words, tmp_path):
     assert p.returncode == 2, p.stderr
     for w in words:
         assert w in p.stderr
+
+
+def test_sft_refuses_trust_without_resume(no_model, tmp_path, monkeypatch, capsys):
+    from fastpo.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["sft", "--env", "bandit", "--trust-checkpoint"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--trust-checkpoint" in err[0] and "--resume" in err[0], err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_overrides_on_both_sides_of_an_option_are_applied(no_model, tmp_path, monkeypatch):
