@@ -110,11 +110,12 @@ def first_turn_pairs(batch, tokenizer, think: bool = True) -> ReasoningPairs:
     prime included); the reasoning is `reasoning_tokens` of the first response with
     close tag "</think>" (think mode) or "</answer>" (answer-only mode). Trajectories with no
     first response or an empty reasoning are left out. Identical prompts (of different env
-    groups too) become one, weighted by the number of env groups holding it.
+    groups too) become one, weighted by the number of env groups holding it (a group whose
+    trajectories saw different prompts holds each of them).
     """
     close = "</think>" if think else "</answer>"
     key_of: dict = {}
-    prompts, responses, own, group_prompt = [], [], [], {}
+    prompts, responses, own, group_prompts = [], [], [], {}
     total = closed = empty = 0
     for b in range(len(batch.input_ids)):
         tix = torch.as_tensor(batch.turn_index[b])
@@ -134,10 +135,12 @@ def first_turn_pairs(batch, tokenizer, think: bool = True) -> ReasoningPairs:
             prompts.append(x.clone())
         responses.append(torch.tensor(z, dtype=torch.long))
         own.append(k)
-        group_prompt[int(batch.group_ids[b])] = k
+        # a group may hold several prompts (an env whose reset ignores the seed): each counts
+        group_prompts.setdefault(int(batch.group_ids[b]), set()).add(k)
     counts = torch.zeros(len(prompts), dtype=torch.float64)
-    for k in group_prompt.values():
-        counts[k] += 1
+    for ks in group_prompts.values():
+        for k in ks:
+            counts[k] += 1
     weights = counts / counts.sum() if len(prompts) else counts
     return ReasoningPairs(prompts, responses, torch.tensor(own, dtype=torch.long), weights, total, closed, empty)
 

@@ -126,6 +126,19 @@ def _rollout(model, tok, seeds, group_size, think=True):
     return ro.generate(seeds, group_size, seed=1)
 
 
+def test_a_group_holding_two_prompts_weighs_both(tiny):
+    """An env group whose trajectories saw different prompts (an env that ignores its seed):
+    each prompt counts for that group; before, the group's last prompt alone counted, an
+    earlier one got weight 0 and the metrics raised ValueError."""
+    model, tok = tiny
+    batch = _rollout(model, tok, [3, 4], 2)  # groups 0, 0, 1, 1 over seeds 3, 3, 4, 4
+    batch.group_ids = torch.tensor([0, 0, 0, 1])  # group 0 saw seed 3's and seed 4's prompt
+    pairs = first_turn_pairs(batch, tok, think=True)
+    assert len(pairs.prompts) == 2 and pairs.weights.tolist() == pytest.approx([1 / 3, 2 / 3])
+    got = batch_collapse_metrics(model, tok, batch, think=True, temperature=0.8, token_budget=8192)
+    assert got["collapse/num_prompts"] == 2 and math.isfinite(got["collapse/mi_estimate"])
+
+
 @pytest.mark.parametrize("seeds", [[3, 4, 5], [3, 3, 4]])
 def test_batch_metrics_match_pair_by_pair_scoring(tiny, seeds):
     """A real rollout's first turns: the packed metrics within 1e-4 of every pair scored
