@@ -26,9 +26,6 @@ _M_MMAP_THRESHOLD = -3
 #: Requests of at least this many bytes get their own mapping (256 KiB: a [64, 1024] fp32 tensor).
 HEAP_MMAP_THRESHOLD = 256 * 1024
 
-_state = {"bounded": False}
-
-
 @functools.lru_cache(maxsize=1)
 def _libc():
     """glibc (ctypes.CDLL), or None on another C library."""
@@ -50,15 +47,7 @@ def bound_heap(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
     if not 0 <= threshold <= 32 * 2**20:
         raise ValueError(f"mmap threshold must be within 0..{32 * 2**20} bytes, got {threshold}")
     libc = _libc()
-    if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
-        return False
-    _state["bounded"] = True
-    return True
-
-
-def heap_bounded() -> bool:
-    """Whether `bound_heap` has set the threshold in this process."""
-    return _state["bounded"]
+    return bool(libc is not None and libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)))
 
 
 def release_free_memory() -> bool:

@@ -244,10 +244,11 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             plot_curves(records, os.path.join(self.out, "plots"), model_label=self.info.label)
         self.console.print(summary_table(records, title=f"fastpo: {self.cfg.env.name}, {self.info.label}"))
         ba = before_after_table(records, run_dir=self.out)
+        note = before_after_note(records) if ba is None else None
         if ba is not None:
             self.console.print(ba)
-        elif before_after_note(records):
-            self.console.print(before_after_note(records), markup=False, soft_wrap=True)
+        elif note:
+            self.console.print(note, markup=False, soft_wrap=True)
         held = [name for name in ("metrics.jsonl", "plots/", "eval/", "samples/", "checkpoints/")
                 if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
         self.console.print(f"outputs in {self.out}/: {', '.join(held)}")
