@@ -61,7 +61,7 @@ def render(result: dict, path: str, parts: list[str] | None = None) -> str:
             continue
         name = r["name"] + (f" vs {r['baseline_name']}" if r.get("baseline_name") else "")
         ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
-        target = "-" if r.get("target") is None else f"≥ {r['target']:g}x " + ("met" if r.get("met") else "**missed**")
+        target = "-" if r.get("target") is None else f"≥ {r['target']:.3g}x " + ("met" if r.get("met") else "**missed**")
         lines.append(f"| {r['part']} | {name} | {fmt(r['fastpo'], r.get('fastpo_spread'))} | "
                      f"{fmt(r.get('baseline'), r.get('baseline_spread'))} | {ratio} | {target} | {r['unit']} |")
     for what, why in (result.get("skipped") or {}).items():
