@@ -26,11 +26,18 @@ sys.path.insert(0, HERE)
 import dist_worker  # noqa: E402
 
 
-def _torchrun(args, tmp_path, timeout=120, nproc=2, env=None):
-    """(exit status, output, seconds) of `torchrun --standalone --nproc_per_node nproc ARGS`."""
+def _child_env(env=None) -> dict:
+    """The environment of a child fastpo/torchrun process: one thread, `env` on top, and none
+    of a surrounding torchrun's rank variables (the child must not think it is one of its ranks)."""
     e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         e.pop(k, None)
+    return e
+
+
+def _torchrun(args, tmp_path, timeout=120, nproc=2, env=None):
+    """(exit status, output, seconds) of `torchrun --standalone --nproc_per_node nproc ARGS`."""
+    e = _child_env(env)
     t0 = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                         *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
@@ -50,9 +57,7 @@ def _two_nodes(args, timeout=180, env=None):
     "nodes" on this machine: two torchrun agents, `--nnodes 2 --nproc_per_node 1`, meeting at
     a c10d rendezvous on 127.0.0.1 (a free port); gloo on the CPU. With c10d the rendezvous,
     not the order of start, decides which node holds rank 0."""
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        e.pop(k, None)
+    e = _child_env(env)
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id",
@@ -442,9 +447,7 @@ NOT_COMPARED = ("time/", "perf/", "dist/", "ema/time/", "ema/perf/", "ema/dist/"
 
 
 def _python(args, timeout=180, env=None):
-    e = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        e.pop(k, None)
+    e = _child_env(env)
     p = subprocess.run([sys.executable, *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
     return p.returncode, p.stdout + p.stderr
 
@@ -688,9 +691,7 @@ def test_ctrl_c_saves_one_checkpoint_from_rank_0(tmp_path):
             "random:tiny-llama", "--device", "cpu", "trainer.plots=false", "trainer.collapse_every=0",
             "rollout.env_groups=2", "algorithm.adv_estimator=grpo", "trainer.save_every=0", "trainer.eval_every=0",
             "--iterations", "500", "--out", str(out)]
-    e = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        e.pop(k, None)
+    e = _child_env()
     p = subprocess.Popen(args, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
