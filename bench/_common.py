@@ -65,12 +65,11 @@ class Record:
         return dataclasses.asdict(self)
 
 
-def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Callable[[], None] | None = None) -> tuple[float, float]:
-    """Run `fn` `warmup` times untimed, then `repeats` times.
-
-    Returns (median seconds, spread seconds) where spread is max - min of the timed runs.
-    `sync` (e.g. torch.cuda.synchronize) is called before each clock read.
-    """
+def timings(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1,
+            sync: Callable[[], None] | None = None) -> list[float]:
+    """Run `fn` `warmup` times untimed, then `repeats` times; returns the timed runs' seconds.
+    `sync` (e.g. torch.cuda.synchronize) is called before each clock read. Raises ValueError
+    for repeats < 1."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(warmup):
@@ -84,6 +83,13 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Call
         if sync:
             sync()
         times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Callable[[], None] | None = None) -> tuple[float, float]:
+    """`timings` summarised: (median seconds, spread seconds), the spread being max - min of
+    the timed runs."""
+    times = timings(fn, repeats, warmup, sync)
     return statistics.median(times), max(times) - min(times)
 
 

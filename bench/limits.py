@@ -34,7 +34,7 @@ import time
 
 import torch
 
-from _common import Record
+from _common import Record, timings
 from part_kernels import bare_matmuls
 
 PART = "e2e"
@@ -136,15 +136,7 @@ def gemm_flops(shapes: dict, tokens: int, device: str, repeats: int = 3) -> tupl
     dtype = torch.bfloat16 if cuda else torch.float32
     n, h, i = max(1, tokens), shapes["hidden"], shapes["intermediate"]
     run, flops = bare_matmuls(n, h, i, dtype, device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    run()
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        sync()
-        t0 = time.perf_counter()
-        run()
-        sync()
-        best = min(best, time.perf_counter() - t0)
+    best = min(timings(run, max(1, repeats), sync=torch.cuda.synchronize if cuda else None))
     what = f"{'bf16' if cuda else 'fp32'} torch.mm x{4 if cuda else 3} at [{n}, {h}] x [{h}, {i}], best of {repeats}"
     return flops / best, what
 
@@ -157,15 +149,7 @@ def memory_bandwidth(device: str, nbytes: int | None = None, repeats: int = 3) -
     nbytes = nbytes or (2 << 30 if cuda else 256 << 20)
     src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(max(1, repeats)):
-        sync()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync()
-        best = min(best, time.perf_counter() - t0)
+    best = min(timings(lambda: dst.copy_(src), max(1, repeats), sync=torch.cuda.synchronize if cuda else None))
     return 2.0 * src.numel() * 4 / best
 
 

@@ -155,7 +155,7 @@ def _iteration(ctx: BenchContext) -> list[Record]:
         tr = Trainer(cfg, console=Console(quiet=True))
         tr.setup()
         spy = limits.UpdateSpy(tr)
-        recs = []
+        recs, lim = [], []
         last = None
         for it in range(1, cfg.trainer.iterations + 1):
             last = tr.iteration(it)
@@ -171,7 +171,7 @@ def _iteration(ctx: BenchContext) -> list[Record]:
         recs.append(Record("train", f"  phase {k[5:-2]}", "s", float(last[k]), None, False, notes=label))
     for k in ("perf/rollout_tokens_per_s", "perf/train_tokens_per_s"):
         recs.append(Record("train", f"  {k[5:]}", "tokens/s", float(last[k]), None, True, notes=label))
-    return recs + (lim if ctx.device == "cpu" else [])
+    return recs + lim
 
 
 def run(ctx: BenchContext) -> list[Record]:
