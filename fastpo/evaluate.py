@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import time
 import types
 from typing import Any, Callable, Optional
 
@@ -93,8 +94,6 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     first: dict = {}
 
     def roll_share() -> tuple:
-        import time
-
         t0, parts = time.perf_counter(), []
         for s in range(share.start, share.stop, chunk):
             idx = list(range(s, min(s + chunk, share.stop)))
@@ -411,8 +410,6 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None, dist=None) ->
     processes, e.g. `fastpo eval --nproc N`) every rank loads the model on its device and
     evaluates its share of the seeds (`evaluate_policy`); rank 0 computes the success bounds
     and writes the samples, and every rank gets the result."""
-    import time
-
     from fastpo import distributed as fdist
     from fastpo import rollout as ro
     from fastpo.metrics import write_samples
