@@ -459,23 +459,26 @@ def _segment_attention(module, query, key, value, attention_mask, *, fastpo_segm
                          f"{tuple(query.shape)} and key {tuple(key.shape)}")
     if fastpo_segments[0][0] != 0 or fastpo_segments[-1][1] != n:
         raise ValueError(f"fastpo_segments {fastpo_segments[:2]}... do not span the row's {n} tokens")
+    # one split per tensor (its backward is one concatenation) rather than a slice per use (each
+    # slice's backward fills a zero tensor the size of the row)
+    sizes = [b - a for a, b, _, _ in fastpo_segments]
+    qs, ks, vs = (t.split(sizes, dim=2) for t in (query, key, value))
+    piece = {(a, b): s for s, (a, b, _, _) in enumerate(fastpo_segments)}  # (as packed, a prefix range is one)
     outs = []
     for s, (a, b, pa, pb) in enumerate(fastpo_segments):
-        q = query[:, :, a:b]
         own = fastpo_segment_masks[s] if fastpo_segment_masks is not None else None
-        if own is not None:
-            k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)
-            v = torch.cat([value[:, :, pa:pb], value[:, :, a:b]], dim=2)
-            o = sdpa_attention_forward(module, q, k, v, own[None, None], is_causal=False, **kwargs)[0]
-        elif pa == pb:
-            o = sdpa_attention_forward(module, q, key[:, :, a:b], value[:, :, a:b], None, is_causal=True, **kwargs)[0]
+        if pa == pb and own is None:
+            outs.append(sdpa_attention_forward(module, qs[s], ks[s], vs[s], None, is_causal=True, **kwargs)[0])
+            continue
+        if pa == pb:
+            k, v = ks[s], vs[s]
         else:
-            k = torch.cat([key[:, :, pa:pb], key[:, :, a:b]], dim=2)
-            v = torch.cat([value[:, :, pa:pb], value[:, :, a:b]], dim=2)
-            # own token i sees the whole prefix and own tokens <= i
-            allowed = torch.ones(b - a, pb - pa + b - a, dtype=torch.bool, device=q.device).tril(pb - pa)
-            o = sdpa_attention_forward(module, q, k, v, allowed[None, None], is_causal=False, **kwargs)[0]
-        outs.append(o)
+            p = piece.get((pa, pb))
+            kp, vp = (ks[p], vs[p]) if p is not None else (key[:, :, pa:pb], value[:, :, pa:pb])
+            k, v = torch.cat([kp, ks[s]], dim=2), torch.cat([vp, vs[s]], dim=2)
+        if own is None:  # own token i sees the whole prefix and own tokens <= i
+            own = torch.ones(b - a, pb - pa + b - a, dtype=torch.bool, device=query.device).tril(pb - pa)
+        outs.append(sdpa_attention_forward(module, qs[s], k, v, own[None, None], is_causal=False, **kwargs)[0])
     return torch.cat(outs, dim=1), None
 
 
