@@ -94,13 +94,14 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 1, sync: Call
 
 
 def fix_malloc_threshold() -> None:
-    """Make glibc return large blocks to the OS when freed, so that memory peaks measured one
-    after the other do not depend on which side ran first (the dynamic mmap threshold would
-    otherwise keep the first side's freed blocks in the heap): `fastpo.memory.bound_heap`,
-    which `Trainer.run` also calls. Call once, before measuring."""
-    from fastpo.memory import bound_heap
+    """Set glibc's heap up as `Trainer.run` does (`fastpo.memory.fix_mmap_threshold`: a fixed
+    threshold, so that what the heaps serve does not depend on what an earlier side freed;
+    `peak_memory` returns their free memory to the system before each measurement, so that
+    peaks measured one after the other do not depend on which side ran first). Call once,
+    before measuring."""
+    from fastpo.memory import fix_mmap_threshold
 
-    bound_heap()
+    fix_mmap_threshold()
 
 
 def _trim() -> None:

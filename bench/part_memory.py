@@ -16,9 +16,9 @@ the trained parameters' bytes, plus the frozen ones once) + the largest KV buffe
 held (`peak_kv_bytes`). The issue's target: the run's peak resident set at most 1.5x that.
 `--quick` runs the `tiny` preset on `random:tiny-llama` (a smoke test; no target).
 
-The trainer sets glibc's heap up itself (`fastpo.memory.bound_heap` in `Trainer.run`), as a
+The trainer sets glibc's heap up itself (`fastpo.memory.fix_mmap_threshold` in `Trainer.run`), as a
 `fastpo train` process does; run as `python bench/part_memory.py [--iterations N]
-[overrides]` to measure outside `throughput.py`, which also bounds the heap at start.
+[overrides]` to measure outside `throughput.py`, which sets it up the same way at start.
 """
 from __future__ import annotations
 

@@ -1,19 +1,24 @@
-"""Host memory of a training process: glibc's heap kept from hoarding freed tensors.
+"""Host memory of a training process: glibc's heap reused within a phase, returned between phases.
 
-PyTorch's CPU tensors are allocated with glibc's malloc. By default glibc serves a request
-of at least its mmap threshold (128 KiB at start) with a fresh mapping, returned to the
-system when freed, and smaller ones from its heaps (arenas), which keep freed memory for
-reuse. The threshold is dynamic: freeing a mapped block raises it to that block's size, up
-to 32 MiB. After the first megabyte-sized tensor is freed, every activation, KV buffer
-and temporary under 32 MiB (all of them, at the CPU preset's shapes) lands in the heaps,
-and what one phase of an iteration frees (the update's activations) stays resident beside
-what the next one allocates (the rollout's KV buffers, the evaluation's): the process's
-resident set grows towards the sum of the phases' peaks instead of the largest one.
+PyTorch's CPU tensors are allocated with glibc's malloc. glibc serves a request of at least
+its mmap threshold with a fresh mapping, returned to the system when freed, and smaller ones
+from its heaps (arenas), which keep freed memory for reuse. Two costs pull apart:
 
-`bound_heap` fixes the threshold (which also turns its adjustment off), so that tensors of
-at least `HEAP_MMAP_THRESHOLD` bytes go back to the system when freed; `release_free_memory`
-(malloc_trim) hands back what the heaps hold free, between phases. Neither changes any
-computed value. Both are no-ops (returning False) where the C library is not glibc.
+- A fresh mapping costs a page fault per 4 KiB page on first touch (and the kernel's zeroing).
+  With the threshold at 256 KiB, every activation, attention temporary and gradient of the
+  update was mapped and unmapped: about 8 million page faults per CPU-preset update, a third
+  of its time (`python bench/profile_update.py`, docs/performance.md).
+- The threshold is dynamic by default: freeing a mapped block raises it to that block's size
+  (up to 32 MiB), so what a process serves from its heaps depends on what it freed before, and
+  the heaps keep what one phase frees (the update's activations) beside what the next one
+  allocates (the rollout's KV buffers, the evaluation's).
+
+`fix_mmap_threshold` fixes the threshold at 32 MiB (glibc's largest; fixing it also turns the
+adjustment off): requests under it come from the heaps and are reused within a phase, mostly
+without new page faults; `release_free_memory` (malloc_trim) hands back what the heaps hold free at
+the end of each phase (rollout, evaluation, each mini-batch's forward and backward, update),
+so that one phase's freed memory does not stay resident through the next. Neither changes
+any computed value. Both are no-ops (returning False) where the C library is not glibc.
 """
 from __future__ import annotations
 
@@ -23,8 +28,9 @@ import functools
 
 #: mallopt's parameter number for the mmap threshold (glibc's malloc.h).
 _M_MMAP_THRESHOLD = -3
-#: Requests of at least this many bytes get their own mapping (256 KiB: a [64, 1024] fp32 tensor).
-HEAP_MMAP_THRESHOLD = 256 * 1024
+#: Requests of at least this many bytes get their own mapping: 32 MiB, glibc's largest (a
+#: [16384, 512] fp32 tensor); everything smaller is served and reused from the heaps.
+HEAP_MMAP_THRESHOLD = 32 * 2**20
 
 @functools.lru_cache(maxsize=1)
 def _libc():
@@ -38,12 +44,13 @@ def _libc():
         return None
 
 
-def bound_heap(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
+def fix_mmap_threshold(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at `threshold` bytes (default `HEAP_MMAP_THRESHOLD`) for this
-    process: every allocation of at least that size is mapped on its own and unmapped when
-    freed, whatever was freed before (the module docstring says why). Affects allocations
-    made afterwards. Returns True when set, False where the C library is not glibc.
-    Raises ValueError for a threshold outside 0..32 MiB (glibc's own bound)."""
+    process: allocations of at least that size are mapped on their own and unmapped when
+    freed, smaller ones come from the heaps, whatever was freed before (the module docstring
+    says why; pair it with `release_free_memory` at the end of each phase). Affects
+    allocations made afterwards. Returns True when set, False where the C library is not
+    glibc. Raises ValueError for a threshold outside 0..32 MiB (glibc's own bound)."""
     if not 0 <= threshold <= 32 * 2**20:
         raise ValueError(f"mmap threshold must be within 0..{32 * 2**20} bytes, got {threshold}")
     libc = _libc()

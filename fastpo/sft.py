@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from fastpo.config import ConfigError, TrainConfig, _at_least, checked
+from fastpo.memory import release_free_memory
 
 SFT_FILE = "sft.yaml"
 _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
@@ -390,6 +391,7 @@ class SFTTrainer(_trainer_base()):
             self._warn(f"iteration {it}: non-finite loss or gradient; SFT step skipped (weights unchanged)")
             self._zero_grad()
         self.model.eval()
+        release_free_memory()  # the step's freed activations, back to the system (fastpo.memory)
         dt = time.perf_counter() - t0
         m = {k: v for k, v in metrics.means().items()}
         succ = self.data.success[idx].float()

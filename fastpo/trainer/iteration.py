@@ -14,6 +14,7 @@ import torch
 from fastpo import algorithms as alg
 from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
+from fastpo.memory import release_free_memory
 from fastpo.metrics import rollout_metrics
 from fastpo.registry import estimator
 from fastpo.seeds import rollout_sampling_seed
@@ -168,6 +169,7 @@ class Iteration:
         extra = {"group_ids": group_ids} if per_group else {}  # (subclasses override _generate)
         full = self._generate(seeds, r.group_size, r.temperature, seed=rollout_sampling_seed(cfg.trainer.seed, it),
                               **extra)
+        release_free_memory()  # the engine's freed KV buffers and temporaries, back to the system
         tm["time/rollout_s"] = time.perf_counter() - t0 - self.weight_sync_seconds
         tm["time/weight_sync_s"] = self.weight_sync_seconds
         turns = int(fdist.all_reduce(ctx, [int(full.num_turns.sum())])[0])

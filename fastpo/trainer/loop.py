@@ -13,7 +13,7 @@ import torch
 from fastpo import distributed as fdist
 from fastpo.checkpoint import LOCK_FILE, CheckpointSaveError, RunLock, nothing_to_train_note, rng_state
 from fastpo.config import TrainConfig, cpu_preset_note
-from fastpo.memory import bound_heap
+from fastpo.memory import fix_mmap_threshold
 from fastpo.models import resolve_device
 from fastpo.metrics import before_after_note, before_after_table, plot_curves, summary_table
 from fastpo.trainer.iteration import Iteration
@@ -71,7 +71,7 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         t = self.cfg.trainer
-        bound_heap()  # freed tensors go back to the system, not into glibc's heaps (fastpo.memory)
+        fix_mmap_threshold()  # glibc's heaps reused within a phase, trimmed between phases (fastpo.memory)
         self.setup()
         old_handlers = {}
         if _in_main_thread():

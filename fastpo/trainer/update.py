@@ -132,7 +132,7 @@ class Update:
         # not held (the policy's size again) through the evaluation and the next rollout
         self._zero_grad()
         self.model.eval()
-        release_free_memory()  # the micro-batches' activations, back to the system
+        release_free_memory()  # what the update freed (fastpo.memory), back to the system
         # means over every rank's micro-batches (and steps)
         metrics = _MetricMeans.merged(fdist.all_gather_object(self.dist, (metrics.sums, metrics.counts)))
         train_tokens = int(fdist.all_reduce(self.dist, [train_tokens])[0])
@@ -225,6 +225,7 @@ class Update:
     def _optimizer_step(self, metrics: "_MetricMeans") -> bool:
         """Clip the accumulated gradients (optim.grad_clip) and step the optimizers; False,
         without a step, when a gradient norm is not finite."""
+        release_free_memory()  # the mini-batch's freed activations, before the step's temporaries
         clip = self.cfg.optim.grad_clip
         gn = torch.nn.utils.clip_grad_norm_([p for grp in self.actor_opt.param_groups for p in grp["params"]], clip)
         cgn = None
