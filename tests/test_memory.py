@@ -126,3 +126,65 @@ def test_gradient_checkpointing_update_is_bit_identical(tmp_path):
     tr._optimizer_step = step
     assert any(float(g.abs().max()) > 0 for g in grads[False])
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
+
+
+_MAPPED = textwrap.dedent("""
+    import torch
+    from fastpo import memory
+    assert memory.fix_mmap_threshold()
+    def rss():
+        return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+    with memory.mapped_allocations():  # KV-buffer-like: mapped, returned exactly when freed
+        mapped = [torch.zeros(2 * 2**20) for _ in range(24)]
+    heap = [torch.zeros(2 * 2**20) for _ in range(24)]  # the threshold is back: from the heap
+    keep = torch.ones(2 * 2**20)  # above them in the heap: freeing them leaves a hole
+    a = rss()
+    del mapped
+    b = rss()
+    del heap
+    c = rss()
+    memory.release_free_memory()
+    print(a - b, b - c, c - rss())
+""")
+
+
+def test_mapped_allocations_return_their_memory_when_freed_and_restore_the_threshold():
+    """24 x 8 MiB allocated inside `mapped_allocations` go back to the system when freed;
+    24 allocated after it come from the heap again, whose freed memory stays resident
+    (a hole below a live tensor) until `release_free_memory`."""
+    out = subprocess.run([sys.executable, "-c", _MAPPED], capture_output=True, text=True, timeout=120,
+                         env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    assert out.returncode == 0, out.stderr
+    mapped_freed, heap_freed, released = map(float, out.stdout.split()[-3:])
+    assert mapped_freed > 180 and heap_freed < 20 and released > 180
+
+
+def test_mapped_allocations_is_a_no_op_without_a_fixed_threshold(monkeypatch):
+    calls = []
+    monkeypatch.setattr(memory, "_fixed_threshold", None)
+    monkeypatch.setattr(memory, "_libc", lambda: calls.append("libc"))
+    with memory.mapped_allocations():
+        pass
+    assert calls == []
+
+
+def test_mapped_allocations_nest(monkeypatch):
+    """An inner block restores the outer block's threshold, the outer one the fixed one."""
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append(value)
+            return 1
+
+    monkeypatch.setattr(memory, "_libc", lambda: Libc())
+    monkeypatch.setattr(memory, "_fixed_threshold", None)
+    monkeypatch.setattr(memory, "_current_threshold", None)
+    assert memory.fix_mmap_threshold()
+    with memory.mapped_allocations():
+        with memory.mapped_allocations():
+            pass
+        assert memory._current_threshold == memory.MAPPED_THRESHOLD
+    assert memory._current_threshold == memory.HEAP_MMAP_THRESHOLD
+    m, h = memory.MAPPED_THRESHOLD, memory.HEAP_MMAP_THRESHOLD
+    assert calls == [h, m, m, m, h]

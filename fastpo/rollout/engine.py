@@ -58,6 +58,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from fastpo.memory import mapped_allocations
+
 # The KV buffer layer and the model checks live in kv_cache.py; the names stay importable here.
 from .kv_cache import (MIN_SHARED_PREFIX, _BufferLayer, _cache_kwarg, shared_prefix_length,  # noqa: F401
                        unsupported_attention)
@@ -316,9 +318,10 @@ class NativeEngine:
                 # The prefix every prompt shares (the system prompt and the game's rules) is
                 # prefilled once, in one row, and its KV copied to every row.
                 self._forward(self._tok[:1, :S], self._mask[:1, :S].long(), self._pos[:1, :S], 1, 0)
-                for layer in self._layers:
-                    layer.kbuf = layer.kbuf.expand(P, -1, -1, -1).contiguous()
-                    layer.vbuf = layer.vbuf.expand(P, -1, -1, -1).contiguous()
+                with mapped_allocations():
+                    for layer in self._layers:
+                        layer.kbuf = layer.kbuf.expand(P, -1, -1, -1).contiguous()
+                        layer.vbuf = layer.vbuf.expand(P, -1, -1, -1).contiguous()
             logits = self._forward(ids.to(dev), self._mask.long(), self._pos[:, S:], P, S)
             self.stats["prefill_seconds"] += self._clock() - t0
         self._note_kv()
@@ -360,8 +363,9 @@ class NativeEngine:
         for layer in self._layers:
             kb, vb = layer.kbuf, layer.vbuf
             H, D = kb.shape[1], kb.shape[3]
-            nk = kb.new_zeros((R, H, capacity, D))
-            nv = vb.new_zeros((R, H, capacity, D))
+            with mapped_allocations():  # each turn's larger buffers: no holes left in the heap
+                nk = kb.new_zeros((R, H, capacity, D))
+                nv = vb.new_zeros((R, H, capacity, D))
             if T:
                 hi = torch.arange(H, device=dev)[None, :, None]
                 nk[:, :, :T] = kb[src[:, None, None], hi, col[:, None, :]]

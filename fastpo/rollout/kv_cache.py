@@ -9,6 +9,8 @@ import inspect
 
 from transformers.cache_utils import DynamicLayer
 
+from fastpo.memory import mapped_allocations
+
 
 def unsupported_attention(config) -> str | None:
     """Why a model config cannot run on the native engine, or None when every layer is full attention.
@@ -79,8 +81,9 @@ class _BufferLayer(DynamicLayer):
         n = key_states.shape[-2]
         if self.kbuf is None:  # first forward of a session set: allocate now that H and D are known
             R, H, _, D = key_states.shape
-            self.kbuf = key_states.new_zeros((R, H, self.capacity, D))
-            self.vbuf = value_states.new_zeros((R, H, self.capacity, D))
+            with mapped_allocations():  # returned exactly when replaced (fastpo.memory)
+                self.kbuf = key_states.new_zeros((R, H, self.capacity, D))
+                self.vbuf = value_states.new_zeros((R, H, self.capacity, D))
             self.device = key_states.device
         end = self.length + n
         if end > self.capacity:

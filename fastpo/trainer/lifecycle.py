@@ -13,7 +13,7 @@ from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
 from fastpo.checkpoint import save_checkpoint
 from fastpo.config import dump_yaml
-from fastpo.memory import release_free_memory
+from fastpo.memory import mapped_allocations, release_free_memory
 
 
 class Stopped(KeyboardInterrupt):
@@ -162,11 +162,13 @@ class Lifecycle:
     def _evaluate_all(self, it: int) -> dict:
         """`evaluate` (each rank its share of the eval seeds); FSDP2: with the parameters
         gathered whole on every rank meanwhile."""
+        # tensors mapped on their own: the evaluation's wide batches fragment the heaps most,
+        # and its peak is the main job's (fastpo.memory)
         try:
-            with ffsdp.gathered(self._fsdp_root):
+            with mapped_allocations(), ffsdp.gathered(self._fsdp_root):
                 return self.evaluate(it)
         finally:
-            release_free_memory()  # the evaluation's KV buffers, back to the system
+            release_free_memory()  # what it freed in the heaps, back to the system
 
     def _run_pending_eval(self) -> bool:
         """The evaluation of the resumed checkpoint's iteration that a SIGTERM stopped: run it and
