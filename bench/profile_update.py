@@ -99,7 +99,7 @@ def main() -> None:
               f"{res['gemm_gflops']:.1f} (model FLOPs, recompute not counted); load {res['load']:.2f}; process: "
               f"{res['minor_faults']} page faults, peak resident set {res['max_rss_kib'] / 2**20:.2f} GiB")
         if args.json:
-            with open(args.json, "a") as f:
+            with open(args.json, "a", encoding="utf-8") as f:
                 f.write(json.dumps(res) + "\n")
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
