@@ -37,8 +37,9 @@ _M_MMAP_THRESHOLD = -3
 HEAP_MMAP_THRESHOLD = 32 * 2**20
 #: Inside `mapped_allocations`: requests of at least 256 KiB get their own mapping.
 MAPPED_THRESHOLD = 256 * 1024
-_fixed_threshold = None  # the threshold fix_mmap_threshold set in this process, if any
-_current_threshold = None  # the one in force (MAPPED_THRESHOLD inside mapped_allocations)
+#: The threshold in force: None until `fix_mmap_threshold` sets one in this process, then
+#: that one, or MAPPED_THRESHOLD inside `mapped_allocations`.
+_current_threshold = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,11 +63,11 @@ def fix_mmap_threshold(threshold: int = HEAP_MMAP_THRESHOLD) -> bool:
     glibc. Raises ValueError for a threshold outside 0..32 MiB (glibc's own bound)."""
     if not 0 <= threshold <= 32 * 2**20:
         raise ValueError(f"mmap threshold must be within 0..{32 * 2**20} bytes, got {threshold}")
-    global _fixed_threshold, _current_threshold
+    global _current_threshold
     libc = _libc()
     if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(threshold)):
         return False
-    _fixed_threshold = _current_threshold = int(threshold)
+    _current_threshold = int(threshold)
     return True
 
 
@@ -82,7 +83,7 @@ def mapped_allocations():
     job's). A no-op unless `fix_mmap_threshold` set a threshold in this process (glibc's
     dynamic threshold cannot be restored once changed)."""
     global _current_threshold
-    libc = _libc() if _fixed_threshold is not None else None
+    libc = _libc() if _current_threshold is not None else None
     if libc is None:
         yield
         return

@@ -35,12 +35,16 @@ _PATTERN = textwrap.dedent("""
 """)
 
 
-def _phase(threshold: int) -> tuple[float, float, float]:
-    out = subprocess.run([sys.executable, "-c", _PATTERN, str(threshold)], capture_output=True, text=True,
-                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+def _run(script: str, *args: str) -> list[float]:
+    """The three numbers `script` prints last, run in a fresh one-thread interpreter (a heap of its own)."""
+    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120,
+                         env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert out.returncode == 0, out.stderr
-    faults, held, left = map(float, out.stdout.split()[-3:])
-    return faults, held, left
+    return [float(x) for x in out.stdout.split()[-3:]]
+
+
+def _phase(threshold: int) -> list[float]:
+    return _run(_PATTERN, str(threshold))
 
 
 def test_fixed_threshold_reuses_freed_memory_and_the_release_returns_it():
@@ -152,16 +156,13 @@ def test_mapped_allocations_return_their_memory_when_freed_and_restore_the_thres
     """24 x 8 MiB allocated inside `mapped_allocations` go back to the system when freed;
     24 allocated after it come from the heap again, whose freed memory stays resident
     (a hole below a live tensor) until `release_free_memory`."""
-    out = subprocess.run([sys.executable, "-c", _MAPPED], capture_output=True, text=True, timeout=120,
-                         env={"OMP_NUM_THREADS": "1", "PATH": ""})
-    assert out.returncode == 0, out.stderr
-    mapped_freed, heap_freed, released = map(float, out.stdout.split()[-3:])
+    mapped_freed, heap_freed, released = _run(_MAPPED)
     assert mapped_freed > 180 and heap_freed < 20 and released > 180
 
 
 def test_mapped_allocations_is_a_no_op_without_a_fixed_threshold(monkeypatch):
     calls = []
-    monkeypatch.setattr(memory, "_fixed_threshold", None)
+    monkeypatch.setattr(memory, "_current_threshold", None)
     monkeypatch.setattr(memory, "_libc", lambda: calls.append("libc"))
     with memory.mapped_allocations():
         pass
@@ -178,7 +179,6 @@ def test_mapped_allocations_nest(monkeypatch):
             return 1
 
     monkeypatch.setattr(memory, "_libc", lambda: Libc())
-    monkeypatch.setattr(memory, "_fixed_threshold", None)
     monkeypatch.setattr(memory, "_current_threshold", None)
     assert memory.fix_mmap_threshold()
     with memory.mapped_allocations():
