@@ -252,10 +252,13 @@ def cmd_train(args) -> int:
         if main_rank:
             print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
+    finished = False
     try:
-        return _train_in_process(args, cfg, ctx, console)
+        status = _train_in_process(args, cfg, ctx, console)
+        finished = True
+        return status
     finally:
-        fdist.shutdown(ctx)
+        fdist.shutdown(ctx, finished)
 
 
 def _train_in_process(args, cfg, ctx, console) -> int:
@@ -346,10 +349,12 @@ def cmd_eval(args) -> int:
             if run.mismatch_note():
                 console.print(run.mismatch_note(), style="yellow", markup=False)
         ctx = fdist.init_from_env(cfg.trainer.device) if where is not None else fdist.SINGLE
+        finished = False
         try:
             res = run_eval(cfg, console=console, samples_dir=args.samples, dist=ctx)
+            finished = True
         finally:
-            fdist.shutdown(ctx)
+            fdist.shutdown(ctx, finished)
     except (ConfigError, FileNotFoundError, fdist.DistributedError) as e:
         if main_rank:
             print(f"fastpo eval: error: {e}", file=sys.stderr)
@@ -452,6 +457,9 @@ def _degrade_console() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `fastpo` command line `argv` (default: sys.argv[1:]); the exit status (2: bad
+    input). Under torchrun, a rank that joined the job's process group ends its process when
+    the command is over, with that status (`fastpo.distributed.end_process`): no return."""
     _degrade_console()
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -496,12 +504,18 @@ def main(argv: list[str] | None = None) -> int:
     if status is not None:
         return status
     if args.command == "train":
-        return cmd_train(args)
-    if args.command == "sft":
+        status = cmd_train(args)
+    elif args.command == "sft":
         from fastpo.sft import cmd_sft
 
-        return cmd_sft(args)
-    return cmd_eval(args)
+        status = cmd_sft(args)
+    else:
+        status = cmd_eval(args)
+    from fastpo import distributed as fdist
+
+    if fdist.left_job():  # a torchrun rank: ends here, without the interpreter's teardown (see end_process)
+        fdist.end_process(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -231,12 +232,48 @@ def init_from_env(device: str = "auto", timeout_s: Optional[float] = None) -> Di
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend, device=dev)
 
 
-def shutdown(ctx: DistContext) -> None:
-    """Leave the process group (no-op for one process)."""
+def shutdown(ctx: DistContext, finished: bool = True) -> None:
+    """Leave the process group (no-op for one process). `finished`: this rank's work returned
+    (not raised); then it first waits for every rank (a barrier), so that no rank tears down
+    while rank 0 still writes the last checkpoint or the evaluation files. On an error the
+    barrier is skipped: a rank that raised ends the job (torchrun stops the others)."""
     import torch.distributed as dist
 
     if ctx.initialized and dist.is_initialized():
+        if finished and ctx.world_size > 1:
+            dist.barrier(**({"device_ids": [ctx.device.index]} if ctx.backend == "nccl" else {}))
         dist.destroy_process_group()
+        global _left_job
+        _left_job = True
+
+
+#: Whether this process has left a torchrun job's process group (`shutdown`).
+_left_job = False
+
+
+def left_job() -> bool:
+    """Whether this process joined a torchrun job's process group and has left it (`shutdown`):
+    the command is over and the process should end with `end_process`."""
+    return _left_job
+
+
+def end_process(status: int) -> None:
+    """End this torchrun rank with exit status `status` once its job is over (after
+    `shutdown`): stdout and stderr flushed, logging shut down, then `os._exit` without the
+    interpreter's teardown. Why: once FSDP2 (DTensor) and torch._dynamo have been used,
+    torch keeps the gloo process group alive past `destroy_process_group` (its worker threads
+    still run), and destroying it during the teardown can abort the process (SIGABRT,
+    "terminate called without an active exception": a finished job reported as failed by
+    torchrun). Everything fastpo writes is closed before this point. Does not return."""
+    import logging
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
+            pass
+    logging.shutdown()
+    os._exit(status)
 
 
 def on_main(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Any:

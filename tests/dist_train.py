@@ -17,6 +17,10 @@ It runs `fastpo.cli.main(ARGS)` with two test-only changes to the rollout:
   trajectory (a rank with an empty share of the update).
 - a failing rank: with FASTPO_TEST_FAIL_RANK=R and FASTPO_TEST_FAIL_ITERATION=I set, rank R
   raises RuntimeError("rank R: the env exploded in iteration I") in that iteration's rollout.
+
+With FASTPO_TEST_TEARDOWN_NOTE=1 an atexit hook prints "dist_train: interpreter teardown" to
+stderr: whether the process ended through the interpreter's teardown (one process) or
+without it (a torchrun rank, fastpo.distributed.end_process).
 """
 import os
 import sys
@@ -73,6 +77,10 @@ def patch_rollout() -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("FASTPO_TEST_TEARDOWN_NOTE") == "1":
+        import atexit
+
+        atexit.register(lambda: print("dist_train: interpreter teardown", file=sys.stderr, flush=True))
     patch_rollout()
     from fastpo.cli import main
 
