@@ -252,13 +252,10 @@ def cmd_train(args) -> int:
         if main_rank:
             print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
-    finished = False
     try:
-        status = _train_in_process(args, cfg, ctx, console)
-        finished = True
-        return status
+        return _train_in_process(args, cfg, ctx, console)
     finally:
-        fdist.shutdown(ctx, finished)
+        fdist.shutdown(ctx)
 
 
 def _train_in_process(args, cfg, ctx, console) -> int:
@@ -349,12 +346,10 @@ def cmd_eval(args) -> int:
             if run.mismatch_note():
                 console.print(run.mismatch_note(), style="yellow", markup=False)
         ctx = fdist.init_from_env(cfg.trainer.device) if where is not None else fdist.SINGLE
-        finished = False
         try:
             res = run_eval(cfg, console=console, samples_dir=args.samples, dist=ctx)
-            finished = True
         finally:
-            fdist.shutdown(ctx, finished)
+            fdist.shutdown(ctx)
     except (ConfigError, FileNotFoundError, fdist.DistributedError) as e:
         if main_rank:
             print(f"fastpo eval: error: {e}", file=sys.stderr)

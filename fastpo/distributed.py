@@ -232,16 +232,14 @@ def init_from_env(device: str = "auto", timeout_s: Optional[float] = None) -> Di
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend, device=dev)
 
 
-def shutdown(ctx: DistContext, finished: bool = True) -> None:
-    """Leave the process group (no-op for one process). `finished`: this rank's work returned
-    (not raised); then it first waits for every rank (a barrier), so that no rank tears down
-    while rank 0 still writes the last checkpoint or the evaluation files. On an error the
-    barrier is skipped: a rank that raised ends the job (torchrun stops the others)."""
+def shutdown(ctx: DistContext) -> None:
+    """Leave the process group (no-op for one process). No barrier first: a rank whose error
+    was its own (an env that raised, rank 0's full disk) returns while the others may be in
+    a collective, which a barrier would mismatch; a finished rank may leave while rank 0
+    still writes the last checkpoint."""
     import torch.distributed as dist
 
     if ctx.initialized and dist.is_initialized():
-        if finished and ctx.world_size > 1:
-            dist.barrier(**({"device_ids": [ctx.device.index]} if ctx.backend == "nccl" else {}))
         dist.destroy_process_group()
         global _left_job
         _left_job = True
