@@ -453,8 +453,7 @@ def _degrade_console() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `fastpo` command line `argv` (default: sys.argv[1:]); the exit status (2: bad
-    input). Under torchrun, a rank that joined the job's process group ends its process when
-    the command is over, with that status (`fastpo.distributed.end_process`): no return."""
+    input). `entry` is the command itself (exit, and the end of a torchrun rank)."""
     _degrade_console()
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -506,12 +505,36 @@ def main(argv: list[str] | None = None) -> int:
         status = cmd_sft(args)
     else:
         status = cmd_eval(args)
-    from fastpo import distributed as fdist
-
-    if fdist.left_job():  # a torchrun rank: ends here, without the interpreter's teardown (see end_process)
-        fdist.end_process(status)
     return status
 
 
+def entry(argv: list[str] | None = None) -> None:
+    """The `fastpo` command (console script, `python -m fastpo`, what torchrun runs in each
+    process): `main(argv)`, then exit with its status. Under torchrun `main` is wrapped in
+    torch.distributed.elastic's `record` (a failing rank's exception reaches torchrun's error
+    summary), and a rank that has left its job's process group ends with
+    `fastpo.distributed.end_process` instead of the interpreter's teardown: with `main`'s
+    status, or 1 (130 for Ctrl-C) after an exception, whose traceback is printed first."""
+    run = main
+    if "WORLD_SIZE" in os.environ:  # started by torchrun
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        run = record(main)
+    try:
+        status = run(argv)
+    except BaseException as e:
+        fdist = sys.modules.get("fastpo.distributed")  # not imported: no process group was joined
+        if fdist is None or not fdist.left_job() or isinstance(e, SystemExit):
+            raise
+        import traceback
+
+        traceback.print_exc()
+        fdist.end_process(130 if isinstance(e, KeyboardInterrupt) else 1)
+    fdist = sys.modules.get("fastpo.distributed")
+    if fdist is not None and fdist.left_job():
+        fdist.end_process(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -229,6 +229,8 @@ def init_from_env(device: str = "auto", timeout_s: Optional[float] = None) -> Di
     if not dist.is_initialized():
         kw = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kw)
+        global _left_job
+        _left_job = False  # in a job again
     return DistContext(rank=rank, world_size=world, local_rank=local, backend=backend, device=dev)
 
 
@@ -250,8 +252,9 @@ _left_job = False
 
 
 def left_job() -> bool:
-    """Whether this process joined a torchrun job's process group and has left it (`shutdown`):
-    the command is over and the process should end with `end_process`."""
+    """Whether this process joined a torchrun job's process group and has left it (`shutdown`)
+    since it last joined one: its command is over, and `fastpo.cli.entry` ends it with
+    `end_process`."""
     return _left_job
 
 
@@ -267,7 +270,8 @@ def end_process(status: int) -> None:
 
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.flush()
+            if stream is not None:
+                stream.flush()
         except (OSError, ValueError):  # a closed or broken pipe: nothing left to say
             pass
     logging.shutdown()

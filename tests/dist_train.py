@@ -82,10 +82,6 @@ if __name__ == "__main__":
 
         atexit.register(lambda: print("dist_train: interpreter teardown", file=sys.stderr, flush=True))
     patch_rollout()
-    from fastpo.cli import main
+    from fastpo.cli import entry
 
-    if "WORLD_SIZE" in os.environ:
-        from torch.distributed.elastic.multiprocessing.errors import record
-
-        main = record(main)
-    sys.exit(main(sys.argv[1:]))
+    entry(sys.argv[1:])

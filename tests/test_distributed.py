@@ -6,6 +6,7 @@ on the concatenated batch.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -729,8 +730,9 @@ def test_ctrl_c_saves_one_checkpoint_from_rank_0(tmp_path):
 
 
 def test_a_failing_rank_ends_the_training_job(tmp_path):
-    """Rank 1's rollout raises in iteration 2: the job ends non-zero with rank 1's message,
-    no hang (rank 0's collective fails when rank 1 is gone), iteration 1's checkpoint kept."""
+    """Rank 1's rollout raises in iteration 2: the job ends non-zero with rank 1's message and
+    status (1), no hang (rank 0's collective fails when rank 1 is gone), iteration 1's
+    checkpoint kept."""
     out = tmp_path / "run"
     rc, log, secs = _torchrun(["tests/dist_train.py", "train", *TRAIN, "trainer.collapse_every=0", "--iterations", "4",
                                "--out", str(out)], tmp_path, timeout=150,
@@ -738,6 +740,8 @@ def test_a_failing_rank_ends_the_training_job(tmp_path):
                                    fd.TIMEOUT_ENV: "60"})
     assert rc != 0
     assert "RuntimeError: rank 1: the env exploded in iteration 2" in log
+    # rank 1 ends with status 1 (fastpo.cli.entry, after leaving the group), not a teardown's signal
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)\s+exitcode\s+: 1 \(", log), log[-3000:]
     assert secs < 120
     assert [r["iteration"] for r in _records(out)] == [1]
     assert "iter_000001" in os.listdir(out / "checkpoints")

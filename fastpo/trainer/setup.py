@@ -86,6 +86,10 @@ class Setup:
             self._setup()
         except BaseException:
             self._shutdown_engine()  # a started SGLang server must not outlive the failed start
+            logger = getattr(self, "logger", None)
+            if logger is not None:  # TensorBoard / wandb opened before the failure
+                with contextlib.suppress(Exception):
+                    logger.close()
             empty = (self.dist.is_main and created and os.path.isdir(self.out)
                      and set(os.listdir(self.out)) <= {LOCK_FILE})
             self._release_lock(remove=empty)
