@@ -239,9 +239,10 @@ def cmd_train(args) -> int:
                 return 0
         else:
             cfg = _new_run_config(args, world, where is not None, console)
-        from fastpo.models import check_kernel_impl, resolve_device
+        from fastpo.models import check_kernel_impl, check_model_name, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
+        check_model_name(cfg.model.name)  # a name that names no model: said before the run's banner
         _check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
         ctx = fdist.SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
@@ -332,9 +333,10 @@ def cmd_eval(args) -> int:
                                values={"model.name": args.model} if args.model is not None else None,
                                warn=lambda text: console.print(f"warning: {text}", style="yellow", markup=False,
                                                               soft_wrap=True))
-        from fastpo.models import resolve_device
+        from fastpo.models import check_model_name, resolve_device
 
         resolve_device(cfg.trainer.device)
+        check_model_name(cfg.model.name)
         if args.samples is not None:
             _check_out_dir(args.samples, "--samples")
         if args.json is not None:
@@ -384,10 +386,20 @@ def _check_processes(args, argv: list[str]) -> int | None:
         if nproc is not None:
             fdist.check_nproc(nproc, args.device)
         fdist.torchrun_env()  # bad torchrun variables: one line
-        if args.command == "train" and (nproc or 1) > 1 and args.resume is None:
-            # what the N processes would each refuse, said once before torchrun starts them
-            fdist.check_trainer_support(_build_config(args, []), args.nproc)
-    except (fdist.DistributedError, ConfigError) as e:
+        if (nproc or 1) > 1:  # what the N processes would each refuse, said once before torchrun starts them
+            name = args.model
+            if args.command == "train":
+                if args.resume is None:
+                    cfg = _build_config(args, [])
+                    fdist.check_trainer_support(cfg, args.nproc)
+                else:
+                    cfg = resumed_run_config(args)  # a folder that is no run, a setting a resume cannot change
+                name = cfg.model.name
+            if name is not None:  # (fastpo.models imported only once the settings are valid)
+                from fastpo.models import check_model_name
+
+                check_model_name(name)
+    except (fdist.DistributedError, ConfigError, FileNotFoundError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
     if (nproc or 1) > 1:  # torchrun runs N of this command
@@ -415,6 +427,10 @@ def _launch_processes(nproc: int, argv: list[str]) -> int:
 
     cmd = fdist.torchrun_command(nproc, argv)
     targs = parse_args(cmd[3:])  # after `python -m torch.distributed.run`
+    # the machine's cores shared out (torchrun would set 1 for each process, with a banner)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores // nproc))
     # the agent's own warnings ("Received 2 death signal, shutting down workers") repeat what
     # rank 0 already said (its loggers set their own levels when imported)
     for name in list(logging.Logger.manager.loggerDict):

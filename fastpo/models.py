@@ -526,6 +526,37 @@ class ModelLoadError(ConfigError):
     """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
 
 
+def check_model_name(name: str) -> None:
+    """Refuse, before anything loads or prints, a `model.name` that names no model: an unknown
+    `random:<shape>`, a local path that does not exist, a file, or a folder that is neither an
+    HF model folder nor a fastpo checkpoint or run folder. Raises ModelLoadError (one line,
+    as `load_model_checked` says it), and an HF hub id neither in the local cache nor
+    reachable (the hub probed for at most 3 s)."""
+    try:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"model name must be a non-empty string, got {name!r}")
+        if name == DEFAULT_MODEL:
+            return
+        if name.startswith("random:"):
+            _check_random_shape(name)
+            return
+        path, source = _resolve_path(name)
+        if source == "hub" and not _hub_cached(path) and not _hub_reachable():
+            raise ValueError(_unreachable_message(name))
+    except ValueError as e:
+        raise ModelLoadError(f"model.name={name!r} cannot be loaded: {e}") from e
+
+
+def _hub_cached(repo_id: str) -> bool:
+    """Whether the local HF cache holds `repo_id`'s config.json."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # noqa: BLE001 - a malformed id: the load says what is wrong
+        return False
+
+
 def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
     """`load_model_and_tokenizer(name, **kw)` (with `tokenizer_only`,
     `load_tokenizer(name)`) with its bad-input errors (ValueError, RuntimeError, OSError)

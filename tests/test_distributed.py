@@ -214,6 +214,49 @@ def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, 
     assert says in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["train", "--resume", "{tmp}/nope", "--device", "cpu", "--nproc", "2"],
+     "{tmp}/nope/config.yaml not found: is {tmp}/nope a fastpo run folder?"),
+    (["eval", "--model", "{tmp}/nope", "--device", "cpu", "--nproc", "2"],
+     "model.name='{tmp}/nope' cannot be loaded: model folder '{tmp}/nope' does not exist"),
+    (["train", "--env", "bandit", "--model", "random:tiny-lama", "--device", "cpu", "--nproc", "2"],
+     "model.name='random:tiny-lama' cannot be loaded: unknown random model shape 'tiny-lama'"),
+])
+def test_nproc_refuses_a_missing_run_or_model_before_torchrun(argv, says, tmp_path, capsys, monkeypatch):
+    """A --resume folder that is no run, or a --model that names no model: one line, exit
+    status 2, before torchrun starts its processes (each of which would say it again)."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(fastpo.cli, "_launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    assert main([a.format(tmp=tmp_path) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert says.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
+    assert out == ""
+
+
+def test_a_model_that_names_nothing_is_refused_before_anything_prints(tmp_path, capsys, monkeypatch):
+    """One process too: the random shape's typo is said before the run's banner."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", "--env", "bandit", "--model", "random:tiny-lama", "--out", str(tmp_path / "r")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "unknown random model shape 'tiny-lama'" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_launcher_shares_out_the_cores(monkeypatch):
+    """`--nproc N` gives each process OMP_NUM_THREADS = the cores / N (at least 1) unless set
+    (torchrun would set 1 and print a banner), and keeps a value the user set."""
+    import torch.distributed.run as trun
+
+    seen = []
+    monkeypatch.setattr(trun, "run", lambda targs: seen.append(os.environ["OMP_NUM_THREADS"]))
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert fastpo.cli._launch_processes(2, ["train", "--env", "bandit"]) == 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert fastpo.cli._launch_processes(2, ["train", "--env", "bandit"]) == 0
+    assert seen == [str(max(1, cores // 2)), "3"]
+
+
 def test_lora_is_refused_only_when_sharded():
     from fastpo.config import load_config
 
