@@ -231,6 +231,8 @@ def cmd_train(args) -> int:
     world = where[1] if where is not None else 1
     main_rank = where is None or where[0] == 0
     console = Console(quiet=not main_rank)  # rank 0 speaks for a data-parallel job
+    if not main_rank:
+        _quiet_progress_bars()
     try:
         check_trust_flag(args)
         if args.resume is not None:
@@ -313,6 +315,8 @@ def cmd_eval(args) -> int:
     where = fdist.torchrun_env()  # under torchrun each process evaluates its share of the seeds
     main_rank = where is None or where[0] == 0
     console = Console(quiet=not main_rank)  # rank 0 speaks for the job
+    if not main_rank:
+        _quiet_progress_bars()
     ov = []
     if args.seeds is not None:
         ov.append(f"trainer.eval_seeds={args.seeds}")
@@ -451,6 +455,16 @@ def _launch_processes(nproc: int, argv: list[str]) -> int:
     except KeyboardInterrupt:  # a Ctrl-C before torchrun's agent took the signals over
         return 128 + signal.SIGINT
     return 0
+
+
+def _quiet_progress_bars() -> None:
+    """No transformers / huggingface_hub progress bars (weights loading, shards written) in
+    this process: a torchrun rank other than 0, whose bars would repeat rank 0's."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
 
 
 def _degrade_console() -> None:

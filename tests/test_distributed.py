@@ -575,6 +575,12 @@ def test_torchrun_ranks_end_without_interpreter_teardown(dp_runs):
     assert "dist_train: interpreter teardown" not in out
 
 
+def test_only_rank_0_shows_progress_bars(dp_runs):
+    """Both ranks of the resume load the checkpoint's weights; transformers' loading bar is
+    rank 0's alone (fastpo.cli._quiet_progress_bars on the others)."""
+    assert dp_runs["out_two"].count("Loading weights: 100%") == 1, dp_runs["out_two"][-3000:]
+
+
 def test_two_processes_train_as_one(dp_runs):
     """The 2-process iteration equals the 1-process one: the same trajectories and scores,
     the same groups kept by the global StarPO-S filter, the same metrics (rollout, filter,
