@@ -528,14 +528,12 @@ def main(argv: list[str] | None = None) -> int:
     if status is not None:
         return status
     if args.command == "train":
-        status = cmd_train(args)
-    elif args.command == "sft":
+        return cmd_train(args)
+    if args.command == "sft":
         from fastpo.sft import cmd_sft
 
-        status = cmd_sft(args)
-    else:
-        status = cmd_eval(args)
-    return status
+        return cmd_sft(args)
+    return cmd_eval(args)
 
 
 def entry(argv: list[str] | None = None) -> None:
@@ -553,17 +551,24 @@ def entry(argv: list[str] | None = None) -> None:
     try:
         status = run(argv)
     except BaseException as e:
-        fdist = sys.modules.get("fastpo.distributed")  # not imported: no process group was joined
-        if fdist is None or not fdist.left_job() or isinstance(e, SystemExit):
+        if isinstance(e, SystemExit) or not _left_a_job():
             raise
         import traceback
 
         traceback.print_exc()
-        fdist.end_process(130 if isinstance(e, KeyboardInterrupt) else 1)
-    fdist = sys.modules.get("fastpo.distributed")
-    if fdist is not None and fdist.left_job():
-        fdist.end_process(status)
+        status = 130 if isinstance(e, KeyboardInterrupt) else 1
+    if _left_a_job():
+        from fastpo.distributed import end_process
+
+        end_process(status)
     sys.exit(status)
+
+
+def _left_a_job() -> bool:
+    """Whether this process joined a torchrun job's process group and has left it
+    (fastpo.distributed not imported: it never joined one; the check imports no torch)."""
+    fdist = sys.modules.get("fastpo.distributed")
+    return fdist is not None and fdist.left_job()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ module itself):
     python tests/dist_train.py train ARGS...                                  # one process
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_train.py train ARGS...
 
-It runs `fastpo.cli.main(ARGS)` with two test-only changes to the rollout:
+It runs the `fastpo` command (`fastpo.cli.entry(ARGS)`) with two test-only changes to the rollout:
 
 - scores with spread: a random tiny model never writes a valid answer, so every trajectory
   would score the same format penalty and every advantage would be 0. Each trajectory's
