@@ -393,6 +393,58 @@ def codes_to_strings(codes: np.ndarray) -> list[str]:
     return np.ascontiguousarray(codes).view(np.dtype(("U", L))).reshape(B).tolist()
 
 
+# Observation formats of the grid games (the `observation` config key):
+#   grid          the paper's rendering, cells run together ("#_P_#"): a BPE tokenizer merges runs
+#                 such as "____", "OO", "GP" into single tokens, so a cell's column is only known by
+#                 counting characters inside tokens of varying width;
+#   cells         one token per cell: cells separated by spaces ("# _ P _ #"), and a one-token
+#                 symbol in place of the default "√" (two byte-level tokens);
+#   coords        the grid plus lines naming each object's (row, column), as RAGEN's later
+#                 CoordSokoban / CoordFrozenLake observations;
+#   cells+coords  both.
+OBSERVATIONS = ("grid", "cells", "coords", "cells+coords")
+# "√" (box on target, player on goal) is two byte-level tokens for GPT-2-style tokenizers
+# (SmolLM2's included); the per-cell formats default to "*" (XSB's box on target) instead.
+CELL_FORMAT_SYMBOL = "*"
+
+
+def check_observation(observation) -> str:
+    """The observation format name, checked: one of OBSERVATIONS. Raises ValueError naming a bad one."""
+    if not isinstance(observation, str) or observation not in OBSERVATIONS:
+        raise ValueError(f"observation must be one of {OBSERVATIONS}, got {observation!r}")
+    return observation
+
+
+def format_symbols(defaults: dict, overrides: dict | None, observation: str) -> dict:
+    """`symbol_table(defaults, overrides)` for an observation format: in the per-cell formats a
+    default symbol "√" that the user did not override becomes CELL_FORMAT_SYMBOL ("*"), so that
+    every cell is one token. Raises what symbol_table raises."""
+    if "cells" in observation:
+        defaults = {k: (CELL_FORMAT_SYMBOL if v == "√" and k not in (overrides or {}) else v)
+                    for k, v in defaults.items()}
+    return symbol_table(defaults, overrides)
+
+
+def observation_note(observation: str) -> str:
+    """The line(s) the instructions add for an observation format ("" for the paper's grid)."""
+    note = ""
+    if "cells" in observation:
+        note += "In the grid, cells are separated by spaces.\n"
+    if "coords" in observation:
+        note += "Below the grid, positions are (row, column), counted from (0, 0) at the top left.\n"
+    return note
+
+
+def spaced_cells(grid: str) -> str:
+    """A run-together grid text with its cells separated by single spaces, row by row."""
+    return "\n".join(" ".join(row) for row in grid.split("\n"))
+
+
+def cell_list(cells) -> str:
+    """"(r, c)" pairs joined by "; ": the coordinate lines' notation for several cells."""
+    return "; ".join(f"({r}, {c})" for r, c in cells)
+
+
 def symbol_table(defaults: dict, overrides: dict | None) -> dict:
     """Merge symbol overrides into defaults; each symbol must be one printable character.
 
@@ -492,14 +544,26 @@ class BatchedTextEnv:
         return self._table, self._name_action
 
     def _grid_texts(self, fill) -> list[str]:
-        """The B grids as text: `fill(buf)` writes their code points into a uint32
-        [B, R * (C + 1) - 1] buffer (rows of self.size, newline-separated), kept between calls."""
+        """The B observations: `fill(buf)` writes the grids' code points into a uint32
+        [B, R * (C + 1) - 1] buffer (rows of self.size, newline-separated), kept between calls;
+        the `observation` format (OBSERVATIONS; "grid" when a subclass sets none) spaces the
+        cells and appends `_coordinate_lines`."""
         self._require_reset()
         if getattr(self, "_render_buf", None) is None:
             R, C = self.size
             self._render_buf = np.zeros((self._B, R * (C + 1) - 1), dtype=np.uint32)
         fill(self._render_buf)
-        return codes_to_strings(self._render_buf)
+        texts = codes_to_strings(self._render_buf)
+        observation = getattr(self, "observation", "grid")
+        if "cells" in observation:
+            texts = [spaced_cells(t) for t in texts]
+        if "coords" in observation:
+            texts = [f"{t}\n{self._coordinate_lines(b)}" for b, t in enumerate(texts)]
+        return texts
+
+    def _coordinate_lines(self, b: int) -> str:  # pragma: no cover - abstract
+        """The "coords" observation's lines for instance b: where each object is, as (row, column)."""
+        raise NotImplementedError
 
     def _check_index(self, i) -> int:
         if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < self._B:

@@ -25,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform,
-                    seed_list, symbol_table)
+from ._core import (BatchedTextEnv, NameTable, _is_real, cell_list, check_horizon, check_observation, format_symbols,
+                    observation_note, rng_below, rng_seed_all, rng_uniform, seed_list)
 
 ACTIONS = ("Left", "Down", "Right", "Up")
 DEFAULT_SYMBOLS = {"player": "P", "frozen": "_", "hole": "O", "goal": "G", "player_in_hole": "X",
@@ -319,7 +319,9 @@ class FrozenLakeEnv(BatchedTextEnv):
     at the paper's commit; RAGEN's current head uses p=0.9, success_prob=0.8), desc (a
     fixed map in gymnasium notation; then size, p and layout are unused and every seed gives
     that map), max_steps (default 100, 0 = no cap; hitting it ends the episode as
-    truncated), symbols (overrides of DEFAULT_SYMBOLS).
+    truncated), symbols (overrides of DEFAULT_SYMBOLS), observation (the text format, one of
+    OBSERVATIONS in _core: "grid", the paper's run-together rows, default; "cells", one token
+    per cell; "coords", the grid plus (row, column) lines; "cells+coords").
     Raises ValueError naming a bad config value.
     """
 
@@ -328,7 +330,7 @@ class FrozenLakeEnv(BatchedTextEnv):
 
     def __init__(self, batch_size: int, size: int = 4, p: float = 0.8, is_slippery: bool = True,
                  success_prob: float = 1.0 / 3.0, desc=None, max_steps: int = 100, symbols: dict | None = None,
-                 layout: str = "ragen"):
+                 layout: str = "ragen", observation: str = "grid"):
         super().__init__(batch_size)
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -352,7 +354,8 @@ class FrozenLakeEnv(BatchedTextEnv):
         self.is_slippery = bool(is_slippery)
         self.success_prob = float(success_prob)
         self.max_steps = int(max_steps)
-        self.symbols = symbol_table(DEFAULT_SYMBOLS, symbols)
+        self.observation = check_observation(observation)
+        self.symbols = format_symbols(DEFAULT_SYMBOLS, symbols, self.observation)
         self._sym = np.array([ord(self.symbols[k]) for k in DEFAULT_SYMBOLS], dtype=np.uint32)
         R, C = self.size
         B = self._B
@@ -438,7 +441,10 @@ class FrozenLakeEnv(BatchedTextEnv):
         return self._success_values(seeds, horizon, False)
 
     def render(self) -> list[str]:
-        """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
+        """The B current observations in the `observation` format: the grid's rows separated by
+        newlines (cells separated by spaces in the per-cell formats), then, in the coordinate
+        formats, where the player, the goal and the holes are. Raises RuntimeError before the
+        first reset."""
         return self._grid_texts(lambda buf: _fl_render(self._maps, self._pos, self._sym, buf))
 
     def instructions(self) -> list[str]:
@@ -452,9 +458,18 @@ class FrozenLakeEnv(BatchedTextEnv):
             f"Symbols: {s['player']} you, {s['frozen']} frozen ice, {s['hole']} hole, {s['goal']} goal, "
             f"{s['player_in_hole']} you in a hole, {s['player_on_goal']} you on the goal.\n"
             f"{slip}Reaching the goal gives reward 1; falling into a hole ends the game.\n"
+            f"{observation_note(self.observation)}"
             f"Valid actions: {', '.join(ACTIONS)}. Separate several actions with ' || '."
         )
         return [text] * self._B
+
+    def _coordinate_lines(self, b: int) -> str:
+        grid = self._maps[b]
+        r, c = divmod(int(self._pos[b]), self.size[1])
+        holes = list(zip(*np.nonzero(grid == _HOLE)))
+        return (f"You ({self.symbols['player']}) are at ({r}, {c}).\n"
+                f"Goal at {cell_list(zip(*np.nonzero(grid == _GOAL)))}.\n"
+                f"Holes at {cell_list(holes) if holes else 'none'}.")
 
     def _step_kernel(self, acts, active, out) -> None:
         _fl_step(self._maps, self._pos, self._rng, self._steps, self.done, self.success, self.truncated, acts, active,

@@ -46,8 +46,8 @@ import re
 import numpy as np
 from numba import njit
 
-from ._core import (BatchedTextEnv, NameTable, _is_real, check_horizon, rng_below, rng_seed_all, rng_uniform,
-                    seed_list, symbol_table)
+from ._core import (BatchedTextEnv, NameTable, _is_real, cell_list, check_horizon, check_observation, format_symbols,
+                    observation_note, rng_below, rng_seed_all, rng_uniform, seed_list)
 
 ACTIONS = ("Up", "Down", "Left", "Right")
 DEFAULT_SYMBOLS = {"wall": "#", "floor": "_", "target": "O", "box": "X", "box_on_target": "√",
@@ -725,7 +725,9 @@ class SokobanEnv(BatchedTextEnv):
     levels (fixed levels instead of generation: XSB text, a list of XSB strings or
     SokobanLevel; seed s picks level s % len(levels)), levels_file (path to an XSB file),
     symbols (overrides of DEFAULT_SYMBOLS), and the rewards step_penalty (-0.1),
-    box_on_reward (1.0), box_off_penalty (1.0), finish_reward (10.0).
+    box_on_reward (1.0), box_off_penalty (1.0), finish_reward (10.0), observation (the text
+    format, one of OBSERVATIONS in _core: "grid", the paper's run-together rows, default;
+    "cells", one token per cell; "coords", the grid plus (row, column) lines; "cells+coords").
     Raises ValueError naming a bad config value. With levels, num_boxes is ignored and the
     attribute num_boxes is the largest box count among the levels.
     """
@@ -737,7 +739,7 @@ class SokobanEnv(BatchedTextEnv):
                  num_gen_steps: int | None = None, p_change_directions: float = 0.35, max_states: int = 300_000,
                  max_tries: int = 1000, levels=None, levels_file: str | None = None, symbols: dict | None = None,
                  step_penalty: float = -0.1, box_on_reward: float = 1.0, box_off_penalty: float = 1.0,
-                 finish_reward: float = 10.0, generator: str = "ragen"):
+                 finish_reward: float = 10.0, generator: str = "ragen", observation: str = "grid"):
         self._config = {k: v for k, v in locals().items() if k not in ("self", "batch_size", "__class__")}
         super().__init__(batch_size)
 
@@ -795,7 +797,8 @@ class SokobanEnv(BatchedTextEnv):
                 raise ValueError(f"{k} must be a finite number, got {v!r}")
         self.rewards = (float(step_penalty), float(box_on_reward), float(box_off_penalty), float(finish_reward))
         self.size = (R, C)
-        self.symbols = symbol_table(DEFAULT_SYMBOLS, symbols)
+        self.observation = check_observation(observation)
+        self.symbols = format_symbols(DEFAULT_SYMBOLS, symbols, self.observation)
         self._sym = np.array([ord(self.symbols[k]) for k in DEFAULT_SYMBOLS], dtype=np.uint32)
         B = self._B
         self._tiles = np.zeros((B, R, C), dtype=np.int8)
@@ -844,7 +847,10 @@ class SokobanEnv(BatchedTextEnv):
         self._steps[:] = 0
 
     def render(self) -> list[str]:
-        """The B current grids as text, rows separated by newlines. Raises RuntimeError before the first reset."""
+        """The B current observations in the `observation` format: the grid's rows separated by
+        newlines (cells separated by spaces in the per-cell formats), then, in the coordinate
+        formats, where the player, the boxes and the targets are. Raises RuntimeError before the
+        first reset."""
         return self._grid_texts(lambda buf: _sokoban_render(self._tiles, self._boxes, self._player, self._rows,
                                                             self._cols, self._sym, buf))
 
@@ -859,9 +865,20 @@ class SokobanEnv(BatchedTextEnv):
             f"{s['box_on_target']} box on target, {s['player']} you, {s['player_on_target']} you on a target.\n"
             f"Rewards: {step:g} per step, {on:+g} for a box pushed onto a target, {-off:+g} for one pushed off, "
             f"{fin:+g} when all boxes are on targets.\n"
+            f"{observation_note(self.observation)}"
             f"Valid actions: {', '.join(ACTIONS)}. Separate several actions with ' || '."
         )
         return [text] * self._B
+
+    def _coordinate_lines(self, b: int) -> str:
+        C = self.size[1]
+        r, c = divmod(int(self._player[b]), C)
+        rows, cols = int(self._rows[b]), int(self._cols[b])
+        tiles, boxes = self._tiles[b, :rows, :cols], self._boxes[b, :rows, :cols]
+        s = self.symbols
+        return (f"You ({s['player']}) are at ({r}, {c}).\n"
+                f"Boxes at {cell_list(zip(*np.nonzero(boxes)))}.\n"
+                f"Targets at {cell_list(zip(*np.nonzero(tiles == TARGET)))}.")
 
     def _step_kernel(self, acts, active, out) -> None:
         step, on, off, fin = self.rewards
