@@ -262,6 +262,35 @@ def expert_rollout(tokenizer, env_name: str, env_options: dict, rollout_cfg, see
     return batch
 
 
+@torch.no_grad()
+def first_action_accuracy(model, batch, max_trajectories: int = 64) -> tuple[float, int]:
+    """Imitation measured directly: the share of expert answer turns whose first token (in
+    answer-only mode the first action's name, one token for the built-in games) is the model's
+    most likely next token, teacher-forced on the expert's own trajectory.
+
+    model: a causal LM (HF or peft); batch: the expert's TrajectoryBatch (`expert_rollout`),
+    of states the model was not trained on (e.g. the eval seeds); its first `max_trajectories`
+    trajectories are scored, one forward each, logits only at the scored positions.
+    Returns (accuracy in [0, 1], number of answer turns scored); (nan, 0) when there are none.
+    """
+    was_training = model.training
+    model.eval()
+    hits = turns = 0
+    try:
+        for ids, mask in zip(batch.input_ids[:max_trajectories], batch.loss_mask[:max_trajectories]):
+            m = mask.bool()
+            starts = torch.nonzero(m[1:] & ~m[:-1]).flatten() + 1  # each answer's first token
+            if starts.numel() == 0:
+                continue
+            dev = next(model.parameters()).device
+            logits = model(input_ids=ids[None].to(dev), logits_to_keep=(starts - 1).to(dev)).logits[0]
+            hits += int((logits.argmax(-1).cpu() == ids[starts]).sum())
+            turns += int(starts.numel())
+    finally:
+        model.train(was_training)
+    return (hits / turns if turns else float("nan")), turns
+
+
 # ----------------------------------------------------------------------------------------- training
 
 def batch_indices(seed: int, iteration: int, batch_size: int, n: int) -> list[int]:
@@ -339,13 +368,15 @@ class SFTTrainer(_trainer_base()):
 
     def expert_eval(self) -> dict:
         """{"eval/expert_success", "eval/expert_success_se"}: the expert's success on the eval
-        seeds under this run's rollout settings (one trajectory per seed)."""
+        seeds under this run's rollout settings (one trajectory per seed); its trajectories are
+        kept for `first_action_accuracy`."""
         if self._expert_eval is None:
             from fastpo.evaluate import eval_seeds
             from fastpo.metrics import standard_error
 
             b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
                                eval_seeds(self.cfg), self.sft.actions_per_turn)
+            self._expert_on_eval = b
             s = b.success.double().numpy()
             self._expert_eval = {"eval/expert_success": float(s.mean()),
                                  "eval/expert_success_se": float(standard_error(s))}
@@ -354,6 +385,9 @@ class SFTTrainer(_trainer_base()):
     def evaluate(self, it: int) -> dict:
         res = super().evaluate(it)
         res.update(self.expert_eval())
+        if not self.rollout_cfg.think:  # in think mode an answer opens with reasoning, not an action
+            acc, n = first_action_accuracy(self.model, self._expert_on_eval)
+            res.update({"eval/first_action_accuracy": acc, "eval/first_action_turns": n})
         return res
 
     def iteration(self, it: int) -> dict:
@@ -411,6 +445,10 @@ class SFTTrainer(_trainer_base()):
         if ev and self.dist.is_main:
             last = ev[-1]
             lines = []
+            if "eval/first_action_accuracy" in last:
+                lines.append(f"imitation: the model's most likely first answer token is the expert's action in "
+                             f"{last['eval/first_action_accuracy']:.3f} of {last['eval/first_action_turns']} expert "
+                             f"turns on the eval seeds (teacher-forced)")
             if "eval/expert_success" in last:
                 lines.append(f"expert (the solver, rendered as above) on the eval seeds: "
                              f"{last['eval/expert_success']:.3f} +- {last['eval/expert_success_se']:.3f}")

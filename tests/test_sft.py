@@ -249,3 +249,33 @@ def test_an_answer_that_cannot_fit_max_new_tokens_is_refused(tok):
     with pytest.raises(ValueError, match="rollout.max_new_tokens"):
         expert_rollout(tok, "sokoban", {}, r, [0])
     assert fastpo.sft.SFT_FILE == "sft.yaml"
+
+
+class _FixedLM(torch.nn.Module):
+    """A causal-LM stand-in for the imitation metric: at each kept position it predicts the
+    true next token (oracle) or always the same token id."""
+
+    def __init__(self, always=None):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.always = always
+
+    def forward(self, input_ids, logits_to_keep):
+        ids = input_ids[0]
+        nxt = torch.full_like(logits_to_keep, self.always) if self.always is not None else ids[logits_to_keep + 1]
+        logits = torch.full((1, len(logits_to_keep), 50_000), -1e4)
+        logits[0, torch.arange(len(nxt)), nxt] = 0.0
+        return type("Out", (), {"logits": logits})()
+
+
+def test_first_action_accuracy_scores_each_expert_answer_s_first_token(tok):
+    cfg, r = _rollout_cfg("sokoban", max_turns=10, max_actions_per_traj=10, max_actions_per_turn=1)
+    batch = expert_rollout(tok, "sokoban", {"observation": "cells"}, r, list(range(1000, 1012)), 1)
+    turns = sum(len(resp) for resp in batch.responses)
+    assert fastpo.sft.first_action_accuracy(_FixedLM(), batch) == (1.0, turns)
+    down = tok.encode("Down", add_special_tokens=False)[0]
+    firsts = [int(x[0]) for resp in batch.responses for x in resp]
+    acc, n = fastpo.sft.first_action_accuracy(_FixedLM(always=down), batch)
+    assert n == turns and acc == firsts.count(down) / turns and 0 < acc < 1
+    acc, n = fastpo.sft.first_action_accuracy(_FixedLM(), batch, max_trajectories=3)
+    assert n == sum(len(resp) for resp in batch.responses[:3])
