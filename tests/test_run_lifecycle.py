@@ -243,3 +243,28 @@ def test_echo_trap_warning_is_printed_once_while_it_lasts(tmp_path, capsys, monk
     with open(os.path.join(out, "metrics.jsonl")) as f:
         flags = [json.loads(line)["echo_trap_warning"] for line in f if line.strip()]
     assert flags[-3:] == [1, 1, 1]
+
+
+def test_a_failed_evaluation_keeps_its_iteration_s_record(tmp_path, monkeypatch, capsys):
+    """The evaluation of iteration 2 raises: the run ends with the error, iteration 2's record
+    (marked eval/failed) is in metrics.jsonl before its emergency checkpoint, and the resume
+    continues with iteration 3: the file reads 1, 2, 3, nothing lost."""
+    out = str(tmp_path / "run")
+    real = fastpo.trainer.Trainer.evaluate
+
+    def evaluate(self, it):
+        if it == 2:
+            raise RuntimeError("the game's reset failed on an eval seed")
+        return real(self, it)
+
+    monkeypatch.setattr(fastpo.trainer.Trainer, "evaluate", evaluate)
+    with pytest.raises(RuntimeError, match="reset failed"):
+        main(["train", *TINY, "--out", out, "trainer.plots=false", "trainer.eval_every=1", "trainer.iterations=2"])
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["iteration"] for r in recs] == [1, 2]
+    assert recs[1]["eval/failed"] == 1 and "eval/success_rate" not in recs[1] and "eval/success_rate" in recs[0]
+    assert latest_checkpoint(out).endswith("iter_000002")
+    monkeypatch.setattr(fastpo.trainer.Trainer, "evaluate", real)
+    assert main(["train", "--resume", out, "--iterations", "3"]) == 0
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["iteration"] for r in recs] == [1, 2, 3] and "eval/success_rate" in recs[2]

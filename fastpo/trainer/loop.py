@@ -170,7 +170,15 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
         eval_pending, rng_before_eval = False, None
         if t.eval_every and (it % t.eval_every == 0 or it == t.iterations):
             rng_before_eval = rng_state()
-            eval_pending = not self._evaluate_due(it, metrics)
+            try:
+                eval_pending = not self._evaluate_due(it, metrics)
+            except Exception:
+                # the record before the emergency checkpoint of this update, or a resume (which starts
+                # after it) would leave the iteration out of metrics.jsonl for good
+                metrics["eval/failed"] = 1
+                metrics["time/iteration_s"] = time.perf_counter() - t_it
+                self._log(it, metrics, run, show)
+                raise
         metrics["time/iteration_s"] = time.perf_counter() - t_it
         self._log(it, metrics, run, show)
         if (t.save_every and it % t.save_every == 0) or it == t.iterations or self.stop_state.requested:
