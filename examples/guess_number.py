@@ -3,6 +3,7 @@
 Train it (from the repository root, so that `examples` is importable):
 
     fastpo train --env examples.guess_number:GuessNumber env.options.high=16
+    fastpo sft   --env examples.guess_number:GuessNumber env.options.high=16   # imitate its expert()
 
 The agent answers a number in <answer>...</answer>; the game says "higher" or "lower".
 Binary search always wins within ceil(log2(high - low + 2)) guesses, so the optimal line is
@@ -27,6 +28,7 @@ class GuessNumber:
 
     def reset(self, seed: int) -> str:
         self.secret = random.Random(seed).randint(self.low, self.high)
+        self.lo, self.hi = self.low, self.high  # what the hints so far leave possible
         return f"Guess a number from {self.low} to {self.high}."
 
     def step(self, answer: str):
@@ -37,7 +39,15 @@ class GuessNumber:
         if guess == self.secret:
             return f"{guess} is right!", 1.0, True, {"success": True}
         hint = "higher" if guess < self.secret else "lower"
+        if guess < self.secret:
+            self.lo = max(self.lo, guess + 1)
+        else:
+            self.hi = min(self.hi, guess - 1)
         return f"My number is {hint} than {guess}.", 0.0, False, {"success": False}
+
+    def expert(self) -> str:
+        """Binary search, for `fastpo sft`: the middle of what the hints so far leave possible."""
+        return str((self.lo + self.hi) // 2)
 
     def optimal_success(self, seeds, horizon):
         """Binary search: wins within ceil(log2(n + 1)) guesses for any secret."""

@@ -646,5 +646,10 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if env and cfg.env.name != env:
         cfg.env.name = env
     if not cfg.trainer.output_dir:
-        cfg.trainer.output_dir = "runs/" + re.sub(r"[^A-Za-z0-9._-]+", "_", cfg.env.name)  # no ':' or '/'
+        cfg.trainer.output_dir = default_run_folder(cfg.env.name)
     return validate(cfg, check_env)
+
+
+def default_run_folder(env_name: str, prefix: str = "") -> str:
+    """runs/<prefix><env name>, the name made a folder name (no ':' or '/': `mymod:Game` -> `mymod_Game`)."""
+    return "runs/" + prefix + re.sub(r"[^A-Za-z0-9._-]+", "_", env_name)

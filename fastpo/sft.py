@@ -16,7 +16,8 @@ whose model sampled those answers holds, with the loss mask on the answer tokens
 The experts (envs_native): Sokoban's breadth-first `solve` (a shortest solution from the
 current state), Bandit's `better_action` (the arm of higher expected reward) and FrozenLake's
 `optimal_policy` (finite-horizon value iteration: the best action per cell and number of
-actions left). FrozenLake is stochastic: the expert acts closed loop, choosing each action at
+actions left); a user game's own `expert()` (fastpo.envs.interface), asked each turn in the
+state the previous answers reached. FrozenLake is stochastic: the expert acts closed loop, choosing each action at
 the cell it actually reached (its own copy of the env draws the same slips as the rollout's:
 both are seeded by the env seed). With `sft.actions_per_turn` = 1 (FrozenLake's default) every
 cell it acts on is shown to the model, so the model can imitate it exactly; with more actions
@@ -42,7 +43,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fastpo.config import ConfigError, TrainConfig, _at_least, checked
+from fastpo.config import ConfigError, TrainConfig, _at_least, checked, default_run_folder
 from fastpo.memory import release_free_memory
 
 SFT_FILE = "sft.yaml"
@@ -154,11 +155,14 @@ class ExpertEngine:
     device = torch.device("cpu")
 
     def __init__(self, rollout, seeds: list[int], actions_per_turn: int = 0):
-        from fastpo.envs_native import make_env
+        from fastpo.envs import make_env, resolve_env
 
         self.ro, self.cfg, self.tok, self.chat = rollout, rollout.cfg, rollout.tokenizer, rollout.chat
         self.seeds = list(seeds)
-        self.env = make_env(rollout.env_name, len(self.seeds), **rollout.env_config)
+        self.native = resolve_env(rollout.env_name).kind == "native"
+        self.env = make_env(rollout.env_name, len(self.seeds), rollout.env_config)
+        if not self.native and not self.env.has_expert():
+            raise ConfigError(no_expert_message(rollout.env_name))
         per_turn = actions_per_turn or (1 if rollout.env_name == "frozenlake" else self.cfg.max_actions_per_turn)
         self.per_turn = min(per_turn, self.cfg.max_actions_per_turn)
         self.reset_stats()
@@ -172,7 +176,7 @@ class ExpertEngine:
             raise ValueError(f"ExpertEngine serves {len(self.seeds)} env groups of one trajectory, "
                              f"got {len(prompts)} x {group_size}")
         self.env.reset(np.asarray(self.seeds, dtype=np.int64))
-        self.expert = _Expert(self.env, self.ro.env_name, self.cfg.max_actions_per_traj)
+        self.expert = _Expert(self.env, self.ro.env_name, self.cfg.max_actions_per_traj) if self.native else None
         self.left = np.full(len(self.seeds), self.cfg.max_actions_per_traj, dtype=np.int64)
         self.length = {b: len(p) for b, p in enumerate(prompts)}
         self.stats["prefilled_tokens"] += sum(self.length.values())
@@ -183,13 +187,14 @@ class ExpertEngine:
     def session_length(self, session: int) -> int:
         return self.length[session]
 
-    def _text(self, names: list) -> str:
-        acts = " || ".join(names)
+    def _text(self, names: list | str) -> str:
+        """The answer after the prime: from move names, or a user game's expert answer text."""
+        acts, plan = (names, names) if isinstance(names, str) else (" || ".join(names), ", ".join(names))
         if self.chat.think:
-            return f"Expert plan: {', '.join(names)}.</think> <answer>{acts}</answer>"
+            return f"Expert plan: {plan}.</think> <answer>{acts}</answer>"
         return f"{acts}</answer>"
 
-    def _ids(self, names: list) -> list:
+    def _ids(self, names: list | str) -> list:
         ids = self.tok(self._text(names), add_special_tokens=False)["input_ids"]
         if not self.cfg.stop_at_answer_close:  # the model ends its turn itself
             ids = ids + [self.chat.eot_token_ids[0]]
@@ -211,6 +216,47 @@ class ExpertEngine:
 
         t0 = time.perf_counter()
         append = append if append is not None else [[] for _ in sessions]
+        answers = self._native_answers(sessions, params) if self.native else self._game_answers(sessions, params)
+        outs = []
+        for b, extra in zip(sessions, append):
+            ids = self._ids(answers[b])
+            if self.length[b] + len(extra) + len(ids) > params.max_context:
+                outs.append(TurnOutput([], [], STOP_CONTEXT))
+                continue
+            self.length[b] += len(extra) + len(ids)
+            self.stats["prefilled_tokens"] += len(extra)
+            self.stats["generated_tokens"] += len(ids)
+            outs.append(TurnOutput(ids, [0.0] * len(ids), STOP_STRING if self.cfg.stop_at_answer_close else STOP_EOT))
+        self.stats["seconds"] += time.perf_counter() - t0
+        return outs
+
+    def _game_answers(self, sessions: list, params) -> dict:
+        """A user game's expert answers (its `expert()`), played on the shadow copy as the
+        rollout plays them: the free text once, or the first moves up to the turn's cap."""
+        B = len(self.seeds)
+        going = [b for b in sessions if not self.env.done[b] and self.left[b] > 0]
+        texts = dict(zip(going, self.env.expert_answers(going)))
+        for b, text in texts.items():
+            if len(self._ids(text)) > params.max_new_tokens:
+                raise ConfigError(f"config key 'rollout.max_new_tokens' = {params.max_new_tokens}: the expert's answer "
+                                  f"{self._text(text)!r:.120} of {self.ro.env_name!r} takes {len(self._ids(text))} "
+                                  f"tokens")
+        active = np.zeros(B, dtype=bool)
+        active[going] = True
+        if self.env.free_text:
+            res = self.env.step_text([texts.get(b) for b in range(B)], active=active)
+        else:
+            parsed = self.env.parse_actions([texts.get(b, "") for b in range(B)], self.cfg.max_actions_per_turn)
+            acts = parsed.actions.copy()
+            for b in going:  # the moves past the trajectory's action budget are not played
+                acts[b, int(self.left[b]):] = -1
+            res = self.env.step(acts, active=active)
+        for b in going:
+            self.left[b] -= int(res.num_executed[b])
+        return {b: texts.get(b, "") for b in sessions}
+
+    def _native_answers(self, sessions: list, params) -> dict:
+        """The built-in solvers' moves for each session, closed loop on the shadow copy."""
         B = len(self.seeds)
         budget = {b: min(self._fit(params, b), int(self.left[b])) for b in sessions}
         chosen: dict = {b: [] for b in sessions}
@@ -226,19 +272,23 @@ class ExpertEngine:
                 chosen[b].append(int(acts[b, 0]))
                 self.left[b] -= int(res.num_executed[b])
             going = [b for b in going if len(chosen[b]) < budget[b] and not self.env.done[b] and self.left[b] > 0]
-        outs = []
-        for b, extra in zip(sessions, append):
-            names = [self.env.action_names(b)[a] for a in chosen[b]]
-            ids = self._ids(names)
-            if self.length[b] + len(extra) + len(ids) > params.max_context:
-                outs.append(TurnOutput([], [], STOP_CONTEXT))
-                continue
-            self.length[b] += len(extra) + len(ids)
-            self.stats["prefilled_tokens"] += len(extra)
-            self.stats["generated_tokens"] += len(ids)
-            outs.append(TurnOutput(ids, [0.0] * len(ids), STOP_STRING if self.cfg.stop_at_answer_close else STOP_EOT))
-        self.stats["seconds"] += time.perf_counter() - t0
-        return outs
+        return {b: [self.env.action_names(b)[a] for a in chosen[b]] for b in sessions}
+
+
+def no_expert_message(env_name: str) -> str:
+    """What a game without an expert lacks for `fastpo sft` (one line)."""
+    return (f"environment {env_name!r} has no expert for SFT: give its class a method expert() that returns the "
+            f"answer for the current state (docs/custom_environments.md)")
+
+
+def check_expert(env_name: str) -> None:
+    """ConfigError (one line, before any model loads) when `env_name` has no expert: a built-in
+    game always has one; a user game needs a callable `expert` on its class."""
+    from fastpo.envs import resolve_env
+
+    spec = resolve_env(env_name)
+    if spec.kind != "native" and not callable(getattr(spec.factory, "expert", None)):
+        raise ConfigError(no_expert_message(env_name))
 
 
 def expert_rollout(tokenizer, env_name: str, env_options: dict, rollout_cfg, seeds: list[int],
@@ -502,13 +552,14 @@ def cmd_sft(args) -> int:
             cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None)
             sft = sft_config(sft_ov)
             if not args.out:
-                cfg.trainer.output_dir = f"runs/sft-{cfg.env.name}"
+                cfg.trainer.output_dir = default_run_folder(cfg.env.name, "sft-")
                 if run_folder_in_use(cfg.trainer.output_dir) and not args.overwrite:
                     cfg.trainer.output_dir = fresh_run_folder(cfg.trainer.output_dir)
             elif run_folder_in_use(args.out) and not args.overwrite:
                 raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
                                   f"pick another --out, or pass --overwrite to delete it")
         check_disjoint(sft, cfg)
+        check_expert(cfg.env.name)
         from fastpo.models import check_kernel_impl, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))

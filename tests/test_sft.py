@@ -20,7 +20,7 @@ from fastpo.models import load_tokenizer
 from fastpo.rollout.multiturn import closing_question
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
 from fastpo.sft import SFTConfig, SFTTrainer, batch_indices, expert_rollout
-from run_helpers import WritesAFile, plant_in_checkpoint
+from run_helpers import ModelLoadReached, WritesAFile, plant_in_checkpoint
 
 MODEL = "random:tiny-llama"
 
@@ -279,3 +279,53 @@ def test_first_action_accuracy_scores_each_expert_answer_s_first_token(tok):
     assert n == turns and acc == firsts.count(down) / turns and 0 < acc < 1
     acc, n = fastpo.sft.first_action_accuracy(_FixedLM(), batch, max_trajectories=3)
     assert n == sum(len(resp) for resp in batch.responses[:3])
+
+
+class Corridor:
+    """A user game with named moves and an expert: walk Right from cell seed % 2 to cell 4."""
+
+    instructions = "Walk to the end of the corridor."
+    action_names = ("Left", "Right")
+    settings = {"max_turns": 4, "max_actions_per_turn": 2, "max_actions_per_traj": 6}
+
+    def reset(self, seed):
+        self.pos = seed % 2
+        return f"You are at {self.pos} of 4."
+
+    def step(self, move):
+        self.pos = max(0, self.pos + (1 if move == "Right" else -1))
+        done = self.pos == 4
+        return f"You are at {self.pos} of 4.", float(done), done, {"success": done}
+
+    def expert(self):
+        return "Right || Right"
+
+
+class NoExpert(Corridor):
+    expert = None
+
+
+def test_a_user_game_s_expert_is_played_closed_loop_as_the_rollout_plays_it(tok):
+    cfg, r = _rollout_cfg("test_sft:Corridor")
+    batch = expert_rollout(tok, "test_sft:Corridor", {}, r, [0, 1])
+    assert batch.success.tolist() == [True, True] and batch.num_actions.tolist() == [4, 3]
+    answers = [[tok.decode(x) for x in resp] for resp in batch.responses]
+    assert answers[0] == ["Right || Right</answer>"] * 2 and len(answers[1]) == 2  # 1 -> 3 -> 4 (one move left)
+    # a free-text game: GuessNumber's binary search finds 1..16 within its 5 turns
+    cfg, r = _rollout_cfg("examples.guess_number:GuessNumber")
+    batch = expert_rollout(tok, "examples.guess_number:GuessNumber", {"high": 16}, r, list(range(8)))
+    assert batch.success.all() and tok.decode(batch.responses[0][0]) == "8</answer>"
+    for ids, mask, resp in zip(batch.input_ids, batch.loss_mask, batch.responses):
+        assert int(mask.sum()) == sum(len(x) for x in resp)  # the loss on the answers only
+
+
+def test_sft_on_a_game_without_an_expert_is_refused_before_the_model_loads(capsys, no_model):
+    for env in ("test_sft:NoExpert", "examples.guess_number:GuessNumber"):
+        if env.endswith("NoExpert"):
+            assert main(["sft", "--env", env, "--preset", "cpu,tiny", "--model", MODEL]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "has no expert" in err and "expert()" in err and len(err.splitlines()) == 1
+        else:  # it has one: validation passes and the model load is reached, for runs/sft-<env as a folder name>
+            with pytest.raises(ModelLoadReached):
+                main(["sft", "--env", env, "--preset", "cpu,tiny", "--model", MODEL])
+            assert "runs/sft-examples.guess_number_GuessNumber" in capsys.readouterr().out

@@ -82,6 +82,17 @@ class _Shard:
             out.append((obs, _text_attr(env, "instructions", self.name, seed), _names(env, self.name, seed)))
         return out
 
+    def expert(self, items) -> list:
+        """items: [(b,)]; the answer text each instance's game's `expert()` gives now."""
+        out = []
+        for (b,) in items:
+            text = self._call(b, "expert()", self.envs[b - self.start].expert)
+            if not isinstance(text, str):
+                raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[b - self.start]}: expert() "
+                               f"must return the answer as str, got {type(text).__name__} {text!r:.60}")
+            out.append(text)
+        return out
+
     def step(self, jobs) -> list:
         """jobs: [(b, [answer, ...])], each answer one `step` call until done; returns per
         job [(observation, reward, done, success, valid)] of the calls made."""
@@ -383,6 +394,18 @@ class PythonBatchedEnv:
                 self._obs[b] = obs
                 self.done[b], self.success[b] = done, success
         return StepResult(reward, self.done.copy(), self.success.copy(), executed, valid, effective)
+
+    # -- the expert (SFT data) ------------------------------------------------------------
+    def has_expert(self) -> bool:
+        """Whether the game defines `expert()` (the answer a good player gives now)."""
+        return callable(getattr(self._probe, "expert", None))
+
+    def expert_answers(self, indices: Sequence[int]) -> list:
+        """The answer texts (the `<answer>` content) the games of instances `indices` give as
+        experts in their current states. Raises EnvError naming the seed when `expert()`
+        raises or returns something other than a str."""
+        self._require_reset()
+        return self._run("expert", [(int(b),) for b in indices]) if len(indices) else []
 
     # -- reference lines -----------------------------------------------------------------
     def has_bound(self, which: str) -> bool:

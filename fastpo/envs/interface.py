@@ -23,6 +23,10 @@ info: dict), with `info["success"]` (bool) once the game is won. Optional:
 - `settings`: a dict of the rollout settings the game fixes (`max_turns`,
   `max_actions_per_turn`, `max_actions_per_traj`, `format_penalty`), applied like the
   built-in games' env presets (after `--preset`, before the config file and overrides).
+- `expert()`: the answer a good player gives in the current state (after `reset` and after
+  each turn's `step` calls): the `<answer>` content as text, e.g. "Up || Left" or "42".
+  `fastpo sft --env yourmod:Game` plays the game with it, closed loop, and trains the model
+  on those answers (docs/sft.md).
 - `random_success(seeds, horizon)` and `optimal_success(seeds, horizon)`: per seed, the
   success probability of the uniformly random and of the best policy within `horizon`
   actions; the evaluation table shows them beside the model's, or says they are not known.
