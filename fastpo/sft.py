@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import sys
 import time
@@ -64,8 +65,12 @@ class SFTConfig:
     per optimizer step (one trainer iteration). actions_per_turn: the expert's actions per
     turn (capped by rollout.max_actions_per_turn and the actions left); 0 = 1 on FrozenLake
     (closed loop: every cell acted on is observed), rollout.max_actions_per_turn otherwise.
+    data: a JSONL file of conversations (`{"messages": [{"role": ..., "content": ...}, ...]}`
+    per line, TRL's conversational format) to train on instead of the expert's trajectories
+    ("" = the expert); then trajectories, seed_offset and actions_per_turn are not used.
     """
 
+    data: str = checked("", lambda v: isinstance(v, str), "must be a path to a JSONL file of chat messages")
     trajectories: int = checked(128, _at_least(1), "must be >= 1")
     batch_size: int = checked(8, _at_least(1), "must be >= 1")
     seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
@@ -107,6 +112,83 @@ def read_sft_config(out_dir: str) -> SFTConfig:
     with open(path, encoding="utf-8") as f:
         d = parse_config_yaml(f, path)
     return sft_config([f"sft.{k}={v}" for k, v in d.items()])
+
+
+# ----------------------------------------------------------------------------------------- a data file
+
+_ROLES = ("system", "user", "assistant")
+
+
+def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """One conversation as the model's chat template renders it: (input_ids int64 [T],
+    loss_mask bool [T]), the mask True on each assistant message's tokens and the end-of-turn
+    marker the template closes it with (what a model samples), False elsewhere.
+
+    The assistant spans come from rendering each prefix of the conversation (ending in a
+    generation prompt before an assistant message, and after it); characters map to tokens
+    through the tokenizer's offsets. Raises ValueError when the template does not render a
+    prefix as the start of the whole (it cannot be split into turns).
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False).rstrip()
+        if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
+            raise ValueError("the model's chat template does not render a conversation's beginning as the start "
+                             "of the whole; its assistant turns cannot be found")
+        spans.append((len(before), len(through)))
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.long)
+    mask = torch.tensor([any(a <= lo < z for a, z in spans) for lo, _ in enc["offset_mapping"]], dtype=torch.bool)
+    return ids, mask
+
+
+def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
+    """The conversations of a JSONL file, tokenized: (input_ids, loss_mask), one per line.
+
+    Each non-blank line is one JSON object with "messages": a list of {"role": "system" |
+    "user" | "assistant", "content": str} holding at least one assistant message (TRL's
+    conversational format; other keys are ignored). Raises ConfigError naming the file, the
+    line number and what is wrong (not JSON, no messages list, a bad role or content, no
+    assistant message, more tokens than max_context), or a file with no conversation.
+    """
+    ids, masks = [], []
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"config key 'sft.data' = {path!r}: cannot be read ({e.strerror})") from None
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}, line {n}"
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{where}: not JSON ({e.msg}, column {e.colno})") from None
+            msgs = rec.get("messages") if isinstance(rec, dict) else None
+            if not isinstance(msgs, list) or not msgs:
+                raise ConfigError(f"{where}: needs a non-empty \"messages\" list of {{\"role\", \"content\"}} objects")
+            for k, m in enumerate(msgs):
+                if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
+                    raise ConfigError(f"{where}: message {k} must be {{\"role\": one of {list(_ROLES)}, \"content\": "
+                                      f"text}}, got {json.dumps(m)[:80]}")
+            if not any(m["role"] == "assistant" for m in msgs):
+                raise ConfigError(f"{where}: has no assistant message (nothing to train on)")
+            try:
+                x, m = chat_ids_and_mask(tokenizer, [{"role": m["role"], "content": m["content"]} for m in msgs])
+            except ValueError as e:
+                raise ConfigError(f"{where}: {e}") from None
+            if len(x) > max_context:
+                raise ConfigError(f"{where}: {len(x)} tokens, more than rollout.max_context ({max_context})")
+            ids.append(x)
+            masks.append(m)
+    if not ids:
+        raise ConfigError(f"config key 'sft.data' = {path!r}: holds no conversation")
+    return ids, masks
 
 
 # ----------------------------------------------------------------------------------------- experts
@@ -278,16 +360,22 @@ class ExpertEngine:
 def no_expert_message(env_name: str) -> str:
     """What a game without an expert lacks for `fastpo sft` (one line)."""
     return (f"environment {env_name!r} has no expert for SFT: give its class a method expert() that returns the "
-            f"answer for the current state (docs/custom_environments.md)")
+            f"answer for the current state (docs/custom_environments.md), or train on conversations with "
+            f"sft.data=FILE.jsonl")
 
 
-def check_expert(env_name: str) -> None:
-    """ConfigError (one line, before any model loads) when `env_name` has no expert: a built-in
-    game always has one; a user game needs a callable `expert` on its class."""
+def has_expert(env_name: str) -> bool:
+    """Whether `env_name` has an expert: a built-in game always; a user game with a callable
+    `expert` on its class."""
     from fastpo.envs import resolve_env
 
     spec = resolve_env(env_name)
-    if spec.kind != "native" and not callable(getattr(spec.factory, "expert", None)):
+    return spec.kind == "native" or callable(getattr(spec.factory, "expert", None))
+
+
+def check_expert(env_name: str) -> None:
+    """ConfigError (one line, before any model loads) when `env_name` has no expert."""
+    if not has_expert(env_name):
         raise ConfigError(no_expert_message(env_name))
 
 
@@ -399,18 +487,29 @@ class SFTTrainer(_trainer_base()):
 
         super().setup()
         t0 = time.perf_counter()
-        data = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
-                              self.sft.seeds(), self.sft.actions_per_turn)
-        self.data = data
-        # the trainer's batch record (token 0 unscored), packed as the update packs it
-        self.batch = TrainBatch.from_rollout(data, 0)
+        if self.sft.data:
+            self.data = None
+            ids, masks = read_chat_file(self.sft.data, self.tokenizer, self.cfg.rollout.max_context)
+            for m in masks:
+                m[0] = False  # token 0 has no predecessor
+            self.batch = TrainBatch(ids, masks, [torch.zeros(len(x)) for x in ids], [0] * len(ids))
+        else:
+            self.data = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
+                                       self.sft.seeds(), self.sft.actions_per_turn)
+            # the trainer's batch record (token 0 unscored), packed as the update packs it
+            self.batch = TrainBatch.from_rollout(self.data, 0)
         self.ids, self.masks = self.batch.input_ids, self.batch.loss_mask
         n_ans = int(sum(int(m.sum()) for m in self.masks))
-        self.console.print(
-            f"[bold]expert data[/] {len(self.ids)} trajectories of {self.cfg.env.name} (seeds {self.sft.seed_offset}.."
-            f"{self.sft.seed_offset + self.sft.trajectories - 1}): success {float(data.success.float().mean()):.3f}, "
-            f"{data.metrics['num_turns']:.2f} turns, {sum(x.numel() for x in self.ids)} tokens of which {n_ans} "
-            f"answer tokens ({time.perf_counter() - t0:.1f} s)")
+        tokens = sum(x.numel() for x in self.ids)
+        if self.data is None:
+            self.console.print(f"[bold]data[/] {self.sft.data}: {len(self.ids)} conversations, {tokens} tokens of which "
+                               f"{n_ans} assistant tokens ({time.perf_counter() - t0:.1f} s)", soft_wrap=True)
+        else:
+            self.console.print(
+                f"[bold]expert data[/] {len(self.ids)} trajectories of {self.cfg.env.name} (seeds "
+                f"{self.sft.seed_offset}..{self.sft.seed_offset + self.sft.trajectories - 1}): success "
+                f"{float(self.data.success.float().mean()):.3f}, {self.data.metrics['num_turns']:.2f} turns, {tokens} "
+                f"tokens of which {n_ans} answer tokens ({time.perf_counter() - t0:.1f} s)")
         if self.dist.is_main:
             atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
                                                                               sort_keys=False))
@@ -434,6 +533,8 @@ class SFTTrainer(_trainer_base()):
 
     def evaluate(self, it: int) -> dict:
         res = super().evaluate(it)
+        if not has_expert(self.cfg.env.name):  # trained from a data file, on a game without an expert
+            return res
         res.update(self.expert_eval())
         if not self.rollout_cfg.think:  # in think mode an answer opens with reasoning, not an action
             acc, n = first_action_accuracy(self.model, self._expert_on_eval)
@@ -478,13 +579,14 @@ class SFTTrainer(_trainer_base()):
         release_free_memory()  # the step's freed activations, back to the system (fastpo.memory)
         dt = time.perf_counter() - t0
         m = {k: v for k, v in metrics.means().items()}
-        succ = self.data.success[idx].float()
         ent = total_ent / max(n_ans, 1)
+        if self.data is not None:
+            m.update({"train/success_rate": float(self.data.success[idx].float().mean()),
+                      "train/score_mean": float(self.data.scores[idx].mean())})
         m.update({
             "sft/loss": total_nll / max(n_ans, 1), "sft/answer_entropy": ent, "sft/answer_tokens": n_ans,
             "sft/trajectories": len(idx), "sft/epoch": (it * self.sft.batch_size) / len(self.ids),
             "actor/updates": int(stepped), "actor/skipped_updates": int(not stepped),
-            "train/success_rate": float(succ.mean()), "train/score_mean": float(self.data.scores[idx].mean()),
             "train/rollout_entropy": ent, "perf/train_tokens_per_s": tokens / max(dt, 1e-9), "time/update_s": dt,
         })
         return m
@@ -558,8 +660,12 @@ def cmd_sft(args) -> int:
             elif run_folder_in_use(args.out) and not args.overwrite:
                 raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
                                   f"pick another --out, or pass --overwrite to delete it")
-        check_disjoint(sft, cfg)
-        check_expert(cfg.env.name)
+        if sft.data:
+            if not os.path.isfile(sft.data):
+                raise ConfigError(f"config key 'sft.data' = {sft.data!r}: no such file")
+        else:
+            check_disjoint(sft, cfg)
+            check_expert(cfg.env.name)
         from fastpo.models import check_kernel_impl, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
@@ -567,8 +673,8 @@ def cmd_sft(args) -> int:
     except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
         print(f"fastpo sft: error: {e}", file=sys.stderr)
         return 2
-    console.print(f"[bold]fastpo sft[/] env={cfg.env.name} preset={cfg.preset} {sft.trajectories} expert "
-                  f"trajectories, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
+    source = f"the conversations of {sft.data}" if sft.data else f"{sft.trajectories} expert trajectories"
+    console.print(f"[bold]fastpo sft[/] env={cfg.env.name} preset={cfg.preset} {source}, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
                   f"-> {cfg.trainer.output_dir}")
     try:
         trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite,

@@ -3,6 +3,7 @@ one SFT step, exact resume and the hand-off to `fastpo train --model RUN`.
 
 Small real runs: random:tiny-llama (with the embedded SmolLM2 tokenizer), the tiny preset."""
 import glob
+import json
 import os
 import shutil
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from rich.console import Console
 
+import fastpo.config
 import fastpo.sft
 from fastpo.checkpoint import latest_checkpoint
 from fastpo.cli import main
@@ -329,3 +331,69 @@ def test_sft_on_a_game_without_an_expert_is_refused_before_the_model_loads(capsy
             with pytest.raises(ModelLoadReached):
                 main(["sft", "--env", env, "--preset", "cpu,tiny", "--model", MODEL])
             assert "runs/sft-examples.guess_number_GuessNumber" in capsys.readouterr().out
+
+
+def _jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+CHAT = [{"messages": [{"role": "user", "content": "Which way?"}, {"role": "assistant", "content": "Up"},
+                      {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "Left || Down"}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                      {"role": "assistant", "content": "4"}], "id": 7}]
+
+
+def test_a_chat_file_is_masked_on_the_assistant_tokens_and_their_end_of_turn(tok, tmp_path):
+    ids, masks = fastpo.sft.read_chat_file(_jsonl(tmp_path / "d.jsonl", CHAT), tok, 1024)
+    assert len(ids) == 2
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    for x, m, rec in zip(ids, masks, CHAT):
+        assert tok.decode(x) == tok.apply_chat_template(rec["messages"], tokenize=False)
+        said = [msg["content"] + "<|im_end|>" for msg in rec["messages"] if msg["role"] == "assistant"]
+        # the masked runs, decoded, are exactly the assistant messages with their end-of-turn token
+        runs, cur = [], []
+        for t, on in zip(x.tolist(), m.tolist()):
+            if on:
+                cur.append(t)
+            elif cur:
+                runs.append(cur)
+                cur = []
+        assert [tok.decode(r) for r in runs + ([cur] if cur else [])] == said
+        assert x[m].tolist().count(eot) == len(said)
+
+
+@pytest.mark.parametrize("line,said", [
+    ("{not json", "line 2: not JSON"),
+    ('{"text": "hi"}', 'line 2: needs a non-empty "messages" list'),
+    ('{"messages": [{"role": "bot", "content": "hi"}]}', "line 2: message 0 must be"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "line 2: message 0 must be"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "line 2: has no assistant message"),
+    ('{"messages": [{"role": "user", "content": "' + "word " * 400 + '"}, {"role": "assistant", "content": "ok"}]}',
+     "line 2: 4"),
+])
+def test_a_malformed_chat_line_is_refused_with_its_line_number(tok, tmp_path, line, said):
+    path = _jsonl(tmp_path / "d.jsonl", [CHAT[0], line])
+    with pytest.raises(fastpo.config.ConfigError, match="d.jsonl, " + said.replace("[", r"\[")) as e:
+        fastpo.sft.read_chat_file(path, tok, 300)
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_sft_from_a_chat_file_trains_and_a_bad_file_exits_2(tmp_path, capsys):
+    bad = _jsonl(tmp_path / "bad.jsonl", [CHAT[0], "{oops"])
+    assert main(["sft", "--env", "test_sft:NoExpert", "--preset", "cpu,tiny", "--model", MODEL, f"sft.data={bad}",
+                 "--out", str(tmp_path / "r0")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "bad.jsonl, line 2: not JSON" in err and len(err.splitlines()) == 1
+    assert main(["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL,
+                 f"sft.data={tmp_path / 'missing.jsonl'}"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    good = _jsonl(tmp_path / "good.jsonl", CHAT * 3)
+    out = str(tmp_path / "run")
+    assert main(["sft", "--env", "test_sft:NoExpert", "--preset", "cpu,tiny", "--model", MODEL, f"sft.data={good}",
+                 "sft.batch_size=2", "--iterations", "2", "--out", out, "trainer.eval_before_training=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "6 conversations" in printed
+    recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["iteration"] for r in recs] == [1, 2] and recs[0]["sft/answer_tokens"] > 0
+    assert "train/success_rate" not in recs[0] and "eval/expert_success" not in recs[-1]

@@ -218,8 +218,11 @@ class Trainer(Setup, Scoring, Iteration, Update, Lifecycle):
             if not run.echo_on:  # printed when it starts firing; the flag is in every record
                 self._warn(f"iteration {it}: {warn} (flagged as echo_trap_warning in metrics.jsonl while it lasts)")
         run.echo_on = bool(warn)
-        stats = (f"success {metrics['train/success_rate']:.2f} | score {metrics['train/score_mean']:.3f} | "
-                 f"entropy {metrics['train/rollout_entropy']:.2f} | {metrics['time/iteration_s']:.0f} s/it")
+        # what this trainer reports (SFT from a data file has no success or score)
+        shown = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
+                 ("entropy", "train/rollout_entropy", ".2f"))
+        stats = " | ".join([f"{name} {metrics[k]:{fmt}}" for name, k, fmt in shown if k in metrics]
+                           + [f"{metrics['time/iteration_s']:.0f} s/it"])
         if "eval/success_rate" in metrics:
             stats += f" | eval {metrics['eval/success_rate']:.2f}"
         show(stats)
