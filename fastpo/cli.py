@@ -166,9 +166,15 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     support, RunFolderBusy when another process holds OUT."""
     from fastpo import distributed as fdist
     from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder, untrained_start
+    from fastpo.config import ConfigError
     from fastpo.metrics import warn_user
+    from fastpo.run_folder import SFT_FILE
 
     cfg = resumed_run_config(args)
+    if os.path.isfile(os.path.join(args.resume, SFT_FILE)):
+        raise ConfigError(f"--resume {args.resume} is a `fastpo sft` run: continue it with `fastpo sft --resume "
+                          f"{args.resume}`, or start StarPO from its model with `fastpo train --env {cfg.env.name} "
+                          f"--model {args.resume}`")
     fdist.check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
     if untrained_start(args.resume):  # stopped or failed before its first checkpoint

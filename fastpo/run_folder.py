@@ -54,11 +54,13 @@ def atomic_write_text(path: str, text: str) -> None:
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 #: The lock file in a run folder (see RunLock).
 LOCK_FILE = ".lock"
+#: The `sft.*` settings of a `fastpo sft` run: what marks its folder as SFT's.
+SFT_FILE = "sft.yaml"
 
 
 #: What a run writes into its folder before its first checkpoint (besides the markers): a folder
 #: holding anything else is never taken for an untrained start.
-_START_FILES = ("plots", "samples", "eval", "tensorboard", "wandb", "sft.yaml", LOCK_FILE)
+_START_FILES = ("plots", "samples", "eval", "tensorboard", "wandb", SFT_FILE, LOCK_FILE)
 #: What an interrupted write leaves (cleared by fastpo.checkpoint.tidy_run_folder).
 _TEMPORARIES = ("metrics.jsonl.tmp", "config.yaml.tmp", "sft.yaml.tmp")
 

@@ -46,8 +46,8 @@ import torch
 
 from fastpo.config import ConfigError, TrainConfig, _at_least, checked, default_run_folder
 from fastpo.memory import release_free_memory
+from fastpo.run_folder import SFT_FILE
 
-SFT_FILE = "sft.yaml"
 _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
 
 # What `fastpo sft` sets before the preset's and the user's overrides apply (user overrides win):
@@ -90,7 +90,17 @@ def sft_config(overrides: list[str], base: Optional[SFTConfig] = None) -> SFTCon
         d = parse_override(o)
         apply_dict(cfg, d.get("sft", {}), prefix="sft.")
     check_fields(cfg, "sft.")
+    if not cfg.data:
+        check_batch_size(cfg.batch_size, cfg.trajectories, "expert trajectories (sft.trajectories)")
     return cfg
+
+
+def check_batch_size(batch_size: int, n: int, what: str) -> None:
+    """ConfigError when a step would take more than the whole data set (every step would
+    repeat the same data, and an epoch would no longer be `n` trajectories)."""
+    if batch_size > n:
+        raise ConfigError(f"config key 'sft.batch_size' = {batch_size}: more than the {n} {what}; "
+                          f"choose at most {n}")
 
 
 def check_disjoint(sft: SFTConfig, cfg: TrainConfig) -> None:
@@ -490,6 +500,7 @@ class SFTTrainer(_trainer_base()):
         if self.sft.data:
             self.data = None
             ids, masks = read_chat_file(self.sft.data, self.tokenizer, self.cfg.rollout.max_context)
+            check_batch_size(self.sft.batch_size, len(ids), f"conversations of {self.sft.data}")
             for m in masks:
                 m[0] = False  # token 0 has no predecessor
             self.batch = TrainBatch(ids, masks, [torch.zeros(len(x)) for x in ids], [0] * len(ids))

@@ -215,6 +215,10 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
     path = plant_in_checkpoint(latest_checkpoint(bad), "optimizer.pt", WritesAFile(str(marker)))
     assert main(["sft", "--resume", bad]) == 2
     assert path in capsys.readouterr().err and not marker.exists()
+    # another command's resume of an SFT run is refused in one line (RL from it is `train --model RUN`)
+    assert main(["train", "--resume", part, "--iterations", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is a `fastpo sft` run" in err and f"--model {part}" in err and len(err.splitlines()) == 1
     assert main(["sft", "--resume", part]) == 0
     a, b = _weights(full), _weights(part)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -239,7 +243,8 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
 @pytest.mark.parametrize("bad,said", [("sft.trajectories=0", "sft.trajectories"),
                                       ("sft.batch_size=x", "sft.batch_size"),
                                       ("sft.seed_offset=1000000", "overlap the eval seeds"),
-                                      ("sft.bogus=1", "bogus")])
+                                      ("sft.bogus=1", "bogus"),
+                                      ("sft.batch_size=1000", "more than the 128 expert trajectories")])
 def test_bad_sft_settings_exit_2_with_one_line(bad, said, capsys, no_model):
     assert main(["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, bad]) == 2
     err = capsys.readouterr().err.strip()
@@ -394,6 +399,9 @@ def test_sft_from_a_chat_file_trains_and_a_bad_file_exits_2(tmp_path, capsys):
                  "sft.batch_size=2", "--iterations", "2", "--out", out, "trainer.eval_before_training=false"]) == 0
     printed = capsys.readouterr().out
     assert "6 conversations" in printed
+    assert main(["sft", "--env", "test_sft:NoExpert", "--preset", "cpu,tiny", "--model", MODEL, f"sft.data={good}",
+                 "sft.batch_size=7", "--out", str(tmp_path / "r1")]) == 2
+    assert "'sft.batch_size' = 7: more than the 6 conversations" in capsys.readouterr().err
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["iteration"] for r in recs] == [1, 2] and recs[0]["sft/answer_tokens"] > 0
     assert "train/success_rate" not in recs[0] and "eval/expert_success" not in recs[-1]
