@@ -109,6 +109,24 @@ class BadInfo(Walk):
         return "x", 0.0, False, {"success": "yes"}
 
 
+class SurrogateObs(Walk):
+    def step(self, move):
+        return "cell 3 \ud800 end", 0.0, False, {"success": False}
+
+
+class SurrogateRules(Walk):
+    def __init__(self):
+        super().__init__()
+        self.instructions = "rules \udc80"
+
+
+class ExitsInStep(Walk):
+    def step(self, move):
+        import sys
+
+        sys.exit(3)
+
+
 def test_named_moves_reset_step_and_metrics():
     env = make_env("test_envs_python:Walk", 3, {"length": 2})
     assert env.reset([0, 1, 2]) == ["P_G"] * 3
@@ -212,6 +230,11 @@ def test_failing_import_names_the_error(tmp_path, monkeypatch):
     ("BadReward", 1, r"step\(\) must return .*; its reward is str '1.0'"),
     ("BadObs", 0, r"reset\(\) must return the observation as str, got int 5"),
     ("BadInfo", 0, r"info\['success'\] must be a bool, got str 'yes'"),
+    ("SurrogateObs", 0, r"seed 4: step\(\)'s observation is not valid text: '\\ud800' at character 7"),
+    ("SurrogateObs", 1, r"seed 4: step\(\)'s observation is not valid text"),
+    ("SurrogateRules", 0, r"seed 4: instructions is not valid text: '\\udc80'"),
+    ("ExitsInStep", 0, r"seed 4: step\('Right'\) called sys.exit\(3\)"),
+    ("ExitsInStep", 1, r"seed 4: step\('Right'\) called sys.exit\(3\)"),
 ])
 def test_errors_inside_the_game_name_env_seed_and_field(cls, workers, match):
     env = make_env(f"test_envs_python:{cls}", 2, workers=workers)

@@ -57,6 +57,9 @@ class _Shard:
         random.setstate(self.states[i])
         try:
             return fn(*args)
+        except SystemExit as e:  # a game must not end the trainer: its process holds the user's run
+            raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[i]}: {what} called "
+                           f"sys.exit({e.code!r})") from None
         except Exception as e:
             raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[i]}: {what} raised "
                            f"{type(e).__name__}: {_one_line(e)}") from e
@@ -79,6 +82,7 @@ class _Shard:
             if not isinstance(obs, str):
                 raise EnvError(f"environment {self.name!r}, instance with seed {seed}: reset() must return the "
                                f"observation as str, got {type(obs).__name__} {obs!r:.60}")
+            _check_text(obs, "reset()'s observation", self.name, seed)
             out.append((obs, _text_attr(env, "instructions", self.name, seed), _names(env, self.name, seed)))
         return out
 
@@ -90,6 +94,7 @@ class _Shard:
             if not isinstance(text, str):
                 raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[b - self.start]}: expert() "
                                f"must return the answer as str, got {type(text).__name__} {text!r:.60}")
+            _check_text(text, "expert()'s answer", self.name, self.seeds[b - self.start])
             out.append(text)
         return out
 
@@ -102,6 +107,7 @@ class _Shard:
             for a in answers:
                 got = self._call(b, f"step({a!r:.40})", env.step, a)
                 res.append(_check_step(got, self.name, self.seeds[b - self.start]))
+                _check_text(res[-1][0], "step()'s observation", self.name, self.seeds[b - self.start])
                 if res[-1][2]:
                     break
             out.append(res)
@@ -113,6 +119,16 @@ def _one_line(e: BaseException) -> str:
     return text[:300] if text else "(no message)"
 
 
+def _check_text(text: str, field: str, name: str, seed: int) -> None:
+    """EnvError naming the game, the field and the seed when `text` cannot be encoded as UTF-8
+    (a lone surrogate such as "\\ud800", what a bad decode leaves): no tokenizer can read it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise EnvError(f"environment {name!r}, instance with seed {seed}: {field} is not valid text: "
+                       f"{text[e.start:e.end]!r} at character {e.start} cannot be encoded as UTF-8") from None
+
+
 def _text_attr(env, attr: str, name: str, seed: int) -> str:
     v = getattr(env, attr, "")
     if callable(v):
@@ -121,6 +137,7 @@ def _text_attr(env, attr: str, name: str, seed: int) -> str:
     if not isinstance(v, str):
         raise EnvError(f"environment {name!r}, instance with seed {seed}: {attr} must be a str, got "
                        f"{type(v).__name__} {v!r:.60}")
+    _check_text(v, attr, name, seed)
     return v
 
 
