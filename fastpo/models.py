@@ -563,6 +563,8 @@ def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
     raised as ModelLoadError naming `model.name`. A fastpo checkpoint is verified first: one
     whose model/ is damaged is refused in one line naming the damage (and its run's newest
     intact checkpoint)."""
+    from safetensors import SafetensorError
+
     from fastpo.checkpoint import find_checkpoint, search_checkpoints, verify_checkpoint
 
     try:
@@ -573,7 +575,8 @@ def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
             raise ValueError(f"checkpoint {ref.folder} is damaged: {problem}"
                              + (f" (the run's newest intact checkpoint: {other})" if other else ""))
         return load_tokenizer(name) if tokenizer_only else load_model_and_tokenizer(name, **kw)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, SafetensorError) as e:
+        # (a truncated weights file without a manifest to check it against: SafetensorError)
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelLoadError(f"model.name={name!r} cannot be loaded: {msg}") from e
 

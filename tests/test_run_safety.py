@@ -196,6 +196,21 @@ def test_fastpo_eval_of_a_damaged_checkpoint_is_one_line(two_checkpoints, tmp_pa
     assert len(err) == 1 and "damaged" in err[0] and "iter_000001" in err[0], err
 
 
+@pytest.mark.parametrize("command", ["eval", "train", "sft"])
+def test_a_truncated_model_folder_without_its_manifest_is_one_line(two_checkpoints, tmp_path, command, capsys):
+    """A checkpoint's model/ copied elsewhere (no manifest to check it against), then truncated."""
+    model = str(tmp_path / "model")
+    shutil.copytree(os.path.join(two_checkpoints, "checkpoints", "iter_000002", "model"), model)
+    _truncate(os.path.join(model, "model.safetensors"))
+    capsys.readouterr()
+    args = {"eval": ["eval", "--model", model, "--seeds", "1"],
+            "train": ["train", *TINY, "--model", model, "--out", str(tmp_path / "r"), *QUIET],
+            "sft": ["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", model, "--out", str(tmp_path / "s")]}
+    assert main(args[command]) == 2
+    err = _error_lines(capsys.readouterr().err)
+    assert len(err) == 1 and model in err[0] and "cannot be loaded" in err[0], err
+
+
 def test_pruning_never_deletes_the_last_intact_checkpoint(two_checkpoints, tmp_path):
     root = tmp_path / "checkpoints"
     shutil.copytree(os.path.join(two_checkpoints, "checkpoints"), root)
