@@ -554,7 +554,11 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
         need(importlib.util.find_spec("wandb") is not None, "trainer.wandb", t.wandb,
              "wandb is not installed (pip install wandb)")
     if check_env:
-        _check_env_options(cfg.env.name, cfg.env.options)
+        # a plain-Python game's reference lines are checked on the eval seeds and horizon (as
+        # fastpo.evaluate's eval_seeds / eval_horizon), before any model loads
+        horizon = min(r.max_turns * r.max_actions_per_turn, r.max_actions_per_traj)
+        _check_env_options(cfg.env.name, cfg.env.options,
+                           (list(range(t.eval_seed_offset, t.eval_seed_offset + t.eval_seeds)), horizon))
     return cfg
 
 
@@ -567,10 +571,12 @@ def _check_off_policy(cfg: TrainConfig, need) -> None:
          "trajectory's one ratio cannot take per-token weights; use algorithm.is_level=sequence")
 
 
-def _check_env_options(name: str, options: dict) -> None:
+def _check_env_options(name: str, options: dict, bounds: Optional[tuple] = None) -> None:
     """Dry run: build one instance of env `name` with `options` (no model; cheap;
     `fastpo.envs.check_env`). Sokoban with non-default options also resets it once (under a
-    second), which finds impossible levels such as more boxes than a room holds.
+    second), which finds impossible levels such as more boxes than a room holds; a
+    plain-Python game is played once and its reference lines checked on `bounds` = (eval
+    seeds, horizon).
 
     Raises ConfigError naming `env.options` for an unknown key or a bad value, and the env for
     a name that does not resolve.
@@ -582,7 +588,10 @@ def _check_env_options(name: str, options: dict) -> None:
     except EnvError as e:
         raise ConfigError(f"config key 'env.name': {e}") from None
     try:
-        check_env(name, options)
+        check_env(name, options, bounds)
+    except EnvError as e:
+        raise ConfigError(f"config key 'env.name' = {name!r}: {e}" if not options else
+                          f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
 

@@ -252,6 +252,21 @@ def test_errors_inside_the_game_name_env_seed_and_field(cls, workers, match):
     ("test_envs_python:NoStep", [], "does not implement the environment interface"),
     ("test_envs_python:Walk", ["env.options.width=3"], "takes no option(s) ['width']"),
     ("no_such_module_xyz:Game", [], "no module named 'no_such_module_xyz'"),
+    # found by playing the game once at set-up (a reset, a step, the reference lines)
+    ("test_envs_python:ResetNone", [], "reset() must return the observation as str, got NoneType"),
+    ("test_envs_python:PipeNames", [], "action_names must be a non-empty sequence of non-empty str without '||'"),
+    ("test_envs_python:NoNames", [], "action_names must be a non-empty sequence"),
+    ("test_envs_python:TwiceNames", [], "action_names holds the same name twice"),
+    ("test_envs_python:RulesNotText", [], "instructions must be a str, got int 3"),
+    ("test_envs_python:Step3", [], "step() must return (observation: str, reward: float, done: bool, info: dict), got "
+                                   "tuple"),
+    ("test_envs_python:NanReward", [], "its reward is float nan"),
+    ("test_envs_python:IntSuccess", [], "info['success'] must be a bool, got int 1"),
+    ("test_envs_python:BadBound", [], "optimal_success(seeds, 6) raised ValueError: no solver for horizon 4"),
+    ("textarena:TicTacToe-v0", [], "is not a single-player game"),
+    ("gym:CartPole-v1", ["env.options.action_names=[Left,Right]"], "unsupported render mode"),
+    ("test_envs_python:AboveOne", [], "random_success must return one probability in [0, 1] per seed"),
+    ("test_envs_python:ScalarBound", [], "optimal_success must return one probability in [0, 1] per seed (64 seeds"),
 ])
 def test_cli_refuses_a_bad_env_before_any_model_loads(no_model, tmp_path, capsys, env, extra, match):
     for cmd in ("train", "eval"):
@@ -374,6 +389,54 @@ class BadBound(Walk):
 
     def optimal_success(self, seeds, horizon):
         raise ValueError("no solver for horizon 4")
+
+
+class ResetNone(Walk):
+    def reset(self, seed):
+        return None
+
+
+class PipeNames(Walk):
+    action_names = ("Left || Right", "Up")
+
+
+class NoNames(Walk):
+    action_names = ()
+
+
+class TwiceNames(Walk):
+    action_names = ("Left", "left ")
+
+
+class RulesNotText(Walk):
+    def __init__(self):
+        super().__init__()
+        self.instructions = 3
+
+
+class Step3(Walk):
+    def step(self, move):
+        return "x", 0.0, False
+
+
+class NanReward(Walk):
+    def step(self, move):
+        return "x", float("nan"), False, {"success": False}
+
+
+class IntSuccess(Walk):
+    def step(self, move):
+        return "x", 0.0, True, {"success": 1}
+
+
+class AboveOne(Walk):
+    def random_success(self, seeds, horizon):
+        return [1.5 for _ in seeds]
+
+
+class ScalarBound(Walk):
+    def optimal_success(self, seeds, horizon):
+        return 0.5
 
 
 def test_bad_reference_lines_are_named():

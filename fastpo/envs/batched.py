@@ -150,6 +150,11 @@ def _names(env, name: str, seed: int) -> Optional[tuple]:
     if isinstance(v, str) or not all(isinstance(x, str) and x.strip() and "||" not in x for x in v) or not len(v):
         raise EnvError(f"environment {name!r}, instance with seed {seed}: action_names must be a non-empty sequence "
                        f"of non-empty str without '||' (or None for free-text answers), got {v!r:.80}")
+    keys = [x.strip().lower() for x in v]
+    if len(set(keys)) != len(keys):  # answers are matched case-insensitively: one name would hide another
+        twice = sorted({x for x in v if keys.count(x.strip().lower()) > 1})
+        raise EnvError(f"environment {name!r}, instance with seed {seed}: action_names holds the same name twice "
+                       f"(matched ignoring case and spaces): {twice}")
     return tuple(v)
 
 
@@ -412,6 +417,21 @@ class PythonBatchedEnv:
                 self.done[b], self.success[b] = done, success
         return StepResult(reward, self.done.copy(), self.success.copy(), executed, valid, effective)
 
+    def probe(self, bounds: Optional[tuple] = None) -> None:
+        """The game played once at set-up, before any model loads, so that a broken definition
+        is found then: a reset (seed 0), one step (its first move, or a free-text answer),
+        and, with `bounds` = (seeds, horizon), its reference lines on those seeds. Leaves the
+        instances to be reset again. Raises EnvError naming what is wrong."""
+        self.reset([0] * self.batch_size)
+        if self.free_text:
+            self.step_text(["1"] * self.batch_size)
+        else:
+            self.step(np.zeros((self.batch_size, 1), dtype=np.int64))
+        for which in ("optimal_success", "random_success"):
+            if bounds is not None and self.has_bound(which):
+                self._bound(which, *bounds)
+        self._was_reset = False
+
     # -- the expert (SFT data) ------------------------------------------------------------
     def has_expert(self) -> bool:
         """Whether the game defines `expert()` (the answer a good player gives now)."""
@@ -446,7 +466,7 @@ class PythonBatchedEnv:
         except Exception as e:
             raise EnvError(f"environment {self.name!r}: {which}(seeds, {horizon}) raised {type(e).__name__}: "
                            f"{_one_line(e)}") from None
-        if v.size not in (1, len(seeds)) or not np.all((v >= 0) & (v <= 1)):
-            raise EnvError(f"environment {self.name!r}: {which} must return one probability in [0, 1] per "
-                           f"seed, got {v!r:.80}")
-        return np.broadcast_to(v, (len(seeds),)).copy()
+        if v.size != len(seeds) or not np.all((v >= 0) & (v <= 1)):
+            raise EnvError(f"environment {self.name!r}: {which} must return one probability in [0, 1] per seed "
+                           f"({len(seeds)} seeds, horizon {horizon}), got {v.tolist()!r:.80}")
+        return v

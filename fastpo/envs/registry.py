@@ -189,13 +189,22 @@ def make_env(name: str, batch_size: int, options: Optional[dict] = None, workers
     return PythonBatchedEnv(spec.factory, batch_size, options, name=name, workers=workers)
 
 
-def check_env(name: str, options: Optional[dict] = None) -> None:
+def check_env(name: str, options: Optional[dict] = None, bounds: Optional[tuple] = None) -> None:
     """Dry run before any model loads: resolve `name` and build one instance with
     `options` (a built-in Sokoban with options is also reset once, which finds impossible
-    levels). Raises EnvError naming what is wrong."""
+    levels). A plain-Python game (TextArena's and gymnasium's included) is also played once
+    (`PythonBatchedEnv.probe`: a reset, a step, and with `bounds` = (seeds, horizon) its
+    reference lines), so a broken definition is refused now rather than mid-run. Raises
+    EnvError naming what is wrong."""
     env = make_env(name, 1, options)
     if name == "sokoban" and options:
         try:
             env.reset([0])
         except (ValueError, TypeError, RuntimeError) as e:
             raise EnvError(f"environment {name!r}: {e}") from None
+    probe = getattr(env, "probe", None)
+    if probe is not None:
+        try:
+            probe(bounds)
+        finally:
+            env.close()
