@@ -200,6 +200,28 @@ def test_workers_give_the_in_process_results():
     assert runs[0] == runs[1]
 
 
+def test_ctrl_c_leaves_the_workers_to_the_trainer():
+    """Ctrl-C reaches the whole process group: the workers ignore it (the trainer finishes its
+    iteration and saves with them), so the next step still works."""
+    import multiprocessing
+    import signal
+    import time
+
+    env = make_env("test_envs_python:Walk", 4, {"length": 4}, workers=2)
+    try:
+        env.reset([3, 4, 5, 6])
+        workers = multiprocessing.active_children()
+        assert len(workers) >= 2
+        for p in workers:
+            os.kill(p.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(p.is_alive() for p in workers)
+        r = env.step(np.array([[1, 1]] * 4))
+        assert r.num_executed.tolist() == [2, 2, 2, 2]
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize("name,options,match", [
     ("nosuchgame", {}, "unknown environment 'nosuchgame'; choose a built-in"),
     ("no_such_module_xyz:Game", {}, "no module named 'no_such_module_xyz'"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import numbers
 import random
+import signal
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -181,6 +182,9 @@ def _check_step(got, name: str, seed: int) -> tuple:
 
 
 def _worker_main(conn, factory, options, name, start, n):  # pragma: no cover - runs in a child process
+    # Ctrl-C reaches the whole process group: the trainer finishes its iteration and saves, and
+    # needs its workers for that (SIGTERM still ends them; the trainer closes them in any case)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         shard = _Shard(factory, options, name, start, n)
         conn.send(("ok", None))
