@@ -144,6 +144,28 @@ def test_gym_frozenlake_ansi_render_is_plain_text():
     assert env.render() == ["SFFF\nPHFH\nFFFH\nHFFG"]
 
 
+def test_gym_taxi_keeps_what_its_colours_mean():
+    """Taxi marks the passenger (blue) and the destination (magenta) only by colour, and its cab
+    is yellow empty and green carrying: a last line names them, nothing is lost silently."""
+    import gymnasium as gym
+
+    names = ["South", "North", "East", "West", "Pickup", "Dropoff"]
+    env = make_env("gym:Taxi-v4", 1, {"action_names": names})
+    obs = env.reset([0])[0]
+    assert obs.splitlines()[-1] == "Colours: Y magenta, B blue, P on yellow."
+    # the same state through gymnasium: the coloured letters are where the line says
+    raw = gym.make("Taxi-v4", render_mode="ansi")
+    raw.reset(seed=0)
+    _, _, passenger, destination = raw.unwrapped.decode(raw.unwrapped.s)
+    assert ("RGYB"[passenger], "RGYB"[destination]) == ("B", "Y")
+    # picking the passenger up turns the cab green and leaves B uncoloured
+    from fastpo.envs.gym_env import plain_text
+
+    carrying = plain_text("|\x1b[42m_\x1b[0m| : |\x1b[35mY\x1b[0m|\n")
+    assert carrying.endswith("Colours: Y magenta, P on green.")
+    assert plain_text("|\x1b[41mP\x1b[0m|F|\n") == "|P|F|"  # FrozenLake's highlight only: no line
+
+
 def test_gym_needs_action_names():
     with pytest.raises(EnvError, match=r"gym:FrozenLake-v1: name its 4 actions in id order"):
         make_env("gym:FrozenLake-v1", 1)

@@ -11,7 +11,9 @@ keyword arguments of `gym.make`, which go under `make` (e.g.
 `env.options.make.map_name=8x8 env.options.make.is_slippery=false`).
 
 Rendered ANSI markup is turned into plain text: a cell highlighted by a colour (FrozenLake's
-player) becomes the `player` symbol ("P"), and every other escape sequence is dropped; the
+player) becomes the `player` symbol ("P"), characters drawn in a colour are named with their
+colours in a last line ("Colours: Y magenta, B blue, P on yellow.": Taxi marks its passenger
+and destination only so), and every other escape sequence is dropped; the
 "  (Down)" line FrozenLake prints after a move is dropped too (the prompt shows the turn's
 moves already). Success: `info["success"]` where the env gives it, else an episode that
 terminated (not truncated) with a positive reward.
@@ -23,8 +25,10 @@ from typing import Optional, Sequence
 
 from .errors import EnvError
 
-_HIGHLIGHT = re.compile(r"\x1b\[4\dm(.)\x1b\[0m")
+_HIGHLIGHT = re.compile(r"\x1b\[4(\d)m(.)\x1b\[0m")
+_COLOURED = re.compile(r"\x1b\[3(\d)(?:;\d+)*m(.)\x1b\[0m")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_COLOURS = ("black", "red", "green", "yellow", "blue", "magenta", "cyan", "white", "", "default")
 _LAST_MOVE = re.compile(r"^\s*\([A-Za-z]+\)\s*$")
 
 
@@ -41,10 +45,20 @@ def check_gym_id(gym_id: str) -> None:
 
 def plain_text(ansi: str, player: str = "P") -> str:
     """ANSI-rendered text as plain text: a colour-highlighted character becomes `player`,
-    other escape sequences are removed, "(Move)" lines and outer blank lines dropped."""
-    text = _ANSI.sub("", _HIGHLIGHT.sub(player, ansi))
+    other escape sequences are removed, "(Move)" lines and outer blank lines dropped.
+
+    Characters drawn in a colour (Taxi's passenger in blue, its destination in magenta) keep
+    their meaning in a last line, "Colours: Y magenta, B blue, P on yellow." (the highlight's
+    colour is named there too: Taxi's cab is yellow empty and green carrying); text without
+    coloured characters (FrozenLake's) gets no such line."""
+    highlights = [_COLOURS[int(c)] for c, _ in _HIGHLIGHT.findall(ansi)]
+    coloured = [f"{ch} {_COLOURS[int(c)]}" for c, ch in _COLOURED.findall(ansi)]
+    text = _ANSI.sub("", _COLOURED.sub(lambda m: m.group(2), _HIGHLIGHT.sub(player, ansi)))
     lines = [ln for ln in text.split("\n") if not _LAST_MOVE.match(ln)]
-    return "\n".join(lines).strip("\n")
+    out = "\n".join(lines).strip("\n")
+    if coloured:
+        out += "\nColours: " + ", ".join(coloured + [f"{player} on {c}" for c in highlights]) + "."
+    return out
 
 
 class GymTextEnv:
