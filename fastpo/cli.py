@@ -296,7 +296,10 @@ def _train_in_process(args, cfg, ctx, console) -> int:
         error(str(e))
         return 1
     except EnvError as e:  # the user's game raised (names the env and the instance's seed) or broke its contract
-        error(f"{e} (the run stopped; its last checkpoint and metrics are kept)")
+        kept = os.path.isdir(cfg.trainer.output_dir) and any(
+            os.path.exists(os.path.join(cfg.trainer.output_dir, n)) for n in ("metrics.jsonl", "checkpoints"))
+        error(f"{e} (the run stopped; " + ("its last checkpoint and metrics are kept)" if kept else
+                                           "nothing had been trained or written yet)"))
         return 1
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):

@@ -287,6 +287,7 @@ def test_errors_inside_the_game_name_env_seed_and_field(cls, workers, match):
     ("test_envs_python:BadBound", [], "optimal_success(seeds, 6) raised ValueError: no solver for horizon 4"),
     ("textarena:TicTacToe-v0", [], "is not a single-player game"),
     ("gym:CartPole-v1", ["env.options.action_names=[Left,Right]"], "unsupported render mode"),
+    ("test_envs_python:NegTurns", [], "its settings['max_turns'] = -1 must be an integer >= 1"),
     ("test_envs_python:AboveOne", [], "random_success must return one probability in [0, 1] per seed"),
     ("test_envs_python:ScalarBound", [], "optimal_success must return one probability in [0, 1] per seed (64 seeds"),
 ])
@@ -340,6 +341,22 @@ def test_error_in_the_game_stops_the_run_naming_env_and_seed_keeping_checkpoint(
         "level file truncated" in err[0], err
     assert [r["iteration"] for r in _records(out)] == [1]
     assert os.path.isdir(os.path.join(out, "checkpoints", "iter_000001", "model"))
+    assert "its last checkpoint and metrics are kept" in err[0]
+    # failing in the first iteration: nothing is said to be kept
+    first = iteration_seeds(0, 1, 1)[0]
+    argv[argv.index(f"env.options.bad_seed={bad}")] = f"env.options.bad_seed={first}"
+    argv[argv.index(out)] = out + "2"
+    assert cli_main(argv) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fastpo train: error:")]
+    assert "nothing had been trained or written yet" in err[0] and "kept" not in err[0], err
+
+
+def test_a_game_class_of_the_script_itself_cannot_go_to_workers():
+    from fastpo.envs.batched import PythonBatchedEnv
+
+    Script = type("Script", (Walk,), {"__module__": "__main__"})
+    with pytest.raises(EnvError, match=r"with env.workers > 0 the game class must be importable .*'Script'.*__main__"):
+        PythonBatchedEnv(Script, 2, workers=1, name="Script")
 
 
 def test_installed_entry_point_is_found_by_name(tmp_path, monkeypatch):
@@ -449,6 +466,10 @@ class NanReward(Walk):
 class IntSuccess(Walk):
     def step(self, move):
         return "x", 0.0, True, {"success": 1}
+
+
+class NegTurns(Walk):
+    settings = {"max_turns": -1}
 
 
 class AboveOne(Walk):

@@ -286,6 +286,10 @@ class PythonBatchedEnv:
         self.batch_size = int(batch_size)
         self._factory, self._options = factory, dict(options or {})
         B = self.batch_size
+        if workers > 0 and getattr(factory, "__module__", None) == "__main__":
+            raise EnvError(f"environment {name!r}: with env.workers > 0 the game class must be importable by the "
+                           f"worker processes; define {getattr(factory, '__qualname__', factory)!r} in a module, not "
+                           f"in the script that is run (__main__)")
         self._pool = _WorkerPool(factory, self._options, name, B, workers) if workers > 0 else None
         self._local = None if self._pool else _Shard(factory, self._options, name, 0, B)
         self.done = np.ones(B, dtype=np.bool_)

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import math
 import os
 import sys
 from typing import Callable, Optional
@@ -140,6 +141,14 @@ def _settings(cls, name: str) -> dict:
     bad = [k for k in s if k not in SETTING_KEYS]
     if bad:
         raise EnvError(f"environment {name!r}: settings key(s) {bad} unknown; known: {list(SETTING_KEYS)}")
+    for k, v in s.items():  # said as the game's, not as a config key the user never wrote
+        if k == "format_penalty":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if not ok:
+            raise EnvError(f"environment {name!r}: its settings[{k!r}] = {v!r} must be "
+                           + ("a finite number" if k == "format_penalty" else "an integer >= 1"))
     return dict(s)
 
 
