@@ -317,6 +317,31 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor) -> None:
         raise TypeError(f"the Triton path needs hidden and weight of one dtype, got {hidden.dtype} and {weight.dtype}")
 
 
+#: What Triton's launch-time specialisation checks: 16-byte-aligned pointers, and integer
+#: arguments (the hidden size, the row strides) divisible by 16. Only that variant is
+#: compile-checked without spills (bench/kernel_compile.py); `_aligned_inputs` hands the
+#: kernels nothing else.
+ALIGN = 16
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it when its data pointer is not 16-byte aligned (a view into a tensor)."""
+    return t if t.data_ptr() % ALIGN == 0 else t.clone()
+
+
+def _aligned_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor):
+    """(hidden [N, Hp], weight [V, Hp], targets, H): the inputs as the compiled variant takes
+    them. A hidden size H that is not a multiple of 16 is padded with zero columns to Hp (the
+    logits hidden @ weight.T are unchanged; a copy of both, cheap against the loss); a view
+    whose data does not start 16-byte aligned is copied."""
+    d = hidden.shape[1]
+    pad = -d % ALIGN
+    if pad:
+        hidden = torch.nn.functional.pad(hidden, (0, pad))
+        weight = torch.nn.functional.pad(weight, (0, pad))
+    return _aligned(hidden), _aligned(weight), _aligned(targets), d
+
+
 @torch.no_grad()
 @_on_tensor_device
 def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -328,8 +353,10 @@ def triton_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tens
     blocks, at least one), for less memory ([4, V / 2048, rows] fp32 partial sums per chunk);
     every row keeps its place in its row block, so the results are bitwise those of one
     launch. tuned: autotune (default AUTOTUNE). Launched on hidden's device (`launch_device`).
+    Any hidden size and any view work: the kernels get aligned copies (`_aligned_inputs`).
     """
     _check(hidden, weight)
+    hidden, weight, targets, _ = _aligned_inputs(hidden, weight, targets)
     n, d = hidden.shape
     v = weight.shape[0]
     cfg = _config(hidden.dtype)
@@ -399,8 +426,10 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
     buffer fits `chunk_bytes` (default: see `slice_columns`). tuned: autotune (default
     AUTOTUNE). Launched on hidden's device (`launch_device`). Raises torch.OutOfMemoryError
     as is (see `chunked.mm_f32`); ValueError for hidden and weight on different devices.
+    Any hidden size and any view work: the kernels get aligned copies (`_aligned_inputs`).
     """
     _check(hidden, weight)
+    hidden, weight, targets, d_in = _aligned_inputs(hidden, weight, targets)
     n, d = hidden.shape
     v = weight.shape[0]
     cfg = _config(hidden.dtype)
@@ -412,7 +441,7 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
     if n == 0:
         if need_weight:
             dw.zero_()
-        return dh, dw
+        return _unpadded(dh, d_in), _unpadded(dw, d_in)
     lse, entropy = lse.float().contiguous(), entropy.float().contiguous()
     g_lp, g_ent = g_lp.float().contiguous(), g_ent.float().contiguous()
     buf = _alloc((n, v_chunk), buf_dtype, hidden.device)
@@ -432,7 +461,12 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
         if need_weight:
             # one GEMM over all tokens with an fp32 result, a single rounding to weight's dtype
             dw[v0:v0 + vl] = mm_f32(dl.T, hidden)
-    return dh, dw
+    return _unpadded(dh, d_in), _unpadded(dw, d_in)
+
+
+def _unpadded(grad: torch.Tensor | None, d: int) -> torch.Tensor | None:
+    """A gradient [rows, Hp] of padded inputs (`_aligned_inputs`) cut back to the caller's H columns."""
+    return grad if grad is None or grad.shape[1] == d else grad[:, :d].contiguous()
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> None:

@@ -833,6 +833,53 @@ def test_every_kernel_launch_runs_under_the_hidden_states_device(monkeypatch):
     assert guarded == [hidden.device, hidden.device] and active == []
 
 
+@pytest.mark.parametrize("h", [40, 48])
+def test_the_kernels_get_only_the_aligned_variant(monkeypatch, h):
+    """Whatever the hidden size and however the inputs are viewed (a buffer 4 bytes into its
+    storage, targets one int64 in), every kernel launch gets 16-byte-aligned pointers and a
+    hidden size and row strides divisible by 16: the variant bench/kernel_compile.py checks
+    for spills. The results are the reference's, gradients cut back to the caller's H."""
+    from fastpo.kernels import _triton
+
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                seen.append([x.data_ptr() % 16 if torch.is_tensor(x) else x for x in a])
+                return self.kernel[grid](*a, **k)
+            return launch
+
+    real_kernel = _triton._kernel
+    monkeypatch.setattr(_triton, "_kernel", lambda *a, **k: Spy(real_kernel(*a, **k)))
+    n, v = 24, 300
+    hidden, weight, targets = _data(n, h, v, torch.float32)
+    shifted = torch.zeros(1 + n * h, device=DEV)[1:].view(n, h)  # contiguous, 4 bytes off alignment
+    shifted.copy_(hidden)
+    tgt = torch.cat([targets[:1], targets])[1:]  # one int64 in
+    assert shifted.data_ptr() % 16 and tgt.data_ptr() % 16
+    lp, ent, lse = _triton.triton_stats(shifted, weight, tgt, 0.7, tuned=False)
+    g = torch.ones_like(lp)
+    dh, dw = _triton.triton_grads(shifted, weight, tgt, lse, ent, g, g, 0.7, tuned=False)
+    fwd, bwd = seen[0], seen[1]
+    # forward: hidden, weight, targets, out, rows, V, H, hidden stride, weight stride, ...
+    assert fwd[:4] == [0, 0, 0, 0] and fwd[6] % 16 == 0 and fwd[7] % 16 == 0 and fwd[8] % 16 == 0
+    # dlogits: hidden, weight, targets, lse, entropy, g_lp, g_ent, buf, n, V, H, v0, vl, 3 strides
+    assert bwd[:8] == [0] * 8 and bwd[10] % 16 == 0 and all(x % 16 == 0 for x in bwd[13:16])
+    lr, er = reference_logprob_entropy(hidden, weight, targets, 0.7)
+    torch.testing.assert_close(lp, lr, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(ent, er, atol=1e-4, rtol=1e-5)
+    hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    lr, er = reference_logprob_entropy(hh, ww, targets, 0.7)
+    (lr + er).sum().backward()
+    assert dh.shape == (n, h) and dw.shape == (v, h)
+    _close(dh, hh.grad, 1e-5, "d hidden")
+    _close(dw, ww.grad, 1e-5, "d weight")
+
+
 def test_triton_path_refuses_tensors_on_two_devices():
     from fastpo.kernels import _triton
 
