@@ -622,7 +622,28 @@ class SFTTrainer(_trainer_base()):
                              f"policy's {last['eval/random_success']:.3f} (exact on the same seeds): z = {z:+.1f}")
             for line in lines:
                 self.console.print(line, markup=False)
+        if self.dist.is_main and any(r.get("iteration", 0) >= 1 for r in records):
+            self.console.print("StarPO from this model: " + handoff_command(self.cfg), markup=False, soft_wrap=True)
         return records
+
+
+def handoff_command(cfg: TrainConfig) -> str:
+    """`fastpo train --env ENV --model OUT ...`: RL from an SFT run's model, with the game's
+    options and the rollout settings that run used where `fastpo train --env ENV` (same preset)
+    would use others: the model was trained on that rendering and format (`train --model`
+    takes the weights, not the settings)."""
+    import shlex
+
+    from fastpo.config import load_config
+
+    plain = load_config(env=cfg.env.name, preset=cfg.preset, check_env=False)
+    over = [f"env.options.{k}={v}" for k, v in sorted(cfg.env.options.items()) if plain.env.options.get(k) != v]
+    for f in dataclasses.fields(cfg.rollout):
+        v = getattr(cfg.rollout, f.name)
+        if v != getattr(plain.rollout, f.name):
+            over.append(f"rollout.{f.name}={str(v).lower() if isinstance(v, bool) else v}")
+    return " ".join(["fastpo train", "--env", shlex.quote(cfg.env.name), "--model",
+                     shlex.quote(cfg.trainer.output_dir), *(shlex.quote(o) for o in over)])
 
 
 # ----------------------------------------------------------------------------------------- CLI

@@ -405,3 +405,18 @@ def test_sft_from_a_chat_file_trains_and_a_bad_file_exits_2(tmp_path, capsys):
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["iteration"] for r in recs] == [1, 2] and recs[0]["sft/answer_tokens"] > 0
     assert "train/success_rate" not in recs[0] and "eval/expert_success" not in recs[-1]
+
+
+def test_the_handoff_command_carries_the_rendering_and_format_the_model_learnt():
+    import shlex
+
+    ov = ["env.options.observation=cells+coords", "rollout.max_turns=10", "rollout.think=false",
+          "trainer.output_dir=runs/my sft"]
+    cfg = load_config(env="sokoban", preset="cpu", overrides=ov)
+    words = shlex.split(fastpo.sft.handoff_command(cfg))
+    assert words[:6] == ["fastpo", "train", "--env", "sokoban", "--model", "runs/my sft"]
+    again = load_config(env="sokoban", preset="cpu", overrides=words[6:])
+    assert again.env.options == cfg.env.options and again.rollout == cfg.rollout
+    assert "rollout.think=false" not in words  # the CPU preset's own value: not repeated
+    plain = load_config(env="sokoban", preset="cpu", overrides=["trainer.output_dir=runs/x"])
+    assert shlex.split(fastpo.sft.handoff_command(plain))[6:] == []

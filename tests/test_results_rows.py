@@ -1,0 +1,63 @@
+"""The README's results rows that come from recorded runs (tools/results_row.py): each still
+matches the configuration its command resolves to and the evaluation code, and the README
+shows the record's own row. A change to the preset or the evaluation code fails here until
+the run is made again and re-recorded."""
+import copy
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import results_row  # noqa: E402
+
+import fastpo.presets  # noqa: E402
+
+
+def test_recorded_rows_are_current():
+    assert os.listdir(results_row.RECORDS), "no recorded run"
+    bad = results_row.problems()
+    assert not bad, "\n".join(bad)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """A record of `--env frozenlake --preset cpu` made now, its README row, its eval source."""
+    src = tmp_path / "evaluate.py"
+    src.write_text("x = 1\n")
+    monkeypatch.setattr(results_row, "EVAL_SOURCES", (str(src),))
+    monkeypatch.setattr(results_row, "RECORDS", str(tmp_path / "runs"))
+    monkeypatch.setattr(results_row, "README", str(tmp_path / "README.md"))
+    argv = ["--env", "frozenlake", "--preset", "cpu"]
+    row = {"before": 0.2, "after": 0.3, "before_se": 0.05, "after_se": 0.05, "change": 0.1, "z": 1.4,
+           "z_paired": 2.0}
+    rec = {"name": "t", "title": "`make train`", "argv": argv, "commit": "0" * 40, "recorded": "2026-12-02",
+           "wall_s": 600.0, "config_sha256": results_row._sha(results_row._config_text(argv)),
+           "eval_sources_sha256": results_row._eval_fingerprint("frozenlake"),
+           "figures": {"eval/success_rate": row, "eval/random_success": {**row, "after": 0.224}}}
+    os.makedirs(results_row.RECORDS)
+    with open(os.path.join(results_row.RECORDS, "t.json"), "w") as f:
+        json.dump(rec, f)
+    (tmp_path / "README.md").write_text("# x\n" + results_row.render(rec) + "\n")
+    return src
+
+
+def test_a_moved_preset_eval_code_or_readme_row_is_named(fake, monkeypatch, tmp_path):
+    assert results_row.problems() == []
+    cpu = copy.deepcopy(fastpo.presets.PRESETS["cpu"])
+    cpu["trainer"]["eval_seeds"] = 32
+    monkeypatch.setitem(fastpo.presets.PRESETS, "cpu", cpu)
+    said = results_row.problems()
+    assert len(said) == 1 and "the configuration of `fastpo train --env frozenlake --preset cpu` changed" in said[0]
+    monkeypatch.undo()
+    monkeypatch.setattr(results_row, "EVAL_SOURCES", (str(fake),))
+    monkeypatch.setattr(results_row, "RECORDS", str(tmp_path / "runs"))
+    monkeypatch.setattr(results_row, "README", str(tmp_path / "README.md"))
+    fake.write_text("x = 2\n")
+    said = results_row.problems()
+    assert len(said) == 1 and "the evaluation code" in said[0] and "changed since 0000000" in said[0]
+    fake.write_text("x = 1\n")
+    (tmp_path / "README.md").write_text("# x\n| `make train` | success 0.2 -> 0.9 |\n")
+    said = results_row.problems()
+    assert len(said) == 1 and "README.md's row is not the record's" in said[0]
