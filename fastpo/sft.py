@@ -68,9 +68,12 @@ class SFTConfig:
     data: a JSONL file of conversations (`{"messages": [{"role": ..., "content": ...}, ...]}`
     per line, TRL's conversational format) to train on instead of the expert's trajectories
     ("" = the expert); then trajectories, seed_offset and actions_per_turn are not used.
+    Kept as an absolute path, with the file's SHA-256 (data_sha256, set by the run): a resume
+    refuses a file that changed.
     """
 
     data: str = checked("", lambda v: isinstance(v, str), "must be a path to a JSONL file of chat messages")
+    data_sha256: str = checked("", lambda v: isinstance(v, str), "must be text (set by the run)")
     trajectories: int = checked(128, _at_least(1), "must be >= 1")
     batch_size: int = checked(8, _at_least(1), "must be >= 1")
     seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
@@ -127,6 +130,21 @@ def read_sft_config(out_dir: str) -> SFTConfig:
 # ----------------------------------------------------------------------------------------- a data file
 
 _ROLES = ("system", "user", "assistant")
+_CONTENT_MARK = "\ue000fastpo:content\ue000"  # private-use characters: in no template or data
+
+
+def file_sha256(path: str) -> str:
+    """The SHA-256 of a file's bytes (hex); ConfigError naming `sft.data` when it cannot be read."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except OSError as e:
+        raise ConfigError(f"config key 'sft.data' = {path!r}: cannot be read ({e.strerror})") from None
+    return h.hexdigest()
 
 
 def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,22 +152,32 @@ def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Te
     loss_mask bool [T]), the mask True on each assistant message's tokens and the end-of-turn
     marker the template closes it with (what a model samples), False elsewhere.
 
-    The assistant spans come from rendering each prefix of the conversation (ending in a
-    generation prompt before an assistant message, and after it); characters map to tokens
-    through the tokenizer's offsets. Raises ValueError when the template does not render a
-    prefix as the start of the whole (it cannot be split into turns).
+    The assistant spans come from rendering each prefix of the conversation: the one through
+    the message ends where its end-of-turn marker ends, and the message's text starts where a
+    marker put in its place appears (a template may add text before the first message, such as
+    a default system prompt); characters map to tokens through the tokenizer's offsets.
+    Raises ValueError when the template fails, or does not render a prefix as the start of the
+    whole or holds the message's text (it cannot be split into turns).
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    def render(msgs):
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - a template's own refusal ("system role not supported", ...)
+            raise ValueError(f"the model's chat template refused it: {type(e).__name__}: {e}") from None
+
+    text = render(messages)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
-        through = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False).rstrip()
-        if not (text.startswith(before) and text.startswith(through) and len(through) > len(before)):
+        through = render(messages[:i + 1]).rstrip()
+        # where the message's text starts: the same conversation with a marker in its place
+        marked = render(messages[:i] + [{"role": "assistant", "content": _CONTENT_MARK}])
+        start = marked.find(_CONTENT_MARK)
+        if not text.startswith(through) or start < 0 or marked[:start] != through[:start]:
             raise ValueError("the model's chat template does not render a conversation's beginning as the start "
                              "of the whole; its assistant turns cannot be found")
-        spans.append((len(before), len(through)))
+        spans.append((start, len(through)))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = torch.tensor(enc["input_ids"], dtype=torch.long)
     mask = torch.tensor([any(a <= lo < z for a, z in spans) for lo, _ in enc["offset_mapping"]], dtype=torch.bool)
@@ -167,14 +195,18 @@ def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
     """
     ids, masks = [], []
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as e:
         raise ConfigError(f"config key 'sft.data' = {path!r}: cannot be read ({e.strerror})") from None
     with f:
-        for n, line in enumerate(f, 1):
+        for n, raw in enumerate(f, 1):
+            where = f"{path}, line {n}"
+            try:
+                line = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}, line {n}"
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
@@ -405,8 +437,13 @@ def expert_rollout(tokenizer, env_name: str, env_options: dict, rollout_cfg, see
     batch = ro.generate(list(seeds), 1)
     bad = torch.nonzero(batch.penalised_turns).flatten().tolist()
     if bad:
-        raise RuntimeError(f"expert answers read back as malformed for seeds {[seeds[i] for i in bad[:5]]}: "
-                           f"{batch.response_texts[bad[0]]!r:.200}")
+        from fastpo.envs import EnvError
+
+        said = f"for seeds {[seeds[i] for i in bad[:5]]}: {batch.response_texts[bad[0]]!r:.200}"
+        if not ro.engine.native:  # the user's expert gave answers the game or the parser refuses
+            raise EnvError(f"environment {env_name!r}: its expert() gave answers that are penalised as malformed or "
+                           f"invalid (a name not in action_names, or info['valid'] False) {said}")
+        raise RuntimeError(f"expert answers read back as malformed {said}")  # a bug of fastpo's
     return batch
 
 
@@ -498,6 +535,16 @@ class SFTTrainer(_trainer_base()):
         super().setup()
         t0 = time.perf_counter()
         if self.sft.data:
+            digest = file_sha256(self.sft.data)
+            if self.sft.data_sha256 and digest != self.sft.data_sha256:
+                raise ConfigError(f"config key 'sft.data' = {self.sft.data!r}: the file changed since this run began "
+                                  f"(SHA-256 {digest[:12]}..., was {self.sft.data_sha256[:12]}...); put the run's "
+                                  f"data back, or start a new run")
+            self.sft.data_sha256 = digest
+        if self.dist.is_main:  # first: a folder whose data failed to build is still an SFT run's
+            atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
+                                                                              sort_keys=False))
+        if self.sft.data:
             self.data = None
             ids, masks = read_chat_file(self.sft.data, self.tokenizer, self.cfg.rollout.max_context)
             check_batch_size(self.sft.batch_size, len(ids), f"conversations of {self.sft.data}")
@@ -521,9 +568,6 @@ class SFTTrainer(_trainer_base()):
                 f"{self.sft.seed_offset}..{self.sft.seed_offset + self.sft.trajectories - 1}): success "
                 f"{float(self.data.success.float().mean()):.3f}, {self.data.metrics['num_turns']:.2f} turns, {tokens} "
                 f"tokens of which {n_ans} answer tokens ({time.perf_counter() - t0:.1f} s)")
-        if self.dist.is_main:
-            atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
-                                                                              sort_keys=False))
         self._expert_eval: Optional[dict] = None
 
     def expert_eval(self) -> dict:
@@ -654,6 +698,7 @@ def cmd_sft(args) -> int:
     from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
                                    run_folder_in_use, untrained_start)
     from fastpo.cli import _build_config, _check_out_dir, check_trust_flag, resumed_run_config
+    from fastpo.envs import EnvError
     from fastpo.trainer import Stopped
 
     from rich.console import Console
@@ -693,6 +738,7 @@ def cmd_sft(args) -> int:
                 raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
                                   f"pick another --out, or pass --overwrite to delete it")
         if sft.data:
+            sft.data = os.path.abspath(os.path.expanduser(sft.data))  # the run's, wherever it is resumed from
             if not os.path.isfile(sft.data):
                 raise ConfigError(f"config key 'sft.data' = {sft.data!r}: no such file")
         else:
@@ -719,7 +765,7 @@ def cmd_sft(args) -> int:
     except (ConfigError, RunFolderBusy, FileExistsError) as e:
         print(f"fastpo sft: error: {e}", file=sys.stderr)
         return 2
-    except CheckpointSaveError as e:
+    except (CheckpointSaveError, EnvError) as e:  # (EnvError: the user's game or its expert failed)
         print(f"fastpo sft: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:

@@ -405,6 +405,19 @@ def test_sft_from_a_chat_file_trains_and_a_bad_file_exits_2(tmp_path, capsys):
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["iteration"] for r in recs] == [1, 2] and recs[0]["sft/answer_tokens"] > 0
     assert "train/success_rate" not in recs[0] and "eval/expert_success" not in recs[-1]
+    # a folder whose data failed is still an SFT run's: train --resume refuses it
+    assert main(["train", "--resume", str(tmp_path / "r1")]) == 2
+    assert "is a `fastpo sft` run" in capsys.readouterr().err
+    # the data file is the run's: a resume from elsewhere finds it; a changed one is refused
+    here = os.getcwd()
+    try:
+        os.chdir(tmp_path)
+        assert main(["sft", "--resume", out, "--iterations", "3"]) == 0
+        _jsonl(tmp_path / "good.jsonl", CHAT)
+        assert main(["sft", "--resume", out, "--iterations", "4"]) == 2
+    finally:
+        os.chdir(here)
+    assert "the file changed since this run began" in capsys.readouterr().err
 
 
 def test_the_handoff_command_carries_the_rendering_and_format_the_model_learnt():
@@ -420,3 +433,63 @@ def test_the_handoff_command_carries_the_rendering_and_format_the_model_learnt()
     assert "rollout.think=false" not in words  # the CPU preset's own value: not repeated
     plain = load_config(env="sokoban", preset="cpu", overrides=["trainer.output_dir=runs/x"])
     assert shlex.split(fastpo.sft.handoff_command(plain))[6:] == []
+
+
+class Drift:
+    """Random steps; the expert names the position it sees, drawing from `random` first (a
+    tie-break, say): its draws must not shift the game's own stream."""
+
+    action_names = None
+    settings = {"max_turns": 4, "max_actions_per_turn": 1, "max_actions_per_traj": 4}
+    instructions = "Say the position you see."
+
+    def reset(self, seed):
+        self.pos, self.t = 0, 0
+        return "pos 0"
+
+    def step(self, answer):
+        import random
+
+        self.t += 1
+        ok = answer.strip() == str(self.pos)
+        if random.random() < 0.5:
+            self.pos += 1
+        return f"pos {self.pos}", float(ok), self.t >= 4, {"success": ok and self.t >= 4, "valid": ok}
+
+    def expert(self):
+        import random
+
+        random.random()
+        return str(self.pos)
+
+
+def test_an_expert_that_draws_random_numbers_stays_in_step_with_the_game(tok):
+    cfg, r = _rollout_cfg("test_sft:Drift")
+    batch = expert_rollout(tok, "test_sft:Drift", {}, r, list(range(40)))
+    assert batch.success.all()  # every answer named the position the model was shown
+
+
+def test_chat_masks_hold_only_the_assistant_text_whatever_comes_first(tok):
+    """An assistant message first (the template adds its default system prompt before it), a
+    message whose text also appears in the end-of-turn marker ("end"), a template that refuses."""
+    for msgs, said in ([{"role": "assistant", "content": "Hello there"}], ["Hello there<|im_end|>"]), \
+            ([{"role": "user", "content": "last word?"}, {"role": "assistant", "content": "end"}], ["end<|im_end|>"]):
+        x, m = fastpo.sft.chat_ids_and_mask(tok, msgs)
+        assert tok.decode(x[m]) == "".join(said)
+
+    class Refusing:
+        def apply_chat_template(self, msgs, tokenize=False):
+            raise RuntimeError("System role not supported")
+
+    with pytest.raises(ValueError, match="chat template refused it: RuntimeError: System role not supported"):
+        fastpo.sft.chat_ids_and_mask(Refusing(), [{"role": "assistant", "content": "x"}])
+
+
+def test_chat_file_encodings(tok, tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(CHAT[0]).encode() + b"\n")
+    assert len(fastpo.sft.read_chat_file(str(bom), tok, 1024)[0]) == 1
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(json.dumps(CHAT[0]).encode() + b"\n" + '{"messages": "caf\xe9"}'.encode("latin-1") + b"\n")
+    with pytest.raises(fastpo.config.ConfigError, match=r"latin.jsonl, line 2: not UTF-8 text"):
+        fastpo.sft.read_chat_file(str(latin), tok, 1024)

@@ -51,8 +51,10 @@ class _Shard:
         self.seeds = [0] * n
         self.states = [None] * n
 
-    def _call(self, b: int, what: str, fn, *args):
-        """fn(*args) with instance b's random state swapped in; errors name the env and seed."""
+    def _call(self, b: int, what: str, fn, *args, keep_draws: bool = True):
+        """fn(*args) with instance b's random state swapped in; errors name the env and seed.
+        keep_draws=False: what fn draws is not kept (the instance's stream goes on as if it had
+        not been called: the expert, which the game the model sees never calls)."""
         i = b - self.start
         outer = random.getstate()
         random.setstate(self.states[i])
@@ -65,7 +67,8 @@ class _Shard:
             raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[i]}: {what} raised "
                            f"{type(e).__name__}: {_one_line(e)}") from e
         finally:
-            self.states[i] = random.getstate()
+            if keep_draws:
+                self.states[i] = random.getstate()
             random.setstate(outer)
 
     def reset(self, pairs) -> list:
@@ -91,7 +94,7 @@ class _Shard:
         """items: [(b,)]; the answer text each instance's game's `expert()` gives now."""
         out = []
         for (b,) in items:
-            text = self._call(b, "expert()", self.envs[b - self.start].expert)
+            text = self._call(b, "expert()", self.envs[b - self.start].expert, keep_draws=False)
             if not isinstance(text, str):
                 raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[b - self.start]}: expert() "
                                f"must return the answer as str, got {type(text).__name__} {text!r:.60}")
