@@ -404,8 +404,9 @@ def codes_to_strings(codes: np.ndarray) -> list[str]:
 #   cells+coords  both.
 OBSERVATIONS = ("grid", "cells", "coords", "cells+coords")
 # "√" (box on target, player on goal) is two byte-level tokens for GPT-2-style tokenizers
-# (SmolLM2's included); the per-cell formats default to "*" (XSB's box on target) instead.
-CELL_FORMAT_SYMBOL = "*"
+# (SmolLM2's included); the per-cell formats default to "*" (XSB's box on target) instead, or
+# the next of these that no other symbol uses.
+CELL_FORMAT_SYMBOLS = ("*", "+", "&", "%", "$")
 
 
 def check_observation(observation) -> str:
@@ -417,12 +418,21 @@ def check_observation(observation) -> str:
 
 def format_symbols(defaults: dict, overrides: dict | None, observation: str) -> dict:
     """`symbol_table(defaults, overrides)` for an observation format: in the per-cell formats a
-    default symbol "√" that the user did not override becomes CELL_FORMAT_SYMBOL ("*"), so that
-    every cell is one token. Raises what symbol_table raises."""
-    if "cells" in observation:
-        defaults = {k: (CELL_FORMAT_SYMBOL if v == "√" and k not in (overrides or {}) else v)
-                    for k, v in defaults.items()}
-    return symbol_table(defaults, overrides)
+    default symbol "√" that the user did not override becomes the first of CELL_FORMAT_SYMBOLS
+    ("*") that no other symbol uses, so that every cell is one token. Raises what symbol_table
+    raises, and ValueError for a blank symbol in a per-cell format (cells are told apart by
+    the spaces between them)."""
+    sym = symbol_table(defaults, overrides)
+    if "cells" not in observation:
+        return sym
+    for k, v in sym.items():
+        if not v.strip():
+            raise ValueError(f"symbol for {k!r} is {v!r}: a blank symbol cannot be told from the spaces between cells "
+                             f"in observation={observation!r}")
+    for k, v in sym.items():
+        if v == "√" and k not in (overrides or {}):
+            sym[k] = next(c for c in CELL_FORMAT_SYMBOLS if c not in sym.values())
+    return sym
 
 
 def observation_note(observation: str) -> str:

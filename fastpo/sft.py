@@ -680,12 +680,20 @@ def handoff_command(cfg: TrainConfig) -> str:
 
     from fastpo.config import load_config
 
+    import yaml
+
+    def value(v) -> str:  # as the dotted overrides read it back (YAML): quoted text, flow lists
+        if isinstance(v, str):
+            return yaml.safe_dump(v, default_style='"', width=float("inf")).strip()
+        return yaml.safe_dump(v, default_flow_style=True, width=float("inf")).removesuffix("\n...\n").strip()
+
     plain = load_config(env=cfg.env.name, preset=cfg.preset, check_env=False)
-    over = [f"env.options.{k}={v}" for k, v in sorted(cfg.env.options.items()) if plain.env.options.get(k) != v]
+    over = [f"env.options.{k}={value(v)}" for k, v in sorted(cfg.env.options.items())
+            if plain.env.options.get(k) != v]
     for f in dataclasses.fields(cfg.rollout):
         v = getattr(cfg.rollout, f.name)
         if v != getattr(plain.rollout, f.name):
-            over.append(f"rollout.{f.name}={str(v).lower() if isinstance(v, bool) else v}")
+            over.append(f"rollout.{f.name}={value(v)}")
     return " ".join(["fastpo train", "--env", shlex.quote(cfg.env.name), "--model",
                      shlex.quote(cfg.trainer.output_dir), *(shlex.quote(o) for o in over)])
 

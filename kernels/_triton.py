@@ -339,7 +339,7 @@ def _aligned_inputs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     if pad:
         hidden = torch.nn.functional.pad(hidden, (0, pad))
         weight = torch.nn.functional.pad(weight, (0, pad))
-    return _aligned(hidden), _aligned(weight), _aligned(targets), d
+    return _aligned(hidden.contiguous()), _aligned(weight.contiguous()), _aligned(targets.contiguous()), d
 
 
 @torch.no_grad()
@@ -442,8 +442,9 @@ def triton_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperature
         if need_weight:
             dw.zero_()
         return _unpadded(dh, d_in), _unpadded(dw, d_in)
-    lse, entropy = lse.float().contiguous(), entropy.float().contiguous()
-    g_lp, g_ent = g_lp.float().contiguous(), g_ent.float().contiguous()
+    # (lse and entropy are often rows of triton_stats' one [3, N] buffer: aligned only for N % 4 == 0)
+    lse, entropy = _aligned(lse.float().contiguous()), _aligned(entropy.float().contiguous())
+    g_lp, g_ent = _aligned(g_lp.float().contiguous()), _aligned(g_ent.float().contiguous())
     buf = _alloc((n, v_chunk), buf_dtype, hidden.device)
     kernel, opts = _kernel("dlogits", cfg["IEEE"], tuned), _launch_opts(cfg, tuned)
     for v0 in range(0, v, v_chunk):

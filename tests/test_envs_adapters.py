@@ -164,6 +164,11 @@ def test_gym_taxi_keeps_what_its_colours_mean():
     carrying = plain_text("|\x1b[42m_\x1b[0m| : |\x1b[35mY\x1b[0m|\n")
     assert carrying.endswith("Colours: Y magenta, P on green.")
     assert plain_text("|\x1b[41mP\x1b[0m|F|\n") == "|P|F|"  # FrozenLake's highlight only: no line
+    # the cab on a coloured letter: both said (carrying, on the destination; empty, on the passenger)
+    assert plain_text("|\x1b[35m\x1b[42mY\x1b[0m\x1b[0m| : |B: |\n").endswith(
+        "Colours: Y magenta under P, P on green.")
+    assert plain_text("|\x1b[35mY\x1b[0m| : |\x1b[34;1m\x1b[43mB\x1b[0m\x1b[0m: |\n").endswith(
+        "Colours: Y magenta, B blue under P, P on yellow.")
 
 
 def test_gym_needs_action_names():

@@ -126,6 +126,14 @@ def test_the_legend_follows_the_format(name):
     assert "√" in own.instructions()[0]
 
 
+def test_symbols_you_set_in_the_per_cell_formats():
+    env = make_env("sokoban", 1, observation="cells", symbols={"wall": "*"})  # '*' taken: '√' becomes '+'
+    assert env.symbols["wall"] == "*" and env.symbols["box_on_target"] == "+"
+    with pytest.raises(ValueError, match=r"symbol for 'frozen' is ' ': a blank symbol cannot be told"):
+        make_env("frozenlake", 1, observation="cells", symbols={"frozen": " "})
+    assert make_env("frozenlake", 1, symbols={"frozen": " "}).symbols["frozen"] == " "  # the paper's grid: fine
+
+
 @pytest.mark.parametrize("bad", ["Cells", "ascii", "", None, 3])
 def test_a_bad_format_is_refused_in_one_line(bad):
     for name in ("sokoban", "frozenlake"):

@@ -833,8 +833,8 @@ def test_every_kernel_launch_runs_under_the_hidden_states_device(monkeypatch):
     assert guarded == [hidden.device, hidden.device] and active == []
 
 
-@pytest.mark.parametrize("h", [40, 48])
-def test_the_kernels_get_only_the_aligned_variant(monkeypatch, h):
+@pytest.mark.parametrize("h,n", [(40, 24), (48, 24), (64, 19), (32, 5)])
+def test_the_kernels_get_only_the_aligned_variant(monkeypatch, h, n):
     """Whatever the hidden size and however the inputs are viewed (a buffer 4 bytes into its
     storage, targets one int64 in), every kernel launch gets 16-byte-aligned pointers and a
     hidden size and row strides divisible by 16: the variant bench/kernel_compile.py checks
@@ -855,15 +855,17 @@ def test_the_kernels_get_only_the_aligned_variant(monkeypatch, h):
 
     real_kernel = _triton._kernel
     monkeypatch.setattr(_triton, "_kernel", lambda *a, **k: Spy(real_kernel(*a, **k)))
-    n, v = 24, 300
+    v = 300
     hidden, weight, targets = _data(n, h, v, torch.float32)
     shifted = torch.zeros(1 + n * h, device=DEV)[1:].view(n, h)  # contiguous, 4 bytes off alignment
     shifted.copy_(hidden)
     tgt = torch.cat([targets[:1], targets])[1:]  # one int64 in
     assert shifted.data_ptr() % 16 and tgt.data_ptr() % 16
-    lp, ent, lse = _triton.triton_stats(shifted, weight, tgt, 0.7, tuned=False)
-    g = torch.ones_like(lp)
-    dh, dw = _triton.triton_grads(shifted, weight, tgt, lse, ent, g, g, 0.7, tuned=False)
+    strided = torch.zeros(v, h + 8, device=DEV)[:, :h]  # rows 8 floats apart from the next
+    strided.copy_(weight)
+    lp, ent, lse = _triton.triton_stats(shifted, strided, tgt, 0.7, tuned=False)
+    g = torch.ones_like(lp)  # lse / ent: rows of one [3, N] buffer, off alignment unless N % 4 == 0
+    dh, dw = _triton.triton_grads(shifted, strided, tgt, lse, ent, g, g, 0.7, tuned=False)
     fwd, bwd = seen[0], seen[1]
     # forward: hidden, weight, targets, out, rows, V, H, hidden stride, weight stride, ...
     assert fwd[:4] == [0, 0, 0, 0] and fwd[6] % 16 == 0 and fwd[7] % 16 == 0 and fwd[8] % 16 == 0

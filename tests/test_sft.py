@@ -424,8 +424,9 @@ def test_the_handoff_command_carries_the_rendering_and_format_the_model_learnt()
     import shlex
 
     ov = ["env.options.observation=cells+coords", "rollout.max_turns=10", "rollout.think=false",
-          "trainer.output_dir=runs/my sft"]
-    cfg = load_config(env="sokoban", preset="cpu", overrides=ov)
+          "trainer.output_dir=runs/my sft", "rollout.temperature=0.25"]
+    cfg = load_config(env="sokoban", preset="cpu", overrides=ov,
+                      values={"env.options.levels": "#####\n#@$.#\n#####", "rollout.system_prompt": "# Rules: go."})
     words = shlex.split(fastpo.sft.handoff_command(cfg))
     assert words[:6] == ["fastpo", "train", "--env", "sokoban", "--model", "runs/my sft"]
     again = load_config(env="sokoban", preset="cpu", overrides=words[6:])

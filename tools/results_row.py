@@ -10,7 +10,7 @@ before/after table does: fastpo.summary.before_after) and writes
 bench/results/runs/NAME.json: the figures, the git commit, and two fingerprints: the SHA-256
 of the configuration that `fastpo train ARGV` resolves to today (its config.yaml without the
 output folder; the run's own config.yaml must match it) and of the evaluation's sources
-(`EVAL_SOURCES` plus the game's module). `check` recomputes both fingerprints for every record
+(`EVAL_SOURCES` plus the game's module and the games' shared rendering, envs_native/_core.py). `check` recomputes both fingerprints for every record
 and compares the README's row (the line holding `<!-- results-row:NAME -->`) with the one
 the record gives; it names what moved and the commands that renew the row.
 """
@@ -66,7 +66,7 @@ def _sha(text: str) -> str:
 
 def _eval_fingerprint(env: str) -> str:
     h = hashlib.sha256()
-    for rel in EVAL_SOURCES + ((GAME_SOURCES[env],) if env in GAME_SOURCES else ()):
+    for rel in EVAL_SOURCES + ((GAME_SOURCES[env], "envs_native/_core.py") if env in GAME_SOURCES else ()):
         with open(os.path.join(ROOT, rel), "rb") as f:
             h.update(rel.encode() + b"\0" + f.read())
     return h.hexdigest()

@@ -25,8 +25,7 @@ from typing import Optional, Sequence
 
 from .errors import EnvError
 
-_HIGHLIGHT = re.compile(r"\x1b\[4(\d)m(.)\x1b\[0m")
-_COLOURED = re.compile(r"\x1b\[3(\d)(?:;\d+)*m(.)\x1b\[0m")
+_STYLED = re.compile(r"((?:\x1b\[[0-9;]*m)+)([^\x1b\n])")  # colour codes, then the character they style
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _COLOURS = ("black", "red", "green", "yellow", "blue", "magenta", "cyan", "white", "", "default")
 _LAST_MOVE = re.compile(r"^\s*\([A-Za-z]+\)\s*$")
@@ -51,13 +50,25 @@ def plain_text(ansi: str, player: str = "P") -> str:
     their meaning in a last line, "Colours: Y magenta, B blue, P on yellow." (the highlight's
     colour is named there too: Taxi's cab is yellow empty and green carrying); text without
     coloured characters (FrozenLake's) gets no such line."""
-    highlights = [_COLOURS[int(c)] for c, _ in _HIGHLIGHT.findall(ansi)]
-    coloured = [f"{ch} {_COLOURS[int(c)]}" for c, ch in _COLOURED.findall(ansi)]
-    text = _ANSI.sub("", _COLOURED.sub(lambda m: m.group(2), _HIGHLIGHT.sub(player, ansi)))
+    coloured, highlights = [], []
+
+    def style(m) -> str:
+        codes = [int(c) for c in re.findall(r"\d+", m.group(1))]
+        fg = next((_COLOURS[c - 30] for c in codes if 30 <= c <= 37), None)
+        bg = next((_COLOURS[c - 40] for c in codes if 40 <= c <= 47), None)
+        ch = m.group(2)
+        if fg:  # a letter under a highlighted cell (Taxi's cab on the passenger) keeps its colour's note
+            coloured.append(f"{ch} {fg}" + (f" under {player}" if bg else ""))
+        if bg:
+            highlights.append(f"{player} on {bg}")
+            return player
+        return ch
+
+    text = _ANSI.sub("", _STYLED.sub(style, ansi))
     lines = [ln for ln in text.split("\n") if not _LAST_MOVE.match(ln)]
     out = "\n".join(lines).strip("\n")
     if coloured:
-        out += "\nColours: " + ", ".join(coloured + [f"{player} on {c}" for c in highlights]) + "."
+        out += "\nColours: " + ", ".join(coloured + highlights) + "."
     return out
 
 
