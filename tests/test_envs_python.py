@@ -351,6 +351,29 @@ def test_error_in_the_game_stops_the_run_naming_env_and_seed_keeping_checkpoint(
     assert "nothing had been trained or written yet" in err[0] and "kept" not in err[0], err
 
 
+class Counter(Walk):
+    """A reset that depends on how often it ran, not on its seed alone."""
+
+    resets = 0
+
+    def reset(self, seed):
+        Counter.resets += 1
+        super().reset(seed)
+        return f"start {Counter.resets}"
+
+
+def test_a_reset_that_does_not_depend_on_its_seed_alone_is_warned_of(caplog):
+    import logging
+
+    from fastpo.config import load_config
+
+    with caplog.at_level(logging.WARNING, logger="fastpo"):
+        load_config(env="test_envs_python:Counter")
+        load_config(env="test_envs_python:Walk")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "test_envs_python:Counter': reset(0) after a game gave another first" in said[0]
+
+
 def test_a_game_class_of_the_script_itself_cannot_go_to_workers():
     from fastpo.envs.batched import PythonBatchedEnv
 

@@ -430,14 +430,24 @@ class PythonBatchedEnv:
 
     def probe(self, bounds: Optional[tuple] = None) -> None:
         """The game played once at set-up, before any model loads, so that a broken definition
-        is found then: a reset (seed 0), one step (its first move, or a free-text answer),
-        and, with `bounds` = (seeds, horizon), its reference lines on those seeds. Leaves the
-        instances to be reset again. Raises EnvError naming what is wrong."""
-        self.reset([0] * self.batch_size)
+        is found then: a reset (seed 0), one step (its first move, or a free-text answer), a
+        second reset of seed 0 (a warning when its observation differs: a reset that does not
+        depend on its seed alone), and, with `bounds` = (seeds, horizon), its reference lines on
+        those seeds. Leaves the instances to be reset again. Raises EnvError naming what is
+        wrong."""
+        first = self.reset([0] * self.batch_size)
         if self.free_text:
             self.step_text(["1"] * self.batch_size)
         else:
             self.step(np.zeros((self.batch_size, 1), dtype=np.int64))
+        again = self.reset([0] * self.batch_size)
+        if again != first:  # not an error: some games mean it, but env groups then mislead
+            from fastpo.metrics import warn_user
+
+            warn_user(f"environment {self.name!r}: reset(0) after a game gave another first observation "
+                      f"({again[0]!r:.60} vs {first[0]!r:.60}): the trajectories of an env group start from "
+                      f"different states and GRPO's group baseline compares unlike games; make reset depend "
+                      f"on its seed alone (the instance's `random` is seeded for you; own a NumPy generator)")
         for which in ("optimal_success", "random_success"):
             if bounds is not None and self.has_bound(which):
                 self._bound(which, *bounds)
