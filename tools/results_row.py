@@ -7,7 +7,7 @@ with the code version, and a test fails once the preset or the evaluation code m
 
 `record` reads RUN_DIR (its config.yaml, metrics.jsonl and eval/ outcomes, as the run's own
 before/after table does: fastpo.summary.before_after) and writes
-bench/results/runs/NAME.json: the figures, the git commit, and two fingerprints: the SHA-256
+bench/results/recorded/NAME.json: the figures, the git commit, and two fingerprints: the SHA-256
 of the configuration that `fastpo train ARGV` resolves to today (its config.yaml without the
 output folder; the run's own config.yaml must match it) and of the evaluation's sources
 (`EVAL_SOURCES` plus the game's module and the games' shared rendering, envs_native/_core.py). `check` recomputes both fingerprints for every record
@@ -26,7 +26,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORDS = os.path.join(ROOT, "bench", "results", "runs")
+RECORDS = os.path.join(ROOT, "bench", "results", "recorded")
 README = os.path.join(ROOT, "README.md")
 # what decides an evaluation's figures besides the configuration: the episodes' seeds and
 # sampling streams, the evaluation loop (the game's own module is added per record)
