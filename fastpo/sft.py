@@ -17,11 +17,12 @@ The experts (envs_native): Sokoban's breadth-first `solve` (a shortest solution 
 current state), Bandit's `better_action` (the arm of higher expected reward) and FrozenLake's
 `optimal_policy` (finite-horizon value iteration: the best action per cell and number of
 actions left); a user game's own `expert()` (fastpo.envs.interface), asked each turn in the
-state the previous answers reached. FrozenLake is stochastic: the expert acts closed loop, choosing each action at
-the cell it actually reached (its own copy of the env draws the same slips as the rollout's:
-both are seeded by the env seed). With `sft.actions_per_turn` = 1 (FrozenLake's default) every
-cell it acts on is shown to the model, so the model can imitate it exactly; with more actions
-per turn the later actions of a turn depend on slips the model never sees.
+state the previous answers reached. FrozenLake is stochastic: the expert acts closed loop,
+choosing each action at the cell it actually reached (its own copy of the env draws the same
+slips as the rollout's: both are seeded by the env seed). With `sft.actions_per_turn` = 1
+(FrozenLake's default) every cell it acts on is shown to the model, so the model can imitate
+it exactly; with more actions per turn the later actions of a turn depend on slips the model
+never sees.
 
 Training (`SFTTrainer`, a `fastpo.trainer.Trainer` whose iteration is one optimizer step):
 token-in-token-out, the mean negative log-likelihood over the answer tokens of a mini-batch
@@ -54,6 +55,15 @@ _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert tr
 # one evaluation after training (and the one before it from the CPU preset), lr for SFT.
 SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", "trainer.save_every=16",
                          "optim.actor_lr=1e-5", "trainer.eval_before_training=true"]
+#: What `fastpo sft --env GAME` adds on the CPU preset alone (this machine's default; `--preset paper`
+#: keeps the paper's turns and answers), before your overrides: the best measured setting
+#: (docs/sft.md, "What the embedded model learns of Sokoban"): one move per answer, closed loop,
+#: 10 turns of it, 384 expert levels for one epoch, lr 5e-5. (config overrides, sft.* overrides)
+SFT_CPU_GAME_DEFAULTS = {
+    "sokoban": (["rollout.max_turns=10", "rollout.max_actions_per_traj=10", "optim.actor_lr=5e-5",
+                 "trainer.iterations=48"],
+                ["sft.actions_per_turn=1", "sft.trajectories=384"]),
+}
 
 
 @dataclasses.dataclass
@@ -156,8 +166,8 @@ def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Te
     the message ends where its end-of-turn marker ends, and the message's text starts where a
     marker put in its place appears (a template may add text before the first message, such as
     a default system prompt); characters map to tokens through the tokenizer's offsets.
-    Raises ValueError when the template fails, or does not render a prefix as the start of the
-    whole or holds the message's text (it cannot be split into turns).
+    Raises ValueError when the template fails, or renders a prefix otherwise than as the start
+    of the whole (the conversation cannot be split into turns).
     """
     def render(msgs):
         try:
@@ -270,10 +280,11 @@ class ExpertEngine:
     copy of the env, reset from the same `seeds`, stepped with the actions it answers, so
     its state is the rollout's. Per turn and session it returns the answer's token ids
     (`TurnOutput`, log-probs 0, stop reason "stop_string" when rollout.stop_at_answer_close,
-    else the template's end-of-turn id is appended and the reason is "eot"). An answer that
-    would pass rollout.max_new_tokens keeps fewer actions (ConfigError when not even one fits);
-    one that would pass rollout.max_context ends the session ("context", no tokens), as a
-    sampling engine would.
+    else the template's end-of-turn id is appended and the reason is "eot"). A built-in
+    solver's answer that would pass rollout.max_new_tokens keeps fewer actions (ConfigError
+    when not even one fits); a user game's `expert()` answer is played as written
+    (ConfigError when it does not fit); one that would pass rollout.max_context ends the
+    session ("context", no tokens), as a sampling engine would.
     """
 
     device = torch.device("cpu")
@@ -733,11 +744,16 @@ def cmd_sft(args) -> int:
             else:
                 plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
         else:
+            from fastpo.presets import default_preset
+
             extra = list(SFT_DEFAULT_OVERRIDES)
+            game, game_sft = SFT_CPU_GAME_DEFAULTS.get(args.env, ([], [])) if \
+                (args.preset or default_preset()) == "cpu" and args.config is None else ([], [])
+            extra += game
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
             cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None)
-            sft = sft_config(sft_ov)
+            sft = sft_config(game_sft + sft_ov)
             if not args.out:
                 cfg.trainer.output_dir = default_run_folder(cfg.env.name, "sft-")
                 if run_folder_in_use(cfg.trainer.output_dir) and not args.overwrite:
