@@ -114,7 +114,7 @@ def record(name: str, run_dir: str, argv: list, title: str, wall: float | None) 
     import yaml
 
     env = yaml.safe_load(now)["env"]["name"]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, encoding="utf-8").stdout.strip()
     rec = {"name": name, "title": title, "argv": argv, "commit": commit,
            "recorded": datetime.date.today().isoformat(), "wall_s": wall,
            "config_sha256": _sha(now), "eval_sources_sha256": _eval_fingerprint(env),
