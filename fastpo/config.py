@@ -502,6 +502,20 @@ ENV_PRESETS: dict[str, dict] = {
     "frozenlake": {},
 }
 
+def eval_horizon(rollout_cfg) -> int:
+    """The most actions one evaluation episode can take: turns x actions per turn, capped by
+    the actions per trajectory (rollout_cfg: a RolloutConfig or the `rollout` section)."""
+    r = rollout_cfg
+    return int(min(r.max_turns * r.max_actions_per_turn, r.max_actions_per_traj))
+
+
+def eval_seeds(cfg) -> list[int]:
+    """The fixed evaluation seeds of TrainConfig `cfg`: trainer.eval_seeds of them from
+    trainer.eval_seed_offset."""
+    t = cfg.trainer
+    return [t.eval_seed_offset + i for i in range(t.eval_seeds)]
+
+
 def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
     """Refuse impossible values with a ConfigError naming the key; returns `cfg`. With
     check_env=False the env name is checked but no instance is built with env.options (for a
@@ -554,11 +568,8 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
         need(importlib.util.find_spec("wandb") is not None, "trainer.wandb", t.wandb,
              "wandb is not installed (pip install wandb)")
     if check_env:
-        # a plain-Python game's reference lines are checked on the eval seeds and horizon (as
-        # fastpo.evaluate's eval_seeds / eval_horizon), before any model loads
-        horizon = min(r.max_turns * r.max_actions_per_turn, r.max_actions_per_traj)
-        _check_env_options(cfg.env.name, cfg.env.options,
-                           (list(range(t.eval_seed_offset, t.eval_seed_offset + t.eval_seeds)), horizon))
+        # a plain-Python game's reference lines are checked on the evaluation's seeds and horizon
+        _check_env_options(cfg.env.name, cfg.env.options, (eval_seeds(cfg), eval_horizon(r)))
     return cfg
 
 

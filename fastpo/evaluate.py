@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from fastpo.config import eval_horizon, eval_seeds
 from fastpo.metrics import rollout_metrics, standard_error
 from fastpo.seeds import eval_sampling_seed
 
@@ -132,13 +133,6 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     return res
 
 
-def eval_horizon(rollout_cfg) -> int:
-    """The most actions one evaluation episode can take: turns x actions per turn, capped by
-    the actions per trajectory (rollout_cfg: a RolloutConfig or the `rollout` section)."""
-    r = rollout_cfg
-    return int(min(r.max_turns * r.max_actions_per_turn, r.max_actions_per_traj))
-
-
 def success_bounds(env_name: str, env_options: dict, seeds, horizon: int) -> dict:
     """The ceiling and floor of a success curve on these seeds: {"eval/optimal_success": the
     best policy's mean success probability, "eval/random_success": the uniformly random
@@ -157,13 +151,6 @@ def success_bounds(env_name: str, env_options: dict, seeds, horizon: int) -> dic
         if getattr(env, "has_bound", lambda w: True)(which):
             out[key] = float(np.mean(getattr(env, which)(seeds, horizon)))
     return out
-
-
-def eval_seeds(cfg) -> list[int]:
-    """The fixed evaluation seeds of TrainConfig `cfg`: trainer.eval_seeds of them from
-    trainer.eval_seed_offset."""
-    t = cfg.trainer
-    return [t.eval_seed_offset + i for i in range(t.eval_seeds)]
 
 
 def evaluate_config(rollout, cfg, autocast=contextlib.nullcontext,

@@ -586,7 +586,7 @@ class SFTTrainer(_trainer_base()):
         seeds under this run's rollout settings (one trajectory per seed); its trajectories are
         kept for `first_action_accuracy`."""
         if self._expert_eval is None:
-            from fastpo.evaluate import eval_seeds
+            from fastpo.config import eval_seeds
             from fastpo.metrics import standard_error
 
             b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
