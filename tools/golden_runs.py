@@ -67,14 +67,16 @@ _COMMON = ["--device", "cpu", "trainer.kernel_impl=chunked", "trainer.plots=fals
 
 
 def command(args: list[str], out: str) -> list[str]:
-    """The `fastpo train` argv of a run: its options, then every dotted override (argparse takes
-    the overrides as one positional list)."""
+    """The `fastpo train` (or, when `args` starts with "sft", `fastpo sft`) argv of a run: its
+    options, then every dotted override (argparse takes the overrides as one positional list)."""
+    sub, args = (args[0], args[1:]) if args and args[0] == "sft" else ("train", args)
     both = args + _COMMON + ["--out", out]
     overrides = [a for a in both if "=" in a and not a.startswith("-")]
-    return ["train", *[a for a in both if a not in overrides], *overrides]
+    return [sub, *[a for a in both if a not in overrides], *overrides]
 _TINY = ["--model", "random:tiny-llama", "--preset", "tiny"]
 
-#: name -> (command-line arguments after `fastpo train`, what it covers)
+#: name -> (command-line arguments after `fastpo train` (`fastpo sft` when they start with "sft"),
+#: what it covers)
 RUNS: dict[str, tuple[list[str], str]] = {
     "bandit_tiny": (["--env", "bandit", *_TINY],
                     "the tiny preset on Bandit: GAE with the shared critic, 2 iterations, eval, checkpoint each"),
@@ -96,6 +98,9 @@ RUNS: dict[str, tuple[list[str], str]] = {
                       "algorithm.adv_estimator=grpo", "algorithm.filter_mode=top", "algorithm.filter_ratio=0.5",
                       "rollout.sampling_streams=group", "trainer.collapse_every=1"],
                      "2 processes (torchrun, gloo, FSDP2), StarPO-S GRPO"),
+    "sft_sokoban_tiny": (["sft", "--env", "sokoban", *_TINY, "--iterations", "3", "sft.trajectories=8",
+                          "sft.batch_size=4", "trainer.eval_every=3", "trainer.eval_seeds=4"],
+                         "SFT on the Sokoban solver's trajectories, 3 steps, eval before and after, checkpoint"),
 }
 
 
