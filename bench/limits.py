@@ -91,8 +91,8 @@ def attention_pairs(micro) -> int:
 
 
 class UpdateSpy:
-    """Counts what the trainer's update computes: wraps `trainer.update` and, while it runs,
-    `trainer._micro_batches` (the packed micro-batches the update's forwards and backwards
+    """Counts what the trainer's update computes: wraps its updater's `update` and, while it
+    runs, its scorer's `micro_batches` (the packed micro-batches the update's forwards and backwards
     take). Reset by every update. Fields: computed (tokens through the model), trajectory
     (trajectory tokens, a shared prefix once per member), pairs (attended pairs), scored
     (trained tokens: the LM head's rows), micro (micro-batches), max_tokens (the largest)."""
@@ -101,7 +101,8 @@ class UpdateSpy:
         self.trainer = trainer
         self._active = False
         self._reset()
-        update, micro_batches = trainer.update, trainer._micro_batches
+        updater, scorer = trainer.parts.updater, trainer.parts.scorer
+        update, micro_batches = updater.update, scorer.micro_batches
 
         def spy_update(*a, **k):
             self._reset()
@@ -122,7 +123,7 @@ class UpdateSpy:
                     self.max_tokens = max(self.max_tokens, mb.num_tokens)
                 yield mb
 
-        trainer.update, trainer._micro_batches = spy_update, spy_micro
+        updater.update, scorer.micro_batches = spy_update, spy_micro
 
     def _reset(self):
         self.computed = self.trajectory = self.pairs = self.scored = self.micro = self.max_tokens = 0
@@ -200,7 +201,7 @@ def limit_records(trainer, spy: UpdateSpy, update_s: float, device: str, label: 
     SGLang engine has no decode counters: its decode records are left out)."""
     model = trainer.model
     # the trainer's bf16 autocast (CUDA): the rollout's weights and KV cache are 2-byte values
-    autocast = trainer._autocast if device.startswith("cuda") and trainer.cfg.model.dtype == "auto" else None
+    autocast = trainer.parts.models.autocast if trainer.parts.models.autocast_bf16 else None
     sh = model_shapes(model, 2 if autocast is not None else None)
     gemm, gemm_how = gemm_flops(sh, spy.max_tokens or 512, device)
     bw = memory_bandwidth(device)
@@ -225,7 +226,7 @@ def limit_records(trainer, spy: UpdateSpy, update_s: float, device: str, label: 
                True, baseline_name="GEMM FLOP/s at the model's MLP shapes",
                notes=f"every trajectory token at {per_token / 1e9:.3f} GFLOP each; {upd_note}; {gemm_note}"),
     ]
-    st = getattr(trainer.engine, "stats", {})
+    st = getattr(trainer.parts.sampler.engine, "stats", {})
     if st.get("decode_steps"):
         step_s = st["decode_seconds"] / st["decode_steps"]
         rows = st["decode_rows"] / st["decode_steps"]

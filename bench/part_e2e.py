@@ -120,11 +120,11 @@ def run(ctx: BenchContext) -> list[Record]:
                 r["generated"].append(float(m.get("train/generated_tokens", float("nan"))))
                 r["trained"].append(m["train/response_length"] * n_traj)
         cfg = trainers["fastpo"].cfg
-        label = trainers["fastpo"].info.label
+        label = trainers["fastpo"].parts.models.info.label
         # the machine's limits, measured now, against the last timed iteration's update and rollout
         limit_recs = limits.limit_records(trainers["fastpo"], spy, res["fastpo"]["update"][-1], ctx.device,
                                           f"{preset} preset, {label}")
-        source = trainers["fastpo"].old_logprob_source
+        source = trainers["fastpo"].parts.plan.old_logprob_source
         for tr in trainers.values():
             tr.logger.close()
         del trainers

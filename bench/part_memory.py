@@ -33,10 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import BenchContext, PartSkipped, Record, _status_kib as _kib  # noqa: E402
 
 PART = "memory"
-#: Trainer methods wrapped as phases (the name the JSON gives each).
-PHASE_METHODS = {"setup": "setup", "evaluate": "_evaluate_all", "rollout": "_rollout_step",
-                 "old_logprob": "_old_logprob_step", "update": "update", "optimizer_step": "_optimizer_step",
-                 "checkpoint": "_save"}
+#: The methods wrapped as phases: phase (the name the JSON gives it) -> (the object holding the method, from the trainer: "" itself, else a dotted path into
+#: it once it is set up, the method's name)
+PHASE_METHODS = {"setup": ("", "setup"), "evaluate": ("", "evaluate"), "rollout": ("step", "rollout_step"),
+                 "old_logprob": ("parts.scorer", "old_logprobs"), "update": ("parts.updater", "update"),
+                 "optimizer_step": ("parts.updater", "optimizer_step"), "checkpoint": ("", "save")}
 TARGET = 1.5  # peak RSS at most 1.5 x (parameters + gradients + optimizer state + largest KV buffer)
 
 
@@ -95,7 +96,8 @@ def model_state_bytes(trainer) -> dict:
     """Bytes of the trainer's model state: parameters (every distinct tensor of the policy, the
     reference model, a critic), gradients and AdamW's two moments (trained parameters only)."""
     seen, params, trained = set(), 0, 0
-    mods = [trainer.model, getattr(trainer, "ref_model", None), trainer.critic_body, trainer.value_head]
+    m = trainer.parts.models
+    mods = [m.policy, m.reference, m.critic_body, m.value_head]
     for m in mods:
         if m is None:
             continue
@@ -134,8 +136,18 @@ def run(ctx: BenchContext, iterations: int | None = None, overrides: tuple = ())
                                      *overrides])
         pp = PhasePeaks()
         tr = Trainer(cfg, console=Console(quiet=True))
-        for name, attr in PHASE_METHODS.items():
-            pp.wrap(tr, attr, name)
+        for name, (where, attr) in PHASE_METHODS.items():
+            if not where:
+                pp.wrap(tr, attr, name)
+        setup = tr.setup
+
+        def set_up_then_wrap_parts():
+            setup()
+            for name, (where, attr) in PHASE_METHODS.items():
+                if where:
+                    pp.wrap(functools.reduce(getattr, where.split("."), tr), attr, name)
+
+        tr.setup = set_up_then_wrap_parts
         plot = loop.plot_curves
 
         def plots(*a, **k):
@@ -151,8 +163,8 @@ def run(ctx: BenchContext, iterations: int | None = None, overrides: tuple = ())
         seconds = time.perf_counter() - t0
         peak = pp.peak()
         state = model_state_bytes(tr)
-        kv = int(tr.engine.stats.get("peak_kv_bytes", 0))
-        label = tr.info.label
+        kv = int(tr.parts.sampler.engine.stats.get("peak_kv_bytes", 0))
+        label = tr.parts.models.info.label
     budget = sum(state.values()) + kv
     gib = 2.0 ** 30
     phases = "; ".join(f"{k} {v / gib:.2f} GiB (RSS after {pp.after.get(k, 0) / gib:.2f}, {pp.calls.get(k, 0)} call(s))"

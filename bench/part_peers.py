@@ -179,12 +179,12 @@ def _fastpo_trainer(ctx: BenchContext, s: Sizes, out: str):
     cfg = load_config(env=s.env, preset="cpu", overrides=ov)
     tr = Trainer(cfg, console=Console(quiet=True))
     tr.setup()
-    orig = tr.rollout.sampling_params
+    orig = tr.parts.sampler.rollout.sampling_params
 
     def no_stop(temperature=None):  # every turn exactly max_new_tokens long (TRL: min_new_tokens)
         return dataclasses.replace(orig(temperature), stop_token_ids=(), stop_strings=())
 
-    tr.rollout.sampling_params = no_stop
+    tr.parts.sampler.rollout.sampling_params = no_stop
     return tr
 
 
@@ -294,7 +294,7 @@ def _trl_trainer(ctx: BenchContext, s: Sizes, fastpo_tr, folder: str, out: str, 
     from fastpo.envs_native import make_env
     from fastpo.rollout.multiturn import env_turn
 
-    ro = fastpo_tr.rollout
+    ro = fastpo_tr.parts.sampler.rollout
     tok = AutoTokenizer.from_pretrained(folder)
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -351,13 +351,13 @@ def _trl_vs_fastpo(ctx: BenchContext, s: Sizes) -> list[Record]:
         seeds = [sd for it in range(1, steps + 1) for sd in iteration_seeds(ctx.seed, it, s.groups)]
         trainer, rollout_func = _trl_trainer(ctx, s, tr, folder, os.path.join(tmp, "trl"), seeds, steps)
         fastpo_batch = {}
-        orig_generate = tr._generate
+        orig_generate = tr.parts.sampler.generate
 
         def keep_batch(*a, **kw):
             fastpo_batch["b"] = orig_generate(*a, **kw)
             return fastpo_batch["b"]
 
-        tr._generate = keep_batch
+        tr.parts.sampler.generate = keep_batch
         trl = {"gen": 0.0, "inputs": None}
         orig_trl_gen, orig_score = trainer._generate, trainer._generate_and_score_completions
 
@@ -418,7 +418,7 @@ def _trl_vs_fastpo(ctx: BenchContext, s: Sizes) -> list[Record]:
         trainer.add_callback(Alternate())
         trainer.train()
         tr.logger.close()
-        label = tr.info.label
+        label = tr.parts.models.info.label
         del trainer, tr
         gc.collect()
     if len(res["trl"]["s"]) != timed or len(res["fastpo"]["s"]) != timed:

@@ -121,7 +121,7 @@ def compare(ctx: BenchContext) -> list[Record]:
 
         trl.add_callback(Alternate())
         trl.train()
-        tr._release_lock()
+        tr.release_lock()
     tf, tb = (statistics.median(times[k][warmup:]) for k in ("fastpo", "trl"))
     sf, sb = ((max(times[k][warmup:]) - min(times[k][warmup:])) for k in ("fastpo", "trl"))
     what = (f"Sokoban expert data (CPU preset rendering): {n} trajectories, {tokens} tokens of which {answer} answer "

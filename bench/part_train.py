@@ -161,11 +161,11 @@ def _iteration(ctx: BenchContext) -> list[Record]:
             last = tr.iteration(it)
         tr.logger.close()
         if ctx.device == "cpu":  # on CUDA the e2e part measures them (the GPU check's time budget)
-            lim = limits.limit_records(tr, spy, float(last["time/update_s"]), ctx.device, f"{preset} preset, {tr.info.label}")
+            lim = limits.limit_records(tr, spy, float(last["time/update_s"]), ctx.device, f"{preset} preset, {tr.parts.models.info.label}")
             lim = [dataclasses.replace(r, part="train") for r in lim]
     total = sum(v for k, v in last.items() if k.startswith("time/") and k.endswith("_s"))
     label = f"{preset} preset, {env}, {cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, " \
-            f"{cfg.rollout.max_turns} turns, {cfg.rollout.max_new_tokens} new tokens/turn, {tr.info.label}"
+            f"{cfg.rollout.max_turns} turns, {cfg.rollout.max_new_tokens} new tokens/turn, {tr.parts.models.info.label}"
     recs.append(Record("train", f"seconds per iteration ({preset} preset)", "s", total, None, False, notes=label))
     for k in ("time/rollout_s", "time/old_logprob_s", "time/advantage_s", "time/update_s"):
         recs.append(Record("train", f"  phase {k[5:-2]}", "s", float(last[k]), None, False, notes=label))

@@ -25,6 +25,7 @@ engine and HF `generate`), so no weights are copied; neither side is charged for
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import numpy as np
@@ -35,6 +36,9 @@ from fastpo.envs_native import make_env as _batched_make_env
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.seeds import mini_batch_generator_seed
 from fastpo.trainer import Trainer
+from fastpo.trainer.sampler import Sampler
+from fastpo.trainer.scoring import Scorer
+from fastpo.trainer.update import PolicyUpdater
 
 
 class PlainPythonEnv:
@@ -153,7 +157,9 @@ def logprob_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor, tem
 
 
 class ReferenceTrainer(Trainer):
-    """fastpo's Trainer with a reference-style rollout, old log-prob pass and update (module doc).
+    """fastpo's Trainer with a reference-style rollout, old log-prob pass and update (module doc):
+    its sampler, scorer and updater replaced by `ReferenceSampler`, `ReferenceScorer` and
+    `ReferenceUpdater` after `setup()`, old log-probs always recomputed.
 
     `micro_batch_size`: trajectories per padded micro-batch (the paper's 4). Same
     constructor otherwise; call `setup()` then `iteration(it)`, which returns the same
@@ -167,25 +173,50 @@ class ReferenceTrainer(Trainer):
             raise ValueError(f"micro_batch_size must be a positive integer, got {micro_batch_size!r}")
         self.micro_batch_size = micro_batch_size
 
-    def _resolve_old_logprob(self) -> None:
-        self.old_logprob_source = "recompute"  # the reference recomputes them (RAGEN / verl's default)
-
     def setup(self) -> None:
         from fastpo.rollout.reference import ReferenceRollout
+        from fastpo.trainer.iteration import StarPOIteration
 
         super().setup()
-        self.ref_rollout = ReferenceRollout(self.model, self.tokenizer, self.cfg.env.name, dict(self.cfg.env.options),
-                                            self.rollout_cfg)
+        p, cfg = self.parts, self.cfg
+        # the reference recomputes the old log-probs (RAGEN / verl's default)
+        p.plan = dataclasses.replace(p.plan, old_logprob_source="recompute")
         tok = self.tokenizer
-        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        padded = _Padded(self.micro_batch_size, pad_id, self.device)
+        ref_rollout = ReferenceRollout(self.model, tok, cfg.env.name, dict(cfg.env.options),
+                                       cfg.rollout.rollout_config())
+        p.sampler = ReferenceSampler(cfg, self.dist, p.models, p.sampler.engine, p.sampler.rollout, p.plan, self.out,
+                                     self.warn, ref_rollout=ref_rollout)
+        p.scorer = ReferenceScorer(cfg, p.models, p.plan, padded)
+        updater = ReferenceUpdater(cfg, self.dist, p.models, p.scorer, p.plan, self.warn, padded)
+        updater.actor_opt, updater.critic_opt = p.updater.actor_opt, p.updater.critic_opt  # the same optimizers
+        p.updater = updater
+        self.step = StarPOIteration(cfg, self.dist, p, self.stop, self.warn)
 
-    def _generate(self, seeds, group_size, temperature, seed):
-        self.model.eval()
-        with torch.no_grad(), self._autocast(), plain_python_envs():
+
+class ReferenceSampler(Sampler):
+    """Training batches from `ReferenceRollout` (HF `generate`, chat re-rendered each turn) with
+    the environments stepped in plain Python; the evaluation stays fastpo's."""
+
+    def __init__(self, *args, ref_rollout):
+        super().__init__(*args)
+        self.ref_rollout = ref_rollout
+
+    def generate(self, seeds, group_size, temperature, seed, group_ids=None):
+        self.models.policy.eval()
+        with torch.no_grad(), self.models.autocast(), plain_python_envs():
             return self.ref_rollout.generate(seeds, group_size, temperature=temperature, seed=seed)
 
-    def _padded(self, ids, masks, indices):
-        """Right-padded micro-batches: (indices, input_ids [k, T], attention_mask [k, T], scored [k, T-1])."""
+
+class _Padded:
+    """Right-padded micro-batches of `micro_batch_size` trajectories (the reference's)."""
+
+    def __init__(self, micro_batch_size: int, pad_id: int, device):
+        self.micro_batch_size, self.pad_id, self.device = micro_batch_size, pad_id, device
+
+    def __call__(self, ids, masks, indices):
+        """(indices, input_ids [k, T], attention_mask [k, T], scored [k, T-1]) per micro-batch."""
         from fastpo.packing import pad_micro_batch
 
         for s in range(0, len(indices), self.micro_batch_size):
@@ -196,39 +227,49 @@ class ReferenceTrainer(Trainer):
                 sc[j, : masks[i].numel()] = masks[i].to(self.device)
             yield sel, x, att, sc[:, 1:]
 
-    def _forward(self, x, att):
-        """Hidden states [k, T, H] and the full materialized logits [k, T, V] (as HF's forward)."""
-        h = decoder_body(self.model)(input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
-        return h, torch.nn.functional.linear(h, lm_head_weight(self.model))
+
+def _forward(model, x, att):
+    """Hidden states [k, T, H] and the full materialized logits [k, T, V] (as HF's forward)."""
+    h = decoder_body(model)(input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
+    return h, torch.nn.functional.linear(h, lm_head_weight(model))
+
+
+class ReferenceScorer(Scorer):
+    """Old log-probs and values the reference way: padded micro-batches, materialized logits."""
+
+    def __init__(self, cfg, models, plan, padded: _Padded):
+        super().__init__(cfg, models, plan)
+        self.padded = padded
 
     @torch.no_grad()
     def compute_old(self, batch, logprobs: bool = True, values: bool = True):
-        """The trainer's `compute_old` on the batch record, the reference way (padded
-        micro-batches, materialized logits); every column is computed."""
+        """`Scorer.compute_old` on the batch record, the reference way (padded micro-batches,
+        materialized logits); every column is computed."""
         ids, masks = batch.input_ids, batch.loss_mask
-        if self.ref_model is not None:
+        m = self.models
+        if m.reference is not None:
             raise NotImplementedError("ReferenceTrainer covers the StarPO-S setting (kl_coef = 0)")
         temp = self.cfg.rollout.temperature
         old_lp = [torch.zeros(int(x.numel())) for x in ids]
         ent = [torch.zeros(int(x.numel())) for x in ids]
-        vals = [torch.zeros(int(x.numel())) for x in ids] if self.value_head is not None else None
-        self.model.eval()
-        for sel, x, att, sc in self._padded(ids, masks, list(range(len(ids)))):
+        vals = [torch.zeros(int(x.numel())) for x in ids] if m.value_head is not None else None
+        m.policy.eval()
+        for sel, x, att, sc in self.padded(ids, masks, list(range(len(ids)))):
             cols = torch.nonzero(sc.any(0)).flatten()
             if cols.numel() == 0:
                 continue
             s0 = int(cols[0])  # the response span starts here (after the shared prompt)
-            with self._autocast():
-                h, logits = self._forward(x, att)
+            with m.autocast():
+                h, logits = _forward(m.policy, x, att)
                 # log-softmax over the response span, as verl slices its [B, T, V] logits
-                lp = torch.zeros(sc.shape, device=self.device)
-                e = torch.zeros(sc.shape, device=self.device)
+                lp = torch.zeros(sc.shape, device=m.device)
+                e = torch.zeros(sc.shape, device=m.device)
                 lp[:, s0:], e[:, s0:] = logprob_entropy_from_logits(logits[:, s0:-1], x[:, s0 + 1:], temp)
                 v = None
-                if self.value_head is not None:
-                    hv = h if self.critic_body is None else self.critic_body(
+                if m.value_head is not None:
+                    hv = h if m.critic_body is None else m.critic_body(
                         input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
-                    v = self.value_head(hv[:, :-1])
+                    v = m.value_head(hv[:, :-1])
             for j, i in enumerate(sel):
                 n = int(ids[i].numel())
                 old_lp[i][1:] = torch.where(sc[j, : n - 1], lp[j, : n - 1], 0.0).cpu()
@@ -237,8 +278,17 @@ class ReferenceTrainer(Trainer):
                     vals[i][1:] = torch.where(sc[j, : n - 1], v[j, : n - 1], 0.0).cpu()
         return old_lp, ent, vals, None
 
+
+class ReferenceUpdater(PolicyUpdater):
+    """PPO's update the reference way: padded micro-batches, materialized logits, the loss of
+    `fastpo.kernels.reference` (the specification), gradient accumulation."""
+
+    def __init__(self, cfg, dist, models, scorer, plan, warn, padded: _Padded):
+        super().__init__(cfg, dist, models, scorer, plan, warn)
+        self.padded = padded
+
     def update(self, it, batch) -> tuple[dict, int]:
-        """The trainer's `update` on the batch record, the reference way; (metrics, trained tokens)."""
+        """`PolicyUpdater.update` on the batch record, the reference way; (metrics, trained tokens)."""
         from fastpo.kernels.reference import aggregation_weights, policy_loss_terms
 
         if batch.is_weights is not None:
@@ -247,25 +297,26 @@ class ReferenceTrainer(Trainer):
         vals, returns = batch.values, batch.returns
 
         cfg, a, o = self.cfg, self.cfg.algorithm, self.cfg.optim
+        m = self.models
         g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
         temp = cfg.rollout.temperature
 
         def shifted(per_traj, sel, T):  # [k, T-1]: the value for token t+1 at position t
-            out = torch.zeros(len(sel), T - 1, device=self.device)
+            out = torch.zeros(len(sel), T - 1, device=m.device)
             for j, i in enumerate(sel):
-                out[j, : per_traj[i].numel() - 1] = per_traj[i][1:].to(self.device)
+                out[j, : per_traj[i].numel() - 1] = per_traj[i][1:].to(m.device)
             return out
 
         steps = skipped = train_tokens = 0
         losses, grad_norms = [], []
-        self.model.train()
+        m.policy.train()
         for _epoch in range(o.ppo_epochs):
             for mb, n_tok, denom in self.epoch_mini_batches(masks, g):  # the trainer's schedule
                 self.actor_opt.zero_grad(set_to_none=True)
                 if self.critic_opt is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
                 finite = True
-                for sel, x, att, sc in self._padded(ids, masks, mb):
+                for sel, x, att, sc in self.padded(ids, masks, mb):
                     T = x.shape[1]
                     train_tokens += x.numel()
                     cols = torch.nonzero(sc.any(0)).flatten()
@@ -274,12 +325,12 @@ class ReferenceTrainer(Trainer):
                     s0 = int(cols[0])  # the response span
                     old = shifted(old_lp, sel, T)[:, s0:]
                     A = shifted(adv, sel, T)[:, s0:]
-                    seq = torch.arange(len(sel), device=self.device)[:, None].expand(-1, T - 1 - s0)
-                    with self._autocast():
-                        h, logits = self._forward(x, att)
+                    seq = torch.arange(len(sel), device=m.device)[:, None].expand(-1, T - 1 - s0)
+                    with m.autocast():
+                        h, logits = _forward(m.policy, x, att)
                         lp, e = logprob_entropy_from_logits(logits[:, s0:-1], x[:, s0 + 1:], temp)
                         f = sc[:, s0:].reshape(-1)
-                        zero = torch.zeros((), device=self.device)
+                        zero = torch.zeros((), device=m.device)
                         terms = policy_loss_terms(lp.reshape(-1), e.reshape(-1), torch.where(f, old.reshape(-1), zero),
                                                   torch.where(f, A.reshape(-1), zero), None,
                                                   clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
@@ -287,16 +338,16 @@ class ReferenceTrainer(Trainer):
                         w = aggregation_weights(f, a.loss_agg, seq.reshape(-1), denom)
                         loss = torch.where(f, terms["loss"] * w, zero).sum()
                         total = loss
-                        if self.value_head is not None:
-                            hv = h if self.critic_body is None else self.critic_body(
+                        if m.value_head is not None:
+                            hv = h if m.critic_body is None else m.critic_body(
                                 input_ids=x, attention_mask=att, use_cache=False).last_hidden_state
                             fv = sc.reshape(-1)
-                            v = self.value_head(hv[:, :-1]).reshape(-1)[fv]
+                            v = m.value_head(hv[:, :-1]).reshape(-1)[fv]
                             vl, _ = alg.clipped_value_loss(v, shifted(vals, sel, T).reshape(-1)[fv],
                                                            shifted(returns, sel, T).reshape(-1)[fv],
                                                            torch.ones_like(v, dtype=torch.bool), clip=a.value_clip)
                             vloss = vl * (int(f.sum()) / max(1, n_tok))
-                            total = total + (a.value_coef * vloss if self.critic_body is None else vloss)
+                            total = total + (a.value_coef * vloss if m.critic_body is None else vloss)
                     if not torch.isfinite(total.detach()):
                         finite = False
                         break
@@ -318,7 +369,7 @@ class ReferenceTrainer(Trainer):
                     self.critic_opt.step()
                 grad_norms.append(float(gn))
                 steps += 1
-        self.model.eval()
+        m.policy.eval()
         return {"actor/pg_loss": float(np.mean(losses)) if losses else 0.0,
                 "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
                 "actor/updates": steps, "actor/skipped_updates": skipped}, train_tokens

@@ -58,10 +58,10 @@ import torch
 
 # The manifest, the run folder and the weights' origin live in their own modules; their names
 # stay importable from here (fastpo.checkpoint is what the trainer, the CLI and tests use).
-from fastpo.checkpoint_manifest import (MANIFEST, CheckpointSearch, _checkpoint_names, _files_under,  # noqa: F401
-                                        _iteration_of, checkpoint_iteration, latest_checkpoint,
+from fastpo.checkpoint_manifest import (MANIFEST, CheckpointSearch, checkpoint_names, files_under,  # noqa: F401
+                                        iteration_of, checkpoint_iteration, latest_checkpoint,
                                         search_checkpoints, verify_checkpoint, write_manifest)
-from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, _model_meta, checkpoint_origin,  # noqa: F401
+from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, model_meta, checkpoint_origin,  # noqa: F401
                                       find_checkpoint, local_path_shaped, model_origin)
 from fastpo.config_fields import ConfigError
 from fastpo.run_folder import (LOCK_FILE, RUN_MARKERS, RunFolderBusy, RunLock, atomic_write_text,  # noqa: F401
@@ -365,7 +365,7 @@ _WRITE_FAILED = re.compile(r"writ|iostream|unexpected pos|no space|disk|quota", 
 
 
 def _folder_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, rel)) for rel in _files_under(folder))
+    return sum(os.path.getsize(os.path.join(folder, rel)) for rel in files_under(folder))
 
 
 def _tensor_bytes(*objs: Any) -> int:
@@ -411,7 +411,7 @@ def _save_error(e: BaseException, step: str, tmp: str, root: str, name: str, kee
         step = re.sub(r"\.tmp\d+$", "", os.path.relpath(where, tmp).replace(os.sep, "/"))
     needed = _tensor_bytes([m.state_dict() for m in modules if m is not None],
                            [o.state_dict() for o in optimizers.values()])
-    prev = [d for d in _checkpoint_names(root) if d != name]
+    prev = [d for d in checkpoint_names(root) if d != name]
     if prev:
         needed = max(needed, _folder_bytes(os.path.join(root, prev[-1])))
     cause = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip().splitlines()
@@ -455,7 +455,7 @@ def save_checkpoint(out_dir: str, iteration: int, *, model: torch.nn.Module, tok
         os.makedirs(tmp)
         step = "model/"
         save_hf_model(model, tokenizer, os.path.join(tmp, "model"))
-        meta = _model_meta(out_dir, iteration, config_yaml)
+        meta = model_meta(out_dir, iteration, config_yaml)
         if meta is not None:
             step = f"model/{MODEL_META}"
             with open(os.path.join(tmp, "model", MODEL_META), "w", encoding="utf-8") as f:
@@ -512,7 +512,7 @@ def prune_checkpoints(root: str, keep: int, protect: str) -> list[str]:
     anyway) and never takes the place of an intact one. Newest means the highest iteration
     number (not the name's sort order).
     """
-    names = _checkpoint_names(root)
+    names = checkpoint_names(root)
     kept = {protect} if protect in names else set()
     intact = int(protect in kept and verify_checkpoint(os.path.join(root, protect), quick=True) is None)
     for d in reversed(names):

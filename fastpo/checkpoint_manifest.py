@@ -16,7 +16,7 @@ MANIFEST = "manifest.json"
 _LEGACY_REQUIRED = ("model/config.json", "state.pt", "optimizer.pt")
 
 
-def _files_under(folder: str) -> list[str]:
+def files_under(folder: str) -> list[str]:
     """Paths of the files under `folder`, relative to it with "/" separators, sorted."""
     out = []
     for d, _, files in os.walk(folder):
@@ -40,7 +40,7 @@ def write_manifest(folder: str, iteration: int) -> None:
     """Fsync every file under `folder` and write `MANIFEST` (size and SHA-256 of each) last,
     atomically: a folder whose manifest verifies holds every file complete."""
     files = {}
-    for rel in _files_under(folder):
+    for rel in files_under(folder):
         if rel == MANIFEST:
             continue
         p = os.path.join(folder, rel)
@@ -56,7 +56,7 @@ _verified: dict[tuple, tuple[tuple, Optional[str]]] = {}  # (folder, part) -> (f
 
 def _signature(folder: str) -> tuple:
     sig = []
-    for rel in _files_under(folder):
+    for rel in files_under(folder):
         st = os.stat(os.path.join(folder, rel))
         sig.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
     return tuple(sig)
@@ -113,7 +113,7 @@ def verify_checkpoint(folder: str, quick: bool = False, part: str = "") -> Optio
     return problem
 
 
-def _iteration_of(name: str) -> Optional[int]:
+def iteration_of(name: str) -> Optional[int]:
     """The iteration number of a checkpoint folder name ``iter_000010`` (None for anything else)."""
     if not name.startswith("iter_"):
         return None
@@ -121,12 +121,12 @@ def _iteration_of(name: str) -> Optional[int]:
     return int(digits) if digits.isdigit() else None
 
 
-def _checkpoint_names(root: str) -> list[str]:
+def checkpoint_names(root: str) -> list[str]:
     """The ``iter_*`` folders in `root`, oldest (lowest iteration) first."""
     if not os.path.isdir(root):
         return []
     found = [(n, d) for d in os.listdir(root)
-             if (n := _iteration_of(d)) is not None and os.path.isdir(os.path.join(root, d))]
+             if (n := iteration_of(d)) is not None and os.path.isdir(os.path.join(root, d))]
     return [d for _, d in sorted(found)]
 
 
@@ -153,7 +153,7 @@ def search_checkpoints(out_dir: str) -> CheckpointSearch:
     at the first intact one."""
     root = os.path.join(out_dir, "checkpoints")
     damaged = []
-    for name in reversed(_checkpoint_names(root)):
+    for name in reversed(checkpoint_names(root)):
         problem = verify_checkpoint(os.path.join(root, name))
         if problem is None:
             return CheckpointSearch(os.path.join(root, name), damaged)
@@ -172,7 +172,7 @@ def latest_checkpoint(out_dir: str, warn: Optional[Callable[[str], None]] = None
 
 def checkpoint_iteration(folder: str) -> int:
     """The iteration checkpoint `folder` holds (from its name)."""
-    n = _iteration_of(os.path.basename(os.path.normpath(folder)))
+    n = iteration_of(os.path.basename(os.path.normpath(folder)))
     if n is None:
         raise ValueError(f"{folder} is not a checkpoint folder (iter_NNNNNN)")
     return n

@@ -8,7 +8,7 @@ import json
 import os
 from typing import Callable, Optional
 
-from fastpo.checkpoint_manifest import MANIFEST, _iteration_of, search_checkpoints
+from fastpo.checkpoint_manifest import MANIFEST, iteration_of, search_checkpoints
 
 #: File in a checkpoint's model/ folder recording the weights' origin (see the module docstring).
 MODEL_META = "fastpo_model.json"
@@ -47,13 +47,13 @@ def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> 
         return None
     if os.path.isfile(os.path.join(p, "config.json")):
         parent = os.path.dirname(os.path.abspath(p))
-        if os.path.basename(p) != "model" or _iteration_of(os.path.basename(parent)) is None:
+        if os.path.basename(p) != "model" or iteration_of(os.path.basename(parent)) is None:
             return None
         if not any(os.path.exists(os.path.join(parent, f)) for f in ("state.pt", "config.yaml")) \
                 and not os.path.isfile(os.path.join(p, MODEL_META)):
             return None
         folder = os.path.dirname(p) if os.path.dirname(p) else parent
-    elif _iteration_of(os.path.basename(p)) is not None and any(
+    elif iteration_of(os.path.basename(p)) is not None and any(
             os.path.isfile(os.path.join(p, f)) for f in ("model/config.json", MANIFEST, "state.pt")):
         folder = p  # (one missing model/ is damage for verify_checkpoint to name)
     else:
@@ -78,7 +78,7 @@ def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> 
             config_path = cand
             break
     return CheckpointRef(folder=folder, model_dir=os.path.join(folder, "model"), run_dir=run_dir or None,
-                         iteration=_iteration_of(os.path.basename(folder)), config_path=config_path)
+                         iteration=iteration_of(os.path.basename(folder)), config_path=config_path)
 
 
 def _model_name(config_yaml: str) -> Optional[str]:
@@ -160,7 +160,7 @@ def checkpoint_origin(model_dir: str, _depth: int = 0) -> Optional[dict]:
     return {**model_origin(name, _depth), "trained_from": name, "iteration": ref.iteration, "run": ref.run_dir}
 
 
-def _model_meta(out_dir: str, iteration: int, config_yaml: str) -> Optional[dict]:
+def model_meta(out_dir: str, iteration: int, config_yaml: str) -> Optional[dict]:
     """The `MODEL_META` record of checkpoint `iteration` of run `out_dir` (None when the
     configuration names no model)."""
     name = _model_name(config_yaml)

@@ -1,4 +1,4 @@
-"""The `fastpo` command line: `fastpo train`, `fastpo sft` (fastpo.sft) and `fastpo eval`.
+"""The `fastpo` command line: `fastpo train`, `fastpo sft` (on fastpo.sft) and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
                  [--out DIR [--overwrite]] [--resume DIR [--iterations N] [--trust-checkpoint]] [--nproc N]
@@ -71,7 +71,7 @@ def _add_trust(p: argparse.ArgumentParser) -> None:
                         "state.pt), which can run any code they hold; only for run folders you trust")
 
 
-def _build_config(args, extra: list[str], values: dict | None = None):
+def build_config(args, extra: list[str], values: dict | None = None):
     from fastpo.config import load_config
 
     ov = list(extra)
@@ -86,7 +86,7 @@ def _build_config(args, extra: list[str], values: dict | None = None):
     return load_config(env=args.env, preset=args.preset, file=args.config, overrides=ov, values=values)
 
 
-def _check_out_dir(path: str, flag: str = "--out") -> None:
+def check_out_dir(path: str, flag: str = "--out") -> None:
     """Refuse an output folder that cannot be created or written, before any model loads
     (ConfigError naming `flag` and the folder). On `--resume` the run folder itself and the
     files a resume rewrites (metrics.jsonl, config.yaml) must be writable."""
@@ -211,7 +211,7 @@ def _new_run_config(args, world: int, torchrun: bool, console):
     extra = []
     if args.iterations is not None:
         extra.append(f"trainer.iterations={args.iterations}")
-    cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
+    cfg = build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
     fdist.check_trainer_support(cfg, world, torchrun=torchrun)
     if args.out is not None:
         RunLock(args.out).check()
@@ -251,7 +251,7 @@ def cmd_train(args) -> int:
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         check_model_name(cfg.model.name)  # a name that names no model: said before the run's banner
-        _check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
+        check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
         ctx = fdist.SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
             # choice of run folder is everyone's
@@ -351,11 +351,11 @@ def cmd_eval(args) -> int:
         resolve_device(cfg.trainer.device)
         check_model_name(cfg.model.name)
         if args.samples is not None:
-            _check_out_dir(args.samples, "--samples")
+            check_out_dir(args.samples, "--samples")
         if args.json is not None:
             if not args.json.strip() or os.path.isdir(args.json):
                 raise ConfigError(f"--json {args.json!r}: needs a file path, e.g. --json eval.json")
-            _check_out_dir(os.path.dirname(os.path.abspath(args.json)), "--json")
+            check_out_dir(os.path.dirname(os.path.abspath(args.json)), "--json")
         if run is not None:
             console.print(run.describe(), markup=False)
             if run.mismatch_note():
@@ -403,7 +403,7 @@ def _check_processes(args, argv: list[str]) -> int | None:
             name = args.model
             if args.command == "train":
                 if args.resume is None:
-                    cfg = _build_config(args, [])
+                    cfg = build_config(args, [])
                     fdist.check_trainer_support(cfg, args.nproc)
                 else:
                     cfg = resumed_run_config(args)  # a folder that is no run, a setting a resume cannot change
@@ -539,8 +539,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return cmd_train(args)
     if args.command == "sft":
-        from fastpo.sft import cmd_sft
-
         return cmd_sft(args)
     return cmd_eval(args)
 
@@ -582,3 +580,96 @@ def _left_a_job() -> bool:
 
 if __name__ == "__main__":
     entry()
+
+
+def cmd_sft(args) -> int:
+    """`fastpo sft`: exit status 0 done, 2 bad input (one line), 1 a checkpoint not saved or a
+    full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
+    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
+                                   run_folder_in_use, untrained_start)
+    from fastpo.config import ConfigError, default_run_folder
+    from fastpo.run_folder import SFT_FILE
+    from fastpo.sft import (SFT_CPU_GAME_DEFAULTS, SFT_DEFAULT_OVERRIDES, SFTTrainer, check_disjoint, check_expert,
+                            read_sft_config, sft_config)
+    from fastpo.envs import EnvError
+    from fastpo.trainer import Stopped
+
+    from rich.console import Console
+
+    console = Console()
+    sft_ov = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith("sft.")]
+    args.overrides = [o for o in args.overrides if o not in sft_ov]
+    try:
+        check_trust_flag(args)
+        if args.resume is not None:
+            cfg = resumed_run_config(args, fixed=sft_ov)
+            RunLock(args.resume).check()
+            untrained = untrained_start(args.resume)
+            if untrained and not os.path.isfile(os.path.join(args.resume, SFT_FILE)):
+                raise ConfigError(f"--resume {args.resume}: the run stopped before its first checkpoint and before "
+                                  f"writing {SFT_FILE} (nothing was trained); run the same `fastpo sft` command "
+                                  f"again: it reuses the folder")
+            sft = read_sft_config(args.resume)
+            if untrained:  # stopped before its first checkpoint: start it again
+                console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing "
+                              f"was trained): starting it again from step 1 with its config.yaml", markup=False,
+                              soft_wrap=True)
+                args.resume, args.out = None, args.resume
+            else:
+                plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
+        else:
+            from fastpo.presets import default_preset
+
+            extra = list(SFT_DEFAULT_OVERRIDES)
+            game, game_sft = SFT_CPU_GAME_DEFAULTS.get(args.env, ([], [])) if \
+                (args.preset or default_preset()) == "cpu" and args.config is None else ([], [])
+            extra += game
+            if args.iterations is not None:
+                extra.append(f"trainer.iterations={args.iterations}")
+            cfg = build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None)
+            sft = sft_config(game_sft + sft_ov)
+            if not args.out:
+                cfg.trainer.output_dir = default_run_folder(cfg.env.name, "sft-")
+                if run_folder_in_use(cfg.trainer.output_dir) and not args.overwrite:
+                    cfg.trainer.output_dir = fresh_run_folder(cfg.trainer.output_dir)
+            elif run_folder_in_use(args.out) and not args.overwrite:
+                raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
+                                  f"pick another --out, or pass --overwrite to delete it")
+        if sft.data:
+            sft.data = os.path.abspath(os.path.expanduser(sft.data))  # the run's, wherever it is resumed from
+            if not os.path.isfile(sft.data):
+                raise ConfigError(f"config key 'sft.data' = {sft.data!r}: no such file")
+        else:
+            check_disjoint(sft, cfg)
+            check_expert(cfg.env.name)
+        from fastpo.models import check_kernel_impl, resolve_device
+
+        check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
+        check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
+    except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
+        print(f"fastpo sft: error: {e}", file=sys.stderr)
+        return 2
+    source = f"the conversations of {sft.data}" if sft.data else f"{sft.trajectories} expert trajectories"
+    console.print(f"[bold]fastpo sft[/] env={cfg.env.name} preset={cfg.preset} {source}, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
+                  f"-> {cfg.trainer.output_dir}")
+    try:
+        trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite,
+                             trust_checkpoint=args.trust_checkpoint)
+        trainer.run()
+        if trainer.stop_state.interrupted:
+            raise Stopped(trainer.stop_state.signum)
+    except KeyboardInterrupt as e:
+        return 128 + getattr(e, "signum", 2)
+    except (ConfigError, RunFolderBusy, FileExistsError) as e:
+        print(f"fastpo sft: error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointSaveError, EnvError) as e:  # (EnvError: the user's game or its expert failed)
+        print(f"fastpo sft: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"fastpo sft: error: {e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
+              f"`fastpo sft --resume {cfg.trainer.output_dir}`", file=sys.stderr)
+        return 1
+    return 0

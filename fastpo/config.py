@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Optional
 
 # The field machinery, the presets and the config files live in their own modules; every
 # name stays importable from here.
-from fastpo.config_fields import (ConfigError, Rule, _describe, _did_you_mean, _nested, _type_ok,  # noqa: F401
+from fastpo.config_fields import (ConfigError, Rule, describe_type, did_you_mean, nested_dict, type_ok,  # noqa: F401
                                   apply_dict, check_fields, checked, parse_override)
-from fastpo.config_files import (_dig, config_from_dict, dump_yaml, load_run_config,  # noqa: F401
-                                 parse_config_yaml, read_config_file, read_run_config, run_settings)
+from fastpo.config_files import (dig, dump_yaml, parse_config_yaml, read_config_file,  # noqa: F401
+                                 run_settings)
 from fastpo.presets import PRESETS, cpu_preset_note, default_preset  # noqa: F401
 from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
 
@@ -44,7 +45,7 @@ TOP_P_RULE = Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
 TOP_K_RULE = Rule(lambda v: v >= 0, "must be >= 0 (0 = off)")
 
 
-def _at_least(n: int) -> Callable[[Any], bool]:
+def at_least(n: int) -> Callable[[Any], bool]:
     return lambda v: v >= n
 
 
@@ -87,7 +88,7 @@ class ModelConfig:
     name: str = checked("smollm2-135m-instruct", bool, "must not be empty")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     gradient_checkpointing: bool = False
-    lora_rank: int = checked(0, _at_least(0), "must be >= 0 (0 = full fine-tuning)")
+    lora_rank: int = checked(0, at_least(0), "must be >= 0 (0 = full fine-tuning)")
     lora_alpha: int = checked(16, lambda v: v > 0, "must be > 0")
     lora_dropout: float = checked(0.0, lambda v: 0 <= v < 1, "must be in [0, 1)")
     lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -110,7 +111,7 @@ class EnvConfig:
 
     name: str = checked("frozenlake", lambda v: bool(v.strip()), "must name an environment")
     options: dict = field(default_factory=dict)
-    workers: int = checked(0, _at_least(0), "must be >= 0 (0 = in process)")
+    workers: int = checked(0, at_least(0), "must be >= 0 (0 = in process)")
 
 
 @dataclass
@@ -156,12 +157,12 @@ class RolloutConfig:
             fastpo evicts the dropped turns' KV entries and keeps positions (fastpo/window.py).
     """
 
-    max_turns: int = checked(5, _at_least(1), "must be >= 1")
+    max_turns: int = checked(5, at_least(1), "must be >= 1")
     max_actions_per_turn: int = checked(5, lambda v: 1 <= v <= MAX_ACTIONS_PER_TURN,
                                         f"must be >= 1 and <= {MAX_ACTIONS_PER_TURN}")
-    max_actions_per_traj: int = checked(10, _at_least(1), "must be >= 1")
-    max_new_tokens: int = checked(400, _at_least(1), "must be >= 1")
-    max_context: int = checked(3600, _at_least(1), "must be >= 1")
+    max_actions_per_traj: int = checked(10, at_least(1), "must be >= 1")
+    max_new_tokens: int = checked(400, at_least(1), "must be >= 1")
+    max_context: int = checked(3600, at_least(1), "must be >= 1")
     # > 0: the recorded log-probs and the trainer's loss divide the logits by it (greedy
     # decoding is the engine's SamplingParams(temperature=0), not a rollout setting)
     temperature: float = checked(1.0, lambda v: v > 0, "must be > 0 (the logits are divided by it)")
@@ -223,13 +224,13 @@ class RolloutSection(RolloutConfig):
             fresh batch (round(fraction x batch size)).
     """
 
-    env_groups: int = checked(8, _at_least(1), "must be >= 1")
-    group_size: int = checked(16, _at_least(1), "must be >= 1")
+    env_groups: int = checked(8, at_least(1), "must be >= 1")
+    group_size: int = checked(16, at_least(1), "must be >= 1")
     engine: Literal["native", "sglang"] = "native"
     sampling_streams: Literal["auto", "batch", "group"] = "auto"
     sglang_mem_fraction: float = checked(0.4, lambda v: 0 < v < 1, "must be in (0, 1)")
-    reuse: int = checked(1, _at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)")
-    replay: int = checked(0, _at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)")
+    reuse: int = checked(1, at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)")
+    replay: int = checked(0, at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)")
     replay_fraction: float = checked(0.5, lambda v: 0 <= v <= 1, "must be in [0, 1] (replayed trajectories per "
                                      "update, as a fraction of the fresh batch)")
 
@@ -318,14 +319,14 @@ class AlgorithmConfig:
     filter_ratio: float = checked(0.25, lambda v: 0 < v <= 1, "must be in (0, 1]")
     filter_strategy: Literal["top_k", "top_p", "min_p"] = "top_k"
     filter_top_p_mode: Literal["linear", "softmax"] = "linear"
-    filter_eps: float = checked(0.01, _at_least(0), "must be >= 0")
+    filter_eps: float = checked(0.01, at_least(0), "must be >= 0")
     filter_keep_zero_std: bool = True
     soft_advantage_reweight: bool = False
     clip_low: float = checked(0.2, lambda v: v > 0, "must be > 0")
     clip_high: float = 0.28
     dual_clip: Optional[float] = checked(3.0, lambda v: v is None or v > 1, "must be > 1 or null")
-    entropy_coef: float = checked(0.001, _at_least(0), "must be >= 0")
-    kl_coef: float = checked(0.0, _at_least(0), "must be >= 0")
+    entropy_coef: float = checked(0.001, at_least(0), "must be >= 0")
+    kl_coef: float = checked(0.0, at_least(0), "must be >= 0")
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
     loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "seq-mean-token-mean"  # fastpo.registry.LOSS_AGGREGATIONS
@@ -338,7 +339,7 @@ class AlgorithmConfig:
     # critic (PPO only)
     critic: Literal["separate", "shared"] = "separate"
     value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
-    value_coef: float = checked(0.5, _at_least(0), "must be >= 0")
+    value_coef: float = checked(0.5, at_least(0), "must be >= 0")
     value_loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "token-mean"
 
 
@@ -361,12 +362,12 @@ class OptimConfig:
 
     actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0")
     critic_lr: float = checked(1e-5, lambda v: v > 0, "must be > 0")
-    weight_decay: float = checked(0.01, _at_least(0), "must be >= 0")
+    weight_decay: float = checked(0.01, at_least(0), "must be >= 0")
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     grad_clip: float = checked(1.0, lambda v: v > 0, "must be > 0")
-    ppo_epochs: int = checked(1, _at_least(1), "must be >= 1")
-    mini_batch_size: int = checked(32, _at_least(1), "must be >= 1")
-    micro_token_budget: int = checked(8192, _at_least(16), "must be >= 16 tokens")
+    ppo_epochs: int = checked(1, at_least(1), "must be >= 1")
+    mini_batch_size: int = checked(32, at_least(1), "must be >= 1")
+    micro_token_budget: int = checked(8192, at_least(16), "must be >= 16 tokens")
     # compute an env group's shared prompt once per micro-batch (needs fastpo's segment attention)
     share_prefix: bool = True
 
@@ -406,28 +407,28 @@ class TrainerSection:
             "replicate" (every rank holds them whole; summed gradients, DDP-style).
     """
 
-    iterations: int = checked(200, _at_least(1), "must be >= 1")
+    iterations: int = checked(200, at_least(1), "must be >= 1")
     seed: int = checked(0, _seed_range, "must be in [0, 2**32)")
     device: str = checked("auto", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None,
                           "must be auto, cpu or cuda[:N]")
     output_dir: str = ""
-    eval_every: int = checked(10, _at_least(0), "must be >= 0 (0 = never)")
-    eval_seeds: int = checked(256, _at_least(1), "must be >= 1")
+    eval_every: int = checked(10, at_least(0), "must be >= 0 (0 = never)")
+    eval_seeds: int = checked(256, at_least(1), "must be >= 1")
     eval_seed_offset: int = checked(1_000_000, _seed_range, "must be in [0, 2**32)")
     eval_temperature: float = checked(0.5, lambda v: v > 0, "must be > 0")
-    eval_group_size: int = checked(1, _at_least(1), "must be >= 1")
+    eval_group_size: int = checked(1, at_least(1), "must be >= 1")
     eval_before_training: bool = False
-    save_every: int = checked(10, _at_least(0), "must be >= 0 (0 = only at the end)")
-    keep_checkpoints: int = checked(2, _at_least(1), "must be >= 1")
-    num_samples: int = checked(4, _at_least(0), "must be >= 0")
+    save_every: int = checked(10, at_least(0), "must be >= 0 (0 = only at the end)")
+    keep_checkpoints: int = checked(2, at_least(1), "must be >= 1")
+    num_samples: int = checked(4, at_least(0), "must be >= 0")
     ema_decay: float = checked(0.9, lambda v: 0 < v < 1, "must be in (0, 1)")
     tensorboard: bool = False
     wandb: bool = False
     plots: bool = True
     echo_trap_drop: float = checked(0.5, lambda v: 0 < v < 1, "must be in (0, 1)")
-    echo_trap_window: int = checked(5, _at_least(1), "must be >= 1")
+    echo_trap_window: int = checked(5, at_least(1), "must be >= 1")
     # mutual-information collapse metrics (fastpo/collapse.py): iteration 1 and every N-th; 0 = off
-    collapse_every: int = checked(5, _at_least(0), "must be >= 0 (0 = never)")
+    collapse_every: int = checked(5, at_least(0), "must be >= 0 (0 = never)")
     kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
                                "must be auto, reference, chunked or triton")
     progress: bool = True
@@ -641,7 +642,7 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         if "output_dir" in out and (out["output_dir"] is None or not str(out["output_dir"]).strip()):
             raise ConfigError(f"config key 'trainer.output_dir' = {out['output_dir']!r}: must name a folder "
                               "(leave it out for runs/<env>)")
-    env_name = env or _dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
+    env_name = env or dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
     if not isinstance(env_name, str):
         raise ConfigError(f"config key 'env.name' = {env_name!r}: must be an environment name")
     fixed_by_env = env_preset(env_name)
@@ -660,7 +661,7 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     cfg.preset = ",".join(names)
     apply_dict(cfg, file_dict)
     for key, value in (values or {}).items():
-        apply_dict(cfg, _nested(key, value))
+        apply_dict(cfg, nested_dict(key, value))
     for d in override_dicts:
         apply_dict(cfg, d)
     if env and cfg.env.name != env:
@@ -673,3 +674,36 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
 def default_run_folder(env_name: str, prefix: str = "") -> str:
     """runs/<prefix><env name>, the name made a folder name (no ':' or '/': `mymod:Game` -> `mymod_Game`)."""
     return "runs/" + prefix + re.sub(r"[^A-Za-z0-9._-]+", "_", env_name)
+
+
+# ------------------------------------------------------------- a run's saved configuration
+
+def read_run_config(path: str) -> TrainConfig:
+    """The validated TrainConfig in a run's (or a checkpoint's) config.yaml at `path`.
+
+    Raises FileNotFoundError when it is missing; ConfigError when it cannot be read, is not
+    valid YAML or not a valid fastpo configuration (each naming `path`).
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
+    try:
+        with open(path, encoding="utf-8") as f:
+            d = parse_config_yaml(f, path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None
+    try:
+        return config_from_dict(d)
+    except (ConfigError, TypeError) as e:
+        raise ConfigError(f"{path}: not a valid fastpo configuration ({e})") from None
+
+
+def load_run_config(out_dir: str) -> TrainConfig:
+    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
+    return read_run_config(os.path.join(out_dir, "config.yaml"))
+
+
+def config_from_dict(d: dict) -> TrainConfig:
+    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume)."""
+    cfg = TrainConfig()
+    apply_dict(cfg, d)
+    return validate(cfg)

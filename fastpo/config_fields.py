@@ -47,14 +47,14 @@ def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
             continue
         value, key = getattr(obj, f.name), repr(f"{prefix}{f.name}")
         key = f"{what} {key}" if what else key
-        ok, _ = _type_ok(value, hints[f.name])
+        ok, _ = type_ok(value, hints[f.name])
         if not ok:
-            raise ConfigError(f"{key}: expected {_describe(hints[f.name])}, got {value!r} ({type(value).__name__})")
+            raise ConfigError(f"{key}: expected {describe_type(hints[f.name])}, got {value!r} ({type(value).__name__})")
         if not rule.ok(value):
             raise ConfigError(f"{key} = {value!r}: {rule.why}")
 
 
-def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
+def type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     """Check (and lightly coerce: int -> float) `value` against annotation `tp`."""
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -67,7 +67,7 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
                 if value is None:
                     return True, None
                 continue
-            ok, v = _type_ok(value, arg)
+            ok, v = type_ok(value, arg)
             if ok:
                 return True, v
         return False, value
@@ -90,17 +90,17 @@ def _type_ok(value: Any, tp: Any) -> tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
-def _describe(tp: Any) -> str:
+def describe_type(tp: Any) -> str:
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is Union:
-        return " or ".join(_describe(a) for a in typing.get_args(tp))
+        return " or ".join(describe_type(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
 
 
-def _did_you_mean(obj: Any, key: str, prefix: str) -> str:
+def did_you_mean(obj: Any, key: str, prefix: str) -> str:
     """' (did you mean ...?)' for a key that exists one level down (a bare `group_size`) or is
     a near miss of a key here (`grup_size`); '' otherwise."""
     import difflib
@@ -126,15 +126,15 @@ def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
     for key, value in updates.items():
         dotted = f"{prefix}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {dotted!r}{_did_you_mean(obj, key, prefix)}; "
+            raise ConfigError(f"unknown config key {dotted!r}{did_you_mean(obj, key, prefix)}; "
                               f"valid keys here: {', '.join(sorted(names))}")
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             apply_dict(current, value, dotted + ".")
             continue
-        ok, coerced = _type_ok(value, hints[key])
+        ok, coerced = type_ok(value, hints[key])
         if not ok:
-            raise ConfigError(f"config key {dotted!r}: expected {_describe(hints[key])}, got {value!r} "
+            raise ConfigError(f"config key {dotted!r}: expected {describe_type(hints[key])}, got {value!r} "
                               f"({type(value).__name__})")
         if isinstance(current, dict) and isinstance(coerced, dict):
             coerced = {**current, **coerced}
@@ -164,10 +164,10 @@ def parse_override(text: str) -> dict:
             value = float(value) if not value.strip().lower() in ("nan", "inf", "-inf", ".inf") else value
         except ValueError:
             pass
-    return _nested(key, value)
+    return nested_dict(key, value)
 
 
-def _nested(key: str, value: Any) -> dict:
+def nested_dict(key: str, value: Any) -> dict:
     """``("a.b.c", v)`` -> ``{"a": {"b": {"c": v}}}``."""
     out: dict = {}
     node = out

@@ -2,12 +2,11 @@
 `read_config_file`, `read_run_config`, `load_run_config`) and written here (`dump_yaml`)."""
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fastpo.config_fields import ConfigError, apply_dict
+from fastpo.config_fields import ConfigError
 
 if TYPE_CHECKING:
     from fastpo.config import TrainConfig
@@ -51,30 +50,6 @@ def read_config_file(file: str) -> dict:
     return d
 
 
-def read_run_config(path: str) -> TrainConfig:
-    """The validated TrainConfig in a run's (or a checkpoint's) config.yaml at `path`.
-
-    Raises FileNotFoundError when it is missing; ConfigError when it cannot be read, is not
-    valid YAML or not a valid fastpo configuration (each naming `path`).
-    """
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: is {os.path.dirname(path) or '.'} a fastpo run folder?")
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = parse_config_yaml(f, path)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the run's configuration ({e.strerror or e})") from None
-    try:
-        return config_from_dict(d)
-    except (ConfigError, TypeError) as e:
-        raise ConfigError(f"{path}: not a valid fastpo configuration ({e})") from None
-
-
-def load_run_config(out_dir: str) -> TrainConfig:
-    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
-    return read_run_config(os.path.join(out_dir, "config.yaml"))
-
-
 def run_settings(config_yaml: str) -> dict:
     """A run's settings from its config.yaml text, without what a resume may change freely
     (the folder's spelling, the iteration count): two runs with equal settings train alike.
@@ -85,16 +60,7 @@ def run_settings(config_yaml: str) -> dict:
     return d
 
 
-def config_from_dict(d: dict) -> TrainConfig:
-    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume)."""
-    from fastpo.config import TrainConfig, validate  # the schema imports this module
-
-    cfg = TrainConfig()
-    apply_dict(cfg, d)
-    return validate(cfg)
-
-
-def _dig(dicts: list[dict], path: tuple[str, ...]) -> Any:
+def dig(dicts: list[dict], path: tuple[str, ...]) -> Any:
     found = None
     for d in dicts:
         node: Any = d

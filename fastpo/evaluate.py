@@ -292,7 +292,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
     from fastpo.checkpoint import find_checkpoint
-    from fastpo.config import ConfigError, _nested, apply_dict, load_config, parse_override, read_run_config, validate
+    from fastpo.config import ConfigError, nested_dict, apply_dict, load_config, parse_override, read_run_config, validate
 
     overrides = list(overrides or [])
     values = dict(values or {})
@@ -345,7 +345,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         if is_explicit(key):
             kept[key] = (current, value)
             continue
-        apply_dict(out, _nested(key, copy.deepcopy(value)))
+        apply_dict(out, nested_dict(key, copy.deepcopy(value)))
         taken[key] = value
     validate(out)
     return out, RunSettings(ref, run.env.name, eval_env, taken, kept, mismatch)

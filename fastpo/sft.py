@@ -24,7 +24,8 @@ slips as the rollout's: both are seeded by the env seed). With `sft.actions_per_
 it exactly; with more actions per turn the later actions of a turn depend on slips the model
 never sees.
 
-Training (`SFTTrainer`, a `fastpo.trainer.Trainer` whose iteration is one optimizer step):
+Training (`SFTTrainer`, on the StarPO trainer's parts and run loop; an iteration is one
+optimizer step through `PolicyUpdater.step`):
 token-in-token-out, the mean negative log-likelihood over the answer tokens of a mini-batch
 of `sft.batch_size` expert trajectories (token-mean, as TRL's SFTTrainer), packed into the
 trainer's padding-free micro-batches, AdamW at optim.actor_lr with optim.grad_clip. The run
@@ -35,19 +36,22 @@ own success on the eval seeds is logged beside them (`eval/expert_success`).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
-import sys
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
-from fastpo.config import ConfigError, TrainConfig, _at_least, checked, default_run_folder
-from fastpo.memory import release_free_memory
+from fastpo.config import ConfigError, TrainConfig, at_least, checked
 from fastpo.run_folder import SFT_FILE
+from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.loop import RunTrainer
+from fastpo.trainer.models import hidden_states
+from fastpo.trainer.plan import SUPERVISED
+from fastpo.trainer.setup import open_run
+from fastpo.trainer.update import MetricMeans
 
 _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
 
@@ -84,10 +88,10 @@ class SFTConfig:
 
     data: str = checked("", lambda v: isinstance(v, str), "must be a path to a JSONL file of chat messages")
     data_sha256: str = checked("", lambda v: isinstance(v, str), "must be text (set by the run)")
-    trajectories: int = checked(128, _at_least(1), "must be >= 1")
-    batch_size: int = checked(8, _at_least(1), "must be >= 1")
+    trajectories: int = checked(128, at_least(1), "must be >= 1")
+    batch_size: int = checked(8, at_least(1), "must be >= 1")
     seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
-    actions_per_turn: int = checked(0, _at_least(0), "must be >= 0 (0 = the env's default)")
+    actions_per_turn: int = checked(0, at_least(0), "must be >= 0 (0 = the env's default)")
 
     def seeds(self) -> list[int]:
         return list(range(self.seed_offset, self.seed_offset + self.trajectories))
@@ -507,44 +511,41 @@ def batch_indices(seed: int, iteration: int, batch_size: int, n: int) -> list[in
     return out
 
 
-def _trainer_base():
-    from fastpo.trainer import Trainer
-
-    return Trainer
-
-
-class SFTTrainer(_trainer_base()):
-    """`fastpo.trainer.Trainer` with SFT iterations: iteration i is one AdamW step on the
-    mean answer-token NLL of `batch_indices(seed, i, sft.batch_size, n)`'s expert trajectories.
+class SFTTrainer(RunTrainer):
+    """Supervised fine-tuning on the trainer's parts (`fastpo.trainer.setup.open_run` with the
+    supervised plan: no critic, reference model or filter) and its run loop (`RunLoop`: run
+    folder, checkpoints, exact resume, signals, evaluation, metrics): iteration i is one AdamW
+    step (`PolicyUpdater.step`) on the mean answer-token NLL of `batch_indices(seed, i,
+    sft.batch_size, n)`'s trajectories.
 
     cfg: the TrainConfig (model, env, rollout format and limits, optim, trainer: run folder,
-    evaluation, checkpoints); its algorithm section is not used (set to Dr.GRPO without
-    critic, KL or filtering so that no critic or reference model is built). sft: SFTConfig.
-    Metrics per iteration: sft/loss (mean NLL per answer token, nats), sft/answer_entropy
-    (mean entropy of the model's next-token distribution on the answer tokens, nats; also
-    logged as train/rollout_entropy for the progress line), sft/answer_tokens,
-    sft/trajectories, sft/epoch, actor/grad_norm, perf/train_tokens_per_s (all tokens of the
-    packed trajectories per second of the step), time/update_s; train/success_rate and
-    train/score_mean are the expert trajectories' of the step.
+    evaluation, checkpoints; its algorithm section is not read). sft: SFTConfig. Other
+    arguments: `fastpo.trainer.loop.RunTrainer`. Metrics per iteration: sft/loss (mean NLL per
+    answer token, nats), sft/answer_entropy (mean entropy of the model's next-token
+    distribution on the answer tokens, nats), sft/answer_tokens, sft/trajectories, sft/epoch,
+    actor/grad_norm, actor/updates, actor/skipped_updates, perf/train_tokens_per_s (all
+    tokens of the packed trajectories per second of the step), time/update_s;
+    train/success_rate and train/score_mean are the expert trajectories' of the step.
     """
 
     # an SFT run resumed by `fastpo train` would continue as StarPO
     resume_command = "fastpo sft --resume"
 
     def __init__(self, cfg: TrainConfig, sft: SFTConfig, **kw):
-        a = cfg.algorithm
-        a.adv_estimator, a.kl_coef, a.filter_mode, a.entropy_coef = "drgrpo", 0.0, "none", 0.0
         super().__init__(cfg, **kw)
         self.sft = sft
+        self.data = self.batch = self.ids = self.masks = None
+        self._expert_eval: Optional[dict] = None
+        self._expert_on_eval = None
 
     def setup(self) -> None:
+        """The run opened on the supervised plan, then its data: the expert's trajectories (a
+        rollout of `expert_rollout`) or the conversations of `sft.data`, as one batch record."""
         import yaml
 
         from fastpo.checkpoint import atomic_write_text
-        from fastpo.trainer import TrainBatch
 
-        super().setup()
-        t0 = time.perf_counter()
+        open_run(self, SUPERVISED)
         if self.sft.data:
             digest = file_sha256(self.sft.data)
             if self.sft.data_sha256 and digest != self.sft.data_sha256:
@@ -555,17 +556,22 @@ class SFTTrainer(_trainer_base()):
         if self.dist.is_main:  # first: a folder whose data failed to build is still an SFT run's
             atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
                                                                               sort_keys=False))
+        self._load_data()
+
+    def _load_data(self) -> None:
+        """`batch` (a TrainBatch, token 0 unscored: packed as the update packs it), `ids`,
+        `masks`, and `data` (the expert's TrajectoryBatch; None for a data file)."""
+        t0 = time.perf_counter()
+        tok = self.tokenizer
         if self.sft.data:
-            self.data = None
-            ids, masks = read_chat_file(self.sft.data, self.tokenizer, self.cfg.rollout.max_context)
+            ids, masks = read_chat_file(self.sft.data, tok, self.cfg.rollout.max_context)
             check_batch_size(self.sft.batch_size, len(ids), f"conversations of {self.sft.data}")
             for m in masks:
                 m[0] = False  # token 0 has no predecessor
             self.batch = TrainBatch(ids, masks, [torch.zeros(len(x)) for x in ids], [0] * len(ids))
         else:
-            self.data = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
+            self.data = expert_rollout(tok, self.cfg.env.name, self.cfg.env.options, self.cfg.rollout.rollout_config(),
                                        self.sft.seeds(), self.sft.actions_per_turn)
-            # the trainer's batch record (token 0 unscored), packed as the update packs it
             self.batch = TrainBatch.from_rollout(self.data, 0)
         self.ids, self.masks = self.batch.input_ids, self.batch.loss_mask
         n_ans = int(sum(int(m.sum()) for m in self.masks))
@@ -579,7 +585,6 @@ class SFTTrainer(_trainer_base()):
                 f"{self.sft.seed_offset}..{self.sft.seed_offset + self.sft.trajectories - 1}): success "
                 f"{float(self.data.success.float().mean()):.3f}, {self.data.metrics['num_turns']:.2f} turns, {tokens} "
                 f"tokens of which {n_ans} answer tokens ({time.perf_counter() - t0:.1f} s)")
-        self._expert_eval: Optional[dict] = None
 
     def expert_eval(self) -> dict:
         """{"eval/expert_success", "eval/expert_success_se"}: the expert's success on the eval
@@ -589,8 +594,8 @@ class SFTTrainer(_trainer_base()):
             from fastpo.config import eval_seeds
             from fastpo.metrics import standard_error
 
-            b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options, self.rollout_cfg,
-                               eval_seeds(self.cfg), self.sft.actions_per_turn)
+            b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options,
+                               self.cfg.rollout.rollout_config(), eval_seeds(self.cfg), self.sft.actions_per_turn)
             self._expert_on_eval = b
             s = b.success.double().numpy()
             self._expert_eval = {"eval/expert_success": float(s.mean()),
@@ -598,88 +603,88 @@ class SFTTrainer(_trainer_base()):
         return self._expert_eval
 
     def evaluate(self, it: int) -> dict:
+        """The policy's evaluation (`Sampler.evaluate`), with the expert's success on the same
+        seeds and, in answer-only mode, the first-action accuracy (`first_action_accuracy`)."""
         res = super().evaluate(it)
         if not has_expert(self.cfg.env.name):  # trained from a data file, on a game without an expert
             return res
         res.update(self.expert_eval())
-        if not self.rollout_cfg.think:  # in think mode an answer opens with reasoning, not an action
+        if not self.cfg.rollout.think:  # in think mode an answer opens with reasoning, not an action
             acc, n = first_action_accuracy(self.model, self._expert_on_eval)
             res.update({"eval/first_action_accuracy": acc, "eval/first_action_turns": n})
         return res
 
     def iteration(self, it: int) -> dict:
-        from fastpo.kernels import decoder_body, linear_logprob_entropy, lm_head_weight
-        from fastpo.trainer.update import _MetricMeans
-
+        """One AdamW step on the mean answer-token NLL of this step's trajectories; its metrics."""
         t0 = time.perf_counter()
         idx = batch_indices(self.cfg.trainer.seed, it, self.sft.batch_size, len(self.ids))
         n_ans = sum(int(self.masks[i].sum()) for i in idx)
-        metrics = _MetricMeans()
-        self.stop_state.weights_touched = True
+        updater = self.parts.updater
+        acc = MetricMeans()
+        self.stop.update_begins()
         self.model.train()
-        self._zero_grad()
-        total_nll = total_ent = 0.0
-        tokens = 0
-        finite = True
-        for micro in self._micro_batches(self.batch, idx):
-            scored = micro.scored(self.masks)
-            if scored.count == 0:
-                continue
-            tokens += micro.trajectory_tokens
-            with self._autocast():
-                h = self._hidden(decoder_body(self.model), micro)
-                lp, ent = linear_logprob_entropy(h[scored.rows], lm_head_weight(self.model), scored.targets,
-                                                 impl=self.cfg.trainer.kernel_impl)
-                loss = -lp.sum() / max(n_ans, 1)
-            if not torch.isfinite(loss.detach()):
-                finite = False
-                break
-            loss.backward()
-            total_nll += float(-lp.detach().sum())
-            total_ent += float(ent.detach().sum())
-        stepped = finite and self._optimizer_step(metrics)
+        stepped, tokens = updater.step(self.batch, idx, self._nll_loss(n_ans), acc)
         if not stepped:
-            self._warn(f"iteration {it}: non-finite loss or gradient; SFT step skipped (weights unchanged)")
-            self._zero_grad()
-        self.model.eval()
-        release_free_memory()  # the step's freed activations, back to the system (fastpo.memory)
+            self.warn(f"iteration {it}: non-finite loss or gradient; SFT step skipped (weights unchanged)")
+        updater.finish()  # gradients freed, eval mode, the step's memory back to the system
         dt = time.perf_counter() - t0
-        m = {k: v for k, v in metrics.means().items()}
-        ent = total_ent / max(n_ans, 1)
+        nll, ent = acc.sums.pop("sft/nll", 0.0), acc.sums.pop("sft/entropy", 0.0)
+        m = {k: v for k, v in acc.means().items() if k not in ("sft/nll", "sft/entropy")}
         if self.data is not None:
             m.update({"train/success_rate": float(self.data.success[idx].float().mean()),
                       "train/score_mean": float(self.data.scores[idx].mean())})
         m.update({
-            "sft/loss": total_nll / max(n_ans, 1), "sft/answer_entropy": ent, "sft/answer_tokens": n_ans,
+            "sft/loss": nll / max(n_ans, 1), "sft/answer_entropy": ent / max(n_ans, 1), "sft/answer_tokens": n_ans,
             "sft/trajectories": len(idx), "sft/epoch": (it * self.sft.batch_size) / len(self.ids),
             "actor/updates": int(stepped), "actor/skipped_updates": int(not stepped),
-            "train/rollout_entropy": ent, "perf/train_tokens_per_s": tokens / max(dt, 1e-9), "time/update_s": dt,
+            "perf/train_tokens_per_s": tokens / max(dt, 1e-9), "time/update_s": dt,
         })
         return m
 
-    def run(self) -> list[dict]:
-        records = super().run()
+    def _nll_loss(self, n_ans: int):
+        """The `MicroLoss` of a step of `n_ans` answer tokens: their summed NLL / n_ans (the
+        step's token mean once accumulated); logs the sums of NLL and entropy."""
+        from fastpo.kernels import decoder_body, linear_logprob_entropy, lm_head_weight
+
+        m = self.parts.models
+
+        def loss(micro, scored):
+            with m.autocast():
+                h = hidden_states(decoder_body(m.policy), micro)
+                lp, ent = linear_logprob_entropy(h[scored.rows], lm_head_weight(m.policy), scored.targets,
+                                                 impl=self.cfg.trainer.kernel_impl)
+                total = -lp.sum() / max(n_ans, 1)
+            return total, {"sft/nll": float(-lp.detach().sum()), "sft/entropy": float(ent.detach().sum())}
+
+        return loss
+
+    def finish(self, records: list[dict]) -> None:
+        """The imitation and before/after lines, and the StarPO command that continues from
+        this model (rank 0, after the report)."""
         ev = [r for r in records if "eval/success_rate" in r]
-        if ev and self.dist.is_main:
-            last = ev[-1]
-            lines = []
-            if "eval/first_action_accuracy" in last:
-                lines.append(f"imitation: the model's most likely first answer token is the expert's action in "
-                             f"{last['eval/first_action_accuracy']:.3f} of {last['eval/first_action_turns']} expert "
-                             f"turns on the eval seeds (teacher-forced)")
-            if "eval/expert_success" in last:
-                lines.append(f"expert (the solver, rendered as above) on the eval seeds: "
-                             f"{last['eval/expert_success']:.3f} +- {last['eval/expert_success_se']:.3f}")
-            se = last.get("eval/success_rate_se")
-            if se and "eval/random_success" in last:
-                z = (last["eval/success_rate"] - last["eval/random_success"]) / se
-                lines.append(f"after SFT: success {last['eval/success_rate']:.3f} +- {se:.3f} against the random "
-                             f"policy's {last['eval/random_success']:.3f} (exact on the same seeds): z = {z:+.1f}")
-            for line in lines:
+        if ev:
+            for line in _result_lines(ev[-1]):
                 self.console.print(line, markup=False)
-        if self.dist.is_main and any(r.get("iteration", 0) >= 1 for r in records):
+        if any(r.get("iteration", 0) >= 1 for r in records):
             self.console.print("StarPO from this model: " + handoff_command(self.cfg), markup=False, soft_wrap=True)
-        return records
+
+
+def _result_lines(last: dict) -> list[str]:
+    """What an SFT run's last evaluation record `last` says of the imitation and the result."""
+    lines = []
+    if "eval/first_action_accuracy" in last:
+        lines.append(f"imitation: the model's most likely first answer token is the expert's action in "
+                     f"{last['eval/first_action_accuracy']:.3f} of {last['eval/first_action_turns']} expert "
+                     f"turns on the eval seeds (teacher-forced)")
+    if "eval/expert_success" in last:
+        lines.append(f"expert (the solver, rendered as above) on the eval seeds: "
+                     f"{last['eval/expert_success']:.3f} +- {last['eval/expert_success_se']:.3f}")
+    se = last.get("eval/success_rate_se")
+    if se and "eval/random_success" in last:
+        z = (last["eval/success_rate"] - last["eval/random_success"]) / se
+        lines.append(f"after SFT: success {last['eval/success_rate']:.3f} +- {se:.3f} against the random "
+                     f"policy's {last['eval/random_success']:.3f} (exact on the same seeds): z = {z:+.1f}")
+    return lines
 
 
 def handoff_command(cfg: TrainConfig) -> str:
@@ -707,95 +712,3 @@ def handoff_command(cfg: TrainConfig) -> str:
             over.append(f"rollout.{f.name}={value(v)}")
     return " ".join(["fastpo train", "--env", shlex.quote(cfg.env.name), "--model",
                      shlex.quote(cfg.trainer.output_dir), *(shlex.quote(o) for o in over)])
-
-
-# ----------------------------------------------------------------------------------------- CLI
-
-def cmd_sft(args) -> int:
-    """`fastpo sft`: exit status 0 done, 2 bad input (one line), 1 a checkpoint not saved or a
-    full disk, 130 / 143 after Ctrl-C / SIGTERM (once the checkpoint is saved)."""
-    from fastpo.checkpoint import (CheckpointSaveError, RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
-                                   run_folder_in_use, untrained_start)
-    from fastpo.cli import _build_config, _check_out_dir, check_trust_flag, resumed_run_config
-    from fastpo.envs import EnvError
-    from fastpo.trainer import Stopped
-
-    from rich.console import Console
-
-    console = Console()
-    sft_ov = [o for o in args.overrides if o.split("=", 1)[0].strip().startswith("sft.")]
-    args.overrides = [o for o in args.overrides if o not in sft_ov]
-    try:
-        check_trust_flag(args)
-        if args.resume is not None:
-            cfg = resumed_run_config(args, fixed=sft_ov)
-            RunLock(args.resume).check()
-            untrained = untrained_start(args.resume)
-            if untrained and not os.path.isfile(os.path.join(args.resume, SFT_FILE)):
-                raise ConfigError(f"--resume {args.resume}: the run stopped before its first checkpoint and before "
-                                  f"writing {SFT_FILE} (nothing was trained); run the same `fastpo sft` command "
-                                  f"again: it reuses the folder")
-            sft = read_sft_config(args.resume)
-            if untrained:  # stopped before its first checkpoint: start it again
-                console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing "
-                              f"was trained): starting it again from step 1 with its config.yaml", markup=False,
-                              soft_wrap=True)
-                args.resume, args.out = None, args.resume
-            else:
-                plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
-        else:
-            from fastpo.presets import default_preset
-
-            extra = list(SFT_DEFAULT_OVERRIDES)
-            game, game_sft = SFT_CPU_GAME_DEFAULTS.get(args.env, ([], [])) if \
-                (args.preset or default_preset()) == "cpu" and args.config is None else ([], [])
-            extra += game
-            if args.iterations is not None:
-                extra.append(f"trainer.iterations={args.iterations}")
-            cfg = _build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None)
-            sft = sft_config(game_sft + sft_ov)
-            if not args.out:
-                cfg.trainer.output_dir = default_run_folder(cfg.env.name, "sft-")
-                if run_folder_in_use(cfg.trainer.output_dir) and not args.overwrite:
-                    cfg.trainer.output_dir = fresh_run_folder(cfg.trainer.output_dir)
-            elif run_folder_in_use(args.out) and not args.overwrite:
-                raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
-                                  f"pick another --out, or pass --overwrite to delete it")
-        if sft.data:
-            sft.data = os.path.abspath(os.path.expanduser(sft.data))  # the run's, wherever it is resumed from
-            if not os.path.isfile(sft.data):
-                raise ConfigError(f"config key 'sft.data' = {sft.data!r}: no such file")
-        else:
-            check_disjoint(sft, cfg)
-            check_expert(cfg.env.name)
-        from fastpo.models import check_kernel_impl, resolve_device
-
-        check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
-        _check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
-    except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
-        print(f"fastpo sft: error: {e}", file=sys.stderr)
-        return 2
-    source = f"the conversations of {sft.data}" if sft.data else f"{sft.trajectories} expert trajectories"
-    console.print(f"[bold]fastpo sft[/] env={cfg.env.name} preset={cfg.preset} {source}, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
-                  f"-> {cfg.trainer.output_dir}")
-    try:
-        trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite,
-                             trust_checkpoint=args.trust_checkpoint)
-        trainer.run()
-        if trainer.stop_state.interrupted:
-            raise Stopped(trainer.stop_state.signum)
-    except KeyboardInterrupt as e:
-        return 128 + getattr(e, "signum", 2)
-    except (ConfigError, RunFolderBusy, FileExistsError) as e:
-        print(f"fastpo sft: error: {e}", file=sys.stderr)
-        return 2
-    except (CheckpointSaveError, EnvError) as e:  # (EnvError: the user's game or its expert failed)
-        print(f"fastpo sft: error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        print(f"fastpo sft: error: {e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
-              f"`fastpo sft --resume {cfg.trainer.output_dir}`", file=sys.stderr)
-        return 1
-    return 0

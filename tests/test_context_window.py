@@ -37,7 +37,7 @@ def _scored(tr, batch, labels=True):
     if not labels:
         record.context_turns = record.visible_from = None
     masks = record.loss_mask
-    old, *_ = tr.compute_old(record)
+    old, *_ = tr.parts.scorer.compute_old(record)
     allm = torch.cat(masks)
     samp = torch.cat([torch.as_tensor(x) for x in batch.sample_logprobs])
     return float((torch.cat(old) - samp)[allm].abs().max()), record, masks
@@ -173,13 +173,13 @@ def test_a_window_as_long_as_the_episode_is_the_full_path_bit_for_bit(tiny):
 @pytest.mark.parametrize("env,K,share", [("sokoban", 1, True), ("sokoban", 2, False), ("frozenlake", 3, True)])
 def test_trainer_scores_what_the_sampler_saw(tmp_path, env, K, share):
     tr = _trainer(tmp_path, f"rollout.context_window={K}", f"optim.share_prefix={str(share).lower()}", env=env)
-    batch = tr._generate([11, 12], 2, tr.cfg.rollout.temperature, seed=3)
+    batch = tr.parts.sampler.generate([11, 12], 2, tr.cfg.rollout.temperature, seed=3)
     assert int(batch.num_turns.max()) > K  # some turn had evicted context
     gap, record, masks = _scored(tr, batch)
     assert gap < 1e-4, gap
     # the control: scored with plain causal attention the gap is far above the bound
     record.visible_from = [torch.zeros_like(vf) for vf in record.visible_from]
-    old, *_ = tr.compute_old(record)
+    old, *_ = tr.parts.scorer.compute_old(record)
     allm = torch.cat(masks)
     samp = torch.cat([torch.as_tensor(x) for x in batch.sample_logprobs])
     assert float((torch.cat(old) - samp)[allm].abs().max()) > 1e-3
@@ -197,7 +197,7 @@ def test_an_iteration_in_both_old_logprob_modes(tmp_path, mode):
 
 def test_unlabelled_trajectories_are_refused(tmp_path):
     tr = _trainer(tmp_path, "rollout.context_window=2")
-    batch = tr._generate([11], 2, tr.cfg.rollout.temperature, seed=3)
+    batch = tr.parts.sampler.generate([11], 2, tr.cfg.rollout.temperature, seed=3)
     with pytest.raises(RuntimeError, match="context-window labels"):
         _scored(tr, batch, labels=False)
 

@@ -159,10 +159,10 @@ def _is_latest(path, *a, **k):
 # moment -> how the child is set to die there
 KILL_AT = {
     "iteration: rollout": lambda: _before(fastpo.rollout.MultiTurnRollout, "generate", _kill_self),
-    "iteration: advantages (old log-probs done)": lambda: _before(fastpo.trainer.Trainer, "compute_advantages",
-                                                                  _kill_self),
+    "iteration: advantages (old log-probs done)": lambda: _before(fastpo.trainer.iteration.StarPOIteration,
+                                                                  "compute_advantages", _kill_self),
     "iteration: update, after one optimizer step": lambda: _after(torch.optim.AdamW, "step", _kill_self),
-    "iteration: eval, after its samples are written": lambda: _after(fastpo.trainer.setup, "write_samples", _kill_self),
+    "iteration: eval, after its samples are written": lambda: _after(fastpo.trainer.sampler, "write_samples", _kill_self),
     "iteration: half-way through the metrics append": lambda: _after(fastpo.metrics.MetricsLogger, "log",
                                                                      _torn_metrics_line()),
     "iteration: right after the metrics append": lambda: _after(fastpo.metrics.MetricsLogger, "log", _kill_self),
@@ -174,7 +174,7 @@ KILL_AT = {
     "save: `latest` half-written": lambda: setattr(ck, "atomic_write_text", lambda p, t, _real=ck.atomic_write_text: (
         _pointer_half_written(p, t) if _is_latest(p) else _real(p, t))),
     "save: pruning, half-way through deleting iter_000001": lambda: setattr(ck, "_remove_folder", _trash_half_deleted),
-    "right after the save": lambda: _after(fastpo.trainer.Trainer, "_save", _kill_self),
+    "right after the save": lambda: _after(fastpo.trainer.Trainer, "save", _kill_self),
 }
 
 

@@ -9,7 +9,9 @@ from rich.console import Console
 from fastpo.config import PRESETS, load_config
 from fastpo.envs_native import make_env
 from fastpo.kernels import linear_policy_loss
+from fastpo import distributed as fdist
 from fastpo.trainer import Trainer
+from fastpo.trainer.update import epoch_mini_batches
 
 
 def test_trainer_eval_reports_the_ceiling_and_floor_on_its_seeds_and_horizon(tmp_path):
@@ -67,8 +69,7 @@ def test_presets_that_claim_the_papers_settings_use_its_loss_aggregation(preset,
     # trajectory in its own micro-batch (as a small token budget packs them); the micro-batch
     # losses add up to the paper's value on the whole mini-batch
     masks = [torch.cat([torch.zeros(1, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]) for n in LENGTHS]
-    tr = Trainer(cfg, console=Console(quiet=True))
-    (mb, n_tok, denom), = tr.epoch_mini_batches(masks, torch.Generator().manual_seed(0))
+    (mb, n_tok, denom), = epoch_mini_batches(cfg, fdist.SINGLE, masks, torch.Generator().manual_seed(0))
     assert sorted(mb) == [0, 1, 2, 3] and n_tok == 248 and denom == 4.0
     total = sum(_first_step_loss(cfg.algorithm.loss_agg, denom, [i]) for i in range(4))
     assert total == pytest.approx(0.0, abs=1e-6)
@@ -204,6 +205,14 @@ def _batch(scores, group_ids):
                            turn_rewards=None)
 
 
+def _advantages(cfg):
+    """The trainer's advantage step for `cfg`, one process (no model needed)."""
+    from fastpo.trainer.iteration import Advantages
+    from fastpo.trainer.plan import rl_plan
+
+    return Advantages(cfg, fdist.SINGLE, rl_plan(cfg, False))
+
+
 def test_trainer_puts_the_kl_on_the_reward_before_gae(tmp_path):
     # one trajectory, model tokens 1, 2, 4; score 1 on token 4; values 0; gamma = lambda = 1;
     # k1 = 0.5, -1.0, 0.0; rewards -0.05, +0.1, 1.0; advantages = reward-to-go: 1.05, 1.1, 1.0
@@ -211,19 +220,17 @@ def test_trainer_puts_the_kl_on_the_reward_before_gae(tmp_path):
         f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0.1", "algorithm.whiten_advantages=false",
         "optim.mini_batch_size=1"])
     assert cfg.kl_in_reward
-    tr = Trainer(cfg, console=Console(quiet=True))
     masks = [torch.tensor([False, True, True, False, True])]
     old = [torch.tensor([0.0, -1.0, -2.0, 0.0, -0.5])]
     ref = [torch.tensor([0.0, -1.5, -1.0, 0.0, -0.5])]
-    adv, ret, m = tr.compute_advantages(_batch([1.0], [0]), masks, [torch.zeros(5)], old, ref)
+    adv, ret, m = _advantages(cfg).compute(_batch([1.0], [0]), masks, [torch.zeros(5)], old, ref)
     assert adv[0].tolist() == pytest.approx([0.0, 1.05, 1.1, 0.0, 1.0])
     assert m["train/kl_reward"] == pytest.approx((0.5 - 1.0 + 0.0) / 3)
     # the loss-term option leaves the reward alone
     cfg_loss = load_config(env="frozenlake", preset="paper,starpo", overrides=[
         f"trainer.output_dir={tmp_path}", "algorithm.kl_coef=0.1", "algorithm.whiten_advantages=false",
         "algorithm.kl_in_reward=false", "optim.mini_batch_size=1"])
-    adv2, _, m2 = Trainer(cfg_loss, console=Console(quiet=True)).compute_advantages(
-        _batch([1.0], [0]), masks, [torch.zeros(5)], old, ref)
+    adv2, _, m2 = _advantages(cfg_loss).compute(_batch([1.0], [0]), masks, [torch.zeros(5)], old, ref)
     assert adv2[0].tolist() == pytest.approx([0.0, 1.0, 1.0, 0.0, 1.0]) and "train/kl_reward" not in m2
 
 
@@ -235,8 +242,7 @@ def test_kl_in_reward_with_a_group_estimator_lowers_the_score(tmp_path):
     masks = [torch.tensor([False, True, True]), torch.tensor([False, True, True])]
     old = [torch.tensor([0.0, -1.0, -1.0]), torch.tensor([0.0, -1.0, -1.0])]
     ref = [torch.tensor([0.0, -2.0, -2.0]), torch.tensor([0.0, -1.0, -1.0])]
-    adv, _, _ = Trainer(cfg, console=Console(quiet=True)).compute_advantages(_batch([1.0, 0.0], [0, 0]), masks,
-                                                                             None, old, ref)
+    adv, _, _ = _advantages(cfg).compute(_batch([1.0, 0.0], [0, 0]), masks, None, old, ref)
     assert adv[0].tolist() == pytest.approx([0.0, 0.4, 0.4]) and adv[1].tolist() == pytest.approx([0.0, -0.4, -0.4])
 
 

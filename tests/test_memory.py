@@ -110,24 +110,24 @@ def test_gradient_checkpointing_update_is_bit_identical(tmp_path):
         "trainer.plots=false"])
     tr = Trainer(cfg, console=Console(quiet=True))
     tr.setup()
-    rollout = tr._generate([3], 2, 1.0, seed=0)
+    rollout = tr.parts.sampler.generate([3], 2, 1.0, seed=0)
     record = TrainBatch.from_rollout(rollout, 1)
-    old_lp, _, vals, _ = tr.compute_old(record)
-    adv, returns, _ = tr.compute_advantages(rollout, record.loss_mask, vals)
+    old_lp, _, vals, _ = tr.parts.scorer.compute_old(record)
+    adv, returns, _ = tr.step.compute_advantages(rollout, record.loss_mask, vals)
     record = dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns)
     start = {k: v.clone() for k, v in tr.model.state_dict().items()}
-    grads, step = {}, tr._optimizer_step
+    grads, step = {}, tr.parts.updater.optimizer_step
 
     def keep(metrics):
         grads[ckpt] = [p.grad.clone() for p in tr.model.parameters()]
         return False  # no step: both updates start from the same weights
 
-    tr._optimizer_step = keep
+    tr.parts.updater.optimizer_step = keep
     for ckpt in (False, True):
         tr.model.load_state_dict(start)
         (tr.model.gradient_checkpointing_enable if ckpt else tr.model.gradient_checkpointing_disable)()
-        tr.update(1, record)
-    tr._optimizer_step = step
+        tr.parts.updater.update(1, record)
+    tr.parts.updater.optimizer_step = step
     assert any(float(g.abs().max()) > 0 for g in grads[False])
     assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
 

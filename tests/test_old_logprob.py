@@ -36,12 +36,12 @@ def _random_value_head(tr, seed=0):
     """The value head starts at zero (every value 0 would hide a misaligned readout)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in tr.value_head.parameters():
+        for p in tr.parts.models.value_head.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
 
 
 def _rollout(tr, seed=3):
-    batch = tr._generate([11, 12], 2, tr.cfg.rollout.temperature, seed=seed)
+    batch = tr.parts.sampler.generate([11, 12], 2, tr.cfg.rollout.temperature, seed=seed)
     record = TrainBatch.from_rollout(batch, 1)
     return batch, record, record.loss_mask
 
@@ -64,15 +64,15 @@ CASES = {
 def test_auto_picks_the_sampler_only_where_the_gap_is_below_1e_4(tmp_path, case):
     tr = _trainer(tmp_path, "algorithm.old_logprob=auto", *CASES[case])
     batch, record, masks = _rollout(tr)
-    old_lp, _, _, _ = tr.compute_old(record)
+    old_lp, _, _, _ = tr.parts.scorer.compute_old(record)
     gap = _gap(old_lp, [torch.as_tensor(x) for x in batch.sample_logprobs], masks)
-    if tr.old_logprob_source == "sampler":
+    if tr.parts.plan.old_logprob_source == "sampler":
         assert gap < 1e-4, (case, gap)
     if case.startswith("bf16"):
-        assert tr.old_logprob_source == "recompute"
+        assert tr.parts.plan.old_logprob_source == "recompute"
         assert gap > 1e-4, gap  # the rule is needed: at bf16 the two are not the same quantity
     else:
-        assert tr.old_logprob_source == "sampler", case
+        assert tr.parts.plan.old_logprob_source == "sampler", case
 
 
 def test_auto_recomputes_with_sglang(tmp_path, monkeypatch):
@@ -84,10 +84,10 @@ def test_auto_recomputes_with_sglang(tmp_path, monkeypatch):
     monkeypatch.setattr(sg, "sglang_available", lambda: True)
     monkeypatch.setattr(sg.SGLangEngine, "from_model", classmethod(from_model))
     tr = _trainer(tmp_path, "rollout.engine=sglang", "rollout.max_turns=1", "algorithm.adv_estimator=drgrpo")
-    assert tr.old_logprob_source == "recompute"
+    assert tr.parts.plan.old_logprob_source == "recompute"
     rec = tr.iteration(1)
     assert rec["train/old_logprob_from_sampler"] == 0.0 and "train/logprob_gap_max" in rec
-    tr._shutdown_engine()
+    tr.parts.sampler.shutdown()
 
 
 def test_the_rule_itself():
@@ -126,11 +126,11 @@ def test_sampler_gives_the_trainers_entropies_and_values(tmp_path, critic):
     assert batch.sample_entropies and (bool(batch.sample_values) == (critic == "shared"))
     samp = ids.sample_logprobs  # (the batch record's: the sampler's log-probs as fp32 tensors)
     policy_calls, h1 = _count_forwards(tr.model)
-    old_lp, ent, vals, ref, recomputed = tr._old_from_sampler(batch, ids)
+    old_lp, ent, vals, ref, recomputed = tr.parts.scorer.old_from_sampler(batch, ids)
     h1.remove()
     assert old_lp is samp and recomputed is None and ref is None
     assert policy_calls == []  # the policy's forward pass over the batch is gone
-    r_lp, r_ent, r_vals, _ = tr.compute_old(ids)
+    r_lp, r_ent, r_vals, _ = tr.parts.scorer.compute_old(ids)
     assert _gap(r_lp, samp, masks) < 1e-4
     # entropies of a random model are ~log V = 10.8 nats: fp32 sums over V terms differ by ~1e-5 of that
     assert _gap(r_ent, ent, masks) < 2e-5 * float(torch.cat(r_ent).max())
@@ -143,12 +143,12 @@ def test_sampler_gives_the_trainers_entropies_and_values(tmp_path, critic):
 
 def test_sampler_iteration_runs_and_says_where_old_logprobs_came_from(tmp_path):
     tr = _trainer(tmp_path, "algorithm.old_logprob=auto", "algorithm.kl_coef=0.01")
-    assert tr.old_logprob_source == "sampler"
+    assert tr.parts.plan.old_logprob_source == "sampler"
     rec = tr.iteration(1)
     assert rec["train/old_logprob_from_sampler"] == 1.0
     assert "train/logprob_gap_max" not in rec  # nothing was recomputed to compare with
     assert rec["actor/updates"] >= 1 and rec["train/rollout_entropy"] > 0
-    assert tr.engine.readout is None  # the readout is set for training rollouts only
+    assert tr.parts.sampler.engine.readout is None  # the readout is set for training rollouts only
 
 
 def test_engine_records_entropy_and_readout_of_the_state_each_token_came_from():

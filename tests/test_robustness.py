@@ -4,6 +4,7 @@ All tests here are cheap: the model load is replaced by a function that raises, 
 asserts that validation (and the run-folder checks) happen before any model loads.
 """
 import os
+import types
 
 import pytest
 
@@ -97,9 +98,9 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
     saved = []
 
     class Loop(Trainer):
-        def setup(self):
-            self.logger = MetricsLogger(self.out)
-            self.echo = EchoTrapDetector(0.5, 1)
+        def setup(self):  # the loop's parts only: a logger, an Echo-Trap detector, where it starts
+            self.parts = types.SimpleNamespace(logger=MetricsLogger(self.out), echo=EchoTrapDetector(0.5, 1),
+                                               start_iteration=1, last_eval={}, eval_pending=False)
 
         def iteration(self, it):
             return {"train/success_rate": 0.0, "train/score_mean": 0.0, "train/rollout_entropy": 1.0}
@@ -107,7 +108,7 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
         def evaluate(self, it):
             raise OSError("disk full while writing eval samples")
 
-        def _save(self, it, **kw):
+        def save(self, it, **kw):
             saved.append(it)
 
     with pytest.raises(OSError, match="disk full"):

@@ -18,9 +18,9 @@ def test_engine_is_the_trainer_module_and_sees_in_place_updates(tmp_path, lora_r
         f"model.lora_rank={lora_rank}"])
     tr = Trainer(cfg, console=Console(quiet=True))
     tr.setup()
-    assert tr.engine.model is tr.model and tr.rollout.engine is tr.engine
-    a = tr._generate([3], 2, 1.0, seed=0)
-    b = tr._generate([3], 2, 1.0, seed=0)
+    assert tr.parts.sampler.engine.model is tr.model and tr.parts.sampler.rollout.engine is tr.parts.sampler.engine
+    a = tr.parts.sampler.generate([3], 2, 1.0, seed=0)
+    b = tr.parts.sampler.generate([3], 2, 1.0, seed=0)
     assert all(torch.equal(x, y) for x, y in zip(a.sample_logprobs, b.sample_logprobs))  # reproducible
     # in-place changes to the trained parameters (LoRA: the adapters only), as an optimizer step makes
     trained = [(n, p) for n, p in tr.model.named_parameters() if p.requires_grad]
@@ -29,6 +29,6 @@ def test_engine_is_the_trainer_module_and_sees_in_place_updates(tmp_path, lora_r
     with torch.no_grad():
         for _, p in trained:
             p.add_(0.5 * torch.randn(p.shape, generator=gen))
-    c = tr._generate([3], 2, 1.0, seed=0)
+    c = tr.parts.sampler.generate([3], 2, 1.0, seed=0)
     first = [float(x.sample_logprobs[i][x.loss_mask[i]][0]) for x in (a, c) for i in range(2)]
     assert first[0] != first[2] and first[1] != first[3], first

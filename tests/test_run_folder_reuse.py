@@ -121,11 +121,11 @@ def test_a_failure_after_set_up_leaves_a_folder_the_same_command_and_resume_reus
 
 _SLOW_ROLLOUT = """
 import sys, time
-import fastpo.trainer
+import fastpo.trainer.sampler
 def slow(self, *a, **k):
     print("ROLLOUT STARTED", flush=True)
     time.sleep(300)
-fastpo.trainer.Trainer._generate = slow
+fastpo.trainer.sampler.Sampler.generate = slow
 from fastpo.cli import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -173,8 +173,8 @@ def test_fastpo_sft_stopped_before_its_first_checkpoint_is_reused(tmp_path, monk
     real = SFTTrainer.iteration
 
     def stop_at_once(self, it):  # Ctrl-C twice in step 1: abort without saving
-        self._request_stop(None, None)
-        self._request_stop(None, None)
+        self.stop.request_stop(None, None)
+        self.stop.request_stop(None, None)
 
     monkeypatch.setattr(SFTTrainer, "iteration", stop_at_once)
     assert main(cmd) == 130

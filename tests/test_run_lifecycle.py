@@ -37,7 +37,7 @@ def _ctrl_c_after(monkeypatch, when):
     def iteration(self, it):
         m = real(self, it)
         if it == when:
-            self._request_stop(None, None)
+            self.stop.request_stop(None, None)
         return m
 
     monkeypatch.setattr(fastpo.trainer.Trainer, "iteration", iteration)
@@ -57,7 +57,7 @@ def test_ctrl_c_saves_then_exits_130(tmp_path, monkeypatch):
 
     def iteration_then_ctrl_c(self, it):
         m = real(self, it)
-        self._request_stop(None, None)  # what the SIGINT handler does
+        self.stop.request_stop(None, None)  # what the SIGINT handler does
         return m
 
     monkeypatch.setattr(fastpo.trainer.Trainer, "iteration", iteration_then_ctrl_c)
@@ -144,7 +144,7 @@ def test_ctrl_c_during_the_initial_eval_does_not_train_a_whole_iteration(tmp_pat
     def evaluate(self, it):
         res = real(self, it)
         if it == 0:
-            self._request_stop(None, None)
+            self.stop.request_stop(None, None)
         return res
 
     monkeypatch.setattr(fastpo.trainer.Trainer, "evaluate", evaluate)

@@ -148,12 +148,13 @@ def _cfg(out, iterations=2, **kw):
 def _nll(trainer):
     """Mean answer-token NLL of the whole expert set under the trainer's model (no grad)."""
     from fastpo.kernels import decoder_body, linear_logprob_entropy, lm_head_weight
+    from fastpo.trainer.models import hidden_states
 
     total = n = 0.0
     with torch.no_grad():
-        for micro in trainer._micro_batches(trainer.batch, list(range(len(trainer.ids)))):
+        for micro in trainer.parts.scorer.micro_batches(trainer.batch, list(range(len(trainer.ids)))):
             sc = micro.scored(trainer.masks)
-            h = trainer._hidden(decoder_body(trainer.model), micro)
+            h = hidden_states(decoder_body(trainer.model), micro)
             lp, _ = linear_logprob_entropy(h[sc.rows], lm_head_weight(trainer.model), sc.targets)
             total, n = total - float(lp.sum()), n + sc.count
     return total / n
@@ -166,7 +167,7 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
     try:
         # the packed micro-batches score exactly the answer tokens, in order
         idx = list(range(4))
-        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr._micro_batches(tr.batch, idx)])
+        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr.parts.scorer.micro_batches(tr.batch, idx)])
         answers = torch.cat([torch.cat(tr.data.responses[i]) for i in idx])
         assert sorted(targets.tolist()) == sorted(answers.tolist()) and targets.numel() == answers.numel()
         before = _nll(tr)
@@ -175,7 +176,7 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
         assert abs(m["sft/loss"] - before) < 1e-3  # the step's loss is the NLL of these tokens before it
         assert _nll(tr) < before - 0.05
     finally:
-        tr._release_lock()
+        tr.release_lock()
 
 
 def _weights(run):
@@ -197,7 +198,7 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
     def stop_after_2(self, it):  # Ctrl-C during iteration 2: finish it, save, exit 130
         m = real(self, it)
         if it == 2:
-            self._request_stop(None, None)
+            self.stop.request_stop(None, None)
         return m
 
     monkeypatch.setattr(SFTTrainer, "iteration", stop_after_2)
@@ -227,13 +228,13 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
     seen = {}
     import fastpo.trainer as ft
 
-    real_setup = ft.Trainer._setup
+    real_setup = ft.Trainer.setup
 
     def spy(self):
         real_setup(self)
         seen["w"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
-    monkeypatch.setattr(ft.Trainer, "_setup", spy)
+    monkeypatch.setattr(ft.Trainer, "setup", spy)
     assert main(["train", "--env", "sokoban", "--preset", "cpu,tiny", "--model", full, "--out", rl,
                  "--iterations", "1", "trainer.eval_every=0", "trainer.plots=false"]) == 0
     w = seen["w"]

@@ -23,7 +23,7 @@ def _sources():
 
 
 def test_only_the_cli_and_the_public_api_import_the_trainer():
-    """The CLI and `fastpo sft` (the SFT trainer is the trainer with SFT iterations) import
+    """The CLI and `fastpo sft` (the SFT trainer runs on the trainer's parts and loop) import
     the trainer; the public API (fastpo/__init__.py) reaches it only on first use of
     `fastpo.train`, through its table of lazy exports; nothing else does."""
     users = [p.relative_to(ROOT).as_posix() for p in _sources()
@@ -92,3 +92,91 @@ def test_no_estimator_name_is_compared_outside_the_registry():
         if p.exists():
             text = p.read_text()
             assert "adv_estimator ==" not in text and "adv_estimator in" not in text, p.name
+
+
+def _module_name(p: pathlib.Path) -> str:
+    parts = list(p.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(path: pathlib.Path) -> set[str]:
+    """`_imports` without those under `if TYPE_CHECKING:` (annotations only, never run)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_no_import_cycle_in_fastpo():
+    """No two fastpo modules import each other, directly or through others (imports inside
+    functions count: a cycle hidden in a function is still one; those under `if
+    TYPE_CHECKING:` do not run), found as the strongly connected components of the graph."""
+    mods = {_module_name(p): p for p in _sources()}
+    graph = {m: {n for n in _runtime_imports(p) if n in mods and n != m} for m, p in mods.items()}
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while not comp or comp[-1] != v:
+                comp.append(stack.pop())
+                on.discard(comp[-1])
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for m in mods:
+        if m not in index:
+            visit(m)
+    assert cycles == []
+
+
+def test_no_private_name_is_imported_from_another_module():
+    """A name with a leading underscore is its module's own: another fastpo module that needs
+    it gets a public name (or the rule moves where both can read it)."""
+    found = []
+    for p in _sources():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fastpo"):
+                found += [f"{_module_name(p)} <- {node.module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+    assert found == []
+
+
+def test_the_trainer_is_composed_not_mixed():
+    """The StarPO trainer and the SFT trainer each derive from the run trainer alone (no
+    mixins; SFT is not a StarPO trainer), and hold their parts as attributes."""
+    from fastpo.sft import SFTTrainer
+    from fastpo.trainer.loop import RunTrainer, Trainer
+
+    assert Trainer.__bases__ == (RunTrainer,) and SFTTrainer.__bases__ == (RunTrainer,)
+    assert RunTrainer.__bases__ == (object,)
+    assert not issubclass(SFTTrainer, Trainer)
+
+
+def test_functions_in_the_trainer_are_short():
+    """Every function in fastpo/trainer/ fits on a screen (at most 60 lines with its docstring),
+    so one iteration reads as named steps."""
+    long = []
+    for p in (ROOT / "fastpo" / "trainer").glob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long.append(f"{p.name}:{node.name} ({n} lines)")
+    assert long == []

@@ -66,7 +66,7 @@ def test_bandit_grpo_one_iteration_writes_everything(tmp_path, capsys):
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     nan_batch = TrainBatch(ids, masks, [torch.zeros(len(ids[0]))], [2], old_logprobs=[torch.zeros(len(ids[0]))],
                            advantages=[torch.full((len(ids[0]),), float("nan"))])
-    res, _ = tr.update(2, nan_batch)
+    res, _ = tr.parts.updater.update(2, nan_batch)
     assert res["actor/skipped_updates"] == 1 and res["actor/updates"] == 0
     for k, v in tr.model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -140,7 +140,7 @@ def test_bandit_starpo_kl_separate_critic(tmp_path, kl_in_reward):
                "algorithm.clip_high=0.2", "trainer.iterations=1", "trainer.eval_every=0", "trainer.plots=false")
     tr = Trainer(cfg, console=Console(quiet=True))
     rec = tr.run()[0]
-    assert tr.ref_model is not None and tr.critic_body is not None
+    assert tr.parts.models.reference is not None and tr.parts.models.critic_body is not None
     if kl_in_reward:  # verl's apply_kl_penalty: the KL is in the advantages, the loss has none
         assert math.isfinite(rec["train/kl_reward"]) and rec.get("actor/kl", 0.0) == 0.0
     else:

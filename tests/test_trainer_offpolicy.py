@@ -47,10 +47,12 @@ BANDIT = ("rollout.group_size=4", "optim.mini_batch_size=4", "optim.actor_lr=1e-
 def varied_rewards(monkeypatch):
     """Each rollout's turn rewards replaced by Bandit-like values (0.1, 1, 0, -0.1) drawn from
     the rollout's seed (deterministic, so resumed runs see the same)."""
-    original = Trainer._generate
+    from fastpo.trainer.sampler import Sampler
 
-    def generate(self, seeds, group_size, temperature, seed):
-        batch = original(self, seeds, group_size, temperature, seed)
+    original = Sampler.generate
+
+    def generate(self, seeds, group_size, temperature, seed, **kw):
+        batch = original(self, seeds, group_size, temperature, seed, **kw)
         g = torch.Generator().manual_seed(seed)
         pick = torch.tensor([0.1, 1.0, 0.0, -0.1])[torch.randint(0, 4, (len(batch.scores),), generator=g)]
         batch.turn_rewards = torch.zeros_like(batch.turn_rewards)
@@ -58,7 +60,7 @@ def varied_rewards(monkeypatch):
         batch.scores = batch.turn_rewards.sum(1)
         return batch
 
-    monkeypatch.setattr(Trainer, "_generate", generate)
+    monkeypatch.setattr(Sampler, "generate", generate)
 
 
 @pytest.mark.parametrize("overrides", [

@@ -103,28 +103,28 @@ def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
     tr.setup()
     from fastpo.trainer.batch import TrainBatch
 
-    batch = tr._generate([3, 4], 3, 1.0, seed=0)
+    batch = tr.parts.sampler.generate([3, 4], 3, 1.0, seed=0)
     record = TrainBatch.from_rollout(batch, 1)
     ids, masks = record.input_ids, record.loss_mask
-    start = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.value_head.state_dict())
+    start = copy.deepcopy(tr.model.state_dict()), copy.deepcopy(tr.parts.models.value_head.state_dict())
     results = {}
     grads: list = []
-    step = tr._optimizer_step
+    step = tr.parts.updater.optimizer_step
 
     def keep_grads(metrics):  # the gradients as the step sees them (the update frees them after it)
         grads[:] = [p.grad.clone() for p in tr.model.parameters()]
         return step(metrics)
 
-    tr._optimizer_step = keep_grads
+    tr.parts.updater.optimizer_step = keep_grads
     for share in (True, False):
         tr.cfg.optim.share_prefix = share
         tr.model.load_state_dict(start[0])
-        tr.value_head.load_state_dict(start[1])
-        tr.actor_opt.state.clear()
-        computed = [pb.num_tokens for pb in tr._micro_batches(record, list(range(len(ids))))]
-        old_lp, ent, vals, _ = tr.compute_old(record)
-        adv, returns, _ = tr.compute_advantages(batch, masks, vals)
-        tr.update(1, dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns))
+        tr.parts.models.value_head.load_state_dict(start[1])
+        tr.parts.updater.actor_opt.state.clear()
+        computed = [pb.num_tokens for pb in tr.parts.scorer.micro_batches(record, list(range(len(ids))))]
+        old_lp, ent, vals, _ = tr.parts.scorer.compute_old(record)
+        adv, returns, _ = tr.step.compute_advantages(batch, masks, vals)
+        tr.parts.updater.update(1, dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns))
         # the last mini-batch's gradients (before clipping)
         results[share] = (sum(computed), old_lp, vals, list(grads))
         assert all(p.grad is None for p in tr.model.parameters())  # freed after the update

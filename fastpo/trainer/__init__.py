@@ -45,18 +45,21 @@ iteration's update, where SIGTERM drops the iteration, or after it), so a rollou
 evaluation under way finishes first; rank 0 saves; there is no second-signal abort
 (torchrun kills the workers itself after its grace period).
 
-The package's files follow the iteration: `batch` (`TrainBatch`, the one record of the
-trajectories in training), `loop` (the run loop, `Trainer`, `train`),
-`iteration` (the iteration's named steps), `scoring` (old log-probs, values), `update`
-(epochs, micro-batch loss, optimizer step), `setup` (models, critic, optimizers, engine,
-resume) and `lifecycle` (signals, the run lock, checkpoints). `Trainer` is one object made of
-those parts (each a class of the methods of its job).
+The package's files are the trainer's parts: `batch` (`TrainBatch`, the one record of the
+trajectories in training), `plan` (`RunPlan`: the settings decided once at set-up), `models`
+(policy, reference, critic; autocast), `sampler` (engine and rollout: training batches and the
+evaluation), `scoring` (`Scorer`: packed micro-batches, old log-probs, values), `update`
+(`PolicyUpdater`: optimizers, the optimizer step on an accumulated micro-batch loss, PPO's
+epochs), `lifecycle` (`StopControl`: signals; `Checkpointer`), `setup` (the run folder, the
+parts built, resume, the logger), `iteration` (`StarPOIteration`: the iteration's named
+steps) and `loop` (`RunLoop`, shared with SFT; `Trainer`, `train`).
 """
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.lifecycle import Stopped
-from fastpo.trainer.loop import Trainer, train
-from fastpo.trainer.setup import NothingToTrain, ValueHead
+from fastpo.trainer.loop import RunLoop, Trainer, train
+from fastpo.trainer.models import ValueHead
+from fastpo.trainer.setup import NothingToTrain
 from fastpo.trainer.update import loss_denominator, policy_loss_settings
 
-__all__ = ["Trainer", "train", "TrainBatch", "Stopped", "NothingToTrain", "ValueHead", "loss_denominator",
+__all__ = ["Trainer", "train", "RunLoop", "TrainBatch", "Stopped", "NothingToTrain", "ValueHead", "loss_denominator",
            "policy_loss_settings"]

@@ -1,5 +1,5 @@
-"""The run's lifecycle: signals (Ctrl-C, SIGTERM), stopping at a point all processes share,
-checkpoints (one-process format, gathered from FSDP2 shards) and the evaluation a SIGTERM postponed.
+"""The run's lifecycle: signals (Ctrl-C, SIGTERM) and stopping at a point all processes share
+(`StopControl`), checkpoints in the one-process format, gathered from FSDP2 shards (`Checkpointer`).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Optional
 from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
 from fastpo.checkpoint import save_checkpoint
-from fastpo.config import dump_yaml
-from fastpo.memory import mapped_allocations, release_free_memory
+from fastpo.config import TrainConfig, dump_yaml
+from fastpo.trainer.models import Models
 
 
 class Stopped(KeyboardInterrupt):
@@ -25,7 +25,7 @@ class Stopped(KeyboardInterrupt):
         self.signum = int(signum)
 
 
-class _Drop(BaseException):
+class Dropped(BaseException):
     """Raised by the SIGTERM handler inside a phase that changes no weight (a rollout, an
     evaluation): that work is dropped. A BaseException, so no `except Exception` swallows it."""
 
@@ -40,7 +40,8 @@ class StopState:
     interrupted: the run stopped on a signal (after saving), not by reaching its end; `train`
     then raises Stopped. droppable: inside a phase a SIGTERM may drop at once (a rollout and
     what follows it up to the update, an evaluation). weights_touched: the current
-    iteration's update has begun (an error then leaves no consistent state to save).
+    iteration's update has begun (an error then leaves no consistent state to save); written
+    by `StopControl.iteration_begins` / `update_begins` alone.
     """
 
     requested: bool = False
@@ -55,15 +56,28 @@ class StopState:
         return self.requested and self.signum == signal.SIGTERM
 
 
-class Lifecycle:
-    """`Trainer`'s lifecycle: the signal handler (`_request_stop`), stopping where every
-    process agrees (`_sync_stop`), droppable phases, checkpoints (`_save`), the run lock."""
+class StopControl:
+    """The run's stop requests: the SIGINT / SIGTERM handler (`request_stop`), the ranks'
+    agreement on them (`sync`), phases a SIGTERM may drop (`droppable`), and whether the
+    current iteration's update has begun (`iteration_begins`, `update_begins`)."""
 
-    def _sync_stop(self) -> bool:
+    def __init__(self, dist: fdist.DistContext, console):
+        self.dist, self.console = dist, console
+        self.state = StopState()  # what the signal handler writes and the loop reads
+
+    def iteration_begins(self) -> None:
+        """An iteration (or the work before its update) starts: no weight changed yet."""
+        self.state.weights_touched = False
+
+    def update_begins(self) -> None:
+        """The weights are about to change: an error from here on leaves no state to save."""
+        self.state.weights_touched = True
+
+    def sync(self) -> bool:
         """Share a stop request among the ranks (each may have got its signal at another moment),
         so that all of them stop at the same point; SIGTERM wins over SIGINT (one process: its
         own request). Returns whether a stop is requested."""
-        st = self.stop_state
+        st = self.state
         stop, term = fdist.all_reduce(self.dist, [float(st.requested), float(st.term)], "max")
         if stop and not st.requested:
             st.requested = st.interrupted = True
@@ -71,68 +85,76 @@ class Lifecycle:
             st.signum = signal.SIGTERM if term else (st.signum or signal.SIGINT)
         return bool(stop)
 
-    def _request_stop(self, signum, frame) -> None:
-        """The SIGINT / SIGTERM handler (see the module docstring); a second signal aborts at once
+    def request_stop(self, signum, frame) -> None:
+        """The SIGINT / SIGTERM handler (see fastpo.trainer); a second signal aborts at once
         without saving (Stopped)."""
         signum = signum or signal.SIGINT
+        st = self.state
         if self.dist.initialized:
             # Data parallel: only note the request; the ranks agree on it at the next shared point
-            # (`_sync_stop`: before an update, after an iteration), so a rollout or evaluation under
+            # (`sync`: before an update, after an iteration), so a rollout or evaluation under
             # way finishes. No second-signal abort: torchrun forwards one signal as several and
             # kills the workers itself after its grace period.
-            first = not self.stop_state.requested
-            self.stop_state.requested = self.stop_state.interrupted = True
-            if self.stop_state.signum != signal.SIGTERM:
-                self.stop_state.signum = signum
+            first = not st.requested
+            st.requested = st.interrupted = True
+            if st.signum != signal.SIGTERM:
+                st.signum = signum
             if first and self.dist.is_main:
                 self.console.print(f"[yellow]{signal.Signals(signum).name}[/]: stopping all processes at the next "
                                    "shared point (before this iteration's update or after it), saving the last "
                                    "complete iteration, then exit")
             return
-        if self.stop_state.requested:
+        if st.requested:
             raise Stopped(signum)
-        self.stop_state.requested = self.stop_state.interrupted = True
-        self.stop_state.signum = signum
+        st.requested = st.interrupted = True
+        st.signum = signum
         if signum == signal.SIGTERM:
             self.console.print("[yellow]SIGTERM[/]: stopping: the current rollout or evaluation is dropped (an update "
                                "under way finishes), the last complete iteration is saved, then exit (signal again "
                                "to abort without saving)")
-            if self.stop_state.droppable:
-                self.stop_state.droppable = False
-                raise _Drop
+            if st.droppable:
+                st.droppable = False
+                raise Dropped
         else:
             self.console.print("[yellow]Ctrl-C[/]: finishing this iteration, saving a checkpoint, then exiting "
                                "(press again to abort without saving)")
 
     @contextlib.contextmanager
-    def _droppable(self):
+    def droppable(self):
         """Around work that changes no weight (a rollout and what follows it up to the update, an
-        evaluation): a SIGTERM inside raises _Drop out of it at once."""
-        self.stop_state.droppable = True
+        evaluation): a SIGTERM inside raises Dropped out of it at once."""
+        self.state.droppable = True
         try:
             yield
         finally:
-            self.stop_state.droppable = False
+            self.state.droppable = False
 
-    def _save(self, it: int, rng: Optional[dict] = None, eval_pending: bool = False) -> str:
-        """Checkpoint iteration `it`; `rng` (default: the current RNG states) is what a resume
-        restores; `eval_pending` marks an evaluation of `it` still to run on resume. Data
-        parallel: rank 0 writes it in the one-process format (whole model and optimizer state,
-        so any world size resumes from it); the others return "". Replicated: the replicas
-        are equal, rank 0 writes its own. FSDP2: every
-        rank first joins the gathering of the full model, critic and optimizer states
-        (`torch.distributed.checkpoint.state_dict`), which rank 0 writes in the one-process
-        format."""
+
+class Checkpointer:
+    """Writes the run's checkpoints (`fastpo.checkpoint.save_checkpoint`): model, tokenizer,
+    optimizers, critic, RNG states and the loop's state. Data parallel: rank 0 writes them in
+    the one-process format (whole model and optimizer state, so any world size resumes from
+    it); replicated ranks are equal, rank 0 writes its own; FSDP2: every rank first joins the
+    gathering of the full model, critic and optimizer states
+    (`torch.distributed.checkpoint.state_dict`), which rank 0 writes."""
+
+    def __init__(self, cfg: TrainConfig, dist: fdist.DistContext, models: Models, optimizers: dict, out: str,
+                 console):
+        self.cfg, self.dist, self.models, self.optimizers, self.out, self.console = \
+            cfg, dist, models, optimizers, out, console
+
+    def save(self, it: int, state: dict, rng: Optional[dict] = None) -> str:
+        """Checkpoint iteration `it` with the loop's `state` (a dict saved in state.pt); `rng`
+        (default: the current RNG states) is what a resume restores. Returns its path (""
+        on ranks other than 0)."""
         t0 = time.perf_counter()
-        model, opts, critic, head = self.model, self._optimizers(), self.critic_body, self.value_head
-        if self._fsdp_root is not None:
+        m = self.models
+        model, opts, critic, head = m.policy, self.optimizers, m.critic_body, m.value_head
+        if m.fsdp_root is not None:
             model, opts, critic, head = self._full_state_views()
         if not self.dist.is_main:
             return ""
-        path = save_checkpoint(self.out, it, model=model, tokenizer=self.tokenizer, optimizers=opts,
-                               state={"last_eval": self.last_eval, "eval_pending": eval_pending,
-                                      **({} if self.schedule is None else
-                                         {"rollout_schedule": self.schedule.state_dict()})},
+        path = save_checkpoint(self.out, it, model=model, tokenizer=m.tokenizer, optimizers=opts, state=state,
                                config_yaml=dump_yaml(self.cfg), critic_backbone=critic,
                                value_head=head, keep=self.cfg.trainer.keep_checkpoints, rng=rng)
         self.console.print(f"checkpoint: {path} ({time.perf_counter() - t0:.1f} s)")
@@ -145,6 +167,7 @@ class Lifecycle:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        m = self.models
 
         def view(module):
             if module is None:
@@ -155,52 +178,6 @@ class Lifecycle:
             tied = {n for n, _ in module.named_parameters(remove_duplicate=False)} - names
             return ffsdp.FullStateView({k: v for k, v in state.items() if k not in tied}, module)
 
-        opts = {k: ffsdp.FullStateView(ffsdp.full_optimizer_state(self.dist, self._fsdp_root, o))
-                for k, o in self._optimizers().items()}
-        return view(self.model), opts, view(self.critic_body), view(self.value_head)
-
-    def _evaluate_all(self, it: int) -> dict:
-        """`evaluate` (each rank its share of the eval seeds); FSDP2: with the parameters
-        gathered whole on every rank meanwhile."""
-        # tensors mapped on their own: the evaluation's wide batches fragment the heaps most,
-        # and its peak is the main job's (fastpo.memory)
-        try:
-            with mapped_allocations(), ffsdp.gathered(self._fsdp_root):
-                return self.evaluate(it)
-        finally:
-            release_free_memory()  # what it freed in the heaps, back to the system
-
-    def _run_pending_eval(self) -> bool:
-        """The evaluation of the resumed checkpoint's iteration that a SIGTERM stopped: run it and
-        add it to that iteration's record. False when stopped again (it stays pending)."""
-        it = self.start_iteration - 1
-        self.console.print(f"evaluating iteration {it} (postponed by the SIGTERM that stopped the run)")
-        try:
-            with self._droppable():
-                ev = self._evaluate_all(it)
-        except _Drop:
-            return False
-        self.last_eval = ev
-        if self.logger.records and self.logger.records[-1].get("iteration") == it:
-            self.logger.extend_last(ev)
-        else:
-            self.logger.log(it, ev)
-        self._eval_pending = False
-        return True
-
-    def _untrained_hint(self) -> str:
-        """What to do with the run folder when nothing was trained there yet ("" when a
-        checkpoint or a trained iteration is there): the same command reuses it, and so does a
-        resume (from iteration 1 with its config.yaml)."""
-        from fastpo.checkpoint import untrained_start
-
-        if not self.dist.is_main or not untrained_start(self.out):
-            return ""
-        return (f"nothing was trained yet and {self.out} holds no checkpoint: run the same command again (it "
-                f"reuses the folder), or `{self.resume_command} {self.out}` to start again from iteration 1 "
-                f"with its config.yaml")
-
-    def _release_lock(self, remove: bool = False) -> None:
-        if self._lock is not None:
-            self._lock.release(remove=remove)
-            self._lock = None
+        opts = {k: ffsdp.FullStateView(ffsdp.full_optimizer_state(self.dist, m.fsdp_root, o))
+                for k, o in self.optimizers.items()}
+        return view(m.policy), opts, view(m.critic_body), view(m.value_head)

@@ -1,9 +1,10 @@
-"""The update: PPO epochs over shuffled mini-batches, micro-batch losses accumulated into one
-gradient per mini-batch (the fused policy loss, the clipped value loss), the optimizer step.
+"""The update: the optimizers and one optimizer step on a loss accumulated over packed
+micro-batches (`PolicyUpdater.step`, the seam SFT trains through too), and PPO's epochs over
+shuffled mini-batches with the fused policy loss and the clipped value loss (`ppo_update`).
 """
 from __future__ import annotations
 
-import time
+from typing import Any, Callable
 
 import torch
 
@@ -16,14 +17,17 @@ from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
 from fastpo.registry import loss_denominator_of
-from fastpo.trainer.batch import TrainBatch
 from fastpo.seeds import mini_batch_generator_seed
+from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.models import Models, hidden_states
+from fastpo.trainer.plan import RunPlan
+from fastpo.trainer.scoring import Scorer
 
 
 def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
     """The fused policy loss's settings for `cfg` (built once per run): the algorithm's clip,
     entropy, KL and aggregation settings at the rollout temperature; no KL term in the loss
-    when the KL is on the reward (`TrainConfig.kl_in_reward`)."""
+    when the KL is on the reward (`TrainConfig.kl_in_reward`, `RunPlan.kl_in_reward`)."""
     a = cfg.algorithm
     return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                               entropy_coef=a.entropy_coef, kl_coef=0.0 if cfg.kl_in_reward else a.kl_coef,
@@ -38,7 +42,25 @@ def loss_denominator(loss_agg: str, masks: list, indices: list[int]) -> float:
     return loss_denominator_of(loss_agg, *fdist.scored_counts(masks, indices))
 
 
-class _MetricMeans:
+def epoch_mini_batches(cfg: TrainConfig, dist: fdist.DistContext, masks: list, generator: torch.Generator):
+    """One PPO epoch's mini-batches of `optim.mini_batch_size` trajectories: shuffled trajectory
+    indices (`generator`), the last one smaller when n % mini_batch_size != 0. Yields (indices,
+    scored tokens, loss denominator): the denominator of `algorithm.loss_agg`
+    (`loss_denominator`). Data parallel: the shuffle is of the global batch (the ranks'
+    trajectories in rank order), each rank gets its trajectories of each mini-batch (maybe
+    none) and the global denominator, so the mini-batches are those of one process whatever
+    the world size."""
+    size = cfg.optim.mini_batch_size
+    counts = [int(x) for x in fdist.per_rank(dist, len(masks))]
+    offset, total = sum(counts[: dist.rank]), sum(counts)
+    perm = torch.randperm(total, generator=generator).tolist()
+    for start in range(0, total, size):
+        mini = [i - offset for i in perm[start:start + size] if offset <= i < offset + len(masks)]
+        n_tok = sum(int(masks[i][1:].sum()) for i in mini)
+        yield mini, n_tok, fdist.global_loss_denominator(dist, cfg.algorithm.loss_agg, masks, mini)
+
+
+class MetricMeans:
     """Running means of named scalars (floats or 0-dim tensors) over an update."""
 
     def __init__(self):
@@ -53,7 +75,7 @@ class _MetricMeans:
         return {k: self.sums[k] / self.counts[k] for k in self.sums}
 
     @classmethod
-    def merged(cls, parts: list) -> "_MetricMeans":
+    def merged(cls, parts: list) -> "MetricMeans":
         """The running means of several ranks' (sums, counts), as if one had seen every value."""
         out = cls()
         for sums, counts in parts:
@@ -63,105 +85,108 @@ class _MetricMeans:
         return out
 
 
-class Update:
-    """`Trainer`'s update: mini-batches (`epoch_mini_batches`), the micro-batch loss, gradient
-    accumulation and the optimizer step (`update`), the update phase's metrics (`_train`)."""
+#: A micro-batch's loss for `PolicyUpdater.step`: (micro, scored) -> (the loss to backpropagate,
+#: {metric: value} added to the step's running means once its backward is done). `micro` is a
+#: packed micro-batch (fastpo.packing), `scored` its scored tokens (`micro.scored(loss_mask)`).
+MicroLoss = Callable[[Any, Any], "tuple[torch.Tensor, dict]"]
 
-    def epoch_mini_batches(self, masks: list, generator: torch.Generator):
-        """One PPO epoch's mini-batches: shuffled trajectory indices, the last one smaller when
-        n % mini_batch_size != 0. Yields (indices, scored tokens, loss denominator): the
-        denominator of `algorithm.loss_agg` (`loss_denominator`). Data parallel: the shuffle
-        is of the global batch (the ranks' trajectories in rank order), each rank gets its
-        trajectories of each mini-batch (maybe none) and the global denominator, so the
-        mini-batches are those of one process whatever the world size."""
-        size = self.cfg.optim.mini_batch_size
-        counts = [int(x) for x in fdist.per_rank(self.dist, len(masks))]
-        offset, total = sum(counts[: self.dist.rank]), sum(counts)
-        perm = torch.randperm(total, generator=generator).tolist()
-        for start in range(0, total, size):
-            mini = [i - offset for i in perm[start:start + size] if offset <= i < offset + len(masks)]
-            n_tok = sum(int(masks[i][1:].sum()) for i in mini)
-            yield mini, n_tok, fdist.global_loss_denominator(self.dist, self.cfg.algorithm.loss_agg, masks, mini)
 
-    def update(self, it: int, batch: TrainBatch) -> tuple[dict, int]:
-        """PPO epochs over shuffled mini-batches of `batch` (its old log-probs, advantages,
-        values, returns, reference log-probs and importance-sampling weights, those it has),
-        each a gradient accumulated over its packed micro-batches (`_micro_batch_loss`) and one
-        optimizer step (`_optimizer_step`). Returns (averaged update metrics, trained tokens);
-        data parallel: both over every rank."""
-        cfg, o = self.cfg, self.cfg.optim
-        g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
-        masks = batch.loss_mask
-        per_traj = {"old_lp": batch.old_logprobs, "adv": batch.advantages, "vals": batch.values,
-                    "returns": batch.returns, "ref": batch.ref_logprobs, "is_weights": batch.is_weights}
-        metrics = _MetricMeans()
-        skipped = steps = train_tokens = 0
-        self.model.train()
-        for _epoch in range(o.ppo_epochs):
-            for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
-                value_denom = fdist.global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
-                self._zero_grad()
-                finite = True
-                if self._fsdp_root is not None:
-                    finite, n = self._fsdp_accumulate(batch, mini, per_traj, denom, value_denom, metrics)
-                    train_tokens += n
-                for micro in (self._micro_batches(batch, mini) if self._fsdp_root is None else ()):
-                    scored = micro.scored(masks)
-                    if scored.count == 0:
-                        continue
-                    train_tokens += micro.trajectory_tokens
-                    total, out = self._micro_batch_loss(micro, scored, per_traj, denom, value_denom, metrics)
-                    if not torch.isfinite(total.detach()):
-                        finite = False
-                        break
-                    total.backward()
-                    for k, val in out.metrics.items():
-                        metrics.add(f"actor/{k}", val)
-                    metrics.add("actor/pg_loss_micro", out.loss.detach())
-                # every rank steps, or none; the gradient is the sum over ranks (one process: as it is)
-                finite = fdist.all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
-                if finite and self._fsdp_root is None:  # (FSDP2 reduce-scattered them in the backward)
-                    fdist.all_reduce_gradients(self.dist, self._trained_parameters())
-                if finite and self._optimizer_step(metrics):
-                    steps += 1
-                    continue
-                skipped += 1
-                self._warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
-                self._zero_grad()
-        # the gradients are not read again before the next update's first zero_grad: freed now,
-        # not held (the policy's size again) through the evaluation and the next rollout
-        self._zero_grad()
-        self.model.eval()
-        release_free_memory()  # what the update freed (fastpo.memory), back to the system
-        # means over every rank's micro-batches (and steps)
-        metrics = _MetricMeans.merged(fdist.all_gather_object(self.dist, (metrics.sums, metrics.counts)))
-        train_tokens = int(fdist.all_reduce(self.dist, [train_tokens])[0])
-        res = metrics.means()
-        res["actor/updates"] = steps
-        res["actor/skipped_updates"] = skipped
-        return res, train_tokens
+class PolicyUpdater:
+    """The trained modules' optimizers (AdamW: the policy with a shared critic's value head,
+    and a separate critic's own), and one optimizer step on a loss accumulated over packed
+    micro-batches (`step`): the seam both the StarPO update (`ppo_update`) and SFT train through.
 
-    def _fsdp_accumulate(self, batch: TrainBatch, mini, per_traj: dict, denom: float, value_denom: float,
-                         metrics: "_MetricMeans") -> tuple[bool, int]:
-        """FSDP2: accumulate this rank's gradient of mini-batch `mini` (its trajectories on this
-        rank), each micro-batch's loss computed inside the FSDP root's forward, then empty
-        micro-batches up to the largest rank's count (`fdist.micro_batch_count`: every
-        forward and backward runs FSDP's all-gathers and reduce-scatters, so every rank runs
-        as many). A non-finite loss is still backpropagated (the same collectives on every
-        rank); the step is then skipped on every rank. Returns (finite, trained tokens)."""
-        real = [(m, sc) for m in self._micro_batches(batch, mini) for sc in (m.scored(batch.loss_mask),) if sc.count]
+    `warn(text)`: the run's user warnings. Data parallel: gradients summed over the ranks
+    before clipping (FSDP2: reduce-scattered in the backward)."""
+
+    def __init__(self, cfg: TrainConfig, dist: fdist.DistContext, models: Models, scorer: Scorer, plan: RunPlan,
+                 warn: Callable[[str], None]):
+        self.cfg, self.dist, self.models, self.scorer, self.plan, self.warn = cfg, dist, models, scorer, plan, warn
+        o = cfg.optim
+        head, body = models.value_head, models.critic_body
+        actor_params = [p for p in models.policy.parameters() if p.requires_grad]
+        groups = [{"params": actor_params, "lr": o.actor_lr}]
+        if head is not None and body is None:
+            groups.append({"params": list(head.parameters()), "lr": o.critic_lr})
+        self.actor_opt = torch.optim.AdamW(groups, lr=o.actor_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.critic_opt = None
+        if body is not None:
+            self.critic_opt = torch.optim.AdamW(list(body.parameters()) + list(head.parameters()),
+                                                lr=o.critic_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
+        self.loss_settings = policy_loss_settings(cfg)
+
+    def optimizers(self) -> dict:
+        """The optimizers by checkpoint name: "actor", and "critic" for a separate critic."""
+        return {"actor": self.actor_opt, **({"critic": self.critic_opt} if self.critic_opt is not None else {})}
+
+    def trained_parameters(self) -> list:
+        """Every parameter the optimizers step, in one fixed order (the same on every rank)."""
+        return [p for o in self.optimizers().values() for grp in o.param_groups for p in grp["params"]]
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers().values():
+            o.zero_grad(set_to_none=True)
+
+    def step(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss, metrics: MetricMeans) -> tuple[bool, int]:
+        """One optimizer step on the trajectories `indices` of `batch`: the gradient of
+        `loss_fn` accumulated over their packed micro-batches (each loss normalised by the
+        caller so that the sum is the mini-batch's), summed over the ranks, clipped
+        (optim.grad_clip), then AdamW. A non-finite loss or gradient norm skips the step on
+        every rank (weights unchanged, gradients cleared). Returns (stepped, trained tokens)."""
+        self.zero_grad()
+        if self.models.fsdp_root is not None:
+            finite, tokens = self._fsdp_accumulate(batch, indices, loss_fn, metrics)
+        else:
+            finite, tokens = self._accumulate(batch, indices, loss_fn, metrics)
+        # every rank steps, or none; the gradient is the sum over ranks (one process: as it is)
+        finite = fdist.all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
+        if finite and self.models.fsdp_root is None:  # (FSDP2 reduce-scattered them in the backward)
+            fdist.all_reduce_gradients(self.dist, self.trained_parameters())
+        if finite and self.optimizer_step(metrics):
+            return True, tokens
+        self.zero_grad()
+        return False, tokens
+
+    def _accumulate(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss,
+                    metrics: MetricMeans) -> tuple[bool, int]:
+        """The gradient of `loss_fn` over the micro-batches of `indices`, stopping at the first
+        non-finite loss; (finite, trained tokens)."""
+        tokens = 0
+        for micro in self.scorer.micro_batches(batch, indices):
+            scored = micro.scored(batch.loss_mask)
+            if scored.count == 0:
+                continue
+            tokens += micro.trajectory_tokens
+            total, logged = loss_fn(micro, scored)
+            if not torch.isfinite(total.detach()):
+                return False, tokens
+            total.backward()
+            for k, val in logged.items():
+                metrics.add(k, val)
+        return True, tokens
+
+    def _fsdp_accumulate(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss,
+                         metrics: MetricMeans) -> tuple[bool, int]:
+        """FSDP2: accumulate this rank's gradient of its trajectories `indices`, each
+        micro-batch's loss computed inside the FSDP root's forward, then empty micro-batches up
+        to the largest rank's count (`fdist.micro_batch_count`: every forward and backward runs
+        FSDP's all-gathers and reduce-scatters, so every rank runs as many). A non-finite loss
+        is still backpropagated (the same collectives on every rank); the step is then skipped
+        on every rank. Returns (finite, trained tokens)."""
+        root = self.models.fsdp_root
+        real = [(m, sc) for m in self.scorer.micro_batches(batch, indices) for sc in (m.scored(batch.loss_mask),)
+                if sc.count]
         finite, tokens = True, 0
         for k in range(fdist.micro_batch_count(self.dist, len(real))):
             if k >= len(real):
-                self._fsdp_root(self._empty_micro_loss).backward()
+                root(self._empty_micro_loss).backward()
                 continue
             micro, scored = real[k]
             tokens += micro.trajectory_tokens
-            total, out = self._fsdp_root(self._micro_batch_loss, micro, scored, per_traj, denom, value_denom, metrics)
+            total, logged = root(loss_fn, micro, scored)
             if torch.isfinite(total.detach()):
-                for key, val in out.metrics.items():
-                    metrics.add(f"actor/{key}", val)
-                metrics.add("actor/pg_loss_micro", out.loss.detach())
+                for key, val in logged.items():
+                    metrics.add(key, val)
             else:
                 finite = False
             total.backward()
@@ -171,58 +196,17 @@ class Update:
         """0 from a 2-token dummy row through every sharded module (the policy's body and LM
         head, the critic): the forward and backward of a micro-batch this rank does not have,
         with zero gradients."""
-        micro = pack_micro_batch([torch.zeros(2, dtype=torch.long)], [0], attention=packing_attention(self.model),
-                                 mask_dtype=packing_mask_dtype(self.model), device=self.device)
-        with self._autocast():
-            h = self._hidden(decoder_body(self.model), micro)
-            total = h.float().sum() * 0 + lm_head_weight(self.model).float().sum() * 0
-            if self.value_head is not None:
-                total = total + self._values(micro, torch.zeros(1, dtype=torch.long, device=h.device), h).sum() * 0
+        m = self.models
+        micro = pack_micro_batch([torch.zeros(2, dtype=torch.long)], [0], attention=packing_attention(m.policy),
+                                 mask_dtype=packing_mask_dtype(m.policy), device=m.device)
+        with m.autocast():
+            h = hidden_states(decoder_body(m.policy), micro)
+            total = h.float().sum() * 0 + lm_head_weight(m.policy).float().sum() * 0
+            if m.value_head is not None:
+                total = total + m.values(micro, torch.zeros(1, dtype=torch.long, device=h.device), h).sum() * 0
         return total
 
-    def _trained_parameters(self) -> list:
-        """Every parameter the optimizers step, in one fixed order (the same on every rank)."""
-        opts = [self.actor_opt] + ([self.critic_opt] if self.critic_opt is not None else [])
-        return [p for o in opts for grp in o.param_groups for p in grp["params"]]
-
-    def _optimizers(self) -> dict:
-        """The optimizers by checkpoint name: "actor", and "critic" for a separate critic."""
-        return {"actor": self.actor_opt, **({"critic": self.critic_opt} if self.critic_opt is not None else {})}
-
-    def _zero_grad(self) -> None:
-        self.actor_opt.zero_grad(set_to_none=True)
-        if self.critic_opt is not None:
-            self.critic_opt.zero_grad(set_to_none=True)
-
-    def _micro_batch_loss(self, micro, scored, per_traj: dict, denom: float, value_denom: float,
-                          metrics: "_MetricMeans"):
-        """(total loss to backpropagate, the policy loss's PolicyLossOutput) of one packed
-        micro-batch: the fused policy loss plus the critic's value loss (times value_coef
-        when the critic shares the policy's optimizer), both normalised by their mini-batch
-        denominators so that the accumulated gradient is the mini-batch's. Critic metrics
-        go into `metrics`."""
-        a = self.cfg.algorithm
-        take = {k: None if v is None else scored.take(v) for k, v in per_traj.items()}
-        ref = None if self.cfg.kl_in_reward else take["ref"]  # the KL is then in the advantages
-        with self._autocast():
-            h = self._hidden(decoder_body(self.model), micro)
-            out = linear_policy_loss(h[scored.rows], lm_head_weight(self.model), scored.targets, take["old_lp"],
-                                     take["adv"], torch.ones_like(take["old_lp"], dtype=torch.bool), ref,
-                                     settings=self.loss_settings, seq_ids=scored.seq, denominator=denom,
-                                     is_weights=take["is_weights"], impl=self.cfg.trainer.kernel_impl)
-            total = out.loss
-            if self.value_head is not None:
-                v = self._values(micro, scored.rows, h)
-                vloss, vm = alg.clipped_value_loss(v, take["vals"], take["returns"], torch.ones_like(v, dtype=torch.bool),
-                                                   clip=a.value_clip, mode=a.value_loss_agg, seq_ids=scored.seq,
-                                                   denominator=value_denom)
-                for k, val in vm.items():
-                    metrics.add(f"critic/{k}", val)
-                # a separate critic has its own optimizer: no coefficient needed
-                total = total + (a.value_coef * vloss if self.critic_body is None else vloss)
-        return total, out
-
-    def _optimizer_step(self, metrics: "_MetricMeans") -> bool:
+    def optimizer_step(self, metrics: MetricMeans) -> bool:
         """Clip the accumulated gradients (optim.grad_clip) and step the optimizers; False,
         without a step, when a gradient norm is not finite."""
         release_free_memory()  # the mini-batch's freed activations, before the step's temporaries
@@ -232,7 +216,7 @@ class Update:
         if self.critic_opt is not None:
             cgn = torch.nn.utils.clip_grad_norm_([p for grp in self.critic_opt.param_groups for p in grp["params"]],
                                                  clip)
-        if self._fsdp_root is not None:  # sharded gradients: the norms are DTensors of the global norm
+        if self.models.fsdp_root is not None:  # sharded gradients: the norms are DTensors of the global norm
             gn, cgn = ffsdp.full_value(gn), None if cgn is None else ffsdp.full_value(cgn)
         if not (bool(torch.isfinite(gn)) and (cgn is None or bool(torch.isfinite(cgn)))):
             return False
@@ -243,13 +227,82 @@ class Update:
         metrics.add("actor/grad_norm", gn)
         return True
 
-    def _train(self, it: int, metrics: dict, tm: dict, batch: TrainBatch) -> None:
-        """The update phase of an iteration: `update`, then its metrics into `metrics` and its time into `tm`."""
-        self.stop_state.weights_touched = True
-        t3 = time.perf_counter()
-        um, train_tokens = self.update(it, batch)
-        self._weights_stale = True  # a separate engine (SGLang) loads them before it next generates
-        um.pop("actor/pg_loss_micro", None)
-        metrics.update(um)
-        tm["time/update_s"] = time.perf_counter() - t3
-        metrics["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
+    def finish(self) -> None:
+        """After an update: the gradients, not read again before the next update's first
+        zero_grad, freed (not held, the policy's size again, through the evaluation and the
+        next rollout); the policy back in eval mode; freed memory back to the system."""
+        self.zero_grad()
+        self.models.policy.eval()
+        release_free_memory()  # what the update freed (fastpo.memory), back to the system
+
+    # ------------------------------------------------------------------------------- PPO
+
+    def epoch_mini_batches(self, masks: list, generator: torch.Generator):
+        """One PPO epoch's mini-batches of this run (`epoch_mini_batches`)."""
+        return epoch_mini_batches(self.cfg, self.dist, masks, generator)
+
+    def update(self, it: int, batch: TrainBatch) -> tuple[dict, int]:
+        """PPO epochs over shuffled mini-batches of `batch` (its old log-probs, advantages,
+        values, returns, reference log-probs and importance-sampling weights, those it has),
+        each one `step` of the fused policy loss plus the clipped value loss (`ppo_loss`).
+        Returns (averaged update metrics, trained tokens); data parallel: both over every rank."""
+        cfg = self.cfg
+        g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
+        masks = batch.loss_mask
+        per_traj = {"old_lp": batch.old_logprobs, "adv": batch.advantages, "vals": batch.values,
+                    "returns": batch.returns, "ref": batch.ref_logprobs, "is_weights": batch.is_weights}
+        metrics = MetricMeans()
+        skipped = steps = train_tokens = 0
+        self.models.policy.train()
+        for _epoch in range(cfg.optim.ppo_epochs):
+            for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
+                value_denom = fdist.global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
+                loss_fn = self.ppo_loss(per_traj, denom, value_denom, metrics)
+                stepped, n = self.step(batch, mini, loss_fn, metrics)
+                train_tokens += n
+                if stepped:
+                    steps += 1
+                    continue
+                skipped += 1
+                self.warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
+        self.finish()
+        # means over every rank's micro-batches (and steps)
+        metrics = MetricMeans.merged(fdist.all_gather_object(self.dist, (metrics.sums, metrics.counts)))
+        train_tokens = int(fdist.all_reduce(self.dist, [train_tokens])[0])
+        res = metrics.means()
+        res["actor/updates"] = steps
+        res["actor/skipped_updates"] = skipped
+        return res, train_tokens
+
+    def ppo_loss(self, per_traj: dict, denom: float, value_denom: float, metrics: MetricMeans) -> MicroLoss:
+        """The `MicroLoss` of one PPO mini-batch: the fused policy loss plus the critic's value
+        loss (times value_coef when the critic shares the policy's optimizer), both normalised
+        by their mini-batch denominators so that the accumulated gradient is the mini-batch's.
+        Critic metrics go into `metrics` at once, the policy loss's as `actor/*`."""
+        a, m = self.cfg.algorithm, self.models
+
+        def loss(micro, scored):
+            take = {k: None if v is None else scored.take(v) for k, v in per_traj.items()}
+            ref = None if self.plan.kl_in_reward else take["ref"]  # the KL is then in the advantages
+            with m.autocast():
+                h = hidden_states(decoder_body(m.policy), micro)
+                out = linear_policy_loss(h[scored.rows], lm_head_weight(m.policy), scored.targets, take["old_lp"],
+                                         take["adv"], torch.ones_like(take["old_lp"], dtype=torch.bool), ref,
+                                         settings=self.loss_settings, seq_ids=scored.seq, denominator=denom,
+                                         is_weights=take["is_weights"], impl=self.cfg.trainer.kernel_impl)
+                total = out.loss
+                if m.value_head is not None:
+                    v = m.values(micro, scored.rows, h)
+                    vloss, vm = alg.clipped_value_loss(v, take["vals"], take["returns"],
+                                                       torch.ones_like(v, dtype=torch.bool), clip=a.value_clip,
+                                                       mode=a.value_loss_agg, seq_ids=scored.seq,
+                                                       denominator=value_denom)
+                    for k, val in vm.items():
+                        metrics.add(f"critic/{k}", val)
+                    # a separate critic has its own optimizer: no coefficient needed
+                    total = total + (a.value_coef * vloss if m.critic_body is None else vloss)
+            logged = {f"actor/{k}": val for k, val in out.metrics.items()}
+            logged["actor/pg_loss_micro"] = out.loss.detach()
+            return total, logged
+
+        return loss
