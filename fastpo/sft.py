@@ -629,7 +629,7 @@ class SFTTrainer(RunTrainer):
         updater.finish()  # gradients freed, eval mode, the step's memory back to the system
         dt = time.perf_counter() - t0
         nll, ent = acc.sums.pop("sft/nll", 0.0), acc.sums.pop("sft/entropy", 0.0)
-        m = {k: v for k, v in acc.means().items() if k not in ("sft/nll", "sft/entropy")}
+        m = acc.means()  # the step's other means (the NLL and entropy sums are popped above)
         if self.data is not None:
             m.update({"train/success_rate": float(self.data.success[idx].float().mean()),
                       "train/score_mean": float(self.data.scores[idx].mean())})
