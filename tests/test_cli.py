@@ -59,13 +59,13 @@ def test_overrides_on_both_sides_of_an_option_are_applied(no_model, tmp_path, mo
     from run_helpers import ModelLoadReached
 
     seen = {}
-    real = fastpo.cli.build_config
+    real = fastpo.cli.train.build_config
 
     def spy(*a):
         seen["cfg"] = cfg = real(*a)
         return cfg
 
-    monkeypatch.setattr(fastpo.cli, "build_config", spy)
+    monkeypatch.setattr(fastpo.cli.train, "build_config", spy)
     with pytest.raises(ModelLoadReached):
         fastpo.cli.main(["train", "--env", "bandit", "rollout.group_size=4", "--out", str(tmp_path / "r"),
                          "trainer.seed=3", "--iterations", "2", "rollout.group_size=8"])

@@ -251,9 +251,9 @@ def test_the_launcher_shares_out_the_cores(monkeypatch):
     monkeypatch.setattr(trun, "run", lambda targs: seen.append(os.environ["OMP_NUM_THREADS"]))
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("OMP_NUM_THREADS", "")
-    assert fastpo.cli._launch_processes(2, ["train", "--env", "bandit"]) == 0
+    assert fastpo.cli.launch.launch_processes(2, ["train", "--env", "bandit"]) == 0
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert fastpo.cli._launch_processes(2, ["train", "--env", "bandit"]) == 0
+    assert fastpo.cli.launch.launch_processes(2, ["train", "--env", "bandit"]) == 0
     assert seen == [str(max(1, cores // 2)), "3"]
 
 
@@ -577,7 +577,7 @@ def test_torchrun_ranks_end_without_interpreter_teardown(dp_runs):
 
 def test_only_rank_0_shows_progress_bars(dp_runs):
     """Both ranks of the resume load the checkpoint's weights; transformers' loading bar is
-    rank 0's alone (fastpo.cli._quiet_progress_bars on the others)."""
+    rank 0's alone (fastpo.cli.launch.quiet_progress_bars on the others)."""
     assert dp_runs["out_two"].count("Loading weights: 100%") == 1, dp_runs["out_two"][-3000:]
 
 

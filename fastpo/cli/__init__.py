@@ -1,0 +1,146 @@
+"""The `fastpo` command line: `fastpo train`, `fastpo sft` (on fastpo.sft) and `fastpo eval`.
+
+    fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
+                 [--out DIR [--overwrite]] [--resume DIR [--iterations N] [--trust-checkpoint]] [--nproc N]
+                 [section.key=value ...]
+    fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T] [--nproc N]
+
+The configuration (defaults, presets, file, dotted overrides) is validated before any model
+loads; a bad key or value exits with status 2 and a message naming it. Other bad input (an
+unreadable config file, an unknown model, a bad device or output folder) also exits 2 with one
+line; a traceback means a bug.
+
+A new run never destroys an old one: without --out, a folder that already holds a run is
+replaced by the first free `runs/<env>-2`, `-3`, ...; a named --out holding a run is refused
+unless --overwrite, and so is a folder another fastpo process is writing (naming its pid).
+On --resume only --iterations, --device and non-env/model overrides apply; its checkpoint
+files load as plain data, and one that needs full unpickling (an older fastpo's) is refused
+unless --trust-checkpoint (fastpo.checkpoint, "Trust").
+
+`python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
+(`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
+parallel (fastpo.distributed; docs/distributed.md); --nproc 1 (the default) is the
+one-process path. `fastpo eval --nproc N` (or under torchrun) shares the eval seeds out over
+the processes; rank 0 prints and writes the results. Under torchrun (even with one process, a smoke test of that path) each
+process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
+is the only one that writes it. A setting the data-parallel trainer does not support yet is
+refused with exit status 2 before any model loads (fastpo.distributed.check_trainer_support).
+
+Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
+full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
+Under `--nproc N` the job exits as one process would (rank 0's status, 130 / 143 after a
+signal once rank 0 has saved the checkpoint), without torchrun's exception report; torchrun
+run directly keeps its own statuses (1 when a process failed or after a signal).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from fastpo.cli.eval import cmd_eval
+from fastpo.cli.launch import check_processes, degrade_console, left_a_job
+from fastpo.cli.sft import cmd_sft
+from fastpo.cli.train import cmd_train
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", default=None, metavar="NAME",
+                   help="environment: bandit, sokoban, frozenlake, module.path:Class, textarena:ID, gym:ID or an "
+                        "installed fastpo.envs entry point (default: frozenlake, or the config file's)")
+    p.add_argument("--preset", default=None,
+                   help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
+                        "(default: paper with a GPU, cpu without)")
+    p.add_argument("--config", default=None, help="YAML config file")
+    p.add_argument("--model", default=None, help="smollm2-135m-instruct (embedded), an HF id or folder, random:<shape>")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
+
+
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="with --resume: load checkpoint files that need full unpickling (an older fastpo's "
+                        "state.pt), which can run any code they hold; only for run folders you trust")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `fastpo` command line `argv` (default: sys.argv[1:]); the exit status (2: bad
+    input). `entry` is the command itself (exit, and the end of a torchrun rank)."""
+    degrade_console()
+    ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
+    sub = ap.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="train with StarPO / StarPO-S")
+    _add_common(tr)
+    tr.add_argument("--out", default=None, help="output folder (default runs/<env>)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="delete the run already in --out (without it such a folder is refused)")
+    tr.add_argument("--iterations", type=int, default=None)
+    tr.add_argument("--resume", default=None, metavar="OUT", help="continue the run in folder OUT from its latest checkpoint")
+    _add_trust(tr)
+    tr.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="data-parallel processes, one per GPU (CPU processes with gloo under --device cpu), "
+                         "run by torchrun; 1 (default): one process")
+    sf = sub.add_parser("sft", help="supervised fine-tuning on the env's expert trajectories (fastpo.sft)")
+    _add_common(sf)
+    sf.add_argument("--out", default=None, help="output folder (default runs/sft-<env>)")
+    sf.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
+    sf.add_argument("--iterations", type=int, default=None, help="SFT steps (optimizer steps)")
+    sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
+    _add_trust(sf)
+    ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
+    _add_common(ev)
+    ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
+    ev.add_argument("--k", type=int, default=None, help="samples per seed (pass@k)")
+    ev.add_argument("--temperature", type=float, default=None)
+    ev.add_argument("--samples", default=None, help="folder to write sample trajectories to")
+    ev.add_argument("--json", default=None, metavar="PATH",
+                    help="write the metrics, the model's label and the settings used to PATH as JSON")
+    ev.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="processes sharing out the seeds, one per GPU (CPU processes with gloo under --device cpu), "
+                         "run by torchrun; 1 (default): one process")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, extra = ap.parse_known_args(argv)
+    # Hydra-style overrides may stand anywhere (`--env bandit a.b=1 --out X c.d=2`): the
+    # positional list takes only those before the first option, argparse leaves the rest
+    unknown = [a for a in extra if a.startswith("-") or "=" not in a]
+    if unknown:
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides += extra
+    status = check_processes(args, argv)
+    if status is not None:
+        return status
+    if args.command == "train":
+        return cmd_train(args)
+    if args.command == "sft":
+        return cmd_sft(args)
+    return cmd_eval(args)
+
+
+def entry(argv: list[str] | None = None) -> None:
+    """The `fastpo` command (console script, `python -m fastpo`, what torchrun runs in each
+    process): `main(argv)`, then exit with its status. Under torchrun `main` is wrapped in
+    torch.distributed.elastic's `record` (a failing rank's exception reaches torchrun's error
+    summary), and a rank that has left its job's process group ends with
+    `fastpo.distributed.end_process` instead of the interpreter's teardown: with `main`'s
+    status, or 1 (130 for Ctrl-C) after an exception, whose traceback is printed first."""
+    run = main
+    if "WORLD_SIZE" in os.environ:  # started by torchrun
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        run = record(main)
+    try:
+        status = run(argv)
+    except BaseException as e:
+        if isinstance(e, SystemExit) or not left_a_job():
+            raise
+        import traceback
+
+        traceback.print_exc()
+        status = 130 if isinstance(e, KeyboardInterrupt) else 1
+    if left_a_job():
+        from fastpo.distributed import end_process
+
+        end_process(status)
+    sys.exit(status)
