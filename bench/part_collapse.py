@@ -3,7 +3,7 @@
     python bench/throughput.py --part collapse [--quick] [--device cuda --model random:qwen2.5-0.5b]
 
 The matrix l_j(z_i) = log p(z_i | x_j) over the N first-turn prompts and the R first-turn
-responses of a real rollout batch (fastpo/collapse.py), computed three ways in the same run,
+responses of a real rollout batch (fastpo/trainer/collapse.py), computed three ways in the same run,
 with the same model and the same pairs:
 
 - fastpo: `cross_logprobs` (what the trainer logs `collapse/*` with): per prompt, one packed
@@ -42,7 +42,7 @@ def sizes(ctx: BenchContext) -> dict:
 def run(ctx: BenchContext) -> list:
     import torch
 
-    from fastpo.collapse import cross_logprobs, cross_logprobs_naive, first_turn_pairs
+    from fastpo.trainer.collapse import cross_logprobs, cross_logprobs_naive, first_turn_pairs
     from fastpo.models import load_model_and_tokenizer
     from fastpo.packing import use_segment_attention
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig

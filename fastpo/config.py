@@ -219,7 +219,7 @@ class RolloutSection(RolloutConfig):
             fresh batch every iteration), its old log-probs staying those of the policy that
             sampled it.
         replay: N >= 0 keeps the trajectories of the last N rollout batches (with their
-            sampler log-probs; fastpo.replay) for mixing into later updates (0 = no buffer).
+            sampler log-probs; fastpo.trainer.replay) for mixing into later updates (0 = no buffer).
         replay_fraction: replayed trajectories mixed into each update, as a fraction of the
             fresh batch (round(fraction x batch size)).
     """
@@ -291,7 +291,7 @@ class AlgorithmConfig:
             trajectory's tokens.
         old_logprob: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
             from the "sampler", or "auto": the sampler's exactly when they are the same
-            quantity (native engine on the trained fp32 module; fastpo.old_logprob).
+            quantity (native engine on the trained fp32 module; fastpo.trainer.old_logprob).
         ratio_level: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
             arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
             trajectory).
@@ -397,7 +397,7 @@ class TrainerSection:
         echo_trap_drop: the Echo-Trap warning fires when reward std and rollout entropy (or
             the collapse metrics) have fallen by this share of their early values.
         echo_trap_window: the first N iterations, whose means are the warning's "early" values.
-        collapse_every: mutual-information collapse metrics (fastpo/collapse.py) at
+        collapse_every: mutual-information collapse metrics (fastpo/trainer/collapse.py) at
             iteration 1 and every N-th (0 = off).
         kernel_impl: the fused loss's path: "auto" (Triton on CUDA, chunked elsewhere),
             "reference", "chunked" or "triton".
@@ -427,7 +427,7 @@ class TrainerSection:
     plots: bool = True
     echo_trap_drop: float = checked(0.5, lambda v: 0 < v < 1, "must be in (0, 1)")
     echo_trap_window: int = checked(5, at_least(1), "must be >= 1")
-    # mutual-information collapse metrics (fastpo/collapse.py): iteration 1 and every N-th; 0 = off
+    # mutual-information collapse metrics (fastpo/trainer/collapse.py): iteration 1 and every N-th; 0 = off
     collapse_every: int = checked(5, at_least(0), "must be >= 0 (0 = never)")
     kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
                                "must be auto, reference, chunked or triton")

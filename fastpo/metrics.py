@@ -192,7 +192,7 @@ class MetricsLogger:
 class EchoTrapDetector:
     """Early warning of the "Echo Trap" (RAGEN Sec. 4.1): the policy collapses onto repetitive
     reasoning, which shows first as in-group reward std and rollout entropy falling, before
-    the reward does; and, with the collapse metrics (fastpo/collapse.py, RAGEN's head), which
+    the reward does; and, with the collapse metrics (fastpo/trainer/collapse.py, RAGEN's head), which
     collapse it is: *entropy collapse* (H(Z|X), the reasoning's variety for a given state,
     fell) or *template collapse* (I(X;Z), how much the reasoning depends on the state, fell).
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fastpo.collapse import (batch_collapse_metrics, cross_logprobs, cross_logprobs_naive, first_turn_pairs,
+from fastpo.trainer.collapse import (batch_collapse_metrics, cross_logprobs, cross_logprobs_naive, first_turn_pairs,
                              mutual_information_metrics, reasoning_tokens)
 from fastpo.metrics import EchoTrapDetector
 from fastpo.models import load_model_and_tokenizer

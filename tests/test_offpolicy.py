@@ -11,7 +11,7 @@ import torch
 from fastpo.algorithms import (reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages,
                                rollout_correction)
 from fastpo.config import ConfigError, load_config
-from fastpo.replay import ReplayBuffer
+from fastpo.trainer.replay import ReplayBuffer
 
 # ---- estimators ----
 
@@ -306,7 +306,7 @@ def test_cli_refuses_bad_off_policy_keys_before_loading():
 
 
 def test_rollout_schedule_reuse_and_replay():
-    from fastpo.replay import RolloutSchedule
+    from fastpo.trainer.replay import RolloutSchedule
 
     s = RolloutSchedule(reuse=3, replay=2, fraction=0.5, batch_size=4, seed=1)
     rolled = []

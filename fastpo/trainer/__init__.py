@@ -7,12 +7,12 @@ One iteration:
 2. filter: StarPO-S keeps the env groups with the highest in-group reward std;
 3. old log-probs (and values, reference log-probs) recomputed by the trainer on packed
    micro-batches, the gap to the sampling log-probs logged (`train/logprob_gap_*`); or,
-   where they are the same quantity (`algorithm.old_logprob`, fastpo.old_logprob), the
+   where they are the same quantity (`algorithm.old_logprob`, fastpo.trainer.old_logprob), the
    sampler's own log-probs and entropies, with a shared critic's values read out in the
    sampling pass, and only what is still missing computed;
 4. advantages: GAE over model tokens with the critic (PPO), group-baselined scores (GRPO,
    Dr.GRPO, RLOO, REINFORCE++-baseline) or batch-normalised returns (REINFORCE++);
-   off-policy data (fastpo.replay): with `rollout.reuse` = K > 1 the next K - 1 iterations
+   off-policy data (fastpo.trainer.replay): with `rollout.reuse` = K > 1 the next K - 1 iterations
    skip steps 1-4 and train again on this batch; `rollout.replay` mixes in trajectories of
    earlier batches (old log-probs recomputed); `algorithm.is_correction` weighs the
    sampler -> trainer gap (fastpo.algorithms.correction);

@@ -2,7 +2,7 @@
 
 `TrainBatch` holds one entry per trajectory in each field (a 1-D tensor over its T_i tokens,
 token t at index t), so that selecting or concatenating trajectories keeps the fields
-together: filtering (StarPO-S, the "mis" correction), replay and reuse (fastpo.replay's
+together: filtering (StarPO-S, the "mis" correction), replay and reuse (fastpo.trainer.replay's
 items are its rows), packing and the update all read it. Fields that a run does not have
 (values without a critic, reference log-probs without a KL term, the context window's labels
 with a full context) are None.
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-#: replay item key <- field (the keys fastpo.replay's checkpoints hold)
+#: replay item key <- field (the keys fastpo.trainer.replay's checkpoints hold)
 _ITEM_KEYS = {"input_ids": "input_ids", "loss_mask": "loss_mask", "sample_logprobs": "sample_logprobs",
               "old_logprobs": "old_logprobs", "advantages": "advantages", "returns": "returns", "values": "values",
               "ref_logprobs": "ref_logprobs", "context_turns": "context_turns", "visible_from": "visible_from"}
@@ -99,7 +99,7 @@ class TrainBatch:
         return cls(**out)
 
     def rows(self) -> list[dict]:
-        """One dict per trajectory of what training on it again needs (fastpo.replay's items:
+        """One dict per trajectory of what training on it again needs (fastpo.trainer.replay's items:
         CPU tensors and the sampling iteration as "iteration")."""
         items = []
         for i in range(len(self)):

@@ -18,7 +18,7 @@ class RunPlan:
     reward before the advantages (`TrainConfig.kl_in_reward`), else into the loss.
     filter_mode: StarPO-S's effective filter ("none" with group_size 1: no in-group std).
     needs_critic / separate_critic: a value head, on the policy's trunk or its own body.
-    old_logprob_source: "sampler" | "recompute" (`fastpo.old_logprob.resolve_old_logprob`; None
+    old_logprob_source: "sampler" | "recompute" (`fastpo.trainer.old_logprob.resolve_old_logprob`; None
     until the engine exists, then decided by `fastpo.trainer.setup.build_parts`).
     per_group_streams: each env group samples from its own stream (`rollout.sampling_streams`
     "group", or "auto" in a process group), else one stream for the batch.

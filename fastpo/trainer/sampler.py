@@ -150,9 +150,9 @@ class Sampler:
         return fdist.on_main(self.dist, record)
 
     def collapse_metrics(self, batch) -> dict:
-        """`collapse/*` (fastpo/collapse.py) of a rollout batch's first turns, scored by the
+        """`collapse/*` (fastpo/trainer/collapse.py) of a rollout batch's first turns, scored by the
         current policy at the rollout temperature with the trainer's packing and kernels."""
-        from fastpo.collapse import batch_collapse_metrics
+        from fastpo.trainer.collapse import batch_collapse_metrics
 
         r = self.cfg.rollout
         return batch_collapse_metrics(self.models.policy, self.models.tokenizer, batch, think=r.think,

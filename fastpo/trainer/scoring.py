@@ -97,7 +97,7 @@ class Scorer:
     def old_logprobs(self, rollout, batch: TrainBatch):
         """Step 3 of an iteration: old log-probs, entropies, values and reference log-probs
         into `batch`, from the sampler where they are the same quantity (`RunPlan.
-        old_logprob_source`, fastpo.old_logprob); returns the recomputed log-probs (None when
+        old_logprob_source`, fastpo.trainer.old_logprob); returns the recomputed log-probs (None when
         none were)."""
         if self.plan.old_logprob_source == "sampler":
             batch.old_logprobs, batch.entropies, batch.values, batch.ref_logprobs, recomputed = \

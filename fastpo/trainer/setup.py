@@ -142,7 +142,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     the engine, the old-log-prob source (into the plan), the rollout, scorer, sampler and
     checkpointer, the Echo-Trap detector and the reuse/replay schedule."""
     from fastpo import rollout as ro
-    from fastpo.old_logprob import resolve_old_logprob
+    from fastpo.trainer.old_logprob import resolve_old_logprob
 
     cfg, dist, trust = trainer.cfg, trainer.dist, trainer.trust_checkpoint
     models = load_models(cfg, trainer.device, tok, ckpt, trust, trainer.console, plan)
@@ -175,9 +175,9 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     updater = PolicyUpdater(cfg, dist, models, scorer, plan, trainer.warn)
     sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn)
     checkpointer = Checkpointer(cfg, dist, models, updater.optimizers(), trainer.out, trainer.console)
-    schedule = None  # rollout reuse (Online-K) and replay (fastpo.replay)
+    schedule = None  # rollout reuse (Online-K) and replay (fastpo.trainer.replay)
     if cfg.rollout.reuse > 1 or cfg.rollout.replay > 0:
-        from fastpo.replay import RolloutSchedule
+        from fastpo.trainer.replay import RolloutSchedule
 
         schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                    cfg.train_batch_size, cfg.trainer.seed)

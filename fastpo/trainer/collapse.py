@@ -167,6 +167,27 @@ class CrossLogprobs:
     seconds: float
 
 
+def _pairs(prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor]) -> tuple[list, list, list, list]:
+    """Every [x_j | z_i] (prompt-major) with its loss mask (the response), prompt length and
+    prompt index; ValueError for no prompts, no responses or an empty one."""
+    if not prompts or not responses:
+        raise ValueError(f"need at least one prompt and one response, got {len(prompts)} and {len(responses)}")
+    if any(int(torch.as_tensor(z).numel()) == 0 for z in responses):
+        raise ValueError("every response must hold at least one token")
+    if any(int(torch.as_tensor(x).numel()) == 0 for x in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    seqs, masks, plen, pgroup = [], [], [], []
+    for j, x in enumerate(prompts):
+        x = torch.as_tensor(x, dtype=torch.long).cpu()
+        for z in responses:
+            z = torch.as_tensor(z, dtype=torch.long).cpu()
+            seqs.append(torch.cat([x, z]))
+            masks.append(torch.cat([torch.zeros(x.numel(), dtype=torch.bool), torch.ones(z.numel(), dtype=torch.bool)]))
+            plen.append(int(x.numel()))
+            pgroup.append(j)
+    return seqs, masks, plen, pgroup
+
+
 @torch.no_grad()
 def cross_logprobs(model: torch.nn.Module, prompts: Sequence[torch.Tensor], responses: Sequence[torch.Tensor], *,
                    temperature: float = 1.0, token_budget: int = 8192, share_prompt: bool = True,
@@ -188,25 +209,11 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[torch.Tensor], resp
     """
     from fastpo.kernels import linear_logprob_entropy
 
-    if not prompts or not responses:
-        raise ValueError(f"need at least one prompt and one response, got {len(prompts)} and {len(responses)}")
-    if any(int(torch.as_tensor(z).numel()) == 0 for z in responses):
-        raise ValueError("every response must hold at least one token")
-    if any(int(torch.as_tensor(x).numel()) == 0 for x in prompts):
-        raise ValueError("every prompt must hold at least one token")
     t0 = time.perf_counter()
     body, head = _body_and_head(model)
     device = device if device is not None else head.device
     N, R = len(prompts), len(responses)
-    seqs, masks, plen, pgroup = [], [], [], []
-    for j, x in enumerate(prompts):
-        x = torch.as_tensor(x, dtype=torch.long).cpu()
-        for z in responses:
-            z = torch.as_tensor(z, dtype=torch.long).cpu()
-            seqs.append(torch.cat([x, z]))
-            masks.append(torch.cat([torch.zeros(x.numel(), dtype=torch.bool), torch.ones(z.numel(), dtype=torch.bool)]))
-            plen.append(int(x.numel()))
-            pgroup.append(j)
+    seqs, masks, plen, pgroup = _pairs(prompts, responses)
     attention = packing_attention(model)
     share = share_prompt and attention == "segments"
     prefix = (plen, pgroup) if share else (None, None)
