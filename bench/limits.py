@@ -163,9 +163,9 @@ def bare_decode_step(model, rows: int, context: int, steps: int = 4, seed: int =
 
     from transformers import DynamicCache
 
-    from fastpo.rollout.kv_cache import _cache_kwarg
+    from fastpo.rollout.kv_cache import cache_kwarg
 
-    kw = _cache_kwarg(model)  # the forward's cache keyword in this transformers version
+    kw = cache_kwarg(model)  # the forward's cache keyword in this transformers version
     dev = next(model.parameters()).device
     vocab = int(model.get_input_embeddings().weight.shape[0])
     g = torch.Generator().manual_seed(seed)

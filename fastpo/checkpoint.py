@@ -56,17 +56,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-# The manifest, the run folder and the weights' origin live in their own modules; their names
-# stay importable from here (fastpo.checkpoint is what the trainer, the CLI and tests use).
-from fastpo.checkpoint_manifest import (MANIFEST, CheckpointSearch, checkpoint_names, files_under,  # noqa: F401
-                                        iteration_of, checkpoint_iteration, latest_checkpoint,
+# The manifest (fastpo.checkpoint_manifest), the run folder (fastpo.run_folder) and the weights'
+# origin (fastpo.checkpoint_origin) live in their own modules: import their names from there.
+from fastpo.checkpoint_manifest import (MANIFEST, checkpoint_names, files_under, checkpoint_iteration,
                                         search_checkpoints, verify_checkpoint, write_manifest)
-from fastpo.checkpoint_origin import (MODEL_META, CheckpointRef, model_meta, checkpoint_origin,  # noqa: F401
-                                      find_checkpoint, local_path_shaped, model_origin)
+from fastpo.checkpoint_origin import MODEL_META, model_meta
 from fastpo.config_fields import ConfigError
-from fastpo.run_folder import (LOCK_FILE, RUN_MARKERS, RunFolderBusy, RunLock, atomic_write_text,  # noqa: F401
-                               clear_run_folder, fresh_run_folder, fsync_dir, run_folder_in_use,
-                               untrained_start)
+from fastpo.run_folder import atomic_write_text, fsync_dir
 
 
 def rng_state() -> dict:
@@ -293,7 +289,8 @@ class ResumePlan:
 
         Raises ConfigError (one line naming the file, the checkpoint and the first keys).
         """
-        from fastpo.config import ConfigError, parse_config_yaml
+        from fastpo.config_fields import ConfigError
+        from fastpo.config_files import parse_config_yaml
 
         ran_path, run_path = os.path.join(self.checkpoint, "config.yaml"), os.path.join(out_dir, "config.yaml")
         if not os.path.isfile(ran_path):

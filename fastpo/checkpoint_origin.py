@@ -83,7 +83,8 @@ def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> 
 
 def _model_name(config_yaml: str) -> Optional[str]:
     """`model.name` in a run's config.yaml text, or None when it names none."""
-    from fastpo.config import ConfigError, parse_config_yaml
+    from fastpo.config_fields import ConfigError
+    from fastpo.config_files import parse_config_yaml
 
     try:
         name = parse_config_yaml(config_yaml, "config.yaml")["model"]["name"]

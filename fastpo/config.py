@@ -28,13 +28,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-# The field machinery, the presets and the config files live in their own modules; every
-# name stays importable from here.
-from fastpo.config_fields import (ConfigError, Rule, describe_type, did_you_mean, nested_dict, type_ok,  # noqa: F401
-                                  apply_dict, check_fields, checked, parse_override)
-from fastpo.config_files import (dig, dump_yaml, parse_config_yaml, read_config_file,  # noqa: F401
-                                 run_settings)
-from fastpo.presets import PRESETS, cpu_preset_note, default_preset  # noqa: F401
+# The field machinery (fastpo.config_fields), the presets (fastpo.presets) and the YAML files
+# (fastpo.config_files) live in their own modules: import their names from there.
+from fastpo.config_fields import ConfigError, Rule, nested_dict, apply_dict, check_fields, checked, parse_override
+from fastpo.config_files import dig, parse_config_yaml, read_config_file
+from fastpo.presets import PRESETS, default_preset
 from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
@@ -492,16 +490,9 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets
+# The evaluation's horizon and seeds
 # ---------------------------------------------------------------------------------------------
 
-#: Per-environment settings (what the game itself fixes), applied after the named preset.
-ENV_PRESETS: dict[str, dict] = {
-    "bandit": {"rollout": {"max_turns": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1}},
-    # multi-turn games: the defaults (5 turns, 5 actions per turn, 10 per trajectory) or the preset's
-    "sokoban": {},
-    "frozenlake": {},
-}
 
 def eval_horizon(rollout_cfg) -> int:
     """The most actions one evaluation episode can take: turns x actions per turn, capped by
@@ -609,8 +600,8 @@ def _check_env_options(name: str, options: dict, bounds: Optional[tuple] = None)
 
 
 def env_preset(name: str) -> dict:
-    """The settings env `name` fixes (ENV_PRESETS for a built-in game, a plain-Python game's
-    `settings`); ConfigError naming `env.name` when the name does not resolve."""
+    """The settings env `name` fixes (its spec's: `fastpo.envs.registry.BUILTIN_SETTINGS` for a
+    built-in game, a plain-Python game's `settings`); ConfigError naming `env.name` when the name does not resolve."""
     from fastpo.envs import EnvError, env_preset as preset
 
     try:

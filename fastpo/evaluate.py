@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from fastpo.config import eval_horizon, eval_seeds
-from fastpo.metrics import rollout_metrics, standard_error
+from fastpo.metrics import rollout_metrics
+from fastpo.stats import standard_error
 from fastpo.seeds import eval_sampling_seed
 
 
@@ -241,7 +242,9 @@ def _get(cfg, dotted: str) -> Any:
 def _explicit_keys(preset: Optional[str], file: Optional[str], overrides: list[str], values: dict) -> set[str]:
     """The dotted keys the command line sets: through its presets, its config file, its
     overrides and its literal values (these keep their value over a checkpoint's settings)."""
-    from fastpo.config import PRESETS, parse_override, read_config_file
+    from fastpo.config_fields import parse_override
+    from fastpo.config_files import read_config_file
+    from fastpo.presets import PRESETS
 
     explicit: set[str] = set()
     for name in (preset.split(",") if preset else []):
@@ -291,8 +294,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     Raises ConfigError (bad key or value, a run folder without a checkpoint, an unreadable
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
-    from fastpo.checkpoint import find_checkpoint
-    from fastpo.config import ConfigError, nested_dict, apply_dict, load_config, parse_override, read_run_config, validate
+    from fastpo.checkpoint_origin import find_checkpoint
+    from fastpo.config import load_config, read_run_config, validate
+    from fastpo.config_fields import ConfigError, nested_dict, apply_dict, parse_override
 
     overrides = list(overrides or [])
     values = dict(values or {})
@@ -379,7 +383,7 @@ def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:
 
 def write_json(path: str, record: dict) -> str:
     """Write `record` as indented JSON to `path` (parent folders created; replaced atomically)."""
-    from fastpo.checkpoint import atomic_write_text
+    from fastpo.run_folder import atomic_write_text
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")

@@ -18,12 +18,9 @@ import numpy as np
 import torch
 from typing import Any, Callable, Iterable, Optional
 
-# The plots, the end-of-run tables and the numeric helpers live in their own modules; their
-# names stay importable from here.
-from fastpo.plots import PLOT_KEYS, plot_collapse, plot_curves, plot_eval, plot_title  # noqa: F401
-from fastpo.stats import finite_number, standard_error  # noqa: F401
-from fastpo.summary import (BEFORE_AFTER_KEYS, SUMMARY_KEYS, before_after, before_after_note,  # noqa: F401
-                            before_after_table, summary_table)
+# The plots (fastpo.plots), the end-of-run tables (fastpo.summary) and the numeric helpers
+# (fastpo.stats) live in their own modules: import their names from there.
+from fastpo.stats import finite_number
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
 #: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
@@ -114,7 +111,7 @@ class MetricsLogger:
             self.ema[k] = float(v) if prev is None else self.decay * prev + (1 - self.decay) * float(v)
 
     def _rewrite(self) -> None:
-        from fastpo.checkpoint import atomic_write_text
+        from fastpo.run_folder import atomic_write_text
 
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in self.records))
 

@@ -162,7 +162,7 @@ class RunLock:
         except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            from fastpo.config import ConfigError
+            from fastpo.config_fields import ConfigError
 
             raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
         while True:

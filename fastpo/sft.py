@@ -44,7 +44,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fastpo.config import ConfigError, TrainConfig, at_least, checked
+from fastpo.config import TrainConfig, at_least
+from fastpo.config_fields import ConfigError, checked
 from fastpo.run_folder import SFT_FILE
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.loop import RunTrainer
@@ -100,7 +101,7 @@ class SFTConfig:
 def sft_config(overrides: list[str], base: Optional[SFTConfig] = None) -> SFTConfig:
     """An SFTConfig from `base` (default: the defaults) and dotted overrides "sft.key=value".
     Raises ConfigError naming a bad key or value."""
-    from fastpo.config import apply_dict, check_fields, parse_override
+    from fastpo.config_fields import apply_dict, check_fields, parse_override
 
     cfg = dataclasses.replace(base) if base is not None else SFTConfig()
     for o in overrides:
@@ -543,7 +544,7 @@ class SFTTrainer(RunTrainer):
         rollout of `expert_rollout`) or the conversations of `sft.data`, as one batch record."""
         import yaml
 
-        from fastpo.checkpoint import atomic_write_text
+        from fastpo.run_folder import atomic_write_text
 
         open_run(self, SUPERVISED)
         if self.sft.data:
@@ -592,7 +593,7 @@ class SFTTrainer(RunTrainer):
         kept for `first_action_accuracy`."""
         if self._expert_eval is None:
             from fastpo.config import eval_seeds
-            from fastpo.metrics import standard_error
+            from fastpo.stats import standard_error
 
             b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options,
                                self.cfg.rollout.rollout_config(), eval_seeds(self.cfg), self.sft.actions_per_turn)

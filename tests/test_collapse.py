@@ -227,7 +227,7 @@ def test_bench_part_runs_quick():
 def test_plot_curves_draws_the_collapse_figure(tmp_path):
     import os
 
-    from fastpo.metrics import plot_curves
+    from fastpo.plots import plot_curves
 
     recs = [{"iteration": i, "train/success_rate": 0.1 * i, "collapse/mi_estimate": 0.5 / i,
              "collapse/conditional_entropy_est": 1.0, "collapse/reasoning_entropy_est": 1.0 + 0.5 / i,

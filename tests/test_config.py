@@ -1,7 +1,9 @@
 """Config: paper defaults, presets, YAML + dotted overrides, validation errors naming the key."""
 import pytest
 
-from fastpo.config import ConfigError, TrainConfig, config_from_dict, dump_yaml, load_config, parse_override
+from fastpo.config import TrainConfig, config_from_dict, load_config
+from fastpo.config_fields import ConfigError, parse_override
+from fastpo.config_files import dump_yaml
 
 
 def test_paper_defaults():
@@ -98,7 +100,8 @@ def test_parse_override_types():
 def test_unknown_key_suggests_the_dotted_or_near_key():
     import pytest
 
-    from fastpo.config import ConfigError, load_config
+    from fastpo.config import load_config
+    from fastpo.config_fields import ConfigError
 
     for override, hint in (("group_size=8", "did you mean rollout.group_size?"),
                            ("rollout.grup_size=8", "did you mean rollout.group_size?"),
@@ -113,7 +116,8 @@ def test_unknown_key_suggests_the_dotted_or_near_key():
 def test_unknown_key_of_any_yaml_type_is_a_config_error():
     import pytest
 
-    from fastpo.config import ConfigError, TrainConfig, apply_dict
+    from fastpo.config import TrainConfig
+    from fastpo.config_fields import ConfigError, apply_dict
 
     for updates in ({"rollout": {1: 2}}, {"rollout": {None: 3}}, {"trainer": {True: 1}}):
         with pytest.raises(ConfigError, match="unknown config key"):
@@ -156,7 +160,8 @@ def test_greedy_decoding_is_the_engines_not_a_rollout_setting():
 def test_single_field_rules_live_on_the_fields(key, bad):
     """validate() reads each field's own rule (config.checked metadata): the error from a full
     load equals the one check_fields gives for the section alone."""
-    from fastpo.config import TrainConfig, check_fields
+    from fastpo.config import TrainConfig
+    from fastpo.config_fields import check_fields
 
     with pytest.raises(ConfigError) as full:
         load_config(env="frozenlake", overrides=[f"{key}={bad}"])

@@ -8,7 +8,8 @@ import torch
 from rich.console import Console
 
 from fastpo import window as ctxwin
-from fastpo.config import ConfigError, RolloutConfig, load_config
+from fastpo.config import RolloutConfig, load_config
+from fastpo.config_fields import ConfigError
 from fastpo.models import load_model_and_tokenizer
 from fastpo.packing import pack_micro_batch
 from fastpo.rollout import MultiTurnRollout, NativeEngine

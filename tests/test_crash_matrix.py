@@ -26,7 +26,7 @@ import fastpo.checkpoint as ck
 import fastpo.metrics
 import fastpo.rollout
 import fastpo.trainer
-from fastpo.checkpoint import MANIFEST, latest_checkpoint
+from fastpo.checkpoint_manifest import MANIFEST, latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.trainer import Trainer

@@ -208,7 +208,7 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
 def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, monkeypatch, no_model):
     """Said in one line, exit status 2, before torchrun starts anything."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(fastpo.cli, "_launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    monkeypatch.setattr(fastpo.cli.launch, "launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
     assert main(["train", "--env", "bandit", "--device", "cpu", "--nproc", "2", *extra]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
@@ -226,7 +226,7 @@ def test_nproc_refuses_a_missing_run_or_model_before_torchrun(argv, says, tmp_pa
     """A --resume folder that is no run, or a --model that names no model: one line, exit
     status 2, before torchrun starts its processes (each of which would say it again)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(fastpo.cli, "_launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    monkeypatch.setattr(fastpo.cli.launch, "launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     out, err = capsys.readouterr()
     assert says.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
@@ -297,7 +297,7 @@ def test_eval_nproc_becomes_torchrun(monkeypatch, no_model):
         seen.append((nproc, argv))
         return 0
 
-    monkeypatch.setattr(fastpo.cli, "_launch_processes", launch)
+    monkeypatch.setattr(fastpo.cli.launch, "launch_processes", launch)
     assert main(["eval", "--env", "bandit", "--device", "cpu", "--nproc", "2", "--seeds", "3"]) == 0
     assert seen == [(2, ["eval", "--env", "bandit", "--device", "cpu", "--seeds", "3"])]
     assert main(["eval", "--env", "bandit", "--nproc", "0"]) == 2

@@ -6,7 +6,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from fastpo.config import PRESETS, load_config
+from fastpo.config import load_config
+from fastpo.presets import PRESETS
 from fastpo.envs_native import make_env
 from fastpo.kernels import linear_policy_loss
 from fastpo import distributed as fdist

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from fastpo.checkpoint import fresh_run_folder, prune_checkpoints, run_folder_in_use
+from fastpo.checkpoint import prune_checkpoints
+from fastpo.run_folder import fresh_run_folder, run_folder_in_use
 from fastpo.cli import main
 from run_helpers import ModelLoadReached as _ModelLoad
 
@@ -138,7 +139,8 @@ def test_negative_seeds_refused(override, capsys):
 def _resumable(tmp_path, overrides=None):
     """A run folder as `fastpo train` leaves it: config.yaml and a (stand-in) checkpoint; with
     `overrides`, the checkpoint holds its own copy of the config (as real ones do)."""
-    from fastpo.config import dump_yaml, load_config
+    from fastpo.config import load_config
+    from fastpo.config_files import dump_yaml
 
     out = tmp_path / "run"
     cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}", *(overrides or [])])

@@ -10,7 +10,7 @@ import torch
 
 from fastpo.models import load_model_and_tokenizer
 from fastpo.rollout import NativeEngine, SamplingParams
-from fastpo.rollout.engine import shared_prefix_length
+from fastpo.rollout.kv_cache import shared_prefix_length
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +241,7 @@ def test_stop_kinds_on_a_scripted_model(tiny):
 def test_refuses_sliding_window_and_out_of_vocabulary_appends(tiny):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from fastpo.rollout.engine import unsupported_attention
+    from fastpo.rollout.kv_cache import unsupported_attention
 
     small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                  intermediate_size=64, vocab_size=64)

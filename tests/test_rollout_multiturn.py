@@ -8,7 +8,7 @@ import torch
 
 from fastpo.models import load_model_and_tokenizer
 from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig, TurnOutput
-from fastpo.rollout.engine import shared_prefix_length
+from fastpo.rollout.kv_cache import shared_prefix_length
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import fastpo.metrics
 import fastpo.models
 import fastpo.rollout.sglang_engine as sg
 import fastpo.trainer
-from fastpo.checkpoint import latest_checkpoint
+from fastpo.checkpoint_manifest import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.trainer import Trainer

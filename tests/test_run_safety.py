@@ -23,9 +23,12 @@ import torch
 import fastpo.checkpoint as ck
 import fastpo.models
 import fastpo.trainer
-from fastpo.checkpoint import RunFolderBusy, RunLock, latest_checkpoint, prune_checkpoints, verify_checkpoint
+from fastpo.checkpoint import prune_checkpoints
+from fastpo.checkpoint_manifest import latest_checkpoint, verify_checkpoint
+from fastpo.run_folder import RunFolderBusy, RunLock
 from fastpo.cli import main
-from fastpo.config import ConfigError, load_config
+from fastpo.config import load_config
+from fastpo.config_fields import ConfigError
 from run_helpers import WritesAFile, plant_in_checkpoint, records as _records, stable as _stable
 
 TINY = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama"]
@@ -427,7 +430,7 @@ def test_env_that_is_neither_a_name_nor_a_mapping_is_one_line(tmp_path, capsys):
 def test_lock_on_a_folder_that_cannot_be_made_is_one_line(tmp_path):
     # `fastpo train --out /proc/x` (root passes the CLI's access check there) used to end in a
     # FileNotFoundError traceback from os.makedirs inside the trainer
-    from fastpo.config import ConfigError
+    from fastpo.config_fields import ConfigError
 
     (tmp_path / "afile").write_text("")
     for out in [str(tmp_path / "afile" / "sub")] + (["/proc/fastpo-no-such"] if os.path.isdir("/proc/self") else []):

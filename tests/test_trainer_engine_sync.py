@@ -15,7 +15,8 @@ import torch
 from rich.console import Console
 
 import fastpo.rollout.sglang_engine as sg
-from fastpo.config import ConfigError, load_config
+from fastpo.config import load_config
+from fastpo.config_fields import ConfigError
 from fastpo.trainer import Trainer
 
 

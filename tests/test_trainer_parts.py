@@ -6,8 +6,11 @@ import os
 import torch
 import transformers
 
-from fastpo.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
-from fastpo.metrics import EchoTrapDetector, MetricsLogger, plot_curves, summary_table, write_samples
+from fastpo.checkpoint import load_state, save_checkpoint, set_rng_state
+from fastpo.checkpoint_manifest import latest_checkpoint
+from fastpo.metrics import EchoTrapDetector, MetricsLogger, write_samples
+from fastpo.plots import plot_curves
+from fastpo.summary import summary_table
 
 
 def test_metrics_jsonl_ema_and_resume_truncation(tmp_path):

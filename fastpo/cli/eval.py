@@ -17,7 +17,7 @@ def cmd_eval(args) -> int:
     from rich.table import Table
 
     from fastpo import distributed as fdist
-    from fastpo.config import ConfigError
+    from fastpo.config_fields import ConfigError
 
     where = fdist.torchrun_env()  # under torchrun each process evaluates its share of the seeds
     main_rank = where is None or where[0] == 0

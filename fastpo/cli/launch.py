@@ -13,7 +13,7 @@ def check_processes(args, argv: list[str]) -> int | None:
     input). --nproc N > 1 runs torchrun's launcher in this process (`launch_processes`) and
     gives the job's exit status."""
     from fastpo import distributed as fdist
-    from fastpo.config import ConfigError
+    from fastpo.config_fields import ConfigError
 
     nproc = getattr(args, "nproc", None)
     try:

@@ -11,9 +11,10 @@ def cmd_sft(args) -> int:
     """`fastpo sft`: the exit status (`exit_status`: 0 done, 2 bad input in one line, 1 a checkpoint
     not saved, the game failing or a full disk, 130 / 143 after Ctrl-C / SIGTERM once the
     checkpoint is saved)."""
-    from fastpo.checkpoint import (RunFolderBusy, RunLock, fresh_run_folder, plan_resume,
-                                   run_folder_in_use, untrained_start)
-    from fastpo.config import ConfigError, default_run_folder
+    from fastpo.checkpoint import plan_resume
+    from fastpo.run_folder import RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, untrained_start
+    from fastpo.config import default_run_folder
+    from fastpo.config_fields import ConfigError
     from fastpo.run_folder import SFT_FILE
     from fastpo.sft import (SFT_CPU_GAME_DEFAULTS, SFT_DEFAULT_OVERRIDES, SFTTrainer, check_disjoint, check_expert,
                             read_sft_config, sft_config)

@@ -16,8 +16,9 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     ConfigError for an option that cannot change mid-run or the data-parallel trainer does not
     support, RunFolderBusy when another process holds OUT."""
     from fastpo import distributed as fdist
-    from fastpo.checkpoint import RunLock, nothing_to_train_note, plan_resume, tidy_run_folder, untrained_start
-    from fastpo.config import ConfigError
+    from fastpo.checkpoint import nothing_to_train_note, plan_resume, tidy_run_folder
+    from fastpo.run_folder import RunLock, untrained_start
+    from fastpo.config_fields import ConfigError
     from fastpo.metrics import warn_user
     from fastpo.run_folder import SFT_FILE
 
@@ -54,8 +55,8 @@ def _new_run_config(args, world: int, torchrun: bool, console):
     when it holds a run, unless --overwrite), else the default folder or the first free
     `<default>-N` after it. Raises ConfigError, RunFolderBusy."""
     from fastpo import distributed as fdist
-    from fastpo.checkpoint import RunLock, fresh_run_folder, run_folder_in_use
-    from fastpo.config import ConfigError
+    from fastpo.run_folder import RunLock, fresh_run_folder, run_folder_in_use
+    from fastpo.config_fields import ConfigError
 
     if args.out is not None and not args.out.strip():
         raise ConfigError("--out needs a folder name")
@@ -80,9 +81,9 @@ def _new_run_config(args, world: int, torchrun: bool, console):
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.checkpoint import RunFolderBusy
+    from fastpo.run_folder import RunFolderBusy
     from fastpo import distributed as fdist
-    from fastpo.config import ConfigError
+    from fastpo.config_fields import ConfigError
 
     where = fdist.torchrun_env()
     world = where[1] if where is not None else 1

@@ -27,6 +27,11 @@ from .errors import EnvError
 from .interface import SETTING_KEYS, missing_methods
 
 BUILTIN = ("bandit", "sokoban", "frozenlake")
+#: What each built-in game fixes (RolloutConfig keys), applied after the named preset: Bandit is
+#: single-turn; the multi-turn games take the defaults (5 turns, 5 actions per turn, 10 per
+#: trajectory) or the preset's.
+BUILTIN_SETTINGS = {"bandit": {"max_turns": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1},
+                    "sokoban": {}, "frozenlake": {}}
 ENTRY_POINT_GROUP = "fastpo.envs"
 ADAPTERS = ("textarena", "gym")
 
@@ -38,7 +43,7 @@ class EnvSpec:
     name: the name as given. kind: "native" (a Numba game) or "python" (a plain-Python game
     behind `PythonBatchedEnv`). factory: the class (or a partial of it) building one
     instance from the options; None for native games. settings: the rollout settings the game
-    fixes (RolloutConfig keys), applied like ENV_PRESETS.
+    fixes (RolloutConfig keys), applied after the named preset (a built-in's: BUILTIN_SETTINGS).
     """
 
     name: str
@@ -69,7 +74,7 @@ def resolve_env(name: str) -> EnvSpec:
         raise EnvError(f"env name must be a non-empty string, got {name!r}; choose {_choices()}")
     name = name.strip()
     if name in BUILTIN:
-        return EnvSpec(name, "native")
+        return EnvSpec(name, "native", settings=dict(BUILTIN_SETTINGS[name]))
     prefix, sep, rest = name.partition(":")
     if sep and prefix in ADAPTERS:
         if not rest.strip():
@@ -157,10 +162,6 @@ def env_preset(name: str) -> dict:
     {} for the multi-turn built-ins, the built-in Bandit's single-turn limits, a Python game's
     `settings`. Raises EnvError as `resolve_env`."""
     spec = resolve_env(name)
-    if spec.kind == "native":
-        from fastpo.config import ENV_PRESETS
-
-        return ENV_PRESETS[spec.name]
     return {"rollout": dict(spec.settings)} if spec.settings else {}
 
 

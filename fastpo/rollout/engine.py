@@ -61,8 +61,7 @@ from transformers import DynamicCache
 from fastpo.memory import mapped_allocations
 
 # The KV buffer layer and the model checks live in kv_cache.py; the names stay importable here.
-from .kv_cache import (MIN_SHARED_PREFIX, _BufferLayer, _cache_kwarg, shared_prefix_length,  # noqa: F401
-                       unsupported_attention)
+from .kv_cache import BufferLayer, cache_kwarg, shared_prefix_length, unsupported_attention
 from .sampling import SamplingParams, sample_tokens, sample_tokens_by_stream
 
 STOP_EOT = "eot"
@@ -129,7 +128,7 @@ class NativeEngine:
         self.tokenizer = tokenizer
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self._cache_kw = _cache_kwarg(model)
+        self._cache_kw = cache_kwarg(model)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(cfg.num_hidden_layers)
         self._stop_char_masks: dict = {}
@@ -153,7 +152,7 @@ class NativeEngine:
         return time.perf_counter()
 
     def _clear(self) -> None:
-        self._layers = [_BufferLayer() for _ in range(self.num_layers)]
+        self._layers = [BufferLayer() for _ in range(self.num_layers)]
         self._mask = None  # bool [R, capacity]
         self._pos = None  # int64 [R, capacity]: position of each column's token
         self._tok = None  # int64 [R, capacity]: token id of each column

@@ -1,7 +1,7 @@
 """The native engine's KV cache pieces: a transformers cache layer writing into preallocated
-buffers (`_BufferLayer`), which models the engine can hold (`unsupported_attention`: full
+buffers (`BufferLayer`), which models the engine can hold (`unsupported_attention`: full
 attention in every layer), the prompt prefix every env group shares (`shared_prefix_length`),
-and the forward's cache keyword across transformers versions (`_cache_kwarg`). The engine
+and the forward's cache keyword across transformers versions (`cache_kwarg`). The engine
 itself and the KV layout are described in fastpo/rollout/engine.py."""
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def shared_prefix_length(prompts: list) -> int:
     return S if S >= MIN_SHARED_PREFIX else 0
 
 
-class _BufferLayer(DynamicLayer):
+class BufferLayer(DynamicLayer):
     """A KV cache layer writing into a preallocated buffer; the batch is rows [:rows]."""
 
     def __init__(self) -> None:
@@ -99,7 +99,7 @@ class _BufferLayer(DynamicLayer):
         return self.length
 
 
-def _cache_kwarg(model) -> str:
+def cache_kwarg(model) -> str:
     """'cache' (transformers >= 5.2x) or 'past_key_values' (older), for the model's forward."""
     base = model
     for attr in ("get_base_model",):  # peft wrappers

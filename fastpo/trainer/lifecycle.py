@@ -12,7 +12,8 @@ from typing import Optional
 from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
 from fastpo.checkpoint import save_checkpoint
-from fastpo.config import TrainConfig, dump_yaml
+from fastpo.config import TrainConfig
+from fastpo.config_files import dump_yaml
 from fastpo.trainer.models import Models
 
 

@@ -11,10 +11,14 @@ from typing import Any, Optional
 
 from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
-from fastpo.checkpoint import LOCK_FILE, CheckpointSaveError, RunLock, nothing_to_train_note, rng_state, untrained_start
-from fastpo.config import TrainConfig, cpu_preset_note
+from fastpo.checkpoint import CheckpointSaveError, nothing_to_train_note, rng_state
+from fastpo.run_folder import LOCK_FILE, RunLock, untrained_start
+from fastpo.config import TrainConfig
+from fastpo.presets import cpu_preset_note
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
-from fastpo.metrics import before_after_note, before_after_table, plot_curves, summary_table, warn_user
+from fastpo.metrics import warn_user
+from fastpo.plots import plot_curves
+from fastpo.summary import before_after_note, before_after_table, summary_table
 from fastpo.models import resolve_device
 from fastpo.trainer.iteration import StarPOIteration
 from fastpo.trainer.lifecycle import Dropped, StopControl, Stopped

@@ -15,9 +15,12 @@ import torch
 
 from fastpo import distributed as fdist
 from fastpo import fsdp as ffsdp
-from fastpo.checkpoint import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, load_checkpoint, load_state,
-                               plan_resume, run_folder_in_use, tidy_run_folder, untrained_start)
-from fastpo.config import ConfigError, TrainConfig, dump_yaml, run_settings
+from fastpo.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
+from fastpo.run_folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, run_folder_in_use,
+                               untrained_start)
+from fastpo.config import TrainConfig
+from fastpo.config_fields import ConfigError
+from fastpo.config_files import dump_yaml, run_settings
 from fastpo.metrics import EchoTrapDetector, MetricsLogger
 from fastpo.models import ModelLoadError, load_model_checked
 from fastpo.seeds import iteration_seeds
