@@ -6,7 +6,7 @@ One env group of a 20-turn Sokoban episode (8x8 room, 2 actions per turn, an act
 that never ends it first) rolled out three ways in the same run, same model, same seeds:
 
 - fastpo: `rollout.context_window = K` (K = 2): before each turn the engine evicts the
-  oldest turn's KV entries, positions kept; nothing is re-prefilled (fastpo/window.py);
+  oldest turn's KV entries, positions kept; nothing is re-prefilled (fastpo/rollout/window.py);
 - full: every turn stays in the KV cache (the default);
 - re-prefill: the same window rebuilt every turn with fresh positions, RAGEN's rendering of
   `limited_multi_turn` (`MultiTurnRollout.refill_window`; the sampler side only).

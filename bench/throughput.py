@@ -169,7 +169,7 @@ def write_json(path: str, header: dict, args: dict, records: list[Record], error
                skipped: dict | None = None) -> None:
     """Write the run so far to `path` atomically (a reader never sees half a file; fastpo's
     `atomic_write_text`)."""
-    from fastpo.run_folder import atomic_write_text
+    from fastpo.run.folder import atomic_write_text
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, json.dumps({"machine": header, "args": args, "records": [r.to_dict() for r in records],

@@ -25,9 +25,9 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from fastpo.config import eval_horizon, eval_seeds
-from fastpo.metrics import rollout_metrics
-from fastpo.stats import standard_error
+from fastpo.config.schema import eval_horizon, eval_seeds
+from fastpo.report.metrics import rollout_metrics
+from fastpo.report.stats import standard_error
 from fastpo.seeds import eval_sampling_seed
 
 
@@ -64,7 +64,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     Each seed's env group samples from its own stream, seeded by (`seed`, the seed's index in
     `seeds`) (`fastpo.seeds.group_sampling_seed`), so a seed's trajectories do not depend on
     which other seeds share its batch, the chunk it falls in or the process that plays it.
-    With `dist` (a `fastpo.distributed.DistContext` of several processes) the seeds are
+    With `dist` (a `fastpo.distributed.context.DistContext` of several processes) the seeds are
     split over the ranks in contiguous blocks (`split_evenly`: sizes differ by at most one,
     a rank may get none), each rank rolls out its block with its own (whole) model, and the
     trajectories are gathered to rank 0, which computes the metrics on their concatenation
@@ -85,13 +85,15 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     {"seeds": how many it evaluated, "seconds": its rollout time}}. Seeds run `chunk` at a
     time to bound memory.
     """
-    from fastpo import distributed as fdist
+    from fastpo.distributed.collectives import gather_results, on_main
+    from fastpo.distributed.context import SINGLE
+    from fastpo.distributed.data_parallel import split_evenly
     from fastpo.rollout.batch import TrajectoryBatch, count_rates
 
-    ctx = dist if dist is not None else fdist.SINGLE
+    ctx = dist if dist is not None else SINGLE
     if model is not None:
         model.eval()
-    share = fdist.split_evenly(len(seeds), ctx.world_size, ctx.rank)
+    share = split_evenly(len(seeds), ctx.world_size, ctx.rank)
 
     first: dict = {}
 
@@ -107,7 +109,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
             parts.append(_outcomes(b))
         return parts, {"seeds": len(share), "seconds": time.perf_counter() - t0}
 
-    shares = fdist.gather_results(ctx, roll_share)
+    shares = gather_results(ctx, roll_share)
 
     def summarize() -> dict:
         whole = TrajectoryBatch.concat([b for parts, _ in shares for b in parts])  # seed order
@@ -129,7 +131,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
         res["_ranks"] = [info for _, info in shares]
         return res
 
-    res = fdist.on_main(ctx, summarize)
+    res = on_main(ctx, summarize)
     res["_batch"] = first.get("batch")
     return res
 
@@ -242,9 +244,9 @@ def _get(cfg, dotted: str) -> Any:
 def _explicit_keys(preset: Optional[str], file: Optional[str], overrides: list[str], values: dict) -> set[str]:
     """The dotted keys the command line sets: through its presets, its config file, its
     overrides and its literal values (these keep their value over a checkpoint's settings)."""
-    from fastpo.config_fields import parse_override
-    from fastpo.config_files import read_config_file
-    from fastpo.presets import PRESETS
+    from fastpo.config.fields import parse_override
+    from fastpo.config.files import read_config_file
+    from fastpo.config.presets import PRESETS
 
     explicit: set[str] = set()
     for name in (preset.split(",") if preset else []):
@@ -261,7 +263,7 @@ def _trained_settings(run, eval_env: str) -> dict[str, Any]:
     """The settings a checkpoint's run config `run` carries over to an eval on `eval_env`, as
     {dotted key: value}: its env.options (same env only) and every RolloutConfig setting but
     `temperature`, less the turn and action limits the env presets fix when the env differs."""
-    from fastpo.config import RolloutConfig, env_preset
+    from fastpo.config.schema import RolloutConfig, env_preset
 
     layer: dict[str, Any] = {}
     fixed_by_env: set[str] = set()
@@ -294,9 +296,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     Raises ConfigError (bad key or value, a run folder without a checkpoint, an unreadable
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
-    from fastpo.checkpoint_origin import find_checkpoint
-    from fastpo.config import load_config, read_run_config, validate
-    from fastpo.config_fields import ConfigError, nested_dict, apply_dict, parse_override
+    from fastpo.run.origin import find_checkpoint
+    from fastpo.config.schema import load_config, read_run_config, validate
+    from fastpo.config.fields import ConfigError, nested_dict, apply_dict, parse_override
 
     overrides = list(overrides or [])
     values = dict(values or {})
@@ -383,7 +385,7 @@ def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:
 
 def write_json(path: str, record: dict) -> str:
     """Write `record` as indented JSON to `path` (parent folders created; replaced atomically)."""
-    from fastpo.run_folder import atomic_write_text
+    from fastpo.run.folder import atomic_write_text
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")
@@ -401,13 +403,14 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None, dist=None) ->
     processes, e.g. `fastpo eval --nproc N`) every rank loads the model on its device and
     evaluates its share of the seeds (`evaluate_policy`); rank 0 computes the success bounds
     and writes the samples, and every rank gets the result."""
-    from fastpo import distributed as fdist
+    from fastpo.distributed.collectives import on_main
+    from fastpo.distributed.context import SINGLE
     from fastpo import rollout as ro
-    from fastpo.metrics import write_samples
+    from fastpo.report.metrics import write_samples
     from fastpo.models import load_model_checked, resolve_device
 
     t = cfg.trainer
-    ctx = dist if dist is not None else fdist.SINGLE
+    ctx = dist if dist is not None else SINGLE
     device = ctx.device if ctx.initialized else resolve_device(t.device)
     model, tok, info = load_model_checked(cfg.model.name, device=str(device),
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
@@ -438,7 +441,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None, dist=None) ->
                 console.print(f"samples: {path}")
         return res
 
-    res = fdist.on_main(ctx, finish)
+    res = on_main(ctx, finish)
     res["model"] = info.label
     res["model_random_weights"] = bool(info.random)
     res["model_info"] = dataclasses.asdict(info)

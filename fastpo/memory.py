@@ -29,6 +29,10 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 #: mallopt's parameter number for the mmap threshold (glibc's malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -103,3 +107,41 @@ def release_free_memory() -> bool:
     any memory was released; False where the C library is not glibc."""
     libc = _libc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+def held_state_mib(modules, optimizers) -> tuple[float, float]:
+    """(parameters, optimizer state) this process holds, in MiB: each parameter's local storage
+    (a DTensor's own shard, not the whole tensor; a tied weight once; None modules skipped)
+    and every tensor in the optimizers' states."""
+    import torch
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    seen, params = set(), 0
+    for m in modules:
+        for p in (m.parameters() if m is not None else ()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                x = local(p)
+                params += x.numel() * x.element_size()
+    state = 0
+    for opt in optimizers:
+        for s in opt.state.values():
+            for v in s.values():
+                if torch.is_tensor(v):
+                    x = local(v)
+                    state += x.numel() * x.element_size()
+    return params / 2**20, state / 2**20
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory in MiB: CUDA's peak allocated bytes on `device`, else the
+    process's peak resident set size (Linux ru_maxrss)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

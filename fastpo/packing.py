@@ -24,7 +24,7 @@ Three ways to get that attention (`packing_attention(model)` picks one):
 
 Padding is the baseline this replaces (`pad_micro_batch`), kept for the benchmark.
 
-Bounded context windows (`windows=`, fastpo/window.py): a trajectory sampled with
+Bounded context windows (`windows=`, fastpo/rollout/window.py): a trajectory sampled with
 rollout.context_window = K is not causal within itself (each turn saw the head and the last K
 turns only). "segments" then gives that trajectory's sdpa call a [S, P + S] boolean mask
 (`fastpo_segment_masks`, aligned with the segment table) instead of the causal fast path;
@@ -352,7 +352,7 @@ def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], 
     once, [prefix | own tokens of member 1 | own tokens of member 2 | ...]; each member
     keeps its true position ids and attends to the prefix and then causally to itself.
     windows: None, or per trajectory (indexed like `input_ids`) None or the (turn,
-    visible_from) labels of a context-window trajectory (fastpo/window.py): its tokens
+    visible_from) labels of a context-window trajectory (fastpo/rollout/window.py): its tokens
     then attend as the sampler's did ("segments" or "mask" attention).
     Raises ValueError for an empty selection, an unknown `attention`, members of one
     prefix group whose prefixes differ, or windows with "varlen" attention.
@@ -412,7 +412,7 @@ def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], 
 def _window_rows(labels, p: int, n: int, device) -> torch.Tensor:
     """bool [n - p, n]: the context-window visibility of a trajectory's tokens p..n-1 over its
     tokens 0..n-1 (= its prefix then its own tokens, the segment's key order)."""
-    from fastpo.window import window_mask
+    from fastpo.rollout.window import window_mask
 
     turn, vis = labels
     if turn.numel() != n:

@@ -44,9 +44,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from fastpo.config import TrainConfig, at_least
-from fastpo.config_fields import ConfigError, checked
-from fastpo.run_folder import SFT_FILE
+from fastpo.config.schema import TrainConfig, at_least
+from fastpo.config.fields import ConfigError, checked
+from fastpo.run.folder import SFT_FILE
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.loop import RunTrainer
 from fastpo.trainer.models import hidden_states
@@ -101,7 +101,7 @@ class SFTConfig:
 def sft_config(overrides: list[str], base: Optional[SFTConfig] = None) -> SFTConfig:
     """An SFTConfig from `base` (default: the defaults) and dotted overrides "sft.key=value".
     Raises ConfigError naming a bad key or value."""
-    from fastpo.config_fields import apply_dict, check_fields, parse_override
+    from fastpo.config.fields import apply_dict, check_fields, parse_override
 
     cfg = dataclasses.replace(base) if base is not None else SFTConfig()
     for o in overrides:
@@ -132,7 +132,7 @@ def check_disjoint(sft: SFTConfig, cfg: TrainConfig) -> None:
 
 def read_sft_config(out_dir: str) -> SFTConfig:
     """The SFTConfig of the run in `out_dir` (its sft.yaml). Raises ConfigError when missing or bad."""
-    from fastpo.config_files import parse_config_yaml
+    from fastpo.config.files import parse_config_yaml
 
     path = os.path.join(out_dir, SFT_FILE)
     if not os.path.isfile(path):
@@ -544,7 +544,7 @@ class SFTTrainer(RunTrainer):
         rollout of `expert_rollout`) or the conversations of `sft.data`, as one batch record."""
         import yaml
 
-        from fastpo.run_folder import atomic_write_text
+        from fastpo.run.folder import atomic_write_text
 
         open_run(self, SUPERVISED)
         if self.sft.data:
@@ -592,8 +592,8 @@ class SFTTrainer(RunTrainer):
         seeds under this run's rollout settings (one trajectory per seed); its trajectories are
         kept for `first_action_accuracy`."""
         if self._expert_eval is None:
-            from fastpo.config import eval_seeds
-            from fastpo.stats import standard_error
+            from fastpo.config.schema import eval_seeds
+            from fastpo.report.stats import standard_error
 
             b = expert_rollout(self.tokenizer, self.cfg.env.name, self.cfg.env.options,
                                self.cfg.rollout.rollout_config(), eval_seeds(self.cfg), self.sft.actions_per_turn)
@@ -695,7 +695,7 @@ def handoff_command(cfg: TrainConfig) -> str:
     takes the weights, not the settings)."""
     import shlex
 
-    from fastpo.config import load_config
+    from fastpo.config.schema import load_config
 
     import yaml
 

@@ -20,7 +20,7 @@ It runs the `fastpo` command (`fastpo.cli.entry(ARGS)`) with two test-only chang
 
 With FASTPO_TEST_TEARDOWN_NOTE=1 an atexit hook prints "dist_train: interpreter teardown" to
 stderr: whether the process ended through the interpreter's teardown (one process) or
-without it (a torchrun rank, fastpo.distributed.end_process).
+without it (a torchrun rank, fastpo.distributed.context.end_process).
 """
 import os
 import sys

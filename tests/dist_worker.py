@@ -91,48 +91,50 @@ def data_parallel_step(ctx, model, items, mine, loss_agg, fsdp=False, save_to=No
     denominator) summed over ranks: all-reduced (replicated parameters) or, fsdp=True,
     reduce-scattered by FSDP2; returns ({name: full grad}, {name: full param after one
     clipped AdamW step})."""
-    from fastpo import distributed as fd
+    from fastpo.distributed.data_parallel import global_loss_denominator, micro_batch_count
+    from fastpo.distributed.sharding import all_reduce_gradients, full_state_dict, save_hf_model, shard_for_data_parallel
 
     masks = [m[0] for _, m, _, _ in items]
-    denom = fd.global_loss_denominator(ctx, loss_agg, masks, mine)
+    denom = global_loss_denominator(ctx, loss_agg, masks, mine)
     root = PolicyLoss(model)
     if fsdp:
-        fd.shard_for_data_parallel(ctx, root, model.model.layers)
+        shard_for_data_parallel(ctx, root, model.model.layers)
         assert not ctx.initialized or all(hasattr(p, "full_tensor") for p in model.parameters()), "not sharded"
     model.zero_grad(set_to_none=True)
-    for k in range(fd.micro_batch_count(ctx, len(mine)) if fsdp else len(mine)):
+    for k in range(micro_batch_count(ctx, len(mine)) if fsdp else len(mine)):
         ids, mask, old, adv = items[mine[min(k, len(mine) - 1)]]
         if k >= len(mine):
-            mask = torch.zeros_like(mask)  # an empty micro-batch (see fd.micro_batch_count)
+            mask = torch.zeros_like(mask)  # an empty micro-batch (see micro_batch_count)
         root(ids, mask, old, adv, loss_agg, denom).backward()
     if not fsdp:
-        fd.all_reduce_gradients(ctx, model.parameters())
+        all_reduce_gradients(ctx, model.parameters())
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     grads = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
     params = {n: full(p).detach().clone() for n, p in model.named_parameters()}
-    state = fd.full_state_dict(ctx, model)  # rank 0's checkpoint view
+    state = full_state_dict(ctx, model)  # rank 0's checkpoint view
     assert ctx.rank != 0 or all(torch.equal(state[n], params[n]) for n in params), "full state dict"
     assert ctx.rank == 0 or state == {}
     if save_to is not None:
-        assert fd.save_hf_model(ctx, model, save_to) == save_to
+        assert save_hf_model(ctx, model, save_to) == save_to
     return grads, params
 
 
 def grads(out):
-    from fastpo import distributed as fd
+    from fastpo.distributed.context import init_from_env, shutdown
+    from fastpo.distributed.data_parallel import split_groups
 
-    ctx = fd.init_from_env("cpu")
+    ctx = init_from_env("cpu")
     group_ids, items = grad_batch(tiny_model())
-    groups = fd.split_groups(3, ctx.world_size, ctx.rank)
+    groups = split_groups(3, ctx.world_size, ctx.rank)
     mine = [i for i, gid in enumerate(group_ids) if gid in groups]
     for name, fsdp in (("grads", False), ("fsdp", True)):
         res = {agg: data_parallel_step(ctx, tiny_model(), items, mine, agg, fsdp,
                                        save_to=os.path.join(out, f"{name}-model-{agg}")) for agg in LOSS_AGGS}
         torch.save({"trajectories": mine, "res": res}, os.path.join(out, f"{name}_rank{ctx.rank}.pt"))
     torch.save(gathered_check(ctx), os.path.join(out, f"gathered_rank{ctx.rank}.pt"))
-    fd.shutdown(ctx)
+    shutdown(ctx)
 
 
 def gathered_check(ctx) -> dict:
@@ -140,7 +142,7 @@ def gathered_check(ctx) -> dict:
     are DTensor shards outside and inside `gathered`, the LM-head weight the fused kernels
     get inside it, and logits and greedy tokens computed by rank 0 alone inside it (no
     collective: rank 1 waits at the barrier), vs the unsharded model's."""
-    from fastpo import fsdp as ffsdp
+    import fastpo.trainer.fsdp as ffsdp
     from fastpo.kernels.hf import lm_head_weight
     from torch.distributed.tensor import DTensor
 
@@ -165,16 +167,18 @@ def gathered_check(ctx) -> dict:
 
 
 def checks(out):
-    from fastpo import distributed as fd
+    from fastpo.distributed.collectives import on_main, per_rank, weighted_means
+    from fastpo.distributed.context import init_from_env, shutdown
+    from fastpo.distributed.data_parallel import global_counts, global_filter, global_loss_denominator, rank_seeds
 
-    ctx = fd.init_from_env("cpu")
+    ctx = init_from_env("cpu")
     assert ctx.backend == "gloo" and ctx.world_size == 2, ctx
     scores, group_ids, masks = global_batch()
-    groups, seeds = fd.rank_seeds(11, 5, GROUPS, ctx.world_size, ctx.rank)
+    groups, seeds = rank_seeds(11, 5, GROUPS, ctx.world_size, ctx.rank)
     mine = [i for i in range(len(masks)) if int(group_ids[i]) in groups]
     res = {"groups": groups, "seeds": seeds, "trajectories": mine, "filters": [], "denominators": {}}
     for kw in FILTERS:
-        f = fd.global_filter(ctx, scores[mine], group_ids[mine], **kw)
+        f = global_filter(ctx, scores[mine], group_ids[mine], **kw)
         res["filters"].append({"indices": [mine[i] for i in f.indices.tolist()], "kept_groups": f.kept_groups,
                                "group_std": {str(k): v for k, v in f.group_std.items()}, "kept_ratio": f.kept_ratio,
                                "std_before": f.std_before, "std_after": f.std_after,
@@ -183,33 +187,34 @@ def checks(out):
     for m, mini in enumerate(MINI_BATCHES):
         local = [j for j, i in enumerate(mine) if i in mini]
         for agg in ("token-mean", "seq-mean-token-mean"):
-            res["denominators"][f"{m}:{agg}"] = fd.global_loss_denominator(ctx, agg, local_masks, local)
-        res["denominators"][f"{m}:counts"] = list(fd.global_counts(ctx, local_masks, local))
+            res["denominators"][f"{m}:{agg}"] = global_loss_denominator(ctx, agg, local_masks, local)
+        res["denominators"][f"{m}:counts"] = list(global_counts(ctx, local_masks, local))
 
     def write():
         with open(os.path.join(out, "main_writes.txt"), "a") as fh:
             fh.write(f"rank {ctx.rank}\n")
         return f"written by rank {ctx.rank}"
 
-    res["on_main"] = fd.on_main(ctx, write)
+    res["on_main"] = on_main(ctx, write)
     # metrics: rank r reports x = r + 1 and y = 10 (r + 1) with weight len(mine)
-    res["means"] = fd.weighted_means(ctx, {"x": ctx.rank + 1, "y": 10.0 * (ctx.rank + 1)}, len(mine))
-    res["per_rank"] = fd.per_rank(ctx, 100 + ctx.rank)
+    res["means"] = weighted_means(ctx, {"x": ctx.rank + 1, "y": 10.0 * (ctx.rank + 1)}, len(mine))
+    res["per_rank"] = per_rank(ctx, 100 + ctx.rank)
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as fh:
         json.dump(res, fh)
-    fd.shutdown(ctx)
+    shutdown(ctx)
 
 
 def failing(out, hang):
-    from fastpo import distributed as fd
+    from fastpo.distributed.collectives import all_reduce
+    from fastpo.distributed.context import init_from_env, shutdown
 
-    ctx = fd.init_from_env("cpu")
+    ctx = init_from_env("cpu")
     if ctx.rank == 1:
         if hang:
             time.sleep(120)
         raise RuntimeError("rank 1: the env exploded")
-    fd.all_reduce(ctx, [1.0])  # waits for rank 1
-    fd.shutdown(ctx)
+    all_reduce(ctx, [1.0])  # waits for rank 1
+    shutdown(ctx)
 
 
 if __name__ == "__main__":
@@ -218,7 +223,7 @@ if __name__ == "__main__":
     case, outdir = sys.argv[1], sys.argv[2]
     cases = {"checks": checks, "grads": grads}
     record(cases.get(case) or (lambda o: failing(o, case == "hang")))(outdir)
-    from fastpo import distributed as fd
+    from fastpo.distributed.context import end_process, left_job
 
-    if fd.left_job():  # as fastpo's command line does: no interpreter teardown after FSDP2 (end_process)
-        fd.end_process(0)
+    if left_job():  # as fastpo's command line does: no interpreter teardown after FSDP2 (end_process)
+        end_process(0)

@@ -38,7 +38,7 @@ def plant_in_checkpoint(ckpt: str, target: str, payload) -> str:
     as intact. Returns the file's path."""
     import torch
 
-    from fastpo.checkpoint_manifest import checkpoint_iteration, write_manifest
+    from fastpo.run.manifest import checkpoint_iteration, write_manifest
 
     path = os.path.join(ckpt, target)
     obj = torch.load(path, weights_only=False)  # our own file

@@ -10,7 +10,7 @@ import torch
 
 from fastpo.trainer.collapse import (batch_collapse_metrics, cross_logprobs, cross_logprobs_naive, first_turn_pairs,
                              mutual_information_metrics, reasoning_tokens)
-from fastpo.metrics import EchoTrapDetector
+from fastpo.report.metrics import EchoTrapDetector
 from fastpo.models import load_model_and_tokenizer
 from fastpo.packing import use_segment_attention
 
@@ -227,7 +227,7 @@ def test_bench_part_runs_quick():
 def test_plot_curves_draws_the_collapse_figure(tmp_path):
     import os
 
-    from fastpo.plots import plot_curves
+    from fastpo.report.plots import plot_curves
 
     recs = [{"iteration": i, "train/success_rate": 0.1 * i, "collapse/mi_estimate": 0.5 / i,
              "collapse/conditional_entropy_est": 1.0, "collapse/reasoning_entropy_est": 1.0 + 0.5 / i,

@@ -2,8 +2,8 @@
 import pytest
 
 from fastpo.config import TrainConfig, config_from_dict, load_config
-from fastpo.config_fields import ConfigError, parse_override
-from fastpo.config_files import dump_yaml
+from fastpo.config.fields import ConfigError, parse_override
+from fastpo.config.files import dump_yaml
 
 
 def test_paper_defaults():
@@ -101,7 +101,7 @@ def test_unknown_key_suggests_the_dotted_or_near_key():
     import pytest
 
     from fastpo.config import load_config
-    from fastpo.config_fields import ConfigError
+    from fastpo.config.fields import ConfigError
 
     for override, hint in (("group_size=8", "did you mean rollout.group_size?"),
                            ("rollout.grup_size=8", "did you mean rollout.group_size?"),
@@ -117,7 +117,7 @@ def test_unknown_key_of_any_yaml_type_is_a_config_error():
     import pytest
 
     from fastpo.config import TrainConfig
-    from fastpo.config_fields import ConfigError, apply_dict
+    from fastpo.config.fields import ConfigError, apply_dict
 
     for updates in ({"rollout": {1: 2}}, {"rollout": {None: 3}}, {"trainer": {True: 1}}):
         with pytest.raises(ConfigError, match="unknown config key"):
@@ -161,7 +161,7 @@ def test_single_field_rules_live_on_the_fields(key, bad):
     """validate() reads each field's own rule (config.checked metadata): the error from a full
     load equals the one check_fields gives for the section alone."""
     from fastpo.config import TrainConfig
-    from fastpo.config_fields import check_fields
+    from fastpo.config.fields import check_fields
 
     with pytest.raises(ConfigError) as full:
         load_config(env="frozenlake", overrides=[f"{key}={bad}"])

@@ -1,15 +1,15 @@
 """`rollout.context_window: K` (RAGEN's limited_multi_turn): the sampler evicts turn j-K's KV
 entries before turn j, keeping positions, and the trainer scores each turn with the context the
-sampler saw (fastpo/window.py). Tiny random model, Sokoban / FrozenLake, 5 turns."""
+sampler saw (fastpo/rollout/window.py). Tiny random model, Sokoban / FrozenLake, 5 turns."""
 from __future__ import annotations
 
 import pytest
 import torch
 from rich.console import Console
 
-from fastpo import window as ctxwin
+import fastpo.rollout.window as ctxwin
 from fastpo.config import RolloutConfig, load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 from fastpo.models import load_model_and_tokenizer
 from fastpo.packing import pack_micro_batch
 from fastpo.rollout import MultiTurnRollout, NativeEngine

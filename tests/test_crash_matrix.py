@@ -22,11 +22,11 @@ import pytest
 import torch
 from rich.console import Console
 
-import fastpo.checkpoint as ck
-import fastpo.metrics
+import fastpo.run.checkpoint as ck
+import fastpo.report.metrics
 import fastpo.rollout
 import fastpo.trainer
-from fastpo.checkpoint_manifest import MANIFEST, latest_checkpoint
+from fastpo.run.manifest import MANIFEST, latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.trainer import Trainer
@@ -163,9 +163,9 @@ KILL_AT = {
                                                                   "compute_advantages", _kill_self),
     "iteration: update, after one optimizer step": lambda: _after(torch.optim.AdamW, "step", _kill_self),
     "iteration: eval, after its samples are written": lambda: _after(fastpo.trainer.sampler, "write_samples", _kill_self),
-    "iteration: half-way through the metrics append": lambda: _after(fastpo.metrics.MetricsLogger, "log",
+    "iteration: half-way through the metrics append": lambda: _after(fastpo.report.metrics.MetricsLogger, "log",
                                                                      _torn_metrics_line()),
-    "iteration: right after the metrics append": lambda: _after(fastpo.metrics.MetricsLogger, "log", _kill_self),
+    "iteration: right after the metrics append": lambda: _after(fastpo.report.metrics.MetricsLogger, "log", _kill_self),
     "save: model/ written": lambda: _after(ck, "save_hf_model", _kill_self),
     "save: half of optimizer.pt": lambda: setattr(torch, "save", _half_file("optimizer.pt")),
     "save: every file written, before the manifest": lambda: _before(ck, "write_manifest", _kill_self),

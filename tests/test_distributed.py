@@ -14,7 +14,13 @@ import time
 import pytest
 import torch
 
-from fastpo import distributed as fd
+from fastpo.distributed.collectives import on_main, per_rank, weighted_means
+
+from fastpo.distributed.context import DEFAULT_TIMEOUT_S, DistributedError, SINGLE, TIMEOUT_ENV, init_from_env, timeout_seconds, torchrun_env
+
+from fastpo.distributed.data_parallel import global_filter, global_loss_denominator, rank_seeds, split_groups
+
+from fastpo.distributed.launch import check_trainer_support, strip_nproc, torchrun_command
 from fastpo.algorithms.filtering import filter_groups
 import fastpo.cli
 from fastpo.cli import main
@@ -78,13 +84,13 @@ def _two_nodes(args, timeout=180, env=None):
 def test_split_groups_keeps_groups_whole_and_balanced():
     for n in range(1, 12):
         for w in range(1, n + 1):
-            parts = [fd.split_groups(n, w, r) for r in range(w)]
+            parts = [split_groups(n, w, r) for r in range(w)]
             assert [g for p in parts for g in p] == list(range(n))  # every group once, in order
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    with pytest.raises(fd.DistributedError, match="env_groups=2 is below the number of processes \\(3\\)"):
-        fd.split_groups(2, 3, 0)
-    with pytest.raises(fd.DistributedError, match="rank 2"):
-        fd.split_groups(4, 2, 2)
+    with pytest.raises(DistributedError, match="env_groups=2 is below the number of processes \\(3\\)"):
+        split_groups(2, 3, 0)
+    with pytest.raises(DistributedError, match="rank 2"):
+        split_groups(4, 2, 2)
 
 
 def test_group_seeds_do_not_depend_on_the_world_size():
@@ -92,24 +98,24 @@ def test_group_seeds_do_not_depend_on_the_world_size():
     for w in range(1, 10):
         got = {}
         for r in range(w):
-            groups, seeds = fd.rank_seeds(7, 3, 9, w, r)
+            groups, seeds = rank_seeds(7, 3, 9, w, r)
             got.update(zip(groups, seeds))
         assert [got[g] for g in range(9)] == full
 
 
 def test_torchrun_variables_are_checked():
-    assert fd.torchrun_env({}) is None
-    assert fd.torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == (1, 2, 1)
-    with pytest.raises(fd.DistributedError, match="RANK is not set"):
-        fd.torchrun_env({"WORLD_SIZE": "2"})
-    with pytest.raises(fd.DistributedError, match="RANK=2 is outside"):
-        fd.torchrun_env({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"})
-    with pytest.raises(fd.DistributedError, match="WORLD_SIZE='two'"):
-        fd.torchrun_env({"WORLD_SIZE": "two", "RANK": "0", "LOCAL_RANK": "0"})
-    assert fd.timeout_seconds({}) == fd.DEFAULT_TIMEOUT_S
-    assert fd.timeout_seconds({fd.TIMEOUT_ENV: "2.5"}) == 2.5
-    with pytest.raises(fd.DistributedError, match="FASTPO_DIST_TIMEOUT_S='0'"):
-        fd.timeout_seconds({fd.TIMEOUT_ENV: "0"})
+    assert torchrun_env({}) is None
+    assert torchrun_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == (1, 2, 1)
+    with pytest.raises(DistributedError, match="RANK is not set"):
+        torchrun_env({"WORLD_SIZE": "2"})
+    with pytest.raises(DistributedError, match="RANK=2 is outside"):
+        torchrun_env({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"})
+    with pytest.raises(DistributedError, match="WORLD_SIZE='two'"):
+        torchrun_env({"WORLD_SIZE": "two", "RANK": "0", "LOCAL_RANK": "0"})
+    assert timeout_seconds({}) == DEFAULT_TIMEOUT_S
+    assert timeout_seconds({TIMEOUT_ENV: "2.5"}) == 2.5
+    with pytest.raises(DistributedError, match="FASTPO_DIST_TIMEOUT_S='0'"):
+        timeout_seconds({TIMEOUT_ENV: "0"})
 
 
 def test_one_process_is_todays_path(monkeypatch):
@@ -118,20 +124,20 @@ def test_one_process_is_todays_path(monkeypatch):
     from fastpo.trainer import loss_denominator
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ctx = fd.init_from_env("cpu")
-    assert ctx is fd.SINGLE and not torch.distributed.is_initialized()
+    ctx = init_from_env("cpu")
+    assert ctx is SINGLE and not torch.distributed.is_initialized()
     scores, group_ids, masks = dist_worker.global_batch()
     for kw in dist_worker.FILTERS:
-        a, b = fd.global_filter(ctx, scores, group_ids, **kw), filter_groups(scores, group_ids, **kw)
+        a, b = global_filter(ctx, scores, group_ids, **kw), filter_groups(scores, group_ids, **kw)
         assert a.indices.tolist() == b.indices.tolist() and a.kept_groups == b.kept_groups
         assert (a.group_std, a.kept_ratio, a.std_before, a.std_after) == (b.group_std, b.kept_ratio, b.std_before,
                                                                          b.std_after)
     for mini in dist_worker.MINI_BATCHES:
         for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
-            assert fd.global_loss_denominator(ctx, agg, masks, mini) == loss_denominator(agg, masks, mini)
-    assert fd.on_main(ctx, lambda x: x + 1, 1) == 2
-    assert fd.weighted_means(ctx, {"b": 2, "a": 1}, 5) == {"a": 1.0, "b": 2.0}
-    assert fd.per_rank(ctx, 3) == [3.0]
+            assert global_loss_denominator(ctx, agg, masks, mini) == loss_denominator(agg, masks, mini)
+    assert on_main(ctx, lambda x: x + 1, 1) == 2
+    assert weighted_means(ctx, {"b": 2, "a": 1}, 5) == {"a": 1.0, "b": 2.0}
+    assert per_rank(ctx, 3) == [3.0]
 
 
 # --- two processes (torchrun, gloo) -------------------------------------------------------
@@ -175,7 +181,7 @@ def test_a_failed_rank_ends_the_job(tmp_path, case):
     non-zero exit, rank 1's error (or rank 0's timeout) in the output, well before rank 1's
     120 s sleep ends (the collective timeout is 3 s here)."""
     rc, out, secs = _torchrun(["tests/dist_worker.py", case, str(tmp_path)], tmp_path, timeout=100,
-                              env={fd.TIMEOUT_ENV: "3"})
+                              env={TIMEOUT_ENV: "3"})
     assert rc != 0
     assert secs < 90
     if case == "raise":
@@ -262,11 +268,11 @@ def test_lora_is_refused_only_when_sharded():
 
     cfg = load_config(env="bandit", overrides=["model.lora_rank=4", "algorithm.adv_estimator=grpo"])
     assert cfg.trainer.data_parallel == "fsdp"  # the default
-    with pytest.raises(fd.DistributedError, match="model.lora_rank with 2 processes"):
-        fd.check_trainer_support(cfg, 2)
+    with pytest.raises(DistributedError, match="model.lora_rank with 2 processes"):
+        check_trainer_support(cfg, 2)
     cfg.trainer.data_parallel = "replicate"
-    fd.check_trainer_support(cfg, 2)
-    fd.check_trainer_support(cfg, 1)
+    check_trainer_support(cfg, 2)
+    check_trainer_support(cfg, 1)
 
 
 def test_nproc_one_is_the_one_process_path(tmp_path, monkeypatch, no_model):
@@ -280,9 +286,9 @@ def test_nproc_one_is_the_one_process_path(tmp_path, monkeypatch, no_model):
 
 def test_torchrun_command():
     argv = ["train", "--env", "bandit", "--nproc", "2", "rollout.group_size=4"]
-    assert fd.strip_nproc(argv) == ["train", "--env", "bandit", "rollout.group_size=4"]
-    assert fd.strip_nproc(["train", "--nproc=3"]) == ["train"]
-    cmd = fd.torchrun_command(2, ["train", "--env", "bandit"], python="py")
+    assert strip_nproc(argv) == ["train", "--env", "bandit", "rollout.group_size=4"]
+    assert strip_nproc(["train", "--nproc=3"]) == ["train"]
+    cmd = torchrun_command(2, ["train", "--env", "bandit"], python="py")
     assert cmd == ["py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "fastpo",
                    "train", "--env", "bandit"]
 
@@ -336,7 +342,7 @@ def test_two_process_gradient_and_update_equal_one_process(grad_run, case):
     assert ranks[0]["trajectories"] == [0, 1, 2, 3] and ranks[1]["trajectories"] == [4, 5]
     group_ids, items = dist_worker.grad_batch(dist_worker.tiny_model())
     for agg in dist_worker.LOSS_AGGS:
-        want_g, want_p = dist_worker.data_parallel_step(fd.SINGLE, dist_worker.tiny_model(), items,
+        want_g, want_p = dist_worker.data_parallel_step(SINGLE, dist_worker.tiny_model(), items,
                                                         list(range(len(items))), agg)
         for r in ranks:
             got_g, got_p = r["res"][agg]
@@ -565,7 +571,7 @@ def dp_runs(tmp_path_factory):
 
 
 def test_torchrun_ranks_end_without_interpreter_teardown(dp_runs):
-    """A finished torchrun rank leaves through fastpo.distributed.end_process, not the
+    """A finished torchrun rank leaves through fastpo.distributed.context.end_process, not the
     interpreter's teardown, in which torch (FSDP2 and torch._dynamo used) still destroys the
     gloo process group and may abort (SIGABRT: a finished job reported failed). One process
     ends normally (the atexit hook's line printed: the hook works)."""
@@ -786,7 +792,7 @@ def test_a_failing_rank_ends_the_training_job(tmp_path):
     rc, log, secs = _torchrun(["tests/dist_train.py", "train", *TRAIN, "trainer.collapse_every=0", "--iterations", "4",
                                "--out", str(out)], tmp_path, timeout=150,
                               env={"FASTPO_TEST_FAIL_RANK": "1", "FASTPO_TEST_FAIL_ITERATION": "2",
-                                   fd.TIMEOUT_ENV: "60"})
+                                   TIMEOUT_ENV: "60"})
     assert rc != 0
     assert "RuntimeError: rank 1: the env exploded in iteration 2" in log
     # rank 1 ends with status 1 (fastpo.cli.entry, after leaving the group), not a teardown's signal
@@ -816,7 +822,7 @@ def test_other_estimators_in_two_processes_equal_one(tmp_path, case):
     rc, out = _python(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "one")], env=env)
     assert rc == 0, out
     rc, out, _ = _torchrun(["tests/dist_train.py", "train", *gae, "--out", str(tmp_path / "two")], tmp_path,
-                           timeout=180, env={fd.TIMEOUT_ENV: "60", **env})
+                           timeout=180, env={TIMEOUT_ENV: "60", **env})
     assert rc == 0, out
     a, b = _records(tmp_path / "one")[0], _records(tmp_path / "two")[0]
     if case == "empty-rank":

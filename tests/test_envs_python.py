@@ -428,7 +428,7 @@ def test_example_game_and_its_reference_lines():
 
 def test_config_file_takes_the_same_names_and_the_env_settings_apply(tmp_path):
     from fastpo.config import load_config
-    from fastpo.config_fields import ConfigError
+    from fastpo.config.fields import ConfigError
 
     p = tmp_path / "cfg.yaml"
     p.write_text("env: {name: 'test_envs_python:Walk', options: {length: 5}, workers: 2}\n")

@@ -21,10 +21,10 @@ import pytest
 import torch
 from rich.console import Console
 
-from fastpo.checkpoint import save_checkpoint
-from fastpo.checkpoint_origin import MODEL_META, checkpoint_origin, find_checkpoint, model_origin
+from fastpo.run.checkpoint import save_checkpoint
+from fastpo.run.origin import MODEL_META, checkpoint_origin, find_checkpoint, model_origin
 from fastpo.config import load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 from fastpo.evaluate import eval_config
 from fastpo.models import load_model_and_tokenizer
 

@@ -8,8 +8,8 @@ import torch
 
 from fastpo.config import load_config
 from fastpo.evaluate import format_valid_per_trajectory, standard_error
-from fastpo.plots import plot_curves
-from fastpo.summary import before_after, before_after_table
+from fastpo.report.plots import plot_curves
+from fastpo.report.summary import before_after, before_after_table
 from fastpo.rollout.parsing import parse_response
 from fastpo.rollout.prompts import first_user_message, move_question, next_user_message
 

@@ -7,10 +7,10 @@ import torch
 from rich.console import Console
 
 from fastpo.config import load_config
-from fastpo.presets import PRESETS
+from fastpo.config.presets import PRESETS
 from fastpo.envs_native import make_env
 from fastpo.kernels import linear_policy_loss
-from fastpo import distributed as fdist
+from fastpo.distributed.context import SINGLE
 from fastpo.trainer import Trainer
 from fastpo.trainer.update import epoch_mini_batches
 
@@ -70,7 +70,7 @@ def test_presets_that_claim_the_papers_settings_use_its_loss_aggregation(preset,
     # trajectory in its own micro-batch (as a small token budget packs them); the micro-batch
     # losses add up to the paper's value on the whole mini-batch
     masks = [torch.cat([torch.zeros(1, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]) for n in LENGTHS]
-    (mb, n_tok, denom), = epoch_mini_batches(cfg, fdist.SINGLE, masks, torch.Generator().manual_seed(0))
+    (mb, n_tok, denom), = epoch_mini_batches(cfg, SINGLE, masks, torch.Generator().manual_seed(0))
     assert sorted(mb) == [0, 1, 2, 3] and n_tok == 248 and denom == 4.0
     total = sum(_first_step_loss(cfg.algorithm.loss_agg, denom, [i]) for i in range(4))
     assert total == pytest.approx(0.0, abs=1e-6)
@@ -211,7 +211,7 @@ def _advantages(cfg):
     from fastpo.trainer.iteration import Advantages
     from fastpo.trainer.plan import rl_plan
 
-    return Advantages(cfg, fdist.SINGLE, rl_plan(cfg, False))
+    return Advantages(cfg, SINGLE, rl_plan(cfg, False))
 
 
 def test_trainer_puts_the_kl_on_the_reward_before_gae(tmp_path):

@@ -11,7 +11,7 @@ import torch
 
 from fastpo.algorithms import filter_groups, select_groups, soft_advantage_weights
 from fastpo.config import load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 
 STDS = {0: 0.0, 1: 0.4, 2: 0.1, 3: 0.3, 4: 0.2}
 

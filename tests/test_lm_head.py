@@ -9,7 +9,7 @@ import transformers
 from rich.console import Console
 
 from fastpo.config import load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 from fastpo.kernels import causal_lm_logprob_entropy, decoder_body, lm_head_weight
 
 SHAPE = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

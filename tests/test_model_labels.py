@@ -7,8 +7,8 @@ import json
 import pytest
 
 from fastpo.config import load_config
-from fastpo.metrics import MetricsLogger, write_samples
-from fastpo.plots import plot_curves, plot_title
+from fastpo.report.metrics import MetricsLogger, write_samples
+from fastpo.report.plots import plot_curves, plot_title
 
 LABEL = "random:tiny-llama (random weights)"
 

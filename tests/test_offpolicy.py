@@ -11,7 +11,7 @@ import torch
 from fastpo.algorithms import (reinforce_pp_advantages, reinforce_pp_baseline_advantages, rloo_advantages,
                                rollout_correction)
 from fastpo.config import load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 from fastpo.trainer.replay import ReplayBuffer
 
 # ---- estimators ----

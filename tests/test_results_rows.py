@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import results_row  # noqa: E402
 
-import fastpo.presets  # noqa: E402
+import fastpo.config.presets  # noqa: E402
 
 
 def test_recorded_rows_are_current():
@@ -45,9 +45,9 @@ def fake(tmp_path, monkeypatch):
 
 def test_a_moved_preset_eval_code_or_readme_row_is_named(fake, monkeypatch, tmp_path):
     assert results_row.problems() == []
-    cpu = copy.deepcopy(fastpo.presets.PRESETS["cpu"])
+    cpu = copy.deepcopy(fastpo.config.presets.PRESETS["cpu"])
     cpu["trainer"]["eval_seeds"] = 32
-    monkeypatch.setitem(fastpo.presets.PRESETS, "cpu", cpu)
+    monkeypatch.setitem(fastpo.config.presets.PRESETS, "cpu", cpu)
     said = results_row.problems()
     assert len(said) == 1 and "the configuration of `fastpo train --env frozenlake --preset cpu` changed" in said[0]
     monkeypatch.undo()

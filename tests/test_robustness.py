@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from fastpo.checkpoint import prune_checkpoints
-from fastpo.run_folder import fresh_run_folder, run_folder_in_use
+from fastpo.run.checkpoint import prune_checkpoints
+from fastpo.run.folder import fresh_run_folder, run_folder_in_use
 from fastpo.cli import main
 from run_helpers import ModelLoadReached as _ModelLoad
 
@@ -90,7 +90,7 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
     from rich.console import Console
 
     from fastpo.config import load_config
-    from fastpo.metrics import EchoTrapDetector, MetricsLogger
+    from fastpo.report.metrics import EchoTrapDetector, MetricsLogger
     from fastpo.trainer import Trainer
 
     cfg = load_config(env="bandit", preset="tiny", overrides=[
@@ -140,7 +140,7 @@ def _resumable(tmp_path, overrides=None):
     """A run folder as `fastpo train` leaves it: config.yaml and a (stand-in) checkpoint; with
     `overrides`, the checkpoint holds its own copy of the config (as real ones do)."""
     from fastpo.config import load_config
-    from fastpo.config_files import dump_yaml
+    from fastpo.config.files import dump_yaml
 
     out = tmp_path / "run"
     cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}", *(overrides or [])])

@@ -18,8 +18,8 @@ import time
 import pytest
 
 import fastpo.trainer
-from fastpo.checkpoint_manifest import latest_checkpoint
-from fastpo.run_folder import run_folder_in_use
+from fastpo.run.manifest import latest_checkpoint
+from fastpo.run.folder import run_folder_in_use
 from fastpo.cli import main
 from run_helpers import records
 
@@ -52,7 +52,7 @@ def _holds_no_run(out):
 
 
 def test_untrained_start_is_only_a_folder_where_nothing_was_trained(tmp_path):
-    from fastpo.run_folder import untrained_start
+    from fastpo.run.folder import untrained_start
 
     ok = [({}, ()), ({"metrics": [{"iteration": 0, "eval/success_rate": 0.5}]}, ("eval/iter_000000.json",
                                                                                  "samples/iter_000000.txt")),
@@ -209,7 +209,7 @@ def test_lora_targets_that_match_no_layer_are_one_line_and_leave_the_folder_free
 
 def test_resume_of_a_folder_that_cannot_be_written_names_it_not_out(tmp_path, monkeypatch, capsys):
     from fastpo.config import load_config
-    from fastpo.config_files import dump_yaml
+    from fastpo.config.files import dump_yaml
 
     out = tmp_path / "run"
     cfg = load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={out}"])
@@ -227,13 +227,13 @@ def test_resume_of_a_folder_that_cannot_be_written_names_it_not_out(tmp_path, mo
 
 
 def test_without_an_evaluation_before_training_there_is_no_before_after_table_but_a_line():
-    from fastpo.summary import before_after, before_after_table
+    from fastpo.report.summary import before_after, before_after_table
 
     ev = {"eval/success_rate": 0.25, "eval/success_rate_se": 0.1, "eval/format_valid": 1.0, "eval/num_seeds": 8}
     recs = [{"iteration": 1, "train/success_rate": 0.1}, {"iteration": 2, **ev},
             {"iteration": 4, **ev, "eval/success_rate": 0.5}]
     assert before_after(recs) is None and before_after_table(recs) is None  # 2 against 4 is no "before"
-    from fastpo.summary import before_after_note
+    from fastpo.report.summary import before_after_note
 
     note = before_after_note(recs)
     assert "no evaluation before training" in note and "iteration 4: 0.500 +- 0.100" in note

@@ -10,11 +10,11 @@ import pytest
 import yaml
 from rich.console import Console
 
-import fastpo.metrics
+import fastpo.report.metrics
 import fastpo.models
 import fastpo.rollout.sglang_engine as sg
 import fastpo.trainer
-from fastpo.checkpoint_manifest import latest_checkpoint
+from fastpo.run.manifest import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.trainer import Trainer
@@ -234,7 +234,7 @@ def test_closing_line_names_only_what_the_folder_holds(tmp_path, capsys):
 
 def test_echo_trap_warning_is_printed_once_while_it_lasts(tmp_path, capsys, monkeypatch):
     # it used to print the same red paragraph at every iteration once it fired
-    monkeypatch.setattr(fastpo.metrics.EchoTrapDetector, "update", lambda self, rec: "Echo Trap warning: test")
+    monkeypatch.setattr(fastpo.report.metrics.EchoTrapDetector, "update", lambda self, rec: "Echo Trap warning: test")
     out = str(tmp_path / "run")
     assert main(["train", *TINY, "--out", out, "trainer.iterations=3", "rollout.think=false",
                  "rollout.max_new_tokens=8", *QUIET]) == 0

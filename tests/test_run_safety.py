@@ -20,15 +20,15 @@ import numpy as np
 import pytest
 import torch
 
-import fastpo.checkpoint as ck
+import fastpo.run.checkpoint as ck
 import fastpo.models
 import fastpo.trainer
-from fastpo.checkpoint import prune_checkpoints
-from fastpo.checkpoint_manifest import latest_checkpoint, verify_checkpoint
-from fastpo.run_folder import RunFolderBusy, RunLock
+from fastpo.run.checkpoint import prune_checkpoints
+from fastpo.run.manifest import latest_checkpoint, verify_checkpoint
+from fastpo.run.folder import RunFolderBusy, RunLock
 from fastpo.cli import main
 from fastpo.config import load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 from run_helpers import WritesAFile, plant_in_checkpoint, records as _records, stable as _stable
 
 TINY = ["--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama"]
@@ -42,7 +42,7 @@ def _iterations(out):
 
 def _fastpo(*args, log=None):
     """`fastpo ARGS` in a new process (output to the file `log`)."""
-    return subprocess.Popen([sys.executable, "-m", "fastpo.cli", *args], env=ENV, stdin=subprocess.DEVNULL,
+    return subprocess.Popen([sys.executable, "-m", "fastpo", *args], env=ENV, stdin=subprocess.DEVNULL,
                             stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT if log else subprocess.PIPE,
                             text=True)
 
@@ -125,7 +125,7 @@ def test_sigterm_saves_the_trained_iterations_and_a_second_process_is_refused(tm
 def test_the_run_folder_lock_dies_with_its_process(tmp_path):
     out = str(tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom fastpo.checkpoint import RunLock\n"
+        [sys.executable, "-c", "import sys, time\nfrom fastpo.run.folder import RunLock\n"
          "RunLock(sys.argv[1]).acquire()\nprint('held', flush=True)\ntime.sleep(300)\n", out],
         env=ENV, stdout=subprocess.PIPE, text=True)
     try:
@@ -430,7 +430,7 @@ def test_env_that_is_neither_a_name_nor_a_mapping_is_one_line(tmp_path, capsys):
 def test_lock_on_a_folder_that_cannot_be_made_is_one_line(tmp_path):
     # `fastpo train --out /proc/x` (root passes the CLI's access check there) used to end in a
     # FileNotFoundError traceback from os.makedirs inside the trainer
-    from fastpo.config_fields import ConfigError
+    from fastpo.config.fields import ConfigError
 
     (tmp_path / "afile").write_text("")
     for out in [str(tmp_path / "afile" / "sub")] + (["/proc/fastpo-no-such"] if os.path.isdir("/proc/self") else []):

@@ -14,7 +14,7 @@ from rich.console import Console
 
 import fastpo.config
 import fastpo.sft
-from fastpo.checkpoint_manifest import latest_checkpoint
+from fastpo.run.manifest import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.envs_native import make_env

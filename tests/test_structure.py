@@ -50,12 +50,12 @@ def test_algorithms_take_plain_arguments():
 
 
 def test_config_yaml_is_read_in_config_only():
-    """Config files are read in one place (fastpo.config_files); the other YAML reader is the
-    value of one dotted override (fastpo.config_fields.parse_override)."""
+    """Config files are read in one place (fastpo.config.files); the other YAML reader is the
+    value of one dotted override (fastpo.config.fields.parse_override)."""
     readers = [p.relative_to(ROOT).as_posix() for p in _sources() if "yaml.safe_load" in p.read_text()]
-    assert readers == ["fastpo/config_fields.py", "fastpo/config_files.py"]
-    assert "yaml.safe_load(raw)" in (ROOT / "fastpo" / "config_fields.py").read_text()
-    assert "open(" not in (ROOT / "fastpo" / "config_fields.py").read_text()
+    assert readers == ["fastpo/config/fields.py", "fastpo/config/files.py"]
+    assert "yaml.safe_load(raw)" in (ROOT / "fastpo" / "config" / "fields.py").read_text()
+    assert "open(" not in (ROOT / "fastpo" / "config" / "fields.py").read_text()
 
 
 def test_one_lm_head_lookup():

@@ -16,7 +16,7 @@ from rich.console import Console
 
 import fastpo.rollout.sglang_engine as sg
 from fastpo.config import load_config
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 from fastpo.trainer import Trainer
 
 

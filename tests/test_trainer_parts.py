@@ -6,11 +6,11 @@ import os
 import torch
 import transformers
 
-from fastpo.checkpoint import load_state, save_checkpoint, set_rng_state
-from fastpo.checkpoint_manifest import latest_checkpoint
-from fastpo.metrics import EchoTrapDetector, MetricsLogger, write_samples
-from fastpo.plots import plot_curves
-from fastpo.summary import summary_table
+from fastpo.run.checkpoint import load_state, save_checkpoint, set_rng_state
+from fastpo.run.manifest import latest_checkpoint
+from fastpo.report.metrics import EchoTrapDetector, MetricsLogger, write_samples
+from fastpo.report.plots import plot_curves
+from fastpo.report.summary import summary_table
 
 
 def test_metrics_jsonl_ema_and_resume_truncation(tmp_path):

@@ -5,7 +5,7 @@
     python tools/config_reference.py --check    # exit 1 if the page is stale
 
 Each key's meaning is its entry in the `Attributes:` section of its dataclass's docstring
-(fastpo/config.py; Google style: `name: text`, continuation lines indented further); its
+(fastpo/config/schema.py; Google style: `name: text`, continuation lines indented further); its
 default, allowed values and rule come from the field itself (`Literal` values, the `checked`
 rule). `tests/test_config_reference.py` runs `--check` and fails on a field without an entry.
 """

@@ -6,7 +6,7 @@ with the code version, and a test fails once the preset or the evaluation code m
     python tools/results_row.py check              # every record against the code; exit 1 if stale
 
 `record` reads RUN_DIR (its config.yaml, metrics.jsonl and eval/ outcomes, as the run's own
-before/after table does: fastpo.summary.before_after) and writes
+before/after table does: fastpo.report.summary.before_after) and writes
 bench/results/recorded/NAME.json: the figures, the git commit, and two fingerprints: the SHA-256
 of the configuration that `fastpo train ARGV` resolves to today (its config.yaml without the
 output folder; the run's own config.yaml must match it) and of the evaluation's sources
@@ -39,7 +39,7 @@ def _config_text(argv: list) -> str:
     """config.yaml of `fastpo train ARGV` as resolved now, without the output folder. ARGV:
     --env, --preset, --seed and dotted overrides (what a recorded run may use)."""
     from fastpo.config import load_config
-    from fastpo.config_files import dump_yaml
+    from fastpo.config.files import dump_yaml
 
     p = argparse.ArgumentParser(prog="fastpo train (recorded)")
     p.add_argument("--env")
@@ -99,7 +99,7 @@ def render(rec: dict) -> str:
 
 
 def record(name: str, run_dir: str, argv: list, title: str, wall: float | None) -> dict:
-    from fastpo.summary import before_after
+    from fastpo.report.summary import before_after
 
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]

@@ -15,7 +15,7 @@ replaced by the first free `runs/<env>-2`, `-3`, ...; a named --out holding a ru
 unless --overwrite, and so is a folder another fastpo process is writing (naming its pid).
 On --resume only --iterations, --device and non-env/model overrides apply; its checkpoint
 files load as plain data, and one that needs full unpickling (an older fastpo's) is refused
-unless --trust-checkpoint (fastpo.checkpoint, "Trust").
+unless --trust-checkpoint (fastpo.run.checkpoint, "Trust").
 
 `python -m fastpo` is the same command. `--nproc N` runs it in N processes under torchrun
 (`python -m torch.distributed.run --standalone --nproc_per_node N -m fastpo train ...`), data
@@ -24,7 +24,7 @@ one-process path. `fastpo eval --nproc N` (or under torchrun) shares the eval se
 the processes; rank 0 prints and writes the results. Under torchrun (even with one process, a smoke test of that path) each
 process builds the configuration, joins the process group (gloo on the CPU, NCCL on CUDA) and trains its share; rank 0 chooses the run folder and
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
-refused with exit status 2 before any model loads (fastpo.distributed.check_trainer_support).
+refused with exit status 2 before any model loads (fastpo.distributed.launch.check_trainer_support).
 
 Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
 full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
@@ -123,7 +123,7 @@ def entry(argv: list[str] | None = None) -> None:
     process): `main(argv)`, then exit with its status. Under torchrun `main` is wrapped in
     torch.distributed.elastic's `record` (a failing rank's exception reaches torchrun's error
     summary), and a rank that has left its job's process group ends with
-    `fastpo.distributed.end_process` instead of the interpreter's teardown: with `main`'s
+    `fastpo.distributed.context.end_process` instead of the interpreter's teardown: with `main`'s
     status, or 1 (130 for Ctrl-C) after an exception, whose traceback is printed first."""
     run = main
     if "WORLD_SIZE" in os.environ:  # started by torchrun
@@ -140,7 +140,7 @@ def entry(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         status = 130 if isinstance(e, KeyboardInterrupt) else 1
     if left_a_job():
-        from fastpo.distributed import end_process
+        from fastpo.distributed.context import end_process
 
         end_process(status)
     sys.exit(status)

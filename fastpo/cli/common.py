@@ -12,14 +12,14 @@ from typing import Callable
 def check_trust_flag(args) -> None:
     """--trust-checkpoint without --resume: ConfigError (it would silently do nothing; a new
     run, `--model RUN` included, reads no pickled file)."""
-    from fastpo.config_fields import ConfigError
+    from fastpo.config.fields import ConfigError
 
     if getattr(args, "trust_checkpoint", False) and args.resume is None:
         raise ConfigError("--trust-checkpoint applies to --resume DIR only (a new run reads no pickled file)")
 
 
 def build_config(args, extra: list[str], values: dict | None = None):
-    from fastpo.config import load_config
+    from fastpo.config.schema import load_config
 
     ov = list(extra)
     values = dict(values or {})
@@ -37,7 +37,7 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
     """Refuse an output folder that cannot be created or written, before any model loads
     (ConfigError naming `flag` and the folder). On `--resume` the run folder itself and the
     files a resume rewrites (metrics.jsonl, config.yaml) must be writable."""
-    from fastpo.config_fields import ConfigError
+    from fastpo.config.fields import ConfigError
 
     p = os.path.abspath(path)
     if os.path.exists(p) and not os.path.isdir(p):
@@ -73,8 +73,8 @@ def resumed_run_config(args, fixed: list[str] = ()):
     Raises ConfigError naming what cannot change mid-run (an option, or a dotted override in
     any spelling that moves the env, model, preset, seed or output folder); `fixed` lists
     further options the caller refuses."""
-    from fastpo.config import load_run_config, validate
-    from fastpo.config_fields import ConfigError, apply_dict, parse_override
+    from fastpo.config.schema import load_run_config, validate
+    from fastpo.config.fields import ConfigError, apply_dict, parse_override
 
     if not args.resume.strip():
         raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
@@ -112,9 +112,9 @@ def exit_status(run: Callable[[], None], error: Callable[[str], None], command: 
     1 a checkpoint not saved, the user's game failing (EnvError) or a full disk. `error(text)`
     says the one line; `command` (e.g. "fastpo train") and `out` (the run folder) name the
     resume. Other exceptions propagate (a bug: its traceback)."""
-    from fastpo.checkpoint import CheckpointSaveError
-    from fastpo.run_folder import RunFolderBusy
-    from fastpo.config_fields import ConfigError
+    from fastpo.run.checkpoint import CheckpointSaveError
+    from fastpo.run.folder import RunFolderBusy
+    from fastpo.config.fields import ConfigError
     from fastpo.envs import EnvError
 
     try:

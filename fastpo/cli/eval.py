@@ -16,10 +16,10 @@ def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from fastpo import distributed as fdist
-    from fastpo.config_fields import ConfigError
+    from fastpo.distributed.context import DistributedError, SINGLE, init_from_env, shutdown, torchrun_env
+    from fastpo.config.fields import ConfigError
 
-    where = fdist.torchrun_env()  # under torchrun each process evaluates its share of the seeds
+    where = torchrun_env()  # under torchrun each process evaluates its share of the seeds
     main_rank = where is None or where[0] == 0
     console = Console(quiet=not main_rank)  # rank 0 speaks for the job
     if not main_rank:
@@ -58,12 +58,12 @@ def cmd_eval(args) -> int:
             console.print(run.describe(), markup=False)
             if run.mismatch_note():
                 console.print(run.mismatch_note(), style="yellow", markup=False)
-        ctx = fdist.init_from_env(cfg.trainer.device) if where is not None else fdist.SINGLE
+        ctx = init_from_env(cfg.trainer.device) if where is not None else SINGLE
         try:
             res = run_eval(cfg, console=console, samples_dir=args.samples, dist=ctx)
         finally:
-            fdist.shutdown(ctx)
-    except (ConfigError, FileNotFoundError, fdist.DistributedError) as e:
+            shutdown(ctx)
+    except (ConfigError, FileNotFoundError, DistributedError) as e:
         if main_rank:
             print(f"fastpo eval: error: {e}", file=sys.stderr)
         return 2

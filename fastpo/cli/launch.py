@@ -12,20 +12,21 @@ def check_processes(args, argv: list[str]) -> int | None:
     """`--nproc` and torchrun: None to go on in this process, else the exit status (2 for bad
     input). --nproc N > 1 runs torchrun's launcher in this process (`launch_processes`) and
     gives the job's exit status."""
-    from fastpo import distributed as fdist
-    from fastpo.config_fields import ConfigError
+    from fastpo.distributed.context import DistributedError, torchrun_env
+    from fastpo.distributed.launch import check_nproc, check_trainer_support, strip_nproc
+    from fastpo.config.fields import ConfigError
 
     nproc = getattr(args, "nproc", None)
     try:
         if nproc is not None:
-            fdist.check_nproc(nproc, args.device)
-        fdist.torchrun_env()  # bad torchrun variables: one line
+            check_nproc(nproc, args.device)
+        torchrun_env()  # bad torchrun variables: one line
         if (nproc or 1) > 1:  # what the N processes would each refuse, said once before torchrun starts them
             name = args.model
             if args.command == "train":
                 if args.resume is None:
                     cfg = build_config(args, [])
-                    fdist.check_trainer_support(cfg, args.nproc)
+                    check_trainer_support(cfg, args.nproc)
                 else:
                     cfg = resumed_run_config(args)  # a folder that is no run, a setting a resume cannot change
                 name = cfg.model.name
@@ -33,17 +34,17 @@ def check_processes(args, argv: list[str]) -> int | None:
                 from fastpo.models import check_model_name
 
                 check_model_name(name)
-    except (fdist.DistributedError, ConfigError, FileNotFoundError) as e:
+    except (DistributedError, ConfigError, FileNotFoundError) as e:
         print(f"fastpo {args.command}: error: {e}", file=sys.stderr)
         return 2
     if (nproc or 1) > 1:  # torchrun runs N of this command
-        return launch_processes(nproc, fdist.strip_nproc(argv))
+        return launch_processes(nproc, strip_nproc(argv))
     return None
 
 
 def launch_processes(nproc: int, argv: list[str]) -> int:
     """Run `fastpo <argv>` in `nproc` processes with torchrun's own launcher (the arguments of
-    `fastpo.distributed.torchrun_command`, run in this process) and return the job's exit status
+    `fastpo.distributed.launch.torchrun_command`, run in this process) and return the job's exit status
     as one process gives it: rank 0's status when a process failed (2 bad input, 1, 130 after
     Ctrl-C, 143 after SIGTERM, 128 + N for a rank killed by signal N), 128 + the signal when this
     launcher got one. A Ctrl-C or SIGTERM reaches the workers (from the terminal, or forwarded by
@@ -57,9 +58,9 @@ def launch_processes(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from fastpo import distributed as fdist
+    from fastpo.distributed.launch import torchrun_command
 
-    cmd = fdist.torchrun_command(nproc, argv)
+    cmd = torchrun_command(nproc, argv)
     targs = parse_args(cmd[3:])  # after `python -m torch.distributed.run`
     # the machine's cores shared out (torchrun would set 1 for each process, with a banner)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -89,9 +90,9 @@ def launch_processes(nproc: int, argv: list[str]) -> int:
 
 def left_a_job() -> bool:
     """Whether this process joined a torchrun job's process group and has left it
-    (fastpo.distributed not imported: it never joined one; the check imports no torch)."""
-    fdist = sys.modules.get("fastpo.distributed")
-    return fdist is not None and fdist.left_job()
+    (fastpo.distributed.context not imported: it never joined one; the check imports no torch)."""
+    context = sys.modules.get("fastpo.distributed.context")
+    return context is not None and context.left_job()
 
 
 def quiet_progress_bars() -> None:

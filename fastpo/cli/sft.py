@@ -11,11 +11,11 @@ def cmd_sft(args) -> int:
     """`fastpo sft`: the exit status (`exit_status`: 0 done, 2 bad input in one line, 1 a checkpoint
     not saved, the game failing or a full disk, 130 / 143 after Ctrl-C / SIGTERM once the
     checkpoint is saved)."""
-    from fastpo.checkpoint import plan_resume
-    from fastpo.run_folder import RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, untrained_start
-    from fastpo.config import default_run_folder
-    from fastpo.config_fields import ConfigError
-    from fastpo.run_folder import SFT_FILE
+    from fastpo.run.checkpoint import plan_resume
+    from fastpo.run.folder import RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, untrained_start
+    from fastpo.config.schema import default_run_folder
+    from fastpo.config.fields import ConfigError
+    from fastpo.run.folder import SFT_FILE
     from fastpo.sft import (SFT_CPU_GAME_DEFAULTS, SFT_DEFAULT_OVERRIDES, SFTTrainer, check_disjoint, check_expert,
                             read_sft_config, sft_config)
     from fastpo.trainer import Stopped
@@ -44,7 +44,7 @@ def cmd_sft(args) -> int:
             else:
                 plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
         else:
-            from fastpo.presets import default_preset
+            from fastpo.config.presets import default_preset
 
             extra = list(SFT_DEFAULT_OVERRIDES)
             game, game_sft = SFT_CPU_GAME_DEFAULTS.get(args.env, ([], [])) if \

@@ -15,19 +15,19 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     iteration 1 with OUT's config.yaml: `args.resume` becomes None and `args.out` OUT. Raises
     ConfigError for an option that cannot change mid-run or the data-parallel trainer does not
     support, RunFolderBusy when another process holds OUT."""
-    from fastpo import distributed as fdist
-    from fastpo.checkpoint import nothing_to_train_note, plan_resume, tidy_run_folder
-    from fastpo.run_folder import RunLock, untrained_start
-    from fastpo.config_fields import ConfigError
-    from fastpo.metrics import warn_user
-    from fastpo.run_folder import SFT_FILE
+    from fastpo.distributed.launch import check_trainer_support
+    from fastpo.run.checkpoint import nothing_to_train_note, plan_resume, tidy_run_folder
+    from fastpo.run.folder import RunLock, untrained_start
+    from fastpo.config.fields import ConfigError
+    from fastpo.report.metrics import warn_user
+    from fastpo.run.folder import SFT_FILE
 
     cfg = resumed_run_config(args)
     if os.path.isfile(os.path.join(args.resume, SFT_FILE)):
         raise ConfigError(f"--resume {args.resume} is a `fastpo sft` run: continue it with `fastpo sft --resume "
                           f"{args.resume}`, or start StarPO from its model with `fastpo train --env {cfg.env.name} "
                           f"--model {args.resume}`")
-    fdist.check_trainer_support(cfg, world, torchrun=torchrun)
+    check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
     if untrained_start(args.resume):  # stopped or failed before its first checkpoint
         console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing was "
@@ -54,9 +54,9 @@ def _new_run_config(args, world: int, torchrun: bool, console):
     """The configuration of a new run, with its run folder chosen: `--out` as given (refused
     when it holds a run, unless --overwrite), else the default folder or the first free
     `<default>-N` after it. Raises ConfigError, RunFolderBusy."""
-    from fastpo import distributed as fdist
-    from fastpo.run_folder import RunLock, fresh_run_folder, run_folder_in_use
-    from fastpo.config_fields import ConfigError
+    from fastpo.distributed.launch import check_trainer_support
+    from fastpo.run.folder import RunLock, fresh_run_folder, run_folder_in_use
+    from fastpo.config.fields import ConfigError
 
     if args.out is not None and not args.out.strip():
         raise ConfigError("--out needs a folder name")
@@ -64,7 +64,7 @@ def _new_run_config(args, world: int, torchrun: bool, console):
     if args.iterations is not None:
         extra.append(f"trainer.iterations={args.iterations}")
     cfg = build_config(args, extra, {"trainer.output_dir": args.out} if args.out is not None else None)
-    fdist.check_trainer_support(cfg, world, torchrun=torchrun)
+    check_trainer_support(cfg, world, torchrun=torchrun)
     if args.out is not None:
         RunLock(args.out).check()
     used = run_folder_in_use(cfg.trainer.output_dir)
@@ -81,11 +81,12 @@ def _new_run_config(args, world: int, torchrun: bool, console):
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.run_folder import RunFolderBusy
-    from fastpo import distributed as fdist
-    from fastpo.config_fields import ConfigError
+    from fastpo.run.folder import RunFolderBusy
+    from fastpo.distributed.collectives import on_main
+    from fastpo.distributed.context import DistributedError, SINGLE, init_from_env, shutdown, torchrun_env
+    from fastpo.config.fields import ConfigError
 
-    where = fdist.torchrun_env()
+    where = torchrun_env()
     world = where[1] if where is not None else 1
     main_rank = where is None or where[0] == 0
     console = Console(quiet=not main_rank)  # rank 0 speaks for a data-parallel job
@@ -104,19 +105,19 @@ def cmd_train(args) -> int:
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         check_model_name(cfg.model.name)  # a name that names no model: said before the run's banner
         check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
-        ctx = fdist.SINGLE
+        ctx = SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's
             # choice of run folder is everyone's
-            ctx = fdist.init_from_env(cfg.trainer.device)
-            cfg.trainer.output_dir = fdist.on_main(ctx, lambda: cfg.trainer.output_dir)
-    except (ConfigError, FileNotFoundError, RunFolderBusy, fdist.DistributedError) as e:
+            ctx = init_from_env(cfg.trainer.device)
+            cfg.trainer.output_dir = on_main(ctx, lambda: cfg.trainer.output_dir)
+    except (ConfigError, FileNotFoundError, RunFolderBusy, DistributedError) as e:
         if main_rank:
             print(f"fastpo train: error: {e}", file=sys.stderr)
         return 2
     try:
         return _train_in_process(args, cfg, ctx, console)
     finally:
-        fdist.shutdown(ctx)
+        shutdown(ctx)
 
 
 def _train_in_process(args, cfg, ctx, console) -> int:

@@ -442,7 +442,7 @@ class PythonBatchedEnv:
             self.step(np.zeros((self.batch_size, 1), dtype=np.int64))
         again = self.reset([0] * self.batch_size)
         if again != first:  # not an error: some games mean it, but env groups then mislead
-            from fastpo.metrics import warn_user
+            from fastpo.report.metrics import warn_user
 
             warn_user(f"environment {self.name!r}: reset(0) after a game gave another first observation "
                       f"({again[0]!r:.60} vs {first[0]!r:.60}): the trajectories of an env group start from "

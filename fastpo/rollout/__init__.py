@@ -6,7 +6,7 @@ group prefix sharing), the optional SGLang engine, and the token-in-token-out lo
     rollout = MultiTurnRollout(engine, tokenizer, "frozenlake", {}, RolloutConfig(max_turns=5))
     batch = rollout.generate(seeds=[0, 1], group_size=4)     # a TrajectoryBatch of 8
 """
-from fastpo.config import RolloutConfig
+from fastpo.config.schema import RolloutConfig
 
 from .batch import TrajectoryBatch
 from .engine import NativeEngine, TurnOutput

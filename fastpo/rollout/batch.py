@@ -41,7 +41,7 @@ class TrajectoryBatch:
             executed actions that changed the state; penalised_turns: int64 [B], turns that
             got the format penalty. None when the producer did not count them.
     Bounded context window only (rollout.context_window = K; empty lists otherwise; see
-    fastpo/window.py): context_turns: int64 [L_i], the turn of each token (0: the always
+    fastpo/rollout/window.py): context_turns: int64 [L_i], the turn of each token (0: the always
     kept head); visible_from: int64 [L_i], the oldest turn the token attended to when it
     was fed. The trainer rebuilds the sampler's attention from these two.
     metrics: dict of floats for the whole batch (see MultiTurnRollout.generate).

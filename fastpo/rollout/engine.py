@@ -27,7 +27,7 @@ drops the KV entries of the session's tokens at positions [lo, hi) (masked out, 
 next compaction), and tokens in that range not fed yet (the pending last token of a response,
 the head of the next append) are skipped, never fed. Kept tokens keep their positions (RoPE
 positions are never shifted), so the trainer reproduces the sampler's context with the
-trajectory's own position ids and a per-turn attention mask (fastpo/window.py).
+trajectory's own position ids and a per-turn attention mask (fastpo/rollout/window.py).
 ``rewind(session, length)`` drops everything from position `length` on and feeds the next
 append from that position (re-prefilling a window with fresh positions; the benchmark's
 baseline). Per column the buffer also keeps each entry's position and token id

@@ -25,7 +25,7 @@ kept as they are.
 
 Context window (cfg.context_window = K): before turn j > K the engine evicts turn j-K's
 tokens from the session (positions kept), and the batch records per token its turn and the
-oldest turn it saw (`context_turns`, `visible_from`; fastpo/window.py), which the trainer
+oldest turn it saw (`context_turns`, `visible_from`; fastpo/rollout/window.py), which the trainer
 turns into the same attention. `refill_window = True` (benchmark baseline only, not
 trainable) instead re-prefills the kept turns each turn with fresh positions.
 """
@@ -37,8 +37,8 @@ import time
 import numpy as np
 import torch
 
-from fastpo import window as ctxwin
-from fastpo.config import RolloutConfig, context_window_turns
+import fastpo.rollout.window as ctxwin
+from fastpo.config.schema import RolloutConfig, context_window_turns
 
 from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from fastpo.config import RolloutConfig
+from fastpo.config.schema import RolloutConfig
 
 from .batch import TrajectoryBatch
 from .multiturn import TurnCounters, closing_question, end_reason, env_turn

@@ -12,8 +12,8 @@ import dataclasses
 
 import torch
 
-from fastpo.config import TOP_K_RULE, TOP_P_RULE
-from fastpo.config_fields import check_fields, checked
+from fastpo.config.schema import TOP_K_RULE, TOP_P_RULE
+from fastpo.config.fields import check_fields, checked
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ Stopping: Ctrl-C (SIGINT) finishes the iteration, saves and exits; SIGTERM (what
 send before they kill) stops within a bounded time: an iteration whose update has not begun
 is dropped at once (resume redoes it identically), an update under way is finished, and an
 evaluation it interrupts or would start is postponed to the resume; then the last complete
-iteration is saved. The process holds its run folder (`fastpo.checkpoint.RunLock`).
+iteration is saved. The process holds its run folder (`fastpo.run.checkpoint.RunLock`).
 Data parallel, a signal takes effect at the next point the ranks share (before the
 iteration's update, where SIGTERM drops the iteration, or after it), so a rollout or an
 evaluation under way finishes first; rank 0 saves; there is no second-signal abort

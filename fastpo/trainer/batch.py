@@ -33,7 +33,7 @@ class TrainBatch:
     values: with a critic). ref_logprobs: [T_i] fp32, the frozen reference model's (KL
     term). is_weights: [T_i] fp32 importance-sampling weights (algorithm.is_correction).
     context_turns, visible_from: [T_i] int64, the context window's per-token turn label and
-    the first turn that token's query sees (fastpo/window.py); None with a full context.
+    the first turn that token's query sees (fastpo/rollout/window.py); None with a full context.
     sampled_at: the iteration that sampled each trajectory (replay's age).
     """
 

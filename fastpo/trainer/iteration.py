@@ -12,10 +12,13 @@ import numpy as np
 import torch
 
 from fastpo import algorithms as alg
-from fastpo import distributed as fdist
-from fastpo import fsdp as ffsdp
+from fastpo.memory import held_state_mib, peak_memory_mib
+from fastpo.distributed.collectives import all_reduce, gather_to_main, masked_mean, masked_whiten, on_main, per_rank, weighted_means
+from fastpo.distributed.context import DistContext
+from fastpo.distributed.data_parallel import global_filter, rank_seeds
+import fastpo.trainer.fsdp as ffsdp
 from fastpo.memory import release_free_memory
-from fastpo.metrics import rollout_metrics
+from fastpo.report.metrics import rollout_metrics
 from fastpo.registry import estimator
 from fastpo.seeds import rollout_sampling_seed
 from fastpo.trainer.batch import TrainBatch
@@ -34,10 +37,10 @@ def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 class Advantages:
     """Step 4's estimator: per-trajectory advantages (and returns) of a batch under `cfg`'s
     algorithm and `plan` (the KL on the reward or not); data parallel: batch statistics over
-    every rank of `dist`. Needs no model: `Advantages(cfg, fastpo.distributed.SINGLE,
+    every rank of `dist`. Needs no model: `Advantages(cfg, fastpo.distributed.context.SINGLE,
     rl_plan(cfg, False)).compute(...)` works on hand-made batches."""
 
-    def __init__(self, cfg, dist: fdist.DistContext, plan):
+    def __init__(self, cfg, dist: DistContext, plan):
         self.cfg, self.dist, self.plan = cfg, dist, plan
 
     def compute(self, batch, masks, vals, old_lp=None, ref=None) -> tuple[list, Optional[list], dict]:
@@ -67,8 +70,8 @@ class Advantages:
             KL, metrics["train/kl_reward"] = self._token_kl(M, old_lp, ref)
         ctx = self.dist
         inputs = alg.AdvantageInputs(M, batch.group_ids, gamma=a.gamma, lam=a.lam, whiten_advantages=a.whiten_advantages,
-                                     batch_mean=functools.partial(fdist.masked_mean, ctx),
-                                     batch_whiten=functools.partial(fdist.masked_whiten, ctx))
+                                     batch_mean=functools.partial(masked_mean, ctx),
+                                     batch_whiten=functools.partial(masked_whiten, ctx))
         if spec.token_level:  # token rewards
             R = self._token_rewards(batch, M)
             inputs.rewards = R if KL is None else R - a.kl_coef * KL
@@ -95,12 +98,12 @@ class Advantages:
             return [], None, {}
         empty, none = torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.bool)
         if not spec.needs_critic:
-            fdist.masked_whiten(ctx, empty, none, unbiased=True)
+            masked_whiten(ctx, empty, none, unbiased=True)
             return [], None, {}
-        m = {"critic/return_mean": fdist.masked_mean(ctx, empty, none),
-             "critic/value_mean": fdist.masked_mean(ctx, empty, none)}
+        m = {"critic/return_mean": masked_mean(ctx, empty, none),
+             "critic/value_mean": masked_mean(ctx, empty, none)}
         if a.whiten_advantages:
-            fdist.masked_whiten(ctx, empty, none)
+            masked_whiten(ctx, empty, none)
         return [], [], m
 
     def _token_kl(self, M: torch.Tensor, old_lp: list, ref: list) -> tuple[torch.Tensor, float]:
@@ -136,7 +139,7 @@ class StarPOIteration:
     `run(it)` reads top to bottom as the steps of fastpo.trainer's docstring, each step a
     method that takes and returns values. `warn(text)`: the run's user warnings."""
 
-    def __init__(self, cfg, dist: fdist.DistContext, parts: Parts, stop: StopControl, warn):
+    def __init__(self, cfg, dist: DistContext, parts: Parts, stop: StopControl, warn):
         self.cfg, self.dist, self.parts, self.stop, self.warn = cfg, dist, parts, stop, warn
         self.models, self.plan, self.schedule = parts.models, parts.plan, parts.schedule
         self.advantages = Advantages(cfg, dist, parts.plan)
@@ -195,7 +198,7 @@ class StarPOIteration:
         t0 = time.perf_counter()
         ctx = self.dist
         # this process's whole env groups, their seeds and ids as in one process
-        group_ids, seeds = fdist.rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
+        group_ids, seeds = rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
         # each group its own sampling stream, else one stream for the whole batch (RunPlan)
         extra = {"group_ids": group_ids} if self.plan.per_group_streams else {}
         full = self.parts.sampler.generate(seeds, r.group_size, r.temperature,
@@ -204,8 +207,8 @@ class StarPOIteration:
         sync_s = self.parts.sampler.take_weight_sync_seconds()
         tm["time/rollout_s"] = time.perf_counter() - t0 - sync_s
         tm["time/weight_sync_s"] = sync_s
-        turns = int(fdist.all_reduce(ctx, [int(full.num_turns.sum())])[0])
-        longest = int(fdist.all_reduce(ctx, [max(int(x.numel()) for x in full.input_ids)], "max")[0])
+        turns = int(all_reduce(ctx, [int(full.num_turns.sum())])[0])
+        longest = int(all_reduce(ctx, [max(int(x.numel()) for x in full.input_ids)], "max")[0])
         if not turns:
             raise NothingToTrain(
                 f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
@@ -224,7 +227,7 @@ class StarPOIteration:
         groups dropped) the full batch is still scored for its metrics, then the update is
         skipped."""
         a = self.cfg.algorithm
-        filt = fdist.global_filter(self.dist, full.scores.float(), full.group_ids, a.filter_ratio,
+        filt = global_filter(self.dist, full.scores.float(), full.group_ids, a.filter_ratio,
                                    self.plan.filter_mode, a.filter_strategy, a.filter_top_p_mode, a.filter_eps,
                                    a.filter_keep_zero_std)
         kept = filt.indices.numel()
@@ -268,7 +271,7 @@ class StarPOIteration:
         result is shared with every rank."""
         from fastpo.rollout.batch import TrajectoryBatch
 
-        pieces = fdist.gather_to_main(self.dist, dataclasses.replace(full, tokenizer=None))
+        pieces = gather_to_main(self.dist, dataclasses.replace(full, tokenizer=None))
 
         def compute():
             whole = pieces[0] if len(pieces) == 1 else TrajectoryBatch.concat(pieces)
@@ -282,7 +285,7 @@ class StarPOIteration:
                                           sum(int(torch.as_tensor(x).sum()) for x in whole.loss_mask)))
             return m, gen, secs
 
-        return fdist.on_main(self.dist, compute)
+        return on_main(self.dist, compute)
 
     def token_metrics(self, batch: TrainBatch, recomputed) -> dict:
         """train/logprob_gap_mean|max and train/rollout_entropy over every rank's scored tokens
@@ -292,14 +295,14 @@ class StarPOIteration:
         e = torch.cat(ent)[allm].double() if masks else torch.zeros(0, dtype=torch.float64)
         out = {}
         # (a rank without trajectories may not know whether the others recomputed log-probs)
-        if fdist.all_reduce(self.dist, [float(recomputed is not None)], "max")[0]:
+        if all_reduce(self.dist, [float(recomputed is not None)], "max")[0]:
             gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks and recomputed is not None
                    else torch.zeros(0, dtype=torch.float64))
-            n, total = fdist.all_reduce(self.dist, [gap.numel(), float(gap.sum())])
-            top = fdist.all_reduce(self.dist, [float(gap.max()) if gap.numel() else 0.0], "max")[0]
+            n, total = all_reduce(self.dist, [gap.numel(), float(gap.sum())])
+            top = all_reduce(self.dist, [float(gap.max()) if gap.numel() else 0.0], "max")[0]
             out["train/logprob_gap_mean"] = total / n if n else 0.0
             out["train/logprob_gap_max"] = top if n else 0.0
-        n, total = fdist.all_reduce(self.dist, [e.numel(), float(e.sum())])
+        n, total = all_reduce(self.dist, [e.numel(), float(e.sum())])
         out["train/rollout_entropy"] = total / n if n else 0.0
         return out
 
@@ -307,14 +310,14 @@ class StarPOIteration:
         """`compute_advantages`' batch metrics over every rank: the mean and sample std (n - 1)
         of the advantages on scored tokens, and the KL-in-reward mean over trajectories."""
         x = torch.cat([a[m] for a, m in zip(adv, masks)]).double() if masks else torch.zeros(0, dtype=torch.float64)
-        n, s1, s2 = fdist.all_reduce(self.dist, [x.numel(), float(x.sum()), float((x * x).sum())])
+        n, s1, s2 = all_reduce(self.dist, [x.numel(), float(x.sum()), float((x * x).sum())])
         out = dict(local)
         mean = s1 / n if n else 0.0
         out["train/advantage_mean"] = mean
         out["train/advantage_std"] = float(np.sqrt(max(0.0, (s2 - n * mean * mean) / (n - 1)))) if n > 1 else 0.0
         if self.plan.kl_coef > 0 and self.plan.kl_in_reward:
             with_tokens = sum(1 for m in masks if bool(m.any()))
-            out["train/kl_reward"] = fdist.weighted_means(self.dist, {"kl": local.get("train/kl_reward", 0.0)},
+            out["train/kl_reward"] = weighted_means(self.dist, {"kl": local.get("train/kl_reward", 0.0)},
                                                           with_tokens)["kl"]
         return out
 
@@ -325,11 +328,11 @@ class StarPOIteration:
 
         scores = batch.scores.float()
         local = max(group_reward_std(scores, batch.group_ids).values(), default=0.0) if len(scores) else 0.0
-        top = fdist.all_reduce(self.dist, [local], "max")[0]
+        top = all_reduce(self.dist, [local], "max")[0]
         w = alg.soft_advantage_weights(scores, batch.group_ids, top=top) if len(scores) else torch.zeros(0)
-        n, total = fdist.all_reduce(self.dist, [w.numel(), float(w.double().sum())])
-        lo = -fdist.all_reduce(self.dist, [-float(w.min()) if w.numel() else -np.inf], "max")[0]
-        hi = fdist.all_reduce(self.dist, [float(w.max()) if w.numel() else -np.inf], "max")[0]
+        n, total = all_reduce(self.dist, [w.numel(), float(w.double().sum())])
+        lo = -all_reduce(self.dist, [-float(w.min()) if w.numel() else -np.inf], "max")[0]
+        hi = all_reduce(self.dist, [float(w.max()) if w.numel() else -np.inf], "max")[0]
         return w, {"train/soft_reweight_min": lo, "train/soft_reweight_max": hi,
                    "train/soft_reweight_mean": total / n if n else 0.0}
 
@@ -338,16 +341,16 @@ class StarPOIteration:
         the filter) and the parameters and optimizer state it holds of the trained modules (MiB:
         the whole model replicated, about 1/N of it under FSDP2) as dist/rank<R>/<name>."""
         out = {}
-        for r, v in enumerate(fdist.per_rank(self.dist, trajectories)):
+        for r, v in enumerate(per_rank(self.dist, trajectories)):
             out[f"dist/rank{r}/trajectories"] = int(v)
         for key in ("time/rollout_s", "time/old_logprob_s", "time/update_s"):
-            for r, v in enumerate(fdist.per_rank(self.dist, tm.get(key, 0.0))):
+            for r, v in enumerate(per_rank(self.dist, tm.get(key, 0.0))):
                 out[f"dist/rank{r}/{key[5:]}"] = v
-        for r, v in enumerate(fdist.per_rank(self.dist, fdist.peak_memory_mib(self.models.device))):
+        for r, v in enumerate(per_rank(self.dist, peak_memory_mib(self.models.device))):
             out[f"dist/rank{r}/peak_memory_mib"] = v
-        held = fdist.held_state_mib(self.models.trained(), self.parts.updater.optimizers().values())
+        held = held_state_mib(self.models.trained(), self.parts.updater.optimizers().values())
         for name, value in zip(("parameter_mib", "optimizer_state_mib"), held):
-            for r, v in enumerate(fdist.per_rank(self.dist, value)):
+            for r, v in enumerate(per_rank(self.dist, value)):
                 out[f"dist/rank{r}/{name}"] = v
         return out
 

@@ -9,11 +9,13 @@ import signal
 import time
 from typing import Optional
 
-from fastpo import distributed as fdist
-from fastpo import fsdp as ffsdp
-from fastpo.checkpoint import save_checkpoint
-from fastpo.config import TrainConfig
-from fastpo.config_files import dump_yaml
+from fastpo.distributed.collectives import all_reduce
+
+from fastpo.distributed.context import DistContext
+import fastpo.trainer.fsdp as ffsdp
+from fastpo.run.checkpoint import save_checkpoint
+from fastpo.config.schema import TrainConfig
+from fastpo.config.files import dump_yaml
 from fastpo.trainer.models import Models
 
 
@@ -62,7 +64,7 @@ class StopControl:
     agreement on them (`sync`), phases a SIGTERM may drop (`droppable`), and whether the
     current iteration's update has begun (`iteration_begins`, `update_begins`)."""
 
-    def __init__(self, dist: fdist.DistContext, console):
+    def __init__(self, dist: DistContext, console):
         self.dist, self.console = dist, console
         self.state = StopState()  # what the signal handler writes and the loop reads
 
@@ -79,7 +81,7 @@ class StopControl:
         so that all of them stop at the same point; SIGTERM wins over SIGINT (one process: its
         own request). Returns whether a stop is requested."""
         st = self.state
-        stop, term = fdist.all_reduce(self.dist, [float(st.requested), float(st.term)], "max")
+        stop, term = all_reduce(self.dist, [float(st.requested), float(st.term)], "max")
         if stop and not st.requested:
             st.requested = st.interrupted = True
         if stop:
@@ -132,14 +134,14 @@ class StopControl:
 
 
 class Checkpointer:
-    """Writes the run's checkpoints (`fastpo.checkpoint.save_checkpoint`): model, tokenizer,
+    """Writes the run's checkpoints (`fastpo.run.checkpoint.save_checkpoint`): model, tokenizer,
     optimizers, critic, RNG states and the loop's state. Data parallel: rank 0 writes them in
     the one-process format (whole model and optimizer state, so any world size resumes from
     it); replicated ranks are equal, rank 0 writes its own; FSDP2: every rank first joins the
     gathering of the full model, critic and optimizer states
     (`torch.distributed.checkpoint.state_dict`), which rank 0 writes."""
 
-    def __init__(self, cfg: TrainConfig, dist: fdist.DistContext, models: Models, optimizers: dict, out: str,
+    def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, optimizers: dict, out: str,
                  console):
         self.cfg, self.dist, self.models, self.optimizers, self.out, self.console = \
             cfg, dist, models, optimizers, out, console

@@ -9,16 +9,18 @@ import signal
 import time
 from typing import Any, Optional
 
-from fastpo import distributed as fdist
-from fastpo import fsdp as ffsdp
-from fastpo.checkpoint import CheckpointSaveError, nothing_to_train_note, rng_state
-from fastpo.run_folder import LOCK_FILE, RunLock, untrained_start
-from fastpo.config import TrainConfig
-from fastpo.presets import cpu_preset_note
+from fastpo.distributed.context import DistContext, SINGLE
+
+from fastpo.distributed.launch import check_trainer_support
+import fastpo.trainer.fsdp as ffsdp
+from fastpo.run.checkpoint import CheckpointSaveError, nothing_to_train_note, rng_state
+from fastpo.run.folder import LOCK_FILE, RunLock, untrained_start
+from fastpo.config.schema import TrainConfig
+from fastpo.config.presets import cpu_preset_note
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
-from fastpo.metrics import warn_user
-from fastpo.plots import plot_curves
-from fastpo.summary import before_after_note, before_after_table, summary_table
+from fastpo.report.metrics import warn_user
+from fastpo.report.plots import plot_curves
+from fastpo.report.summary import before_after_note, before_after_table, summary_table
 from fastpo.models import resolve_device
 from fastpo.trainer.iteration import StarPOIteration
 from fastpo.trainer.lifecycle import Dropped, StopControl, Stopped
@@ -48,7 +50,7 @@ class RunTrainer:
     resume_command = "fastpo train --resume"
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
-                 stop_after: Optional[int] = None, overwrite: bool = False, dist: fdist.DistContext = fdist.SINGLE,
+                 stop_after: Optional[int] = None, overwrite: bool = False, dist: DistContext = SINGLE,
                  trust_checkpoint: bool = False):
         from rich.console import Console
 
@@ -76,7 +78,7 @@ class RunTrainer:
         return self.parts.sampler.evaluate(it)
 
     def warn(self, text: str) -> None:
-        """A warning for the user (`fastpo.metrics.warn_user`: the "fastpo" logger, shown on
+        """A warning for the user (`fastpo.report.metrics.warn_user`: the "fastpo" logger, shown on
         this run's console unless that logger has handlers of its own); rank 0's only."""
         if self.dist.is_main:
             warn_user(text, self.console)
@@ -441,22 +443,22 @@ class _RunProgress:
 
 
 def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False,
-          dist: fdist.DistContext = fdist.SINGLE, trust_checkpoint: bool = False) -> list[dict]:
+          dist: DistContext = SINGLE, trust_checkpoint: bool = False) -> list[dict]:
     """Build a Trainer and run it; prints what the CPU preset scaled down.
 
     A new run (resume=False) refuses an output folder that already holds a run
     (FileExistsError) unless `overwrite` is true, which clears that run first. Raises
     Stopped (a KeyboardInterrupt) after a Ctrl-C or SIGTERM stop, once the checkpoint is saved.
-    `dist`: this process's place in a data-parallel job (`fastpo.distributed.init_from_env`);
-    the default is one process. Raises fastpo.distributed.DistributedError for a setting the
+    `dist`: this process's place in a data-parallel job (`fastpo.distributed.context.init_from_env`);
+    the default is one process. Raises fastpo.distributed.context.DistributedError for a setting the
     data-parallel trainer does not support (`check_trainer_support`). `trust_checkpoint`
     (`--trust-checkpoint`): a resume may load checkpoint files that need full unpickling
     (an older fastpo's), with a warning; without it they raise
-    fastpo.checkpoint.UntrustedCheckpoint (a ConfigError naming the file).
+    fastpo.run.checkpoint.UntrustedCheckpoint (a ConfigError naming the file).
     """
     from rich.console import Console
 
-    fdist.check_trainer_support(cfg, dist.world_size, torchrun=dist.initialized)
+    check_trainer_support(cfg, dist.world_size, torchrun=dist.initialized)
     console = console or Console(quiet=not dist.is_main)
     if "cpu" in cfg.preset.split(",") and dist.is_main:
         console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")

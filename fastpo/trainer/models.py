@@ -12,9 +12,9 @@ from typing import Any, Optional
 
 import torch
 
-from fastpo.checkpoint import load_checkpoint
-from fastpo.config import TrainConfig
-from fastpo.config_fields import ConfigError
+from fastpo.run.checkpoint import load_checkpoint
+from fastpo.config.schema import TrainConfig
+from fastpo.config.fields import ConfigError
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.models import ModelLoadError, check_lora_targets, load_model_checked
 from fastpo.packing import packing_attention, use_segment_attention

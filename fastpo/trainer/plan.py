@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from fastpo.config import TrainConfig
+from fastpo.config.schema import TrainConfig
 from fastpo.registry import estimator
 
 

@@ -11,10 +11,12 @@ from typing import Callable, Optional
 
 import torch
 
-from fastpo import distributed as fdist
-from fastpo.config import TrainConfig
+from fastpo.distributed.collectives import on_main
+
+from fastpo.distributed.context import DistContext
+from fastpo.config.schema import TrainConfig
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
-from fastpo.metrics import write_samples
+from fastpo.report.metrics import write_samples
 from fastpo.trainer.models import Models
 from fastpo.trainer.plan import RunPlan
 
@@ -48,7 +50,7 @@ class Sampler:
     `rollout`: a `fastpo.rollout.MultiTurnRollout` over `engine`; `out`: the run folder (eval
     outcomes and samples are written there); `warn(text)`: the run's user warnings."""
 
-    def __init__(self, cfg: TrainConfig, dist: fdist.DistContext, models: Models, engine, rollout, plan: RunPlan,
+    def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, engine, rollout, plan: RunPlan,
                  out: str, warn: Callable[[str], None]):
         self.cfg, self.dist, self.models, self.engine, self.rollout = cfg, dist, models, engine, rollout
         self.plan, self.out, self.warn = plan, out, warn
@@ -147,7 +149,7 @@ class Sampler:
             res["time/eval_s"] = time.perf_counter() - t0
             return res
 
-        return fdist.on_main(self.dist, record)
+        return on_main(self.dist, record)
 
     def collapse_metrics(self, batch) -> dict:
         """`collapse/*` (fastpo/trainer/collapse.py) of a rollout batch's first turns, scored by the

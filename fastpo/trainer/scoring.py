@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from fastpo.kernels import linear_logprob_entropy
-from fastpo.config import TrainConfig
+from fastpo.config.schema import TrainConfig
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.packing import (pack_micro_batch, packing_attention, packing_mask_dtype, plan_micro_batches,
                             shared_prefixes)

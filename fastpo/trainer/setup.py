@@ -13,15 +13,17 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from fastpo import distributed as fdist
-from fastpo import fsdp as ffsdp
-from fastpo.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
-from fastpo.run_folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, run_folder_in_use,
+from fastpo.distributed.collectives import broadcast_modules, on_main
+
+from fastpo.distributed.context import DistContext
+import fastpo.trainer.fsdp as ffsdp
+from fastpo.run.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
+from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, run_folder_in_use,
                                untrained_start)
-from fastpo.config import TrainConfig
-from fastpo.config_fields import ConfigError
-from fastpo.config_files import dump_yaml, run_settings
-from fastpo.metrics import EchoTrapDetector, MetricsLogger
+from fastpo.config.schema import TrainConfig
+from fastpo.config.fields import ConfigError
+from fastpo.config.files import dump_yaml, run_settings
+from fastpo.report.metrics import EchoTrapDetector, MetricsLogger
 from fastpo.models import ModelLoadError, load_model_checked
 from fastpo.seeds import iteration_seeds
 from fastpo.trainer.lifecycle import Checkpointer
@@ -150,7 +152,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     cfg, dist, trust = trainer.cfg, trainer.dist, trainer.trust_checkpoint
     models = load_models(cfg, trainer.device, tok, ckpt, trust, trainer.console, plan)
     # data parallel: every replica starts from rank 0's weights (and stays equal: summed gradients)
-    fdist.broadcast_modules(dist, models.policy, models.reference, models.critic_body, models.value_head)
+    broadcast_modules(dist, models.policy, models.reference, models.critic_body, models.value_head)
     if dist.initialized and cfg.trainer.data_parallel == "fsdp":
         if ckpt is not None and models.value_head is not None:  # whole tensors, before sharding
             load_checkpoint(ckpt, critic_backbone=models.critic_body, value_head=models.value_head, trust=trust)
@@ -188,7 +190,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     return Parts(plan, models, scorer, updater, sampler, checkpointer, echo, schedule)
 
 
-def restore(parts: Parts, ckpt: str, dist: fdist.DistContext, trust: bool, console) -> None:
+def restore(parts: Parts, ckpt: str, dist: DistContext, trust: bool, console) -> None:
     """Resume from checkpoint `ckpt`: the optimizers' (sharded: gathered) state, RNG states,
     the loop's state and the reuse/replay schedule into `parts`."""
     m, opts = parts.models, parts.updater.optimizers()
@@ -257,7 +259,7 @@ def open_run(trainer, plan: RunPlan) -> Parts:
         def lock():  # rank 0 alone holds and writes the run folder; the others read it once it is ready
             trainer.lock = prepare_folder(out, trainer.resume, trainer.overwrite, trainer.console)
 
-        fdist.on_main(dist, lock)
+        on_main(dist, lock)
         ckpt = None
         if trainer.resume:
             rp = plan_resume(out, trust=trainer.trust_checkpoint)

@@ -9,9 +9,12 @@ from typing import Any, Callable
 import torch
 
 from fastpo import algorithms as alg
-from fastpo import distributed as fdist
-from fastpo import fsdp as ffsdp
-from fastpo.config import TrainConfig
+from fastpo.distributed.collectives import all_gather_object, all_reduce, per_rank
+from fastpo.distributed.context import DistContext
+from fastpo.distributed.data_parallel import global_loss_denominator, micro_batch_count, scored_counts
+from fastpo.distributed.sharding import all_reduce_gradients
+import fastpo.trainer.fsdp as ffsdp
+from fastpo.config.schema import TrainConfig
 from fastpo.kernels import PolicyLossSettings, linear_policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
@@ -39,10 +42,10 @@ def loss_denominator(loss_agg: str, masks: list, indices: list[int]) -> float:
     """The normaliser of a mini-batch's loss under `loss_agg` (fastpo.kernels.aggregation_weights'
     `denominator`), so that micro-batch losses accumulate to the mini-batch's: its scored tokens
     for "token-mean", else its trajectories with a scored token; at least 1."""
-    return loss_denominator_of(loss_agg, *fdist.scored_counts(masks, indices))
+    return loss_denominator_of(loss_agg, *scored_counts(masks, indices))
 
 
-def epoch_mini_batches(cfg: TrainConfig, dist: fdist.DistContext, masks: list, generator: torch.Generator):
+def epoch_mini_batches(cfg: TrainConfig, dist: DistContext, masks: list, generator: torch.Generator):
     """One PPO epoch's mini-batches of `optim.mini_batch_size` trajectories: shuffled trajectory
     indices (`generator`), the last one smaller when n % mini_batch_size != 0. Yields (indices,
     scored tokens, loss denominator): the denominator of `algorithm.loss_agg`
@@ -51,13 +54,13 @@ def epoch_mini_batches(cfg: TrainConfig, dist: fdist.DistContext, masks: list, g
     none) and the global denominator, so the mini-batches are those of one process whatever
     the world size."""
     size = cfg.optim.mini_batch_size
-    counts = [int(x) for x in fdist.per_rank(dist, len(masks))]
+    counts = [int(x) for x in per_rank(dist, len(masks))]
     offset, total = sum(counts[: dist.rank]), sum(counts)
     perm = torch.randperm(total, generator=generator).tolist()
     for start in range(0, total, size):
         mini = [i - offset for i in perm[start:start + size] if offset <= i < offset + len(masks)]
         n_tok = sum(int(masks[i][1:].sum()) for i in mini)
-        yield mini, n_tok, fdist.global_loss_denominator(dist, cfg.algorithm.loss_agg, masks, mini)
+        yield mini, n_tok, global_loss_denominator(dist, cfg.algorithm.loss_agg, masks, mini)
 
 
 class MetricMeans:
@@ -99,7 +102,7 @@ class PolicyUpdater:
     `warn(text)`: the run's user warnings. Data parallel: gradients summed over the ranks
     before clipping (FSDP2: reduce-scattered in the backward)."""
 
-    def __init__(self, cfg: TrainConfig, dist: fdist.DistContext, models: Models, scorer: Scorer, plan: RunPlan,
+    def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, scorer: Scorer, plan: RunPlan,
                  warn: Callable[[str], None]):
         self.cfg, self.dist, self.models, self.scorer, self.plan, self.warn = cfg, dist, models, scorer, plan, warn
         o = cfg.optim
@@ -139,9 +142,9 @@ class PolicyUpdater:
         else:
             finite, tokens = self._accumulate(batch, indices, loss_fn, metrics)
         # every rank steps, or none; the gradient is the sum over ranks (one process: as it is)
-        finite = fdist.all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
+        finite = all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
         if finite and self.models.fsdp_root is None:  # (FSDP2 reduce-scattered them in the backward)
-            fdist.all_reduce_gradients(self.dist, self.trained_parameters())
+            all_reduce_gradients(self.dist, self.trained_parameters())
         if finite and self.optimizer_step(metrics):
             return True, tokens
         self.zero_grad()
@@ -169,7 +172,7 @@ class PolicyUpdater:
                          metrics: MetricMeans) -> tuple[bool, int]:
         """FSDP2: accumulate this rank's gradient of its trajectories `indices`, each
         micro-batch's loss computed inside the FSDP root's forward, then empty micro-batches up
-        to the largest rank's count (`fdist.micro_batch_count`: every forward and backward runs
+        to the largest rank's count (`micro_batch_count`: every forward and backward runs
         FSDP's all-gathers and reduce-scatters, so every rank runs as many). A non-finite loss
         is still backpropagated (the same collectives on every rank); the step is then skipped
         on every rank. Returns (finite, trained tokens)."""
@@ -177,7 +180,7 @@ class PolicyUpdater:
         real = [(m, sc) for m in self.scorer.micro_batches(batch, indices) for sc in (m.scored(batch.loss_mask),)
                 if sc.count]
         finite, tokens = True, 0
-        for k in range(fdist.micro_batch_count(self.dist, len(real))):
+        for k in range(micro_batch_count(self.dist, len(real))):
             if k >= len(real):
                 root(self._empty_micro_loss).backward()
                 continue
@@ -256,7 +259,7 @@ class PolicyUpdater:
         self.models.policy.train()
         for _epoch in range(cfg.optim.ppo_epochs):
             for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
-                value_denom = fdist.global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
+                value_denom = global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
                 loss_fn = self.ppo_loss(per_traj, denom, value_denom, metrics)
                 stepped, n = self.step(batch, mini, loss_fn, metrics)
                 train_tokens += n
@@ -267,8 +270,8 @@ class PolicyUpdater:
                 self.warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
         self.finish()
         # means over every rank's micro-batches (and steps)
-        metrics = MetricMeans.merged(fdist.all_gather_object(self.dist, (metrics.sums, metrics.counts)))
-        train_tokens = int(fdist.all_reduce(self.dist, [train_tokens])[0])
+        metrics = MetricMeans.merged(all_gather_object(self.dist, (metrics.sums, metrics.counts)))
+        train_tokens = int(all_reduce(self.dist, [train_tokens])[0])
         res = metrics.means()
         res["actor/updates"] = steps
         res["actor/skipped_updates"] = skipped

@@ -10,7 +10,9 @@ from typing import Callable, Optional
 
 import torch
 
-from fastpo.distributed import DistContext, DistributedError, shard_for_data_parallel
+from fastpo.distributed.context import DistContext, DistributedError
+
+from fastpo.distributed.sharding import shard_for_data_parallel
 
 
 class ShardedRoot(torch.nn.Module):
@@ -148,7 +150,7 @@ def load_full_optimizer_state(ctx: DistContext, root: torch.nn.Module, optimizer
 
 
 class FullStateView:
-    """What `fastpo.checkpoint.save_checkpoint` reads of a module or optimizer (`state_dict()`,
+    """What `fastpo.run.checkpoint.save_checkpoint` reads of a module or optimizer (`state_dict()`,
     `save_pretrained(path)` for a transformers model), served from a full state gathered
     beforehand: rank 0 writes a sharded model's checkpoint in the one-process format."""
 

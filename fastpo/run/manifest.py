@@ -1,5 +1,5 @@
 """A checkpoint's manifest (size and SHA-256 of every file, written last), its verification,
-and the search for the newest intact checkpoint of a run (fastpo.checkpoint saves them)."""
+and the search for the newest intact checkpoint of a run (fastpo.run.checkpoint saves them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import json
 import os
 from typing import Callable, Optional
 
-from fastpo.run_folder import atomic_write_text, fsync_dir
+from fastpo.run.folder import atomic_write_text, fsync_dir
 
 #: The file, in a checkpoint folder, listing every other file's size and SHA-256 (written last).
 MANIFEST = "manifest.json"

@@ -1,6 +1,6 @@
 """What the user sees and keeps: JSONL metrics with EMA copies, TensorBoard/W&B, the Echo-Trap
-early warning, sample trajectories and the rollout's figures; the PNG curves (fastpo.plots)
-and the end-of-run tables (fastpo.summary) are importable from here too.
+early warning, sample trajectories and the rollout's figures; the PNG curves
+(fastpo.report.plots) and the end-of-run tables (fastpo.report.summary) are their own modules.
 
 Metric names follow the field's conventions; units are in the name where they are not obvious
 (`time/rollout_s` seconds, `perf/train_tokens_per_s`). Every logged scalar `k` also gets an
@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from typing import Any, Callable, Iterable, Optional
 
-# The plots (fastpo.plots), the end-of-run tables (fastpo.summary) and the numeric helpers
-# (fastpo.stats) live in their own modules: import their names from there.
-from fastpo.stats import finite_number
+# The plots (fastpo.report.plots), the end-of-run tables (fastpo.report.summary) and the numeric helpers
+# (fastpo.report.stats) live in their own modules: import their names from there.
+from fastpo.report.stats import finite_number
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
 #: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
@@ -111,7 +111,7 @@ class MetricsLogger:
             self.ema[k] = float(v) if prev is None else self.decay * prev + (1 - self.decay) * float(v)
 
     def _rewrite(self) -> None:
-        from fastpo.run_folder import atomic_write_text
+        from fastpo.run.folder import atomic_write_text
 
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in self.records))
 

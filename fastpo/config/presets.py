@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from fastpo.registry import estimator
 
 if TYPE_CHECKING:
-    from fastpo.config import TrainConfig
+    from fastpo.config.schema import TrainConfig
 
 #: Named presets. "paper" is the defaults; "cpu" is sized to finish `fastpo train --env
 #: frozenlake` on 2 cores in under 10 minutes.

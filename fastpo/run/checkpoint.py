@@ -36,9 +36,9 @@ pruning keeps the `keep` newest intact checkpoints (a damaged one never counts).
 holds a run folder for one process (an OS lock, released when the process dies).
 
 This module saves, loads, prunes and plans the resume; the manifest and the search for the
-newest intact checkpoint are in fastpo.checkpoint_manifest, durable writes and the run
-folder's markers and lock in fastpo.run_folder, the weights' origin and `find_checkpoint` in
-fastpo.checkpoint_origin (all importable from here too).
+newest intact checkpoint are in fastpo.run.manifest, durable writes and the run
+folder's markers and lock in fastpo.run.folder, the weights' origin and `find_checkpoint` in
+fastpo.run.origin (all importable from here too).
 """
 from __future__ import annotations
 
@@ -56,13 +56,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-# The manifest (fastpo.checkpoint_manifest), the run folder (fastpo.run_folder) and the weights'
-# origin (fastpo.checkpoint_origin) live in their own modules: import their names from there.
-from fastpo.checkpoint_manifest import (MANIFEST, checkpoint_names, files_under, checkpoint_iteration,
+# The manifest (fastpo.run.manifest), the run folder (fastpo.run.folder) and the weights'
+# origin (fastpo.run.origin) live in their own modules: import their names from there.
+from fastpo.run.manifest import (MANIFEST, checkpoint_names, files_under, checkpoint_iteration,
                                         search_checkpoints, verify_checkpoint, write_manifest)
-from fastpo.checkpoint_origin import MODEL_META, model_meta
-from fastpo.config_fields import ConfigError
-from fastpo.run_folder import atomic_write_text, fsync_dir
+from fastpo.run.origin import MODEL_META, model_meta
+from fastpo.config.fields import ConfigError
+from fastpo.run.folder import atomic_write_text, fsync_dir
 
 
 def rng_state() -> dict:
@@ -289,8 +289,8 @@ class ResumePlan:
 
         Raises ConfigError (one line naming the file, the checkpoint and the first keys).
         """
-        from fastpo.config_fields import ConfigError
-        from fastpo.config_files import parse_config_yaml
+        from fastpo.config.fields import ConfigError
+        from fastpo.config.files import parse_config_yaml
 
         ran_path, run_path = os.path.join(self.checkpoint, "config.yaml"), os.path.join(out_dir, "config.yaml")
         if not os.path.isfile(ran_path):

@@ -6,7 +6,7 @@ holds a run when it has one of `RUN_MARKERS`, unless that run stopped or failed 
 checkpoint (`untrained_start`: nothing trained, nothing but fastpo's files; the next run reuses
 such a folder); `fresh_run_folder` picks a free one;
 `RunLock` holds a run folder for one process (an OS lock, released when the process dies).
-What interrupted writes leave behind is cleared by `fastpo.checkpoint.tidy_run_folder`.
+What interrupted writes leave behind is cleared by `fastpo.run.checkpoint.tidy_run_folder`.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ SFT_FILE = "sft.yaml"
 #: What a run writes into its folder before its first checkpoint (besides the markers): a folder
 #: holding anything else is never taken for an untrained start.
 _START_FILES = ("plots", "samples", "eval", "tensorboard", "wandb", SFT_FILE, LOCK_FILE)
-#: What an interrupted write leaves (cleared by fastpo.checkpoint.tidy_run_folder).
+#: What an interrupted write leaves (cleared by fastpo.run.checkpoint.tidy_run_folder).
 _TEMPORARIES = ("metrics.jsonl.tmp", "config.yaml.tmp", "sft.yaml.tmp")
 
 
@@ -162,7 +162,7 @@ class RunLock:
         except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            from fastpo.config_fields import ConfigError
+            from fastpo.config.fields import ConfigError
 
             raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
         while True:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from fastpo.stats import finite_number
+from fastpo.report.stats import finite_number
 
 #: Curves the RAGEN paper plots (Fig. 3-5), drawn to OUT/plots/<name>.png.
 PLOT_KEYS: dict[str, str] = {

@@ -15,9 +15,9 @@ A configuration is built in layers, each validated before any model loads:
 `load_config` does all of it; errors are `ConfigError` (a `ValueError`) naming the key.
 
 This module holds the schema, the cross-field checks (`validate`) and `load_config`; the
-field machinery (rules, type checks, overrides, merging) is in fastpo.config_fields, the named
-presets in fastpo.presets, reading and writing config files in fastpo.config_files. Every
-name stays importable from fastpo.config.
+field machinery (rules, type checks, overrides, merging) is in fastpo.config.fields, the named
+presets in fastpo.config.presets, reading and writing config files in fastpo.config.files. The
+package `fastpo.config` exports the public names.
 """
 from __future__ import annotations
 
@@ -28,11 +28,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal, Optional
 
-# The field machinery (fastpo.config_fields), the presets (fastpo.presets) and the YAML files
-# (fastpo.config_files) live in their own modules: import their names from there.
-from fastpo.config_fields import ConfigError, Rule, nested_dict, apply_dict, check_fields, checked, parse_override
-from fastpo.config_files import dig, parse_config_yaml, read_config_file
-from fastpo.presets import PRESETS, default_preset
+# The field machinery (fastpo.config.fields), the presets (fastpo.config.presets) and the YAML files
+# (fastpo.config.files) live in their own modules: import their names from there.
+from fastpo.config.fields import ConfigError, Rule, nested_dict, apply_dict, check_fields, checked, parse_override
+from fastpo.config.files import dig, parse_config_yaml, read_config_file
+from fastpo.config.presets import PRESETS, default_preset
 from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
@@ -152,7 +152,7 @@ class RolloutConfig:
         context_window: "full" (every turn stays in the context) or K >= 1: the last K turns
             (user observation + response) kept, the system prompt and the first user
             message always kept; RAGEN's `limited_multi_turn` with `max_context_window: K`.
-            fastpo evicts the dropped turns' KV entries and keeps positions (fastpo/window.py).
+            fastpo evicts the dropped turns' KV entries and keeps positions (fastpo/rollout/window.py).
     """
 
     max_turns: int = checked(5, at_least(1), "must be >= 1")

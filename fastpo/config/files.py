@@ -6,10 +6,10 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from fastpo.config_fields import ConfigError
+from fastpo.config.fields import ConfigError
 
 if TYPE_CHECKING:
-    from fastpo.config import TrainConfig
+    from fastpo.config.schema import TrainConfig
 
 
 def parse_config_yaml(text: Any, where: str) -> dict:

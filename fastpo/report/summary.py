@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from fastpo.stats import finite_number, standard_error
+from fastpo.report.stats import finite_number, standard_error
 
 SUMMARY_KEYS = [
     ("train/success_rate", "train success rate"),
