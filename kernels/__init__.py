@@ -1,4 +1,5 @@
-"""Fused log-prob, entropy and clipped PPO/GRPO loss from hidden states (Triton + PyTorch).
+"""Fused log-prob, entropy and policy loss (PPO/GRPO/GSPO clip, CISPO, SAPO, Clip-Cov, KL-Cov)
+from hidden states (Triton + PyTorch).
 
 Usable on its own inside other trainers: it imports torch only (Triton lazily, on first
 use of the Triton path), nothing else from fastpo.
@@ -16,14 +17,15 @@ from .api import (IMPLS, PolicyLossOutput, linear_logprob_entropy, linear_policy
                   triton_available)
 from .hf import (causal_lm_hidden_states, causal_lm_logprob_entropy, causal_lm_policy_loss, decoder_body,
                  lm_head_weight)
-from .reference import (RATIO_LEVELS, PolicyLossSettings, aggregate, aggregation_weights, policy_loss_terms,
-                        policy_metrics, reference_logprob_entropy, reference_policy_loss, sequence_log_ratio)
+from .reference import (POLICY_LOSSES, RATIO_LEVELS, PolicyLossSettings, aggregate, aggregation_weights,
+                        covariance_selection, policy_loss_terms, policy_metrics, reference_logprob_entropy,
+                        reference_policy_loss, sequence_log_ratio)
 
 __all__ = [
     "IMPLS", "PolicyLossOutput", "linear_logprob_entropy", "linear_policy_loss", "resolve_impl",
     "triton_available", "causal_lm_hidden_states", "causal_lm_logprob_entropy", "causal_lm_policy_loss",
     "decoder_body", "lm_head_weight",
-    "RATIO_LEVELS", "PolicyLossSettings", "aggregate", "aggregation_weights", "policy_loss_terms", "policy_metrics",
+    "POLICY_LOSSES", "RATIO_LEVELS", "PolicyLossSettings", "covariance_selection", "aggregate", "aggregation_weights", "policy_loss_terms", "policy_metrics",
     "reference_logprob_entropy",
     "reference_policy_loss", "sequence_log_ratio",
 ]

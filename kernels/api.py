@@ -24,8 +24,9 @@ import torch
 
 from . import chunked as _chunked
 from .chunked import OutOfMemoryError
-from .reference import (PolicyLossSettings, aggregate, aggregation_weights, policy_loss_terms, policy_metrics,
-                        reference_logprob_entropy, reference_policy_loss, sequence_log_ratio, zero_rows)
+from .reference import (COVARIANCE_LOSSES, PolicyLossSettings, aggregate, aggregation_weights, covariance_selection,
+                        policy_loss_terms, policy_metrics, reference_logprob_entropy, reference_policy_loss,
+                        sequence_log_ratio, zero_rows)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -394,6 +395,7 @@ def linear_policy_loss(
     cu_seqlens: torch.Tensor | None = None,
     denominator: float | None = None,
     ratio_level: str = "token",
+    loss: str = "ppo",
     is_weights: torch.Tensor | None = None,
     settings: PolicyLossSettings | None = None,
     impl: str = "auto",
@@ -414,9 +416,11 @@ def linear_policy_loss(
     sequence's exp(mean_t log ratio) (`reference.sequence_log_ratio`), clipped per sequence;
     it needs seq_ids or cu_seqlens. `is_weights` [N] float (finite, >= 0 on masked-in
     tokens; constants, no gradient) multiplies each token's policy-gradient term: the
-    importance-sampling correction for a sampler that is not the trainer. `settings`, a
-    `PolicyLossSettings`, gives clip_low ... ratio_level as one object (a trainer builds it
-    once); those keywords must then be left at their defaults.
+    importance-sampling correction for a sampler that is not the trainer. `loss` picks the
+    policy-gradient term: "ppo" (the clipped surrogate above), "cispo", "sapo", "clip_cov" or
+    "kl_cov" (`reference.policy_loss_terms`; their own settings, e.g. SAPO's temperatures,
+    through `settings`). `settings`, a `PolicyLossSettings`, gives clip_low ... loss and those
+    as one object (a trainer builds it once); those keywords must then be left at their defaults.
 
     Returns PolicyLossOutput(loss scalar fp32 differentiable wrt hidden and weight,
     logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats, see
@@ -426,8 +430,8 @@ def linear_policy_loss(
 
     Memory and cost: the [N, V] logits are never held (impl != "reference"). On the
     chunked/Triton paths the gradient is formed during this call, in the same pass that
-    computes each logits tile (the sequence ratio needs every token's log-prob first: with
-    ratio_level "sequence" the chunked path makes two passes, the forward and then the
+    computes each logits tile (the sequence ratio and the covariance losses need every token's
+    log-prob first: with ratio_level "sequence", "clip_cov" or "kl_cov" the chunked path makes two passes, the forward and then the
     gradient pass recomputing the logits, as the Triton path always does), and held until
     `.backward()`: d hidden [N, H] and a full
     d weight [V, H] per call. So call `.backward()` per micro-batch (summing k losses before
@@ -441,7 +445,7 @@ def linear_policy_loss(
     "sequence" without seq_ids or cu_seqlens.
     """
     given = PolicyLossSettings(clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator, temperature,
-                               loss_agg, ratio_level)
+                               loss_agg, ratio_level, loss)
     if settings is not None:
         if given != PolicyLossSettings():
             raise ValueError("give the loss settings as settings= or as keywords, not both")
@@ -500,18 +504,23 @@ def linear_policy_loss(
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(cd), zero)
     isw = None if is_weights is None else torch.where(sel, is_weights.to(cd), zero)
     w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(cd)
-    # GSPO's sequence log-ratio [N]: set from all N log-probs before any term is formed
-    seq = {"log_ratio": None}
+    # GSPO's sequence log-ratio and the covariance losses' chosen tokens [N]: set from all N
+    # log-probs before any term is formed
+    seq = {"log_ratio": None, "cov": None}
+    whole_call = ratio_level == "sequence" or given.loss in COVARIANCE_LOSSES
 
     def terms_of(sl, lp, ent):
-        slr = seq["log_ratio"]
+        slr, cov = seq["log_ratio"], seq["cov"]
         return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl],
                                  seq_log_ratio=None if slr is None else slr[sl],
-                                 is_weights=None if isw is None else isw[sl], settings=given)
+                                 is_weights=None if isw is None else isw[sl],
+                                 cov_selected=None if cov is None else cov[sl], settings=given)
 
     def set_seq_ratio(lp):
         if ratio_level == "sequence":
             seq["log_ratio"] = sequence_log_ratio(lp.to(cd), old, loss_mask, seq_ids)
+        if given.loss in COVARIANCE_LOSSES:
+            seq["cov"] = covariance_selection(lp.to(cd), old, adv, loss_mask, given)
 
     def coef_fn(sl, lp, ent):
         """Elementwise d loss / d logprob and d loss / d entropy for tokens `sl`."""
@@ -525,8 +534,8 @@ def linear_policy_loss(
     def run(need_h, need_w):
         need = need_h or need_w
         # Two passes (forward, then gradients recomputing the logits): always on the Triton path;
-        # on the chunked path when the sequence ratio needs every log-prob before any gradient.
-        if impl in ("triton", "triton-auto") or (need and ratio_level == "sequence"):
+        # on the chunked path when the sequence ratio or the covariance needs every log-prob first.
+        if impl in ("triton", "triton-auto") or (need and whole_call):
             lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
             set_seq_ratio(lp)
             dh = dw = None

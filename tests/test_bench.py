@@ -170,6 +170,19 @@ def test_quick_pyenv_part_measures_the_python_env_share():
     assert 0 < recs[1].fastpo and "with all 4 answers stepped" in recs[1].name
 
 
+def test_quick_losses_part_sets_every_loss_beside_ppo():
+    """bench part losses (issue 35): each new loss's fused fwd+bwd time and peak memory as a
+    ratio to PPO's, measured in one alternation, with the 1.05x target."""
+    part = _load("part_losses")
+    recs = part.run(part.BenchContext(quick=True, repeats=1, parts=("losses",)))
+    assert [r.name.split()[0] for r in recs] == ["cispo", "cispo", "sapo", "sapo", "clip_cov", "clip_cov", "kl_cov",
+                                                 "kl_cov"]
+    for r in recs:
+        assert r.fastpo > 0 and r.baseline > 0 and r.ratio is not None and r.met is not None
+        assert r.baseline_name.startswith("ppo") and r.target == pytest.approx(1 / 1.05)
+    assert "two vocabulary sweeps" in recs[4].notes and "same sweeps" in recs[0].notes
+
+
 def test_limits_of_a_tiny_iteration(tmp_path):
     """bench/limits.py (issue 28): the update, decode and prefill limit fractions of a real
     iteration (tiny preset, random:tiny-llama, 1 turn) are computed, sane, and the update's

@@ -178,3 +178,34 @@ def test_override_with_invalid_yaml_is_one_line():
     with pytest.raises(ConfigError) as e:
         load_config(env="frozenlake", preset="cpu", overrides=["env.options={p:"])
     assert "env.options={p:" in str(e.value) and "not valid YAML" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_policy_loss_keys_are_checked_in_one_line():
+    ok = load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=sapo"])
+    assert ok.algorithm.policy_loss == "sapo" and ok.algorithm.sapo_tau_neg == 1.05
+    bad = [
+        ("algorithm.policy_loss=dpo", "algorithm.policy_loss"),
+        ("algorithm.sapo_tau_pos=0", "algorithm.sapo_tau_pos"),
+        ("algorithm.cov_ratio=0", "algorithm.cov_ratio"),
+        ("algorithm.cov_ratio=2", "algorithm.cov_ratio"),
+        ("algorithm.kl_cov_coef=-1", "algorithm.kl_cov_coef"),
+    ]
+    for override, key in bad:
+        with pytest.raises(ConfigError, match=key) as e:
+            load_config(env="bandit", preset="tiny", overrides=[override])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="algorithm.ratio_level.*not 'kl_cov'"):
+        load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=kl_cov", "algorithm.ratio_level=sequence"])
+    with pytest.raises(ConfigError, match="algorithm.clip_cov_lb.*below algorithm.clip_cov_ub"):
+        load_config(env="bandit", preset="tiny", overrides=["algorithm.clip_cov_lb=5", "algorithm.clip_cov_ub=1"])
+    load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=cispo", "algorithm.ratio_level=sequence"])
+
+
+def test_the_trainer_passes_the_dual_clip_only_to_a_loss_that_has_one():
+    from fastpo.trainer.update import policy_loss_settings
+
+    for loss, dual in (("ppo", 3.0), ("clip_cov", 3.0), ("cispo", None), ("sapo", None), ("kl_cov", None)):
+        cfg = load_config(env="bandit", preset="tiny", overrides=[f"algorithm.policy_loss={loss}",
+                                                                  "algorithm.dual_clip=3.0"])
+        s = policy_loss_settings(cfg)
+        assert (s.loss, s.dual_clip) == (loss, dual)

@@ -65,8 +65,9 @@ def test_one_lm_head_lookup():
 
 
 def test_registry_names_are_the_configs_allowed_values():
-    """The config's allowed estimators and loss aggregations are the registry's names, each
-    estimator has one implementation, and the registry module imports no torch."""
+    """The config's allowed estimators, policy losses and loss aggregations are the registry's
+    names (the policy losses also the kernels'), each estimator has one implementation, and
+    the registry module imports no torch."""
     import typing
 
     from fastpo import config, registry
@@ -77,6 +78,9 @@ def test_registry_names_are_the_configs_allowed_values():
     assert typing.get_args(hints["loss_agg"]) == tuple(registry.LOSS_AGGREGATIONS)
     assert typing.get_args(hints["value_loss_agg"]) == tuple(registry.LOSS_AGGREGATIONS)
     assert set(estimators._ESTIMATORS) == set(registry.ESTIMATORS)
+    from fastpo.kernels import POLICY_LOSSES
+
+    assert typing.get_args(hints["policy_loss"]) == tuple(registry.POLICY_LOSSES) == POLICY_LOSSES
     assert not any(m.split(".")[0] == "torch" for m in _imports(ROOT / "fastpo" / "registry.py"))
     import subprocess
     import sys

@@ -33,7 +33,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 from fastpo.config.fields import ConfigError, Rule, nested_dict, apply_dict, check_fields, checked, parse_override
 from fastpo.config.files import dig, parse_config_yaml, read_config_file
 from fastpo.config.presets import PRESETS, default_preset
-from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
+from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, POLICY_LOSS_NAMES, POLICY_LOSSES, estimator
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
 MAX_ACTIONS_PER_TURN = 64
@@ -271,6 +271,21 @@ class AlgorithmConfig:
         filter_keep_zero_std: false drops groups without reward spread first.
         soft_advantage_reweight: scale each trajectory's advantages by its group's reward
             std / the batch's largest group std (RAGEN head), with or without filtering.
+        policy_loss: the policy-gradient term (fastpo.registry.POLICY_LOSSES; equations in
+            docs/algorithms.md): "ppo" (the clipped surrogate), "cispo" (the clipped IS
+            weight, detached, times A log pi: every token keeps its gradient), "sapo" (a soft
+            gate on the ratio instead of a clip), "clip_cov" (PPO with the `cov_ratio` of a
+            micro-batch's tokens whose log-prob/advantage covariance lies in
+            (clip_cov_lb, clip_cov_ub) detached), "kl_cov" (the unclipped surrogate plus
+            kl_cov_coef * |log ratio| on the `cov_ratio` of tokens with the highest
+            covariance). dual_clip applies to ppo and clip_cov only.
+        sapo_tau_pos: SAPO's gate temperature for tokens with a positive advantage.
+        sapo_tau_neg: SAPO's gate temperature for the other tokens.
+        cov_ratio: the share of a micro-batch's scored tokens Clip-Cov / KL-Cov act on (at
+            least one token).
+        clip_cov_lb: Clip-Cov's covariance band, lower end.
+        clip_cov_ub: Clip-Cov's covariance band, upper end.
+        kl_cov_coef: KL-Cov's penalty weight.
         clip_low: PPO's lower clip bound (ratio >= 1 - clip_low).
         clip_high: PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above
             clip_low).
@@ -320,6 +335,13 @@ class AlgorithmConfig:
     filter_eps: float = checked(0.01, at_least(0), "must be >= 0")
     filter_keep_zero_std: bool = True
     soft_advantage_reweight: bool = False
+    policy_loss: Literal[POLICY_LOSS_NAMES] = "ppo"  # fastpo.registry.POLICY_LOSSES
+    sapo_tau_pos: float = checked(1.0, lambda v: v > 0, "must be > 0")
+    sapo_tau_neg: float = checked(1.05, lambda v: v > 0, "must be > 0")
+    cov_ratio: float = checked(0.0002, lambda v: 0 < v <= 1, "must be in (0, 1]")
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_coef: float = checked(1.0, lambda v: v > 0, "must be > 0")
     clip_low: float = checked(0.2, lambda v: v > 0, "must be > 0")
     clip_high: float = 0.28
     dual_clip: Optional[float] = checked(3.0, lambda v: v is None or v > 1, "must be > 1 or null")
@@ -539,6 +561,10 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
          "must list the names of the modules LoRA adapts, e.g. [q_proj, v_proj]")
     need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
+    need(a.ratio_level == "token" or POLICY_LOSSES[a.policy_loss].sequence_ratio, "algorithm.ratio_level",
+         a.ratio_level, f"GSPO's sequence ratio is defined for policy_loss ppo and cispo, not {a.policy_loss!r}")
+    need(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_lb", a.clip_cov_lb,
+         f"must be below algorithm.clip_cov_ub ({a.clip_cov_ub})")
     if estimator(a.adv_estimator).needs_groups:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")

@@ -19,7 +19,7 @@ from fastpo.kernels import PolicyLossSettings, linear_policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
-from fastpo.registry import loss_denominator_of
+from fastpo.registry import POLICY_LOSSES, loss_denominator_of
 from fastpo.seeds import mini_batch_generator_seed
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.models import Models, hidden_states
@@ -28,14 +28,19 @@ from fastpo.trainer.scoring import Scorer
 
 
 def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
-    """The fused policy loss's settings for `cfg` (built once per run): the algorithm's clip,
-    entropy, KL and aggregation settings at the rollout temperature; no KL term in the loss
-    when the KL is on the reward (`TrainConfig.kl_in_reward`, `RunPlan.kl_in_reward`)."""
+    """The fused policy loss's settings for `cfg` (built once per run): the algorithm's policy
+    loss with its clip, entropy, KL and aggregation settings at the rollout temperature; no KL
+    term in the loss when the KL is on the reward (`TrainConfig.kl_in_reward`,
+    `RunPlan.kl_in_reward`); the dual clip only for a loss that has one (ppo, clip_cov);
+    Clip-Cov's draw seeded by trainer.seed."""
     a = cfg.algorithm
-    return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+    dual_clip = a.dual_clip if POLICY_LOSSES[a.policy_loss].dual_clip else None
+    return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=dual_clip,
                               entropy_coef=a.entropy_coef, kl_coef=0.0 if cfg.kl_in_reward else a.kl_coef,
                               kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
-                              ratio_level=a.ratio_level)
+                              ratio_level=a.ratio_level, loss=a.policy_loss, sapo_tau_pos=a.sapo_tau_pos,
+                              sapo_tau_neg=a.sapo_tau_neg, cov_ratio=a.cov_ratio, clip_cov_lb=a.clip_cov_lb,
+                              clip_cov_ub=a.clip_cov_ub, kl_cov_coef=a.kl_cov_coef, cov_seed=cfg.trainer.seed)
 
 
 def loss_denominator(loss_agg: str, masks: list, indices: list[int]) -> float:

@@ -1,0 +1,76 @@
+"""The policy-loss menu's cost (issue 35): each loss's fused forward + backward beside PPO's clip.
+
+`linear_policy_loss` with loss = cispo, sapo, clip_cov, kl_cov against loss = ppo, on the
+kernel part's inputs and shape (CPU: the chunked path, H=576, V=49152, N=2048 fp32, --quick
+N=512 with 128-token chunks; CUDA: the Triton path, H=896, V=151936, N=4096 bf16), timed in
+one alternation (A B C ... A B C) so that machine load hits every loss alike, plus each
+call's peak memory beyond its inputs and returned gradients. Target: at most 1.05x PPO's
+time, and the same peak memory (no extra [N x V] tensor: at most 1.05x PPO's, which keeps one
+chunk's logits or none). Expected misses, said in the notes: on the chunked path Clip-Cov and
+KL-Cov take every log-prob before any gradient (their token choice is a statistic of the whole
+call), so they sweep the vocabulary twice where PPO sweeps it once; the Triton path always
+sweeps twice.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import BenchContext, Record  # noqa: E402
+from part_kernels import OPTS, _extra_peak, _inputs, _time_interleaved  # noqa: E402
+
+PART = "losses"
+# each loss's own settings at verl's defaults; the covariance losses act on 0.2% of the
+# tokens here (verl's 0.02% rounds to a token or two at these sizes)
+LOSSES = {
+    "ppo": dict(dual_clip=3.0),
+    "cispo": {},
+    "sapo": {},
+    "clip_cov": dict(dual_clip=3.0, cov_ratio=0.002),
+    "kl_cov": dict(cov_ratio=0.002),
+}
+
+
+def _fns(data, impl, chunk_size):
+    from fastpo.kernels import PolicyLossSettings, linear_policy_loss
+
+    hidden, weight, targets, old, adv, mask = data
+    out = {}
+    for loss, own in LOSSES.items():
+        settings = PolicyLossSettings(loss=loss, **OPTS, **own)
+        out[loss] = (lambda s: lambda h, w: linear_policy_loss(h, w, targets, old, adv, mask, settings=s, impl=impl,
+                                                               chunk_size=chunk_size).loss)(settings)
+    return out
+
+
+def run(ctx: BenchContext) -> list[Record]:
+    """Side-by-side records for `python bench/throughput.py --part losses`."""
+    if ctx.device == "cuda":
+        n, h, v, dtype, impl, chunk = 4096, 896, 151936, torch.bfloat16, "triton", None
+        sync = torch.cuda.synchronize
+    else:
+        n, h, v, dtype, impl, chunk = (512 if ctx.quick else 2048), 576, 49152, torch.float32, "chunked", None
+        chunk = 128 if ctx.quick else None
+        sync = None
+    data = _inputs(n, h, v, dtype, ctx.device, ctx.seed)
+    fns = _fns(data, impl, chunk)
+    shape = f"N={n} H={h} V={v} {str(dtype).replace('torch.', '')}, {impl}" + (f", chunk_size={chunk}" if chunk else "")
+    mems = {k: _extra_peak(fn, data[0], data[1], ctx.device) for k, fn in fns.items()}  # also the warm-up
+    timed = _time_interleaved(fns, data[0], data[1], ctx, sync)
+    t_ppo, s_ppo, _ = timed["ppo"]
+    records = []
+    for loss in list(LOSSES)[1:]:
+        t, s, _ = timed[loss]
+        two_sweeps = loss in ("clip_cov", "kl_cov") and impl == "chunked"
+        why = ("two vocabulary sweeps where PPO's chunked path makes one (the token choice needs every log-prob "
+               "first)" if two_sweeps else "the same sweeps as PPO's; only the [N] per-token terms differ")
+        records.append(Record(PART, f"{loss} fwd+bwd time vs ppo ({shape})", "s", t, t_ppo, False, s, s_ppo,
+                              "ppo (clip-higher, dual clip)", target=1 / 1.05,
+                              notes=f"median of {ctx.repeats} runs, alternating with every loss; {why}"))
+        records.append(Record(PART, f"{loss} peak memory vs ppo ({shape})", "MiB", mems[loss] / 2**20,
+                              mems["ppo"] / 2**20, False, baseline_name="ppo", target=1 / 1.05,
+                              notes="beyond inputs and returned gradients; no [N x V] tensor is held by either"))
+    return records
