@@ -13,6 +13,7 @@ SALT_MINI_BATCH_ORDER = 104729  # (seed, iteration, salt) -> the PPO epochs' min
 SALT_EVAL_SAMPLING = 12345  # seed + salt: the evaluation's sampling seed (`eval_sampling_seed`)
 SALT_ROLLOUT_SAMPLING = 1_000_003  # seed * salt + iteration: a training rollout's sampling seed
 SALT_GROUP_SAMPLING = 15485863  # (sampling seed, group, salt) -> an env group's own sampling stream
+SALT_DYNAMIC_DRAW = 2750159  # (seed, iteration, draw, salt) -> DAPO's extra draws: env seeds, sampling seed
 
 
 def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
@@ -42,3 +43,13 @@ def group_sampling_seed(sampling_seed: int, group: int) -> int:
     """The seed of env group `group`'s own sampling stream in a rollout seeded `sampling_seed`
     (per-group streams: `MultiTurnRollout.generate(group_ids=...)`), a value in [0, 2**62)."""
     return int(np.random.default_rng([int(sampling_seed) % 2**63, int(group), SALT_GROUP_SAMPLING]).integers(2**62))
+
+
+def dynamic_draw_seeds(seed: int, iteration: int, draw: int, n: int) -> tuple[list[int], int]:
+    """(the `n` env seeds, the sampling seed) of extra draw `draw` >= 1 of iteration
+    `iteration` under DAPO's dynamic sampling (draw 0 is the iteration's own rollout:
+    `iteration_seeds`, `rollout_sampling_seed`); a pure function of (seed, iteration, draw),
+    so a resumed iteration draws the same groups."""
+    rng = np.random.default_rng([seed, iteration, draw, SALT_DYNAMIC_DRAW])
+    seeds = [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
+    return seeds, int(rng.integers(2**62))

@@ -838,3 +838,12 @@ def test_other_estimators_in_two_processes_equal_one(tmp_path, case):
     assert {"critic/return_mean", "critic/value_mean", "critic/grad_norm", "train/advantage_std"} <= set(keys)
     assert b["critic/grad_norm"] > 0
     assert any(k.startswith("critic") for k in wa) and any(k.startswith("model") for k in wa)
+
+
+def test_dynamic_sampling_is_refused_with_several_processes():
+    from fastpo.config import load_config
+
+    cfg = load_config(env="bandit", overrides=["algorithm.adv_estimator=grpo", "algorithm.filter_mode=dynamic"])
+    with pytest.raises(DistributedError, match="algorithm.filter_mode=dynamic with 2 processes"):
+        check_trainer_support(cfg, 2)
+    check_trainer_support(cfg, 1)

@@ -113,3 +113,28 @@ def test_config_keys_validated():
         with pytest.raises(ConfigError, match=words) as e:
             load_config(env="frozenlake", preset="paper", overrides=[bad])
         assert bad.split("=")[0] in str(e.value)
+
+
+def test_dynamic_sampling_keeps_the_first_varying_groups_by_hand():
+    from fastpo.algorithms import dynamic_sampling_filter
+
+    # groups 0..4 of two trajectories: 0 and 3 score alike (std 0), 1, 2 and 4 vary
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0, 0.0])
+    gids = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    f = dynamic_sampling_filter(scores, gids, target=2)
+    assert f.kept_groups == [1, 2] and f.indices.tolist() == [2, 3, 4, 5]
+    assert f.zero_std_groups == 2 and f.kept_ratio == pytest.approx(0.4)
+    assert f.std_after == pytest.approx((math.sqrt(0.5) + math.sqrt(0.125)) / 2)
+    assert dynamic_sampling_filter(scores, gids, target=10).kept_groups == [1, 2, 4]  # fewer than asked: all
+    assert dynamic_sampling_filter(torch.zeros(4), torch.tensor([0, 0, 1, 1]), 2).kept_groups == []
+    with pytest.raises(ValueError, match="at least 1"):
+        dynamic_sampling_filter(scores, gids, target=0)
+
+
+def test_dynamic_draw_seeds_are_a_function_of_seed_iteration_and_draw():
+    from fastpo.seeds import dynamic_draw_seeds, iteration_seeds
+
+    a = dynamic_draw_seeds(0, 3, 1, 4)
+    assert a == dynamic_draw_seeds(0, 3, 1, 4) and len(a[0]) == 4
+    assert a != dynamic_draw_seeds(0, 3, 2, 4) and a != dynamic_draw_seeds(0, 4, 1, 4) and a != dynamic_draw_seeds(1, 3, 1, 4)
+    assert set(a[0]).isdisjoint(iteration_seeds(0, 3, 4))

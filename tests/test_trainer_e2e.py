@@ -165,3 +165,24 @@ def test_each_policy_loss_trains_through_the_trainer(tmp_path, policy_loss):
         assert 0 < rec["actor/covfrac"] <= 0.2, rec["actor/covfrac"]
     else:
         assert "actor/covfrac" not in rec
+
+
+def test_dynamic_sampling_draws_until_groups_vary_and_resumes_exactly(tmp_path):
+    """DAPO's dynamic sampling (algorithm.filter_mode=dynamic): on FrozenLake the random tiny
+    model's groups mostly score alike, so the trainer draws fresh env groups up to the cap;
+    the kept groups all vary; an interrupted and resumed run draws the same groups."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = ["model.name=random:tiny-llama", "algorithm.adv_estimator=grpo", "algorithm.filter_mode=dynamic",
+              "algorithm.dynamic_max_draws=3", "trainer.iterations=2", "trainer.eval_every=0", "trainer.plots=false",
+              "trainer.save_every=1", "trainer.keep_checkpoints=1"]
+    Trainer(_cfg("frozenlake", a, *common), console=Console(quiet=True)).run()
+    full = _records(a)
+    for rec in full:
+        draws, varying = rec["train/dynamic_draws"], rec["train/dynamic_varying_groups"]
+        groups = _cfg("frozenlake", a).rollout.env_groups
+        assert 1 <= draws <= 3 and (draws == 3 or varying >= groups), rec
+        assert rec["train/in_group_reward_std_kept"] > 0 or varying == 0
+    assert any(r["train/dynamic_draws"] > 1 for r in full), "the case should need extra draws"
+    Trainer(_cfg("frozenlake", b, *common), console=Console(quiet=True), stop_after=1).run()
+    assert cli_main(["train", "--resume", b]) == 0
+    _same_records(full, _records(b))

@@ -17,9 +17,10 @@ from fastpo.algorithms.advantages import (
 from fastpo.algorithms.estimators import (AdvantageInputs, AdvantageOutputs, estimate_advantages,
                                           register_estimator)
 from fastpo.algorithms.correction import IS_CORRECTIONS, IS_LEVELS, RolloutCorrection, rollout_correction
-from fastpo.algorithms.filtering import (FilterResult, filter_groups, group_reward_std, select_groups,
-                                         soft_advantage_weights)
+from fastpo.algorithms.filtering import (FilterResult, dynamic_sampling_filter, filter_groups, group_reward_std,
+                                         select_groups, soft_advantage_weights)
 from fastpo.algorithms.losses import aggregate_loss, clipped_value_loss
+from fastpo.algorithms.overlong import overlong_penalty, truncated_turn_mask
 
 __all__ = [
     "apply_kl_penalty",
@@ -40,6 +41,9 @@ __all__ = [
     "rollout_correction",
     "FilterResult",
     "filter_groups",
+    "dynamic_sampling_filter",
+    "overlong_penalty",
+    "truncated_turn_mask",
     "group_reward_std",
     "select_groups",
     "soft_advantage_weights",

@@ -13,6 +13,7 @@ names, beside RAGEN head's (`actor_rollout_ref.rollout.rollout_filter_*` and
 | `filter_strategy` | `rollout_filter_strategy` | `top_k`, `top_p` or `min_p` (below) |
 | `filter_ratio` | `rollout_filter_value` | the strategy's number: fraction of groups, probability mass or ratio to the best |
 | `filter_mode` `top` / `bottom` / `none` | `rollout_filter_type` `largest` / `smallest` (no filter: `top_p` with value 1 and include_zero) | rank high-std groups first, low-std first, or keep all |
+| `filter_mode` `dynamic` | (DAPO's dynamic sampling; verl `filter_groups`) | draw more groups until `env_groups` of them vary (`dynamic_sampling_filter`) |
 | `filter_keep_zero_std` | `rollout_filter_include_zero` | whether groups of zero reward std may be kept |
 | `filter_top_p_mode` `linear` / `softmax` | `rollout_filter_top_p_prob_mode` | how `top_p` turns stds into mass |
 | `filter_eps` | `rollout_filter_selection_eps` | slack of the linear `top_p` threshold |
@@ -50,9 +51,10 @@ FILTER_STRATEGIES = ("top_k", "top_p", "min_p")
 
 
 def kept_group_count(groups: int, mode: str, ratio: float) -> int:
-    """Number of env groups StarPO-S keeps: all for mode "none", else int(ratio * groups)
-    (the floor, as RAGEN at the paper's commit: 0.35 of 8 groups keeps 2), at least 1."""
-    if mode == "none":
+    """Number of env groups StarPO-S keeps: all for mode "none" and at most all for
+    "dynamic" (DAPO's dynamic sampling), else int(ratio * groups) (the floor, as RAGEN at the
+    paper's commit: 0.35 of 8 groups keeps 2), at least 1."""
+    if mode in ("none", "dynamic"):
         return groups
     return max(1, min(groups, int(ratio * groups)))
 
@@ -205,6 +207,31 @@ def filter_from_stds(stds: dict, group_ids: torch.Tensor, largest_group: int, ra
     return FilterResult(indices=idx, kept_groups=list(chosen), group_std=stds, kept_ratio=float(kept) / max(1, total),
                         std_before=mean(groups), std_after=mean(chosen),
                         zero_std_groups=sum(1 for g in groups if abs(stds[g]) <= ZERO_STD))
+
+
+def dynamic_sampling_filter(scores: torch.Tensor, group_ids: torch.Tensor, target: int) -> FilterResult:
+    """DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2, Alg. 1): keep the env groups
+    whose rewards vary (std > 1e-10: a group whose trajectories all score alike has zero
+    advantage under the group estimators and teaches nothing), the first `target` of them by
+    group id (the order they were drawn in), the rest dropped. The caller draws more groups
+    while fewer than `target` vary (fastpo.trainer: `algorithm.dynamic_max_draws`). Unlike
+    StarPO-S's top fraction, the batch's size is fixed, not its share.
+
+    Args: scores [B] float, group_ids [B] int, target >= 1. Returns FilterResult (no group
+    kept when none varies: the caller skips the update).
+    """
+    if target < 1:
+        raise ValueError(f"dynamic sampling needs a target of at least 1 group, got {target}")
+    stds = group_reward_std(scores, group_ids)
+    chosen = [g for g in sorted(stds) if abs(stds[g]) > ZERO_STD][:target]
+    keep = torch.zeros_like(group_ids, dtype=torch.bool)
+    for g in chosen:
+        keep |= group_ids == g
+    idx = torch.nonzero(keep, as_tuple=False).flatten()
+    mean = lambda gs: float(sum(stds[g] for g in gs) / len(gs)) if gs else 0.0  # noqa: E731
+    return FilterResult(indices=idx, kept_groups=chosen, group_std=stds, kept_ratio=idx.numel() / max(1, len(group_ids)),
+                        std_before=mean(sorted(stds)), std_after=mean(chosen),
+                        zero_std_groups=sum(1 for g in stds if abs(stds[g]) <= ZERO_STD))
 
 
 def soft_advantage_weights(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6,

@@ -259,7 +259,13 @@ class AlgorithmConfig:
             reward on that turn's last model token).
         whiten_advantages: normalise GAE's advantages over the batch's model tokens.
         filter_mode: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
-            with the highest in-group reward std, "bottom" the lowest, "none" keeps all.
+            with the highest in-group reward std, "bottom" the lowest, "none" keeps all;
+            "dynamic" is DAPO's dynamic sampling: env groups whose rewards do not vary are
+            dropped and more are drawn (fresh seeds) until `rollout.env_groups` of them vary
+            or `dynamic_max_draws` rollouts were made.
+        dynamic_max_draws: filter_mode=dynamic's cap: rollouts of `rollout.env_groups` groups
+            per iteration, the first included (verl's max_num_gen_batches); with fewer
+            varying groups by then the update trains on those.
         filter_ratio: the filter strategy's number (top_k: the share of groups kept).
         filter_strategy: RAGEN head's rollout filters (fastpo/algorithms/filtering.py):
             "top_k" (the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
@@ -269,6 +275,13 @@ class AlgorithmConfig:
             "softmax" (softmax mass of the stds).
         filter_eps: top_p linear's slack (RAGEN's `rollout_filter_selection_eps`).
         filter_keep_zero_std: false drops groups without reward spread first.
+        overlong_buffer: DAPO's overlong reward shaping (0 = off): a response (one turn) longer
+            than rollout.max_new_tokens - overlong_buffer tokens gets a reward of
+            -overlong_penalty_factor * (its excess / overlong_buffer), down to
+            -overlong_penalty_factor at the limit, on that turn.
+        overlong_penalty_factor: the shaping's largest penalty.
+        overlong_filter: DAPO's overlong filtering: a turn whose response stopped at
+            rollout.max_new_tokens leaves the loss (the trajectory's other turns stay).
         soft_advantage_reweight: scale each trajectory's advantages by its group's reward
             std / the batch's largest group std (RAGEN head), with or without filtering.
         policy_loss: the policy-gradient term (fastpo.registry.POLICY_LOSSES; equations in
@@ -328,13 +341,17 @@ class AlgorithmConfig:
     lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
     reward_position: Literal["last_token", "turn"] = "last_token"
     whiten_advantages: bool = True
-    filter_mode: Literal["top", "bottom", "none"] = "top"
+    filter_mode: Literal["top", "bottom", "none", "dynamic"] = "top"
+    dynamic_max_draws: int = checked(3, at_least(1), "must be >= 1")
     filter_ratio: float = checked(0.25, lambda v: 0 < v <= 1, "must be in (0, 1]")
     filter_strategy: Literal["top_k", "top_p", "min_p"] = "top_k"
     filter_top_p_mode: Literal["linear", "softmax"] = "linear"
     filter_eps: float = checked(0.01, at_least(0), "must be >= 0")
     filter_keep_zero_std: bool = True
     soft_advantage_reweight: bool = False
+    overlong_buffer: int = checked(0, at_least(0), "must be >= 0 (0 = no overlong reward shaping)")
+    overlong_penalty_factor: float = checked(1.0, at_least(0), "must be >= 0")
+    overlong_filter: bool = False
     policy_loss: Literal[POLICY_LOSS_NAMES] = "ppo"  # fastpo.registry.POLICY_LOSSES
     sapo_tau_pos: float = checked(1.0, lambda v: v > 0, "must be > 0")
     sapo_tau_neg: float = checked(1.05, lambda v: v > 0, "must be > 0")
@@ -563,6 +580,8 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
          f"must be >= algorithm.clip_low ({a.clip_low})")
     need(a.ratio_level == "token" or POLICY_LOSSES[a.policy_loss].sequence_ratio, "algorithm.ratio_level",
          a.ratio_level, f"GSPO's sequence ratio is defined for policy_loss ppo and cispo, not {a.policy_loss!r}")
+    need(a.overlong_buffer <= r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,
+         f"must be <= rollout.max_new_tokens ({r.max_new_tokens}): the penalty ramps over the last tokens before it")
     need(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_lb", a.clip_cov_lb,
          f"must be below algorithm.clip_cov_ub ({a.clip_cov_ub})")
     if estimator(a.adv_estimator).needs_groups:

@@ -168,7 +168,8 @@ class StarPOIteration:
             metrics.update(self.token_metrics(batch, recomputed))
             if not filt.kept_groups:
                 a = self.cfg.algorithm
-                self.warn(f"iteration {it}: the {a.filter_strategy} filter kept no env group "
+                which = "dynamic sampling" if self.plan.filter_mode == "dynamic" else f"the {a.filter_strategy} filter"
+                self.warn(f"iteration {it}: {which} kept no env group "
                           f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
                 metrics.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
                 return metrics
@@ -204,6 +205,9 @@ class StarPOIteration:
         full = self.parts.sampler.generate(seeds, r.group_size, r.temperature,
                                            seed=rollout_sampling_seed(cfg.trainer.seed, it), **extra)
         release_free_memory()  # the engine's freed KV buffers and temporaries, back to the system
+        draws = {}
+        if self.plan.filter_mode == "dynamic":
+            full, draws = self.dynamic_draws(it, full)
         sync_s = self.parts.sampler.take_weight_sync_seconds()
         tm["time/rollout_s"] = time.perf_counter() - t0 - sync_s
         tm["time/weight_sync_s"] = sync_s
@@ -217,9 +221,73 @@ class StarPOIteration:
         every = cfg.trainer.collapse_every
         collapse = bool(every and (it == 1 or it % every == 0))
         metrics, generated, collapse_s = self.batch_metrics(full, collapse)
+        metrics.update(draws)
+        metrics.update(self.overlong_step(full))
         if collapse:
             tm["time/collapse_s"] = collapse_s
         return full, metrics, generated
+
+    def overlong_step(self, full) -> dict:
+        """DAPO's overlong shaping and filtering on this process's trajectories, in place, after
+        the rollout metrics (which stay the game's): each turn's penalty (`overlong_penalty`)
+        added to its turn reward and the trajectory's score, and with algorithm.overlong_filter
+        the turns cut at rollout.max_new_tokens out of the loss mask. Returns
+        train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns (both
+        over every process)."""
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        if not a.overlong_buffer and not a.overlong_filter:
+            return {}
+        total, cut = 0.0, 0
+        for i, turns in enumerate(full.responses):
+            if a.overlong_buffer and turns:
+                pen = alg.overlong_penalty(torch.tensor([len(x) for x in turns]), r.max_new_tokens, a.overlong_buffer,
+                                           a.overlong_penalty_factor)
+                full.turn_rewards[i, : len(turns)] += pen.to(full.turn_rewards.dtype)
+                full.scores[i] += pen.sum().to(full.scores.dtype)
+                total += float(pen.sum())
+            if a.overlong_filter and full.turn_stop_reasons:
+                reasons = full.turn_stop_reasons[i]
+                cut += sum(1 for why in reasons if why == "length")
+                full.loss_mask[i] = alg.truncated_turn_mask(full.loss_mask[i], full.turn_index[i], reasons)
+        n, total, cut = all_reduce(self.dist, [len(full.responses), total, cut])
+        out = {}
+        if a.overlong_buffer:
+            out["train/overlong_penalty_mean"] = total / n if n else 0.0
+        if a.overlong_filter:
+            out["train/overlong_filtered_turns"] = cut
+        return out
+
+    def dynamic_draws(self, it: int, first):
+        """DAPO's dynamic sampling, the drawing half (one process): more rollouts of
+        `rollout.env_groups` fresh env groups (`fastpo.seeds.dynamic_draw_seeds`; group ids
+        continuing after the earlier draws') while fewer than `rollout.env_groups` groups of
+        the batch have rewards that vary, at most `algorithm.dynamic_max_draws` rollouts in
+        all. Returns (every drawn trajectory in one batch, train/dynamic_draws and
+        train/dynamic_varying_groups: the rollouts made and the varying groups found)."""
+        from fastpo.algorithms.filtering import ZERO_STD, group_reward_std
+        from fastpo.rollout.batch import TrajectoryBatch
+        from fastpo.seeds import dynamic_draw_seeds
+
+        cfg, r = self.cfg, self.cfg.rollout
+        batches = [first]
+
+        def varying() -> int:
+            stds = group_reward_std(torch.cat([b.scores.float() for b in batches]),
+                                    torch.cat([b.group_ids for b in batches]))
+            return sum(1 for v in stds.values() if abs(v) > ZERO_STD)
+
+        while len(batches) < cfg.algorithm.dynamic_max_draws and varying() < r.env_groups:
+            draw = len(batches)
+            seeds, sampling_seed = dynamic_draw_seeds(cfg.trainer.seed, it, draw, r.env_groups)
+            ids = [draw * r.env_groups + g for g in range(r.env_groups)]
+            extra = {"group_ids": ids} if self.plan.per_group_streams else {}
+            b = self.parts.sampler.generate(seeds, r.group_size, r.temperature, seed=sampling_seed, **extra)
+            if not self.plan.per_group_streams:  # one stream: the rollout numbered its groups from 0
+                b = dataclasses.replace(b, group_ids=b.group_ids + draw * r.env_groups)
+            batches.append(b)
+            release_free_memory()
+        return TrajectoryBatch.concat(batches), {"train/dynamic_draws": float(len(batches)),
+                                                 "train/dynamic_varying_groups": float(varying())}
 
     def filter_step(self, full, metrics: dict):
         """Step 2: StarPO-S over every process's env groups; (the kept trajectories, the
@@ -227,9 +295,11 @@ class StarPOIteration:
         groups dropped) the full batch is still scored for its metrics, then the update is
         skipped."""
         a = self.cfg.algorithm
-        filt = global_filter(self.dist, full.scores.float(), full.group_ids, a.filter_ratio,
-                                   self.plan.filter_mode, a.filter_strategy, a.filter_top_p_mode, a.filter_eps,
-                                   a.filter_keep_zero_std)
+        if self.plan.filter_mode == "dynamic":  # one process (check_trainer_support)
+            filt = alg.dynamic_sampling_filter(full.scores.float(), full.group_ids, self.cfg.rollout.env_groups)
+        else:
+            filt = global_filter(self.dist, full.scores.float(), full.group_ids, a.filter_ratio, self.plan.filter_mode,
+                                 a.filter_strategy, a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
         kept = filt.indices.numel()
         rollout = full if not filt.kept_groups or kept == len(full.input_ids) else full.select(filt.indices)
         metrics["train/filter_kept_ratio"] = filt.kept_ratio
