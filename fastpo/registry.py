@@ -26,6 +26,7 @@ class Estimator:
     head, on the policy's trunk or a separate critic), and yields returns for its loss.
     batch_statistics: it normalises over the whole batch's tokens, so a process left with no
     trajectory still joins those statistics (data parallel). paper: where it comes from.
+    needs_turns: it reads each token's turn (the turn structure of a multi-turn trajectory).
     """
 
     name: str
@@ -34,6 +35,7 @@ class Estimator:
     needs_critic: bool
     batch_statistics: bool
     paper: str
+    needs_turns: bool = False
 
 
 #: The advantage estimators by name (`algorithm.adv_estimator`), in the config's order.
@@ -50,6 +52,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               paper="token returns normalised over the batch (REINFORCE++, arXiv 2501.03262)"),
     Estimator("reinforce_pp_baseline", token_level=False, needs_groups=True, needs_critic=False,
               batch_statistics=True, paper="R - group mean, normalised over the batch's tokens (REINFORCE++-baseline)"),
+    Estimator("bilevel_gae", token_level=True, needs_groups=False, needs_critic=True, batch_statistics=True,
+              needs_turns=True, paper="a GAE over turns, then one inside each turn (RAGEN head's bi-level GAE)"),
 )}
 ESTIMATOR_NAMES: tuple[str, ...] = tuple(ESTIMATORS)
 

@@ -132,3 +132,35 @@ def test_value_loss_through_the_shared_aggregation_keeps_the_default():
     torch.testing.assert_close(per_seq, 0.5 * (worst[:3].mean() + worst[3:].mean()) / 5)
     # the logged critic/value_loss is still the micro-batch token mean, computed as before
     assert met["value_loss"] == float(0.5 * (worst.detach().sum() / 7.0))
+
+
+def test_bilevel_gae_by_hand():
+    """RAGEN head's own example (core_algos.py's __main__: two turns of five tokens, a reward of
+    1 at each turn's end, values 0.1..1.0, gamma = lam = 1, high_level_gamma = 0.95), worked
+    out by hand: high level A_2 = 1 + 0 - 1.0 = 0 and A_1 = 1 + 0.95 * 1.0 - 0.5 = 1.45; inside
+    each turn the token GAE runs back from A_k at its end."""
+    from fastpo.algorithms import compute_bilevel_gae
+
+    rewards = torch.tensor([[0, 0, 0, 0, 1, 0, 0, 0, 0, 1.0]])
+    values = torch.arange(1, 11, dtype=torch.float32)[None] / 10
+    mask = torch.ones(1, 10, dtype=torch.bool)
+    turn = torch.tensor([[0] * 5 + [1] * 5])
+    adv, ret = compute_bilevel_gae(rewards, values, mask, turn, 1.0, 1.0, 0.95)
+    assert adv[0].tolist() == pytest.approx([1.85, 1.75, 1.65, 1.55, 1.45, 0.4, 0.3, 0.2, 0.1, 0.0], abs=1e-6)
+    assert ret[0].tolist() == pytest.approx([1.95] * 5 + [1.0] * 5, abs=1e-6)
+    # a turn that earned 0 still ends (RAGEN's code would run it into the next): the first
+    # turn's end sees the second's reward through the turn-level discount, 0 + 0.95 * 1.0 - 0.5
+    adv0, _ = compute_bilevel_gae(torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0, 0, 1.0]]), values, mask, turn, 1.0, 1.0, 0.95)
+    assert adv0[0, 4].item() == pytest.approx(0.45)
+    # observation tokens between turns and padding are skipped; high_level_gamma = 1 with
+    # gamma = lam = 1 is plain GAE over the model tokens (the sum of rewards to come minus V)
+    m2 = torch.tensor([[False, True, True, False, False, True, True, False]])
+    r2 = torch.tensor([[0, 0, 0.5, 0, 0, 0, 2.0, 0]])
+    v2 = torch.tensor([[9, 0.3, 0.2, 9, 9, 0.7, 0.1, 9]])
+    t2 = torch.tensor([[-1, 0, 0, -1, -1, 1, 1, -1]])
+    a2, _ = compute_bilevel_gae(r2, v2, m2, t2, 1.0, 1.0, 1.0)
+    g2, _ = compute_gae(r2, v2, m2, 1.0, 1.0)
+    assert a2[0].tolist() == pytest.approx(g2[0].tolist(), abs=1e-6)
+    assert a2[0, [0, 3, 4, 7]].tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="high_level_gamma"):
+        compute_bilevel_gae(r2, v2, m2, t2, 1.0, 1.0, 1.5)

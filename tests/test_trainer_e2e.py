@@ -186,3 +186,17 @@ def test_dynamic_sampling_draws_until_groups_vary_and_resumes_exactly(tmp_path):
     Trainer(_cfg("frozenlake", b, *common), console=Console(quiet=True), stop_after=1).run()
     assert cli_main(["train", "--resume", b]) == 0
     _same_records(full, _records(b))
+
+
+def test_bilevel_gae_trains_with_a_critic(tmp_path):
+    """algorithm.adv_estimator=bilevel_gae reaches the estimator with each token's turn: one
+    PPO update on multi-turn FrozenLake (random tiny model), critic and actor metrics finite."""
+    out = str(tmp_path / "run")
+    cfg = _cfg("frozenlake", out, "model.name=random:tiny-llama", "algorithm.adv_estimator=bilevel_gae",
+               "algorithm.critic=shared", "rollout.max_turns=3", "trainer.iterations=1", "trainer.eval_every=0",
+               "trainer.plots=false")
+    rec = Trainer(cfg, console=Console(quiet=True)).run()[0]
+    assert rec["train/num_turns"] > 1
+    for k in ("critic/value_loss", "critic/return_mean", "actor/pg_loss", "train/advantage_std"):
+        assert math.isfinite(rec[k]), k
+    assert rec["actor/grad_norm"] > 0

@@ -6,6 +6,7 @@ is computed from hidden states by `fastpo.kernels`; these functions prepare its 
 """
 from fastpo.algorithms.advantages import (
     apply_kl_penalty,
+    compute_bilevel_gae,
     compute_gae,
     grpo_advantages,
     masked_whiten,
@@ -24,6 +25,7 @@ from fastpo.algorithms.overlong import overlong_penalty, truncated_turn_mask
 
 __all__ = [
     "apply_kl_penalty",
+    "compute_bilevel_gae",
     "compute_gae",
     "grpo_advantages",
     "masked_whiten",

@@ -139,6 +139,56 @@ def compute_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Te
     return adv, ret
 
 
+def compute_bilevel_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, turn: torch.Tensor,
+                        gamma: float = 1.0, lam: float = 1.0,
+                        high_level_gamma: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """RAGEN's bi-level GAE (RAGEN head, ragen/trainer/core_algos.py
+    `compute_bi_level_gae_advantage_return`): a GAE over turns, then one over each turn's tokens.
+
+    Per trajectory, with the model tokens in order, turn k's last model token e_k (K turns),
+    r the token rewards and V the values:
+    high level (the agent's MDP, one step a turn, discount gamma_H = `high_level_gamma`):
+        delta_k = r(e_k) + gamma_H V(e_{k+1}) - V(e_k)   (V(e_{K+1}) = 0),
+        A_k = delta_k + gamma_H lam A_{k+1},   R_k = A_k + V(e_k);
+    low level (the token MDP inside turn k, discount `gamma`): the turn ends at e_k with
+    reward R_k and nothing after it, so A(e_k) = R_k - V(e_k) = A_k, and for the turn's earlier
+    tokens t (t' the next one) A(t) = r(t) + gamma V(t') - V(t) + gamma lam A(t').
+    returns = A + V on every model token. A turn's end is found from `turn` (RAGEN's code
+    takes the tokens with a non-zero reward as the turns' ends, so there a turn that earned
+    exactly 0 runs into the next one; here every turn ends at its last model token).
+
+    Args: rewards, values [B, T] float; loss_mask [B, T] bool; turn [B, T] int (each token's
+    turn, any value off the mask); gamma, lam, high_level_gamma in [0, 1]. Returns
+    (advantages, returns), [B, T] fp32 each, zero off the mask, not whitened.
+    Raises ValueError on shape mismatch or a discount outside [0, 1].
+    """
+    mask = loss_mask.bool()
+    for name, x in (("rewards", rewards), ("values", values), ("turn", turn)):
+        _check_bt(name, x, mask.shape)
+    if not all(0.0 <= g <= 1.0 for g in (gamma, lam, high_level_gamma)):
+        raise ValueError(f"gamma={gamma}, lam={lam} and high_level_gamma={high_level_gamma} must be in [0, 1]")
+    adv = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    for b in range(mask.shape[0]):
+        pos = torch.nonzero(mask[b]).flatten()
+        if not pos.numel():
+            continue
+        r, v = rewards[b, pos].double().tolist(), values[b, pos].double().tolist()
+        tb = turn[b, pos].tolist()
+        n = len(pos)
+        end = [i == n - 1 or tb[i + 1] != tb[i] for i in range(n)]
+        a, next_v, next_a = [0.0] * n, 0.0, 0.0
+        for i in range(n - 1, -1, -1):  # high level, over the turns' ends
+            if end[i]:
+                next_a = r[i] + high_level_gamma * next_v - v[i] + high_level_gamma * lam * next_a
+                next_v, a[i] = v[i], next_a
+        for i in range(n - 1, -1, -1):  # low level, inside each turn
+            if not end[i]:
+                a[i] = r[i] + gamma * v[i + 1] - v[i] + gamma * lam * a[i + 1]
+        adv[b, pos] = torch.tensor(a, dtype=torch.float32, device=mask.device)
+    ret = (adv + values.to(torch.float32)) * mask
+    return adv, ret
+
+
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8,
                   unbiased: bool = False) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the entries where `mask` is True; zero elsewhere.

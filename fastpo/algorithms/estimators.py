@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
-from fastpo.algorithms.advantages import (compute_gae, grpo_advantages, masked_whiten, reinforce_pp_advantages,
+from fastpo.algorithms.advantages import (compute_bilevel_gae, compute_gae, grpo_advantages, masked_whiten, reinforce_pp_advantages,
                                           reinforce_pp_baseline_advantages, rloo_advantages)
 from fastpo.registry import ESTIMATORS
 
@@ -35,7 +35,9 @@ class AdvantageInputs:
     (token-level estimators: `place_rewards`, minus a KL penalty on the reward), else None.
     scores: [B] fp32 trajectory scores (the others; minus the summed KL penalty), else None.
     group_ids: [B] int env-group ids. values: [B, T] fp32 critic values (GAE), else None.
-    gamma, lam: discount and GAE lambda in [0, 1]. whiten_advantages: GAE's advantages
+    gamma, lam: discount and GAE lambda in [0, 1]. turn: [B, T] int, each token's turn
+    (estimators that need turns), else None; high_level_gamma: bi-level GAE's discount over
+    turns. whiten_advantages: GAE's advantages
     normalised over the batch. batch_mean(x, mask) -> float and batch_whiten(x, mask,
     unbiased=False) -> [B, T] fp32: statistics over the whole batch (every process's part).
     """
@@ -47,6 +49,8 @@ class AdvantageInputs:
     values: Optional[torch.Tensor] = None
     gamma: float = 1.0
     lam: float = 1.0
+    turn: Optional[torch.Tensor] = None
+    high_level_gamma: float = 0.95
     whiten_advantages: bool = True
     batch_mean: Callable[[torch.Tensor, torch.Tensor], float] = _local_mean
     batch_whiten: Callable[..., torch.Tensor] = masked_whiten
@@ -88,6 +92,15 @@ def estimate_advantages(name: str, inputs: AdvantageInputs) -> AdvantageOutputs:
 @register_estimator("gae")
 def _gae(x: AdvantageInputs) -> AdvantageOutputs:
     adv, ret = compute_gae(x.rewards, x.values, x.mask, x.gamma, x.lam)
+    metrics = {"critic/return_mean": x.batch_mean(ret, x.mask), "critic/value_mean": x.batch_mean(x.values, x.mask)}
+    if x.whiten_advantages:
+        adv = x.batch_whiten(adv, x.mask)
+    return AdvantageOutputs(adv, ret, metrics)
+
+
+@register_estimator("bilevel_gae")
+def _bilevel_gae(x: AdvantageInputs) -> AdvantageOutputs:
+    adv, ret = compute_bilevel_gae(x.rewards, x.values, x.mask, x.turn, x.gamma, x.lam, x.high_level_gamma)
     metrics = {"critic/return_mean": x.batch_mean(ret, x.mask), "critic/value_mean": x.batch_mean(x.values, x.mask)}
     if x.whiten_advantages:
         adv = x.batch_whiten(adv, x.mask)

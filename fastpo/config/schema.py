@@ -250,10 +250,13 @@ class AlgorithmConfig:
             group), "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean
             of the group's other trajectories; RLOO), "reinforce_pp" (each model token's
             discounted return, normalised over the batch; REINFORCE++) or
-            "reinforce_pp_baseline" (R - group mean, normalised over the batch's tokens);
-            fastpo.algorithms.advantages.
+            "reinforce_pp_baseline" (R - group mean, normalised over the batch's tokens), or
+            "bilevel_gae" (RAGEN's bi-level GAE with a critic: a GAE over turns with
+            `high_level_gamma`, then one inside each turn); fastpo.algorithms.advantages.
         gamma: discount over model tokens (GAE, REINFORCE++).
         lam: GAE's lambda.
+        high_level_gamma: bilevel_gae's discount over turns (RAGEN's `high_level_gamma`, 0.95);
+            `gamma` is then its discount over the tokens inside a turn.
         reward_position: where a trajectory's reward sits for GAE: "last_token" (the last
             model token of the trajectory, the paper's default) or "turn" (each turn's
             reward on that turn's last model token).
@@ -339,6 +342,7 @@ class AlgorithmConfig:
     adv_estimator: Literal[ESTIMATOR_NAMES] = "gae"  # fastpo.registry.ESTIMATORS
     gamma: float = checked(1.0, _in_unit, "must be in [0, 1]")
     lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
+    high_level_gamma: float = checked(0.95, _in_unit, "must be in [0, 1]")
     reward_position: Literal["last_token", "turn"] = "last_token"
     whiten_advantages: bool = True
     filter_mode: Literal["top", "bottom", "none", "dynamic"] = "top"

@@ -72,6 +72,8 @@ class Advantages:
         inputs = alg.AdvantageInputs(M, batch.group_ids, gamma=a.gamma, lam=a.lam, whiten_advantages=a.whiten_advantages,
                                      batch_mean=functools.partial(masked_mean, ctx),
                                      batch_whiten=functools.partial(masked_whiten, ctx))
+        if spec.needs_turns:
+            inputs.turn, inputs.high_level_gamma = self._turns(batch, M), a.high_level_gamma
         if spec.token_level:  # token rewards
             R = self._token_rewards(batch, M)
             inputs.rewards = R if KL is None else R - a.kl_coef * KL
@@ -119,17 +121,20 @@ class Advantages:
         n = M.sum(1)
         return KL, float((KL.sum(1)[n > 0] / n[n > 0]).mean()) if bool((n > 0).any()) else 0.0
 
+    @staticmethod
+    def _turns(batch, M: torch.Tensor) -> torch.Tensor:
+        """Each token's turn [B, T] int64 (-1 off the responses and in the padding)."""
+        turn = torch.full(M.shape, -1, dtype=torch.long)
+        for i, t in enumerate(batch.turn_index):
+            t = torch.as_tensor(t)
+            turn[i, : t.numel()] = t
+        return turn
+
     def _token_rewards(self, batch, M: torch.Tensor) -> torch.Tensor:
         """The token-level estimators' rewards [B, T]: each trajectory's score on its last model
         token, or each turn's reward on that turn's (algorithm.reward_position)."""
         a = self.cfg.algorithm
-        B, T = M.shape
-        turn = None
-        if a.reward_position == "turn":
-            turn = torch.full((B, T), -1, dtype=torch.long)
-            for i, t in enumerate(batch.turn_index):
-                t = torch.as_tensor(t)
-                turn[i, : t.numel()] = t
+        turn = self._turns(batch, M) if a.reward_position == "turn" else None
         # turn_rewards already hold each turn's env reward plus its format penalty
         turn_rewards = batch.turn_rewards.float() if a.reward_position == "turn" else None
         return alg.place_rewards(M, batch.scores.float(), a.reward_position, turn, turn_rewards)
