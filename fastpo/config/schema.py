@@ -113,6 +113,22 @@ class EnvConfig:
 
 
 @dataclass
+class RewardConfig:
+    """A reward of your own beside or instead of the game's (fastpo.rewards).
+
+    Attributes:
+        fn: null, or "module.path:function" scoring each finished training trajectory
+            (a fastpo.rewards.Trajectory) with a float (on its last turn) or one float per
+            turn; imported and checked before any model loads.
+        mode: "add" (to the game's turn rewards) or "replace" (the game's turn rewards; the
+            format penalty stays).
+    """
+
+    fn: Optional[str] = None
+    mode: Literal["add", "replace"] = "add"
+
+
+@dataclass
 class RolloutConfig:
     """Multi-turn rollout settings (defaults: the paper / RAGEN's).
 
@@ -487,6 +503,7 @@ class TrainConfig:
         preset: the named presets applied, comma-separated (set by --preset).
         model: the `model` section (ModelConfig).
         env: the `env` section (EnvConfig).
+        reward: the `reward` section (RewardConfig).
         rollout: the `rollout` section (RolloutSection).
         algorithm: the `algorithm` section (AlgorithmConfig).
         optim: the `optim` section (OptimConfig).
@@ -496,6 +513,7 @@ class TrainConfig:
     preset: str = "paper"
     model: ModelConfig = field(default_factory=ModelConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutSection = field(default_factory=RolloutSection)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -611,6 +629,13 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
     if check_env:
         # a plain-Python game's reference lines are checked on the evaluation's seeds and horizon
         _check_env_options(cfg.env.name, cfg.env.options, (eval_seeds(cfg), eval_horizon(r)))
+        if cfg.reward.fn is not None:
+            from fastpo.rewards import load_reward_fn
+
+            try:
+                load_reward_fn(cfg.reward.fn)
+            except ValueError as e:
+                raise ConfigError(f"config key 'reward.fn' = {cfg.reward.fn!r}: {e}") from None
     return cfg
 
 

@@ -19,6 +19,7 @@ from fastpo.distributed.data_parallel import global_filter, rank_seeds
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.memory import release_free_memory
 from fastpo.report.metrics import rollout_metrics
+from fastpo.rewards import RewardFunction
 from fastpo.registry import estimator
 from fastpo.seeds import rollout_sampling_seed
 from fastpo.trainer.batch import TrainBatch
@@ -148,6 +149,8 @@ class StarPOIteration:
         self.cfg, self.dist, self.parts, self.stop, self.warn = cfg, dist, parts, stop, warn
         self.models, self.plan, self.schedule = parts.models, parts.plan, parts.schedule
         self.advantages = Advantages(cfg, dist, parts.plan)
+        self.reward_fn = RewardFunction(cfg.reward.fn, cfg.reward.mode, cfg.env.name) if cfg.reward.fn else None
+        self.reward_fn_totals = [0.0, 0.0]  # this iteration's (sum, trajectories) of reward.fn
 
     def run(self, it: int) -> dict:
         """One StarPO iteration as named steps on one batch record; returns its metrics. Until
@@ -157,6 +160,7 @@ class StarPOIteration:
         if self.schedule is not None and not self.schedule.needs_rollout(it):
             return self.reuse_iteration(it)
         tm: dict[str, float] = {}
+        self.reward_fn_totals = [0.0, 0.0]
         self.parts.sampler.take_weight_sync_seconds()
         self.stop.iteration_begins()
         items = None
@@ -207,8 +211,8 @@ class StarPOIteration:
         group_ids, seeds = rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
         # each group its own sampling stream, else one stream for the whole batch (RunPlan)
         extra = {"group_ids": group_ids} if self.plan.per_group_streams else {}
-        full = self.parts.sampler.generate(seeds, r.group_size, r.temperature,
-                                           seed=rollout_sampling_seed(cfg.trainer.seed, it), **extra)
+        full = self.rescored(self.parts.sampler.generate(seeds, r.group_size, r.temperature,
+                                                         seed=rollout_sampling_seed(cfg.trainer.seed, it), **extra))
         release_free_memory()  # the engine's freed KV buffers and temporaries, back to the system
         draws = {}
         if self.plan.filter_mode == "dynamic":
@@ -228,9 +232,22 @@ class StarPOIteration:
         metrics, generated, collapse_s = self.batch_metrics(full, collapse)
         metrics.update(draws)
         metrics.update(self.overlong_step(full))
+        if self.reward_fn is not None:
+            total, n = all_reduce(self.dist, self.reward_fn_totals)
+            metrics["train/reward_fn_mean"] = total / n if n else 0.0
         if collapse:
             tm["time/collapse_s"] = collapse_s
         return full, metrics, generated
+
+    def rescored(self, batch):
+        """`batch` with reward.fn's value on its turn rewards and scores (in place; fastpo.rewards),
+        counted into this iteration's reward_fn_totals; unchanged without reward.fn."""
+        if self.reward_fn is not None:
+            if batch is not None and len(batch.scores):
+                m = self.reward_fn.apply(batch)
+                self.reward_fn_totals[0] += m["train/reward_fn_sum"]
+                self.reward_fn_totals[1] += m["train/reward_fn_count"]
+        return batch
 
     def overlong_step(self, full) -> dict:
         """DAPO's overlong shaping and filtering on this process's trajectories, in place, after
@@ -286,7 +303,8 @@ class StarPOIteration:
             seeds, sampling_seed = dynamic_draw_seeds(cfg.trainer.seed, it, draw, r.env_groups)
             ids = [draw * r.env_groups + g for g in range(r.env_groups)]
             extra = {"group_ids": ids} if self.plan.per_group_streams else {}
-            b = self.parts.sampler.generate(seeds, r.group_size, r.temperature, seed=sampling_seed, **extra)
+            b = self.rescored(self.parts.sampler.generate(seeds, r.group_size, r.temperature, seed=sampling_seed,
+                                                          **extra))
             if not self.plan.per_group_streams:  # one stream: the rollout numbered its groups from 0
                 b = dataclasses.replace(b, group_ids=b.group_ids + draw * r.env_groups)
             batches.append(b)

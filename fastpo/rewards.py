@@ -1,0 +1,135 @@
+"""Reward functions: a user's `module:function` that scores each finished trajectory, added to
+the game's reward or replacing it (`reward.fn`, `reward.mode`), for rewards a game does not
+give (a rubric, a length budget, a verifier of your own).
+
+    # mygrader.py
+    def grade(t):                       # t: a fastpo.rewards.Trajectory
+        return 1.0 if "please" in t.responses[-1] else 0.0    # or one float per turn
+
+    fastpo train --env mymod:Game reward.fn=mygrader:grade reward.mode=add
+
+A float goes on the trajectory's last turn; a list gives each turn its own. With mode "add"
+it is added to the game's turn rewards; with "replace" it replaces them (the format penalty
+stays). The trajectory score (the sum of its turn rewards) follows, so every estimator,
+filter and metric sees the result. Applied to the training rollouts; the evaluation reports
+the game's own success. A function that raises or returns something else than a finite
+float (or a list of one per turn) stops the run with one line naming the function, the env
+and the instance's seed (`fastpo.envs.EnvError`, as a failing game).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import numbers
+import os
+import sys
+from typing import Callable
+
+import torch
+
+from fastpo.envs.errors import EnvError
+
+REWARD_MODES = ("add", "replace")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """What a reward function reads of one finished trajectory.
+
+    env: the game's name; seed: the instance's seed; user_messages: the user messages in order
+    (the first, with the task, then one per continued turn); responses: the model's answer of
+    each turn (text); env_rewards: the game's reward of each turn (format penalty excluded);
+    format_penalty: each turn's format penalty (<= 0); success: the game's verdict;
+    stop_reason: why it ended ("env_done", "max_turns", "action_budget", "context").
+    """
+
+    env: str
+    seed: int
+    user_messages: list
+    responses: list
+    env_rewards: list
+    format_penalty: list
+    success: bool
+    stop_reason: str
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """The callable named by "module.path:function" (the current folder importable, as for
+    games). Raises ValueError with one line naming `spec` when it does not import or is not
+    callable."""
+    module, _, attr = spec.partition(":")
+    if not module.strip() or not attr.strip():
+        raise ValueError(f"reward function {spec!r}: the form is 'module.path:function'")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        obj = importlib.import_module(module.strip())
+    except Exception as e:
+        first = (str(e).strip().splitlines() or ["(no message)"])[0][:300]
+        raise ValueError(f"reward function {spec!r}: importing {module.strip()!r} failed: {type(e).__name__}: "
+                         f"{first}") from None
+    for part in attr.strip().split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"reward function {spec!r}: module {module.strip()!r} has no {attr.strip()!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"reward function {spec!r}: {attr.strip()!r} is a {type(obj).__name__}, not a function")
+    return obj
+
+
+class RewardFunction:
+    """`reward.fn` bound to a run: `apply(batch)` rescores a TrajectoryBatch in place."""
+
+    def __init__(self, spec: str, mode: str, env: str):
+        if mode not in REWARD_MODES:
+            raise ValueError(f"reward mode {mode!r}: choose one of {REWARD_MODES}")
+        self.spec, self.mode, self.env = spec, mode, env
+        self.fn = load_reward_fn(spec)
+
+    def apply(self, batch) -> dict:
+        """Call the function on each trajectory of `batch` (a fastpo.rollout.batch.TrajectoryBatch)
+        and put its value on the turn rewards (mode add or replace) and the score. Returns
+        {"train/reward_fn_sum": the function's values summed over turns and trajectories,
+        "train/reward_fn_count": the trajectories} (the trainer's mean is over every process).
+        Raises EnvError naming the function, the env and the seed."""
+        total = 0.0
+        for i in range(len(batch.scores)):
+            n = int(batch.num_turns[i])
+            values = self._values(batch, i, n)
+            pen = batch.format_penalty[i, :n]
+            new = torch.tensor(values, dtype=batch.turn_rewards.dtype)
+            if self.mode == "add":
+                batch.turn_rewards[i, :n] += new
+            else:
+                batch.turn_rewards[i, :n] = new + pen
+            batch.scores[i] = batch.turn_rewards[i].sum().to(batch.scores.dtype)
+            total += sum(values)
+        count = len(batch.scores)
+        return {"train/reward_fn_sum": total, "train/reward_fn_count": float(count)}
+
+    def _values(self, batch, i: int, n: int) -> list:
+        seed = int(batch.seeds[i])
+        where = f"reward function {self.spec!r} on env {self.env!r}, seed {seed}"
+        env_r = (batch.turn_rewards[i, :n] - batch.format_penalty[i, :n]).tolist()
+        traj = Trajectory(env=self.env, seed=seed, user_messages=list(batch.user_messages[i]) if batch.user_messages
+                          else [], responses=list(batch.response_texts[i][:n]), env_rewards=env_r,
+                          format_penalty=batch.format_penalty[i, :n].tolist(), success=bool(batch.success[i]),
+                          stop_reason=str(batch.stop_reason[i]))
+        try:
+            out = self.fn(traj)
+        except Exception as e:
+            first = (str(e).strip().splitlines() or ["(no message)"])[0][:300]
+            raise EnvError(f"{where} raised {type(e).__name__}: {first}") from None
+        if isinstance(out, (list, tuple)):
+            if len(out) != n:
+                raise EnvError(f"{where} returned {len(out)} values for {n} turns; return one float, or one per turn")
+            values = list(out)
+        else:
+            values = [0.0] * (n - 1) + [out] if n else []
+            if not n:
+                return []
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise EnvError(f"{where} returned {out!r}; return a finite float, or a list of one per turn")
+        return [float(v) for v in values]
