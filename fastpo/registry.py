@@ -54,6 +54,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               batch_statistics=True, paper="R - group mean, normalised over the batch's tokens (REINFORCE++-baseline)"),
     Estimator("bilevel_gae", token_level=True, needs_groups=False, needs_critic=True, batch_statistics=True,
               needs_turns=True, paper="a GAE over turns, then one inside each turn (RAGEN head's bi-level GAE)"),
+    Estimator("turn_rloo", token_level=True, needs_groups=True, needs_critic=False, batch_statistics=False,
+              needs_turns=True, paper="each turn's reward-to-go minus the group's leave-one-out mean at that turn"),
 )}
 ESTIMATOR_NAMES: tuple[str, ...] = tuple(ESTIMATORS)
 

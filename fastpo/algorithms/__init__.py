@@ -14,6 +14,7 @@ from fastpo.algorithms.advantages import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
+    turn_rloo_advantages,
 )
 from fastpo.algorithms.estimators import (AdvantageInputs, AdvantageOutputs, estimate_advantages,
                                           register_estimator)
@@ -33,6 +34,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "rloo_advantages",
+    "turn_rloo_advantages",
     "AdvantageInputs",
     "AdvantageOutputs",
     "estimate_advantages",

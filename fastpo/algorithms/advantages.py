@@ -275,6 +275,59 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.Tens
     return out.to(torch.float32)
 
 
+def turn_rloo_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor, turn: torch.Tensor,
+                         group_ids: torch.Tensor) -> torch.Tensor:
+    """Turn-level credit for an env group without a critic: each turn's reward-to-go minus a
+    leave-one-out baseline of the same turn index (fastpo's "turn_rloo"; RLOO per turn).
+
+    For trajectory b with turns k = 0 .. K_b - 1 (its turns with model tokens), turn reward
+    r_bk (the token rewards of turn k's model tokens, summed: with reward_position=turn the
+    turn's reward, with KL on the reward its penalty too) and reward-to-go
+    G_bk = sum_{k' >= k} r_bk', every model token of turn k gets
+        A_bk = G_bk - mean{G_b'k : b' != b in b's env group, K_b' > k}   (0 when no other reached turn k).
+    The baseline depends on the turn index and on the other trajectories only, never on b's
+    own later actions, so the policy gradient stays unbiased when the policy decides how many
+    turns it takes. Normalising each turn index's rewards by its group and summing (MT-GRPO
+    style) subtracts a number of baseline terms set by the trajectory's own stopping turn: an
+    action-dependent baseline, biased towards or against taking another turn (verl RFC #7244).
+    No std division (as RLOO and Dr.GRPO). Group statistics in float64.
+
+    Args: rewards [B, T] float (token rewards on model tokens); loss_mask [B, T] bool; turn
+    [B, T] int (each token's turn); group_ids [B] int. Returns [B, T] fp32, zero off the mask.
+    Raises ValueError on shape mismatch.
+    """
+    mask = loss_mask.bool()
+    _check_bt("rewards", rewards, mask.shape)
+    _check_bt("turn", turn, mask.shape)
+    if group_ids.shape != (mask.shape[0],):
+        raise ValueError(f"group_ids {tuple(group_ids.shape)} must be [B] with B = {mask.shape[0]}")
+    togo = []  # per trajectory: (its turn ids in order, their rewards-to-go)
+    for b in range(mask.shape[0]):
+        ids, r = [], []
+        for k, x in zip(turn[b][mask[b]].tolist(), rewards[b][mask[b]].double().tolist()):
+            if not ids or ids[-1] != k:
+                ids.append(k)
+                r.append(0.0)
+            r[-1] += x
+        g = [sum(r[j:]) for j in range(len(r))]
+        togo.append((ids, g))
+    members: dict = {}
+    for b, gid in enumerate(group_ids.tolist()):
+        members.setdefault(gid, []).append(b)
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    for group in members.values():
+        depth = max(len(togo[b][1]) for b in group)
+        # per turn index: the sum and count of the group's rewards-to-go there
+        total = [sum(togo[b][1][j] for b in group if len(togo[b][1]) > j) for j in range(depth)]
+        count = [sum(1 for b in group if len(togo[b][1]) > j) for j in range(depth)]
+        for b in group:
+            ids, g = togo[b]
+            for j, k in enumerate(ids):
+                base = (total[j] - g[j]) / (count[j] - 1) if count[j] > 1 else 0.0
+                out[b][mask[b] & (turn[b] == k)] = float(g[j] - base)
+    return out.to(rewards.device)
+
+
 @torch.no_grad()
 def reinforce_pp_advantages(rewards: torch.Tensor, loss_mask: torch.Tensor,
                             gamma: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from fastpo.algorithms.advantages import (compute_bilevel_gae, compute_gae, grpo_advantages, masked_whiten, reinforce_pp_advantages,
-                                          reinforce_pp_baseline_advantages, rloo_advantages)
+                                          reinforce_pp_baseline_advantages, rloo_advantages, turn_rloo_advantages)
 from fastpo.registry import ESTIMATORS
 
 
@@ -105,6 +105,11 @@ def _bilevel_gae(x: AdvantageInputs) -> AdvantageOutputs:
     if x.whiten_advantages:
         adv = x.batch_whiten(adv, x.mask)
     return AdvantageOutputs(adv, ret, metrics)
+
+
+@register_estimator("turn_rloo")
+def _turn_rloo(x: AdvantageInputs) -> AdvantageOutputs:
+    return AdvantageOutputs(turn_rloo_advantages(x.rewards, x.mask, x.turn, x.group_ids))
 
 
 @register_estimator("reinforce_pp")

@@ -268,7 +268,10 @@ class AlgorithmConfig:
             discounted return, normalised over the batch; REINFORCE++) or
             "reinforce_pp_baseline" (R - group mean, normalised over the batch's tokens), or
             "bilevel_gae" (RAGEN's bi-level GAE with a critic: a GAE over turns with
-            `high_level_gamma`, then one inside each turn); fastpo.algorithms.advantages.
+            `high_level_gamma`, then one inside each turn), or "turn_rloo" (turn-level credit
+            without a critic: each turn's reward-to-go minus the leave-one-out mean of the
+            group's rewards-to-go at that turn; use reward_position=turn);
+            fastpo.algorithms.advantages.
         gamma: discount over model tokens (GAE, REINFORCE++).
         lam: GAE's lambda.
         high_level_gamma: bilevel_gae's discount over turns (RAGEN's `high_level_gamma`, 0.95);
