@@ -52,7 +52,7 @@ def run(ctx: BenchContext) -> list[Record]:
         n, h, v, dtype, impl, chunk = 4096, 896, 151936, torch.bfloat16, "triton", None
         sync = torch.cuda.synchronize
     else:
-        n, h, v, dtype, impl, chunk = (512 if ctx.quick else 2048), 576, 49152, torch.float32, "chunked", None
+        n, h, v, dtype, impl = (512 if ctx.quick else 2048), 576, 49152, torch.float32, "chunked"
         chunk = 128 if ctx.quick else None
         sync = None
     data = _inputs(n, h, v, dtype, ctx.device, ctx.seed)

@@ -105,8 +105,7 @@ class RewardFunction:
                 batch.turn_rewards[i, :n] = new + pen
             batch.scores[i] = batch.turn_rewards[i].sum().to(batch.scores.dtype)
             total += sum(values)
-        count = len(batch.scores)
-        return {"train/reward_fn_sum": total, "train/reward_fn_count": float(count)}
+        return {"train/reward_fn_sum": total, "train/reward_fn_count": float(len(batch.scores))}
 
     def _values(self, batch, i: int, n: int) -> list:
         seed = int(batch.seeds[i])
@@ -127,8 +126,6 @@ class RewardFunction:
             values = list(out)
         else:
             values = [0.0] * (n - 1) + [out] if n else []
-            if not n:
-                return []
         for v in values:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise EnvError(f"{where} returned {out!r}; return a finite float, or a list of one per turn")

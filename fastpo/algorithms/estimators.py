@@ -89,22 +89,24 @@ def estimate_advantages(name: str, inputs: AdvantageInputs) -> AdvantageOutputs:
     return _ESTIMATORS[name](inputs)
 
 
-@register_estimator("gae")
-def _gae(x: AdvantageInputs) -> AdvantageOutputs:
-    adv, ret = compute_gae(x.rewards, x.values, x.mask, x.gamma, x.lam)
+def _with_critic(x: AdvantageInputs, adv: torch.Tensor, ret: torch.Tensor) -> AdvantageOutputs:
+    """A critic estimator's outputs: its batch means of returns and values, and its
+    advantages whitened over the batch when asked."""
     metrics = {"critic/return_mean": x.batch_mean(ret, x.mask), "critic/value_mean": x.batch_mean(x.values, x.mask)}
     if x.whiten_advantages:
         adv = x.batch_whiten(adv, x.mask)
     return AdvantageOutputs(adv, ret, metrics)
+
+
+@register_estimator("gae")
+def _gae(x: AdvantageInputs) -> AdvantageOutputs:
+    return _with_critic(x, *compute_gae(x.rewards, x.values, x.mask, x.gamma, x.lam))
 
 
 @register_estimator("bilevel_gae")
 def _bilevel_gae(x: AdvantageInputs) -> AdvantageOutputs:
-    adv, ret = compute_bilevel_gae(x.rewards, x.values, x.mask, x.turn, x.gamma, x.lam, x.high_level_gamma)
-    metrics = {"critic/return_mean": x.batch_mean(ret, x.mask), "critic/value_mean": x.batch_mean(x.values, x.mask)}
-    if x.whiten_advantages:
-        adv = x.batch_whiten(adv, x.mask)
-    return AdvantageOutputs(adv, ret, metrics)
+    return _with_critic(x, *compute_bilevel_gae(x.rewards, x.values, x.mask, x.turn, x.gamma, x.lam,
+                                                x.high_level_gamma))
 
 
 @register_estimator("turn_rloo")

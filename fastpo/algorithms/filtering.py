@@ -209,6 +209,11 @@ def filter_from_stds(stds: dict, group_ids: torch.Tensor, largest_group: int, ra
                         zero_std_groups=sum(1 for g in groups if abs(stds[g]) <= ZERO_STD))
 
 
+def varying_groups(stds: dict) -> list:
+    """The group ids of {group id: reward std} whose rewards vary (std > 1e-10), in id order."""
+    return [g for g in sorted(stds) if abs(stds[g]) > ZERO_STD]
+
+
 def dynamic_sampling_filter(scores: torch.Tensor, group_ids: torch.Tensor, target: int) -> FilterResult:
     """DAPO's dynamic sampling (arXiv 2503.14476, Sec. 3.2, Alg. 1): keep the env groups
     whose rewards vary (std > 1e-10: a group whose trajectories all score alike has zero
@@ -223,7 +228,7 @@ def dynamic_sampling_filter(scores: torch.Tensor, group_ids: torch.Tensor, targe
     if target < 1:
         raise ValueError(f"dynamic sampling needs a target of at least 1 group, got {target}")
     stds = group_reward_std(scores, group_ids)
-    chosen = [g for g in sorted(stds) if abs(stds[g]) > ZERO_STD][:target]
+    chosen = varying_groups(stds)[:target]
     keep = torch.zeros_like(group_ids, dtype=torch.bool)
     for g in chosen:
         keep |= group_ids == g

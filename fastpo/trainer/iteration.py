@@ -242,11 +242,10 @@ class StarPOIteration:
     def rescored(self, batch):
         """`batch` with reward.fn's value on its turn rewards and scores (in place; fastpo.rewards),
         counted into this iteration's reward_fn_totals; unchanged without reward.fn."""
-        if self.reward_fn is not None:
-            if batch is not None and len(batch.scores):
-                m = self.reward_fn.apply(batch)
-                self.reward_fn_totals[0] += m["train/reward_fn_sum"]
-                self.reward_fn_totals[1] += m["train/reward_fn_count"]
+        if self.reward_fn is not None and len(batch.scores):
+            m = self.reward_fn.apply(batch)
+            self.reward_fn_totals[0] += m["train/reward_fn_sum"]
+            self.reward_fn_totals[1] += m["train/reward_fn_count"]
         return batch
 
     def overlong_step(self, full) -> dict:
@@ -286,7 +285,7 @@ class StarPOIteration:
         the batch have rewards that vary, at most `algorithm.dynamic_max_draws` rollouts in
         all. Returns (every drawn trajectory in one batch, train/dynamic_draws and
         train/dynamic_varying_groups: the rollouts made and the varying groups found)."""
-        from fastpo.algorithms.filtering import ZERO_STD, group_reward_std
+        from fastpo.algorithms.filtering import group_reward_std, varying_groups
         from fastpo.rollout.batch import TrajectoryBatch
         from fastpo.seeds import dynamic_draw_seeds
 
@@ -296,7 +295,7 @@ class StarPOIteration:
         def varying() -> int:
             stds = group_reward_std(torch.cat([b.scores.float() for b in batches]),
                                     torch.cat([b.group_ids for b in batches]))
-            return sum(1 for v in stds.values() if abs(v) > ZERO_STD)
+            return len(varying_groups(stds))
 
         while len(batches) < cfg.algorithm.dynamic_max_draws and varying() < r.env_groups:
             draw = len(batches)
