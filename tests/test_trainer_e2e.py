@@ -15,8 +15,10 @@ import pytest
 import torch
 from rich.console import Console
 
+import fastpo.trainer.update
 from fastpo.cli import main as cli_main
 from fastpo.config import load_config
+from fastpo.seeds import clip_cov_seed
 from fastpo.trainer import Trainer, TrainBatch
 from run_helpers import records as _records, stable as _stable
 
@@ -151,16 +153,30 @@ def test_bandit_starpo_kl_separate_critic(tmp_path, kl_in_reward):
 
 
 @pytest.mark.parametrize("policy_loss", ["cispo", "sapo", "clip_cov", "kl_cov"])
-def test_each_policy_loss_trains_through_the_trainer(tmp_path, policy_loss):
-    """algorithm.policy_loss reaches the fused loss: one GRPO update on the random tiny model
-    per loss, its own metrics logged (the covariance losses' covfrac), finite, a gradient."""
+def test_each_policy_loss_trains_through_the_trainer(tmp_path, policy_loss, monkeypatch):
+    """algorithm.policy_loss reaches the fused loss: one GRPO update (two PPO epochs) on the
+    random tiny model per loss, its own metrics logged (the covariance losses' covfrac),
+    finite, a gradient; Clip-Cov's draw seeded afresh per loss call."""
     out = str(tmp_path / "run")
     cfg = _cfg("bandit", out, "model.name=random:tiny-llama", "algorithm.adv_estimator=grpo",
                f"algorithm.policy_loss={policy_loss}", "algorithm.cov_ratio=0.05", "algorithm.clip_cov_lb=-1e9",
-               "algorithm.clip_cov_ub=1e9", "trainer.iterations=1", "trainer.eval_every=0", "trainer.plots=false")
+               "algorithm.clip_cov_ub=1e9", "optim.ppo_epochs=2", "trainer.iterations=1", "trainer.eval_every=0",
+               "trainer.plots=false")
     tr = Trainer(cfg, console=Console(quiet=True))
+    seeds = []
+    real_loss = fastpo.trainer.update.linear_policy_loss
+
+    def spy(*args, settings, **kw):
+        seeds.append(settings.cov_seed)
+        return real_loss(*args, settings=settings, **kw)
+
+    monkeypatch.setattr(fastpo.trainer.update, "linear_policy_loss", spy)
     rec = tr.run()[0]
     assert math.isfinite(rec["actor/pg_loss"]) and rec["actor/grad_norm"] > 0
+    assert len(seeds) >= 2
+    if policy_loss == "clip_cov":  # a fresh draw per micro-batch, as verl's (not one pattern per run)
+        assert seeds == [clip_cov_seed(cfg.trainer.seed, 1, i) for i in range(len(seeds))]
+        assert len(set(seeds)) == len(seeds)
     if policy_loss in ("clip_cov", "kl_cov"):
         assert 0 < rec["actor/covfrac"] <= 0.2, rec["actor/covfrac"]
     else:

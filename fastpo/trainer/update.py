@@ -4,6 +4,7 @@ shuffled mini-batches with the fused policy loss and the clipped value loss (`pp
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -20,7 +21,7 @@ from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
 from fastpo.registry import POLICY_LOSSES, loss_denominator_of
-from fastpo.seeds import mini_batch_generator_seed
+from fastpo.seeds import clip_cov_seed, mini_batch_generator_seed
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.models import Models, hidden_states
 from fastpo.trainer.plan import RunPlan
@@ -32,7 +33,8 @@ def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
     loss with its clip, entropy, KL and aggregation settings at the rollout temperature; no KL
     term in the loss when the KL is on the reward (`TrainConfig.kl_in_reward`,
     `RunPlan.kl_in_reward`); the dual clip only for a loss that has one (ppo, clip_cov);
-    Clip-Cov's draw seeded by trainer.seed."""
+    Clip-Cov's draw seeded by trainer.seed here (`PolicyUpdater.update` reseeds it per
+    micro-batch with `fastpo.seeds.clip_cov_seed`)."""
     a = cfg.algorithm
     dual_clip = a.dual_clip if POLICY_LOSSES[a.policy_loss].dual_clip else None
     return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=dual_clip,
@@ -122,6 +124,7 @@ class PolicyUpdater:
             self.critic_opt = torch.optim.AdamW(list(body.parameters()) + list(head.parameters()),
                                                 lr=o.critic_lr, betas=tuple(o.betas), weight_decay=o.weight_decay)
         self.loss_settings = policy_loss_settings(cfg)
+        self.loss_calls = 0  # policy-loss calls in the current update (Clip-Cov's draw per call)
 
     def optimizers(self) -> dict:
         """The optimizers by checkpoint name: "actor", and "critic" for a separate critic."""
@@ -260,12 +263,12 @@ class PolicyUpdater:
         per_traj = {"old_lp": batch.old_logprobs, "adv": batch.advantages, "vals": batch.values,
                     "returns": batch.returns, "ref": batch.ref_logprobs, "is_weights": batch.is_weights}
         metrics = MetricMeans()
-        skipped = steps = train_tokens = 0
+        skipped = steps = train_tokens = self.loss_calls = 0
         self.models.policy.train()
         for _epoch in range(cfg.optim.ppo_epochs):
             for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
                 value_denom = global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
-                loss_fn = self.ppo_loss(per_traj, denom, value_denom, metrics)
+                loss_fn = self.ppo_loss(per_traj, denom, value_denom, metrics, it)
                 stepped, n = self.step(batch, mini, loss_fn, metrics)
                 train_tokens += n
                 if stepped:
@@ -282,21 +285,28 @@ class PolicyUpdater:
         res["actor/skipped_updates"] = skipped
         return res, train_tokens
 
-    def ppo_loss(self, per_traj: dict, denom: float, value_denom: float, metrics: MetricMeans) -> MicroLoss:
+    def ppo_loss(self, per_traj: dict, denom: float, value_denom: float, metrics: MetricMeans,
+                 iteration: int = 0) -> MicroLoss:
         """The `MicroLoss` of one PPO mini-batch: the fused policy loss plus the critic's value
         loss (times value_coef when the critic shares the policy's optimizer), both normalised
         by their mini-batch denominators so that the accumulated gradient is the mini-batch's.
-        Critic metrics go into `metrics` at once, the policy loss's as `actor/*`."""
+        Critic metrics go into `metrics` at once, the policy loss's as `actor/*`. Clip-Cov draws
+        its tokens afresh in each call (`clip_cov_seed` of `iteration` and the call's index)."""
         a, m = self.cfg.algorithm, self.models
 
         def loss(micro, scored):
             take = {k: None if v is None else scored.take(v) for k, v in per_traj.items()}
+            settings = self.loss_settings
+            if settings.loss == "clip_cov":
+                settings = dataclasses.replace(settings, cov_seed=clip_cov_seed(self.cfg.trainer.seed, iteration,
+                                                                                  self.loss_calls))
+            self.loss_calls += 1
             ref = None if self.plan.kl_in_reward else take["ref"]  # the KL is then in the advantages
             with m.autocast():
                 h = hidden_states(decoder_body(m.policy), micro)
                 out = linear_policy_loss(h[scored.rows], lm_head_weight(m.policy), scored.targets, take["old_lp"],
                                          take["adv"], torch.ones_like(take["old_lp"], dtype=torch.bool), ref,
-                                         settings=self.loss_settings, seq_ids=scored.seq, denominator=denom,
+                                         settings=settings, seq_ids=scored.seq, denominator=denom,
                                          is_weights=take["is_weights"], impl=self.cfg.trainer.kernel_impl)
                 total = out.loss
                 if m.value_head is not None:
