@@ -526,12 +526,12 @@ class ModelLoadError(ConfigError):
     """The model name or path cannot be loaded (unknown name, missing folder, not a model)."""
 
 
-def check_model_name(name: str) -> None:
+def check_model_name(name: str, key: str = "model.name") -> None:
     """Refuse, before anything loads or prints, a `model.name` that names no model: an unknown
     `random:<shape>`, a local path that does not exist, a file, or a folder that is neither an
     HF model folder nor a fastpo checkpoint or run folder. Raises ModelLoadError (one line,
     as `load_model_checked` says it), and an HF hub id neither in the local cache nor
-    reachable (the hub probed for at most 3 s)."""
+    reachable (the hub probed for at most 3 s). `key`: the config key the message names."""
     try:
         if not isinstance(name, str) or not name:
             raise ValueError(f"model name must be a non-empty string, got {name!r}")
@@ -544,7 +544,7 @@ def check_model_name(name: str) -> None:
         if source == "hub" and not _hub_cached(path) and not _hub_reachable():
             raise ValueError(_unreachable_message(name))
     except ValueError as e:
-        raise ModelLoadError(f"model.name={name!r} cannot be loaded: {e}") from e
+        raise ModelLoadError(f"{key}={name!r} cannot be loaded: {e}") from e
 
 
 def _hub_cached(repo_id: str) -> bool:
@@ -557,12 +557,12 @@ def _hub_cached(repo_id: str) -> bool:
         return False
 
 
-def load_model_checked(name: str, tokenizer_only: bool = False, **kw):
+def load_model_checked(name: str, tokenizer_only: bool = False, key: str = "model.name", **kw):
     """`load_model_and_tokenizer(name, **kw)` (with `tokenizer_only`,
     `load_tokenizer(name)`) with its bad-input errors (ValueError, RuntimeError, OSError)
     raised as ModelLoadError naming `model.name`. A fastpo checkpoint is verified first: one
     whose model/ is damaged is refused in one line naming the damage (and its run's newest
-    intact checkpoint)."""
+    intact checkpoint). `key`: the config key the message names."""
     from safetensors import SafetensorError
 
     from fastpo.run.manifest import search_checkpoints, verify_checkpoint

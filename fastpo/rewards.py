@@ -79,42 +79,57 @@ def load_reward_fn(spec: str) -> Callable:
 
 
 class RewardFunction:
-    """`reward.fn` bound to a run: `apply(batch)` rescores a TrajectoryBatch in place."""
+    """`reward.fn` and the LLM judge (fastpo.judge) bound to a run: `apply(batch)` rescores a
+    TrajectoryBatch in place. spec: "module:function" or None; judge: a fastpo.judge.Judge or
+    None (at least one of the two)."""
 
-    def __init__(self, spec: str, mode: str, env: str):
+    def __init__(self, spec: str | None, mode: str, env: str, judge=None):
         if mode not in REWARD_MODES:
             raise ValueError(f"reward mode {mode!r}: choose one of {REWARD_MODES}")
-        self.spec, self.mode, self.env = spec, mode, env
-        self.fn = load_reward_fn(spec)
+        self.spec, self.mode, self.env, self.judge = spec, mode, env, judge
+        self.fn = load_reward_fn(spec) if spec is not None else None
 
     def apply(self, batch) -> dict:
-        """Call the function on each trajectory of `batch` (a fastpo.rollout.batch.TrajectoryBatch)
-        and put its value on the turn rewards (mode add or replace) and the score. Returns
-        {"train/reward_fn_sum": the function's values summed over turns and trajectories,
-        "train/reward_fn_count": the trajectories} (the trainer's mean is over every process).
-        Raises EnvError naming the function, the env and the seed."""
-        total = 0.0
-        for i in range(len(batch.scores)):
-            n = int(batch.num_turns[i])
-            values = self._values(batch, i, n)
+        """Score each trajectory of `batch` (a fastpo.rollout.batch.TrajectoryBatch): reward.fn's
+        values plus the judge's score on the last turn, put on the turn rewards (mode add or
+        replace) and the score. Returns sums over this batch: "reward_fn_sum" (the function's
+        values over turns and trajectories), "count" (trajectories), and with a judge
+        "judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds" (the trainer
+        averages over every process). Raises EnvError naming the function, the env and the seed."""
+        n_traj = len(batch.scores)
+        trajs = [self._trajectory(batch, i) for i in range(n_traj)]
+        values = [self._values(t) if self.fn is not None else [0.0] * len(t.responses) for t in trajs]
+        out = {"reward_fn_sum": float(sum(sum(v) for v in values)), "count": float(n_traj)}
+        if self.judge is not None:
+            verdicts = self.judge.grade(trajs)
+            for v, score in zip(values, verdicts.scores):
+                if v:
+                    v[-1] += score
+            out.update(judge_score_sum=float(sum(verdicts.scores)), judge_unparsed=float(n_traj - sum(verdicts.parsed)),
+                       judge_too_long=float(verdicts.too_long), judge_seconds=verdicts.seconds)
+        for i, vals in enumerate(values):
+            n = len(vals)
             pen = batch.format_penalty[i, :n]
-            new = torch.tensor(values, dtype=batch.turn_rewards.dtype)
+            new = torch.tensor(vals, dtype=batch.turn_rewards.dtype)
             if self.mode == "add":
                 batch.turn_rewards[i, :n] += new
             else:
                 batch.turn_rewards[i, :n] = new + pen
             batch.scores[i] = batch.turn_rewards[i].sum().to(batch.scores.dtype)
-            total += sum(values)
-        return {"train/reward_fn_sum": total, "train/reward_fn_count": float(len(batch.scores))}
+        return out
 
-    def _values(self, batch, i: int, n: int) -> list:
-        seed = int(batch.seeds[i])
-        where = f"reward function {self.spec!r} on env {self.env!r}, seed {seed}"
+    def _trajectory(self, batch, i: int) -> Trajectory:
+        n = int(batch.num_turns[i])
         env_r = (batch.turn_rewards[i, :n] - batch.format_penalty[i, :n]).tolist()
-        traj = Trajectory(env=self.env, seed=seed, user_messages=list(batch.user_messages[i]) if batch.user_messages
-                          else [], responses=list(batch.response_texts[i][:n]), env_rewards=env_r,
+        return Trajectory(env=self.env, seed=int(batch.seeds[i]),
+                          user_messages=list(batch.user_messages[i]) if batch.user_messages else [],
+                          responses=list(batch.response_texts[i][:n]), env_rewards=env_r,
                           format_penalty=batch.format_penalty[i, :n].tolist(), success=bool(batch.success[i]),
                           stop_reason=str(batch.stop_reason[i]))
+
+    def _values(self, traj: Trajectory) -> list:
+        n = len(traj.responses)
+        where = f"reward function {self.spec!r} on env {self.env!r}, seed {traj.seed}"
         try:
             out = self.fn(traj)
         except Exception as e:

@@ -60,8 +60,7 @@ def test_add_and_replace_by_hand():
     SEEN.clear()
     m = RewardFunction("test_rewards:polite", "add", "bandit").apply(b)
     torch.testing.assert_close(b.turn_rewards, torch.tensor([[-0.1, 2.0, 0.0], [0.0, 0.0, 0.0]]))
-    assert b.scores.tolist() == pytest.approx([1.9, 0.0]) and m == {"train/reward_fn_sum": 1.0,
-                                                                     "train/reward_fn_count": 2.0}
+    assert b.scores.tolist() == pytest.approx([1.9, 0.0]) and m == {"reward_fn_sum": 1.0, "count": 2.0}
     t = SEEN[0]
     assert (t.env, t.seed, t.responses, t.user_messages, t.success, t.stop_reason) == \
         ("bandit", 11, ["no", "yes please"], ["task", "obs 1"], True, "env_done")

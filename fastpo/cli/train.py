@@ -104,6 +104,8 @@ def cmd_train(args) -> int:
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         check_model_name(cfg.model.name)  # a name that names no model: said before the run's banner
+        if cfg.reward.judge_model is not None:
+            check_model_name(cfg.reward.judge_model, key="reward.judge_model")
         check_out_dir(cfg.trainer.output_dir, "--resume" if args.resume is not None else "--out")
         ctx = SINGLE
         if where is not None:  # join the job (even of one process: the data-parallel path); rank 0's

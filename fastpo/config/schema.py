@@ -121,11 +121,35 @@ class RewardConfig:
             (a fastpo.rewards.Trajectory) with a float (on its last turn) or one float per
             turn; imported and checked before any model loads.
         mode: "add" (to the game's turn rewards) or "replace" (the game's turn rewards; the
-            format penalty stays).
+            format penalty stays); applies to the sum of reward.fn's value and the judge's.
+        judge_rubric: null, or the LLM judge's rubric (fastpo.judge): its user message, holding
+            {answer} or {transcript} (also {task}, {env}); the judge's score in [0, 1] goes on
+            each training trajectory's last turn.
+        judge_rubric_file: null, or a UTF-8 file holding the rubric (instead of judge_rubric);
+            read and checked before any model loads.
+        judge_model: the judge model: null (the policy's starting weights, a frozen copy) or
+            any model.name value (HF id, folder, run folder, random:<shape>).
+        judge_scale: "yes_no" (a yes scores 1, a no 0) or "number" (the reply's first number
+            in [judge_min, judge_max], scaled to [0, 1]).
+        judge_min: the number scale's lowest score.
+        judge_max: the number scale's highest score (above judge_min).
+        judge_fallback: the score of a reply without a verdict (counted in
+            train/judge_unparsed_rate).
+        judge_max_new_tokens: the judge's reply length cap (greedy decoding).
+        judge_batch_size: prompts per judge engine batch (bounds its KV cache).
     """
 
     fn: Optional[str] = None
     mode: Literal["add", "replace"] = "add"
+    judge_rubric: Optional[str] = None
+    judge_rubric_file: Optional[str] = None
+    judge_model: Optional[str] = None
+    judge_scale: Literal["yes_no", "number"] = "yes_no"
+    judge_min: float = 0.0
+    judge_max: float = 10.0
+    judge_fallback: float = checked(0.0, lambda v: math.isfinite(v), "must be a finite number")
+    judge_max_new_tokens: int = checked(8, at_least(1), "must be >= 1")
+    judge_batch_size: int = checked(16, at_least(1), "must be >= 1")
 
 
 @dataclass
@@ -582,18 +606,23 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
         if not cond:
             raise ConfigError(f"config key {key!r} = {value!r}: {why}")
 
-    for section in (cfg.model, cfg.env, r, a, o, t):
+    for section in (cfg.model, cfg.env, r, a, o, t, cfg.reward):
         for f in dataclasses.fields(section):
             v = getattr(section, f.name)
             vals = v if isinstance(v, list) else [v]
             if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
-                        id(o): "optim", id(t): "trainer"}[id(section)]
+                        id(o): "optim", id(t): "trainer", id(cfg.reward): "reward"}[id(section)]
                 raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number")
     # single-field rules live on the fields (`checked`); what follows relates fields
     for section, name in ((cfg.model, "model"), (cfg.env, "env"), (r, "rollout"), (a, "algorithm"), (o, "optim"),
-                          (t, "trainer")):
+                          (t, "trainer"), (cfg.reward, "reward")):
         check_fields(section, f"{name}.")
+    rw = cfg.reward
+    need(rw.judge_rubric is None or rw.judge_rubric_file is None, "reward.judge_rubric_file", rw.judge_rubric_file,
+         "give the rubric once: as reward.judge_rubric (text) or reward.judge_rubric_file, not both")
+    need(rw.judge_scale != "number" or rw.judge_min < rw.judge_max, "reward.judge_max", rw.judge_max,
+         f"must be above reward.judge_min ({rw.judge_min})")
     need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
          f"must be below rollout.max_context ({r.max_context})")
     need(r.engine == "native" or cfg.model.lora_rank == 0, "rollout.engine", r.engine,
@@ -632,6 +661,15 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
     if check_env:
         # a plain-Python game's reference lines are checked on the evaluation's seeds and horizon
         _check_env_options(cfg.env.name, cfg.env.options, (eval_seeds(cfg), eval_horizon(r)))
+        for key in ("judge_rubric", "judge_rubric_file"):
+            value = getattr(cfg.reward, key)
+            if value is not None:
+                from fastpo.rubric import check_rubric, read_rubric
+
+                try:
+                    (check_rubric if key == "judge_rubric" else read_rubric)(value)
+                except ValueError as e:
+                    raise ConfigError(f"config key 'reward.{key}' = {value[:60]!r}: {e}") from None
         if cfg.reward.fn is not None:
             from fastpo.rewards import load_reward_fn
 

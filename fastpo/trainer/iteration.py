@@ -19,6 +19,7 @@ from fastpo.distributed.data_parallel import global_filter, rank_seeds
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.memory import release_free_memory
 from fastpo.report.metrics import rollout_metrics
+from fastpo.judge import judge_from_config
 from fastpo.rewards import RewardFunction
 from fastpo.registry import estimator
 from fastpo.seeds import rollout_sampling_seed
@@ -149,8 +150,13 @@ class StarPOIteration:
         self.cfg, self.dist, self.parts, self.stop, self.warn = cfg, dist, parts, stop, warn
         self.models, self.plan, self.schedule = parts.models, parts.plan, parts.schedule
         self.advantages = Advantages(cfg, dist, parts.plan)
-        self.reward_fn = RewardFunction(cfg.reward.fn, cfg.reward.mode, cfg.env.name) if cfg.reward.fn else None
-        self.reward_fn_totals = [0.0, 0.0]  # this iteration's (sum, trajectories) of reward.fn
+        judge = None
+        if parts.models.judge is not None:
+            judge = judge_from_config(cfg.reward, parts.models.judge, parts.models.judge_tokenizer)
+        self.reward_fn = None
+        if cfg.reward.fn or judge is not None:
+            self.reward_fn = RewardFunction(cfg.reward.fn, cfg.reward.mode, cfg.env.name, judge=judge)
+        self.reward_fn_totals: dict = {}  # this iteration's sums of RewardFunction.apply's figures
 
     def run(self, it: int) -> dict:
         """One StarPO iteration as named steps on one batch record; returns its metrics. Until
@@ -160,7 +166,7 @@ class StarPOIteration:
         if self.schedule is not None and not self.schedule.needs_rollout(it):
             return self.reuse_iteration(it)
         tm: dict[str, float] = {}
-        self.reward_fn_totals = [0.0, 0.0]
+        self.reward_fn_totals = {}
         self.parts.sampler.take_weight_sync_seconds()
         self.stop.iteration_begins()
         items = None
@@ -233,20 +239,38 @@ class StarPOIteration:
         metrics.update(draws)
         metrics.update(self.overlong_step(full))
         if self.reward_fn is not None:
-            total, n = all_reduce(self.dist, self.reward_fn_totals)
-            metrics["train/reward_fn_mean"] = total / n if n else 0.0
+            metrics.update(self.reward_metrics())
         if collapse:
             tm["time/collapse_s"] = collapse_s
         return full, metrics, generated
 
     def rescored(self, batch):
-        """`batch` with reward.fn's value on its turn rewards and scores (in place; fastpo.rewards),
-        counted into this iteration's reward_fn_totals; unchanged without reward.fn."""
+        """`batch` with reward.fn's value and the judge's score on its turn rewards and scores (in
+        place; fastpo.rewards), counted into this iteration's reward_fn_totals; unchanged
+        without either."""
         if self.reward_fn is not None and len(batch.scores):
-            m = self.reward_fn.apply(batch)
-            self.reward_fn_totals[0] += m["train/reward_fn_sum"]
-            self.reward_fn_totals[1] += m["train/reward_fn_count"]
+            for k, v in self.reward_fn.apply(batch).items():
+                self.reward_fn_totals[k] = self.reward_fn_totals.get(k, 0.0) + v
         return batch
+
+    def reward_metrics(self) -> dict:
+        """This iteration's reward.fn and judge figures over every process: train/reward_fn_mean
+        (per trajectory; with reward.fn), train/judge_score_mean, train/judge_unparsed_rate,
+        train/judge_too_long and time/judge_s (with a judge)."""
+        keys = ["reward_fn_sum", "count"]
+        if self.reward_fn.judge is not None:
+            keys += ["judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds"]
+        tot = dict(zip(keys, all_reduce(self.dist, [self.reward_fn_totals.get(k, 0.0) for k in keys])))
+        n = max(tot["count"], 1.0)
+        out = {}
+        if self.reward_fn.fn is not None:
+            out["train/reward_fn_mean"] = tot["reward_fn_sum"] / n
+        if self.reward_fn.judge is not None:
+            out.update({"train/judge_score_mean": tot["judge_score_sum"] / n,
+                        "train/judge_unparsed_rate": tot["judge_unparsed"] / n,
+                        "train/judge_too_long": tot["judge_too_long"],
+                        "time/judge_s": tot["judge_seconds"] / max(self.dist.world_size, 1)})
+        return out
 
     def overlong_step(self, full) -> dict:
         """DAPO's overlong shaping and filtering on this process's trajectories, in place, after

@@ -48,7 +48,9 @@ class Models:
     (None without a KL term); value_head / critic_body: the critic (None without one;
     critic_body None: on the policy's trunk); fsdp_root: the FSDP2 root sharding them (None
     outside `trainer.data_parallel=fsdp`); autocast_bf16: the math runs under CUDA bf16
-    autocast (`model.dtype=auto` on CUDA, fp32 master weights)."""
+    autocast (`model.dtype=auto` on CUDA, fp32 master weights); judge / judge_tokenizer: the
+    LLM judge's frozen model and tokenizer (fastpo.judge; None without a rubric),
+    the reference module itself when both are the starting model."""
 
     policy: torch.nn.Module
     tokenizer: Any
@@ -60,6 +62,8 @@ class Models:
     fsdp_root: Optional[torch.nn.Module] = None
     autocast_bf16: bool = False
     load_seconds: float = 0.0
+    judge: Optional[torch.nn.Module] = None
+    judge_tokenizer: Any = None
 
     def autocast(self):
         """The context the policy's math runs in: bf16 autocast, or nothing."""
@@ -106,6 +110,7 @@ def load_models(cfg: TrainConfig, device: torch.device, tok, ckpt: Optional[str]
     # the KL term's reference is the run's starting model (model.name, which a resume cannot
     # change): copied before a checkpoint's weights load into the policy
     ref = copy.deepcopy(model).eval().requires_grad_(False) if plan.reference_model else None
+    judge, judge_tok = load_judge(cfg, model, tok, ref, device, dtype)
     if ckpt is not None and cfg.model.lora_rank == 0:
         # (with LoRA the base stays frozen; only the adapter is restored, below)
         load_checkpoint(ckpt, model=model, trust=trust)
@@ -130,4 +135,19 @@ def load_models(cfg: TrainConfig, device: torch.device, tok, ckpt: Optional[str]
         if ckpt is not None:
             load_checkpoint(ckpt, model=model, trust=trust)  # the adapter
     return Models(model, tok, info, device, reference=ref, value_head=head, critic_body=body,
-                  autocast_bf16=device.type == "cuda" and cfg.model.dtype == "auto", load_seconds=load_seconds)
+                  autocast_bf16=device.type == "cuda" and cfg.model.dtype == "auto", load_seconds=load_seconds,
+                  judge=judge, judge_tokenizer=judge_tok)
+
+
+def load_judge(cfg: TrainConfig, model, tok, ref, device: torch.device, dtype) -> tuple:
+    """(the LLM judge's model, its tokenizer) for reward.judge_rubric(_file), else (None, None):
+    reward.judge_model's, or a frozen copy of the policy's starting weights `model` (the
+    reference module `ref` when the run has one). Called before a checkpoint's weights load,
+    so a resumed run's judge is still the starting model."""
+    r = cfg.reward
+    if r.judge_rubric is None and r.judge_rubric_file is None:
+        return None, None
+    if r.judge_model is None:
+        return (ref if ref is not None else copy.deepcopy(model).eval().requires_grad_(False)), tok
+    judge, judge_tok, _ = load_model_checked(r.judge_model, key="reward.judge_model", device=str(device), dtype=dtype)
+    return judge.eval().requires_grad_(False), judge_tok
