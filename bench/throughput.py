@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """fastpo's side-by-side benchmarks: one run, one table, one JSON.
 
-    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|peers|all|collapse|window|pyenv|memory|losses] [--quick]
+    python bench/throughput.py [--part envs|kernels|rollout|train|e2e|peers|all|collapse|window|pyenv|memory|losses|judge] [--quick]
                                [--device cpu|cuda] [--model NAME] [--json PATH]
 
 Each part lives in bench/part_<name>.py and exposes `run(ctx) -> list[Record]`; a part that
@@ -25,7 +25,7 @@ from _common import BenchContext, PartSkipped, Record, fix_malloc_threshold  # n
 
 PARTS = ["envs", "kernels", "rollout", "train", "e2e", "peers"]
 # measured on their own (--part NAME), not in "all"
-EXTRA_PARTS = ["collapse", "window", "pyenv", "memory", "losses"]
+EXTRA_PARTS = ["collapse", "window", "pyenv", "memory", "losses", "judge"]
 
 
 def machine_header(ctx: BenchContext) -> dict:

@@ -185,6 +185,17 @@ def test_quick_losses_part_sets_every_loss_beside_ppo():
     assert "two vocabulary sweeps" in recs[4].notes and "same sweeps" in recs[0].notes
 
 
+def test_quick_judge_part_sets_the_judge_beside_the_rest_of_the_iteration():
+    """bench part judge (issue 36): the judge's seconds in a training iteration against the
+    rest of that iteration, its share and unparsed rate in the notes."""
+    part = _load("part_judge")
+    recs = part.run(part.BenchContext(quick=True, repeats=1, parts=("judge",)))
+    assert len(recs) == 1
+    r = recs[0]
+    assert 0 < r.fastpo and 0 < r.baseline and r.ratio == pytest.approx(r.baseline / r.fastpo)
+    assert "of the iteration" in r.notes and "unparsed replies" in r.notes and r.baseline_name
+
+
 def test_limits_of_a_tiny_iteration(tmp_path):
     """bench/limits.py (issue 28): the update, decode and prefill limit fractions of a real
     iteration (tiny preset, random:tiny-llama, 1 turn) are computed, sane, and the update's
