@@ -93,19 +93,20 @@ class RewardFunction:
         """Score each trajectory of `batch` (a fastpo.rollout.batch.TrajectoryBatch): reward.fn's
         values plus the judge's score on the last turn, put on the turn rewards (mode add or
         replace) and the score. Returns sums over this batch: "reward_fn_sum" (the function's
-        values over turns and trajectories), "count" (trajectories), and with a judge
-        "judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds" (the trainer
-        averages over every process). Raises EnvError naming the function, the env and the seed."""
+        values over turns and trajectories), "count" (trajectories), and with a judge "judged"
+        (trajectories with a turn, the ones judged), "judge_score_sum", "judge_unparsed",
+        "judge_too_long", "judge_seconds" (the trainer averages over every process). Raises EnvError naming the function, the env and the seed."""
         n_traj = len(batch.scores)
         trajs = [self._trajectory(batch, i) for i in range(n_traj)]
         values = [self._values(t) if self.fn is not None else [0.0] * len(t.responses) for t in trajs]
         out = {"reward_fn_sum": float(sum(sum(v) for v in values)), "count": float(n_traj)}
         if self.judge is not None:
-            verdicts = self.judge.grade(trajs)
-            for v, score in zip(values, verdicts.scores):
-                if v:
-                    v[-1] += score
-            out.update(judge_score_sum=float(sum(verdicts.scores)), judge_unparsed=float(n_traj - sum(verdicts.parsed)),
+            judged = [i for i, t in enumerate(trajs) if t.responses]  # (no turn: no answer to judge)
+            verdicts = self.judge.grade([trajs[i] for i in judged])
+            for i, score in zip(judged, verdicts.scores):
+                values[i][-1] += score
+            out.update(judged=float(len(judged)), judge_score_sum=float(sum(verdicts.scores)),
+                       judge_unparsed=float(len(judged) - sum(verdicts.parsed)),
                        judge_too_long=float(verdicts.too_long), judge_seconds=verdicts.seconds)
         for i, vals in enumerate(values):
             n = len(vals)

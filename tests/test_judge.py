@@ -105,7 +105,7 @@ def test_the_judges_score_goes_on_the_last_turn(tiny):
     s0, s1 = verdicts.scores
     torch.testing.assert_close(batch.turn_rewards, torch.tensor([[-0.1, s0, 0.0], [s1, 0.0, 0.0]]))
     assert batch.scores.tolist() == pytest.approx([s0 - 0.1, s1])
-    assert m["judge_score_sum"] == pytest.approx(s0 + s1) and m["count"] == 2.0
+    assert m["judge_score_sum"] == pytest.approx(s0 + s1) and m["count"] == 2.0 and m["judged"] == 2.0
     assert m["judge_unparsed"] == 2 - sum(verdicts.parsed)
 
 
@@ -173,3 +173,15 @@ def test_the_default_judge_is_a_frozen_copy_of_the_starting_weights(tiny):
     assert load_judge(cfg, model, tok, ref, torch.device("cpu"), torch.float32)[0] is ref
     off = load_config(env="bandit", preset="tiny")
     assert load_judge(off, model, tok, None, torch.device("cpu"), torch.float32) == (None, None)
+
+
+def test_a_trajectory_without_a_turn_is_not_judged(tiny):
+    model, tok = tiny
+    batch = types.SimpleNamespace(
+        scores=torch.tensor([0.0, 0.0]), num_turns=torch.tensor([1, 0]), turn_rewards=torch.zeros(2, 2),
+        format_penalty=torch.zeros(2, 2), seeds=torch.tensor([1, 2]), success=torch.tensor([False, False]),
+        stop_reason=["max_turns", "context"], user_messages=[["task"], ["task"]], response_texts=[["a"], []])
+    judge = Judge(model, tok, YES_NO, fallback=0.5, max_new_tokens=2)
+    m = RewardFunction(None, "add", "bandit", judge=judge).apply(batch)
+    assert m["judged"] == 1.0 and m["count"] == 2.0
+    assert batch.turn_rewards[1].tolist() == [0.0, 0.0] and batch.scores[1] == 0.0

@@ -255,17 +255,17 @@ class StarPOIteration:
 
     def reward_metrics(self) -> dict:
         """This iteration's reward.fn and judge figures over every process: train/reward_fn_mean
-        (per trajectory; with reward.fn), train/judge_score_mean, train/judge_unparsed_rate,
-        train/judge_too_long and time/judge_s (with a judge)."""
+        (per trajectory; with reward.fn), train/judge_score_mean and train/judge_unparsed_rate
+        (per judged trajectory), train/judge_too_long and time/judge_s (with a judge)."""
         keys = ["reward_fn_sum", "count"]
         if self.reward_fn.judge is not None:
-            keys += ["judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds"]
+            keys += ["judged", "judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds"]
         tot = dict(zip(keys, all_reduce(self.dist, [self.reward_fn_totals.get(k, 0.0) for k in keys])))
-        n = max(tot["count"], 1.0)
         out = {}
         if self.reward_fn.fn is not None:
-            out["train/reward_fn_mean"] = tot["reward_fn_sum"] / n
+            out["train/reward_fn_mean"] = tot["reward_fn_sum"] / max(tot["count"], 1.0)
         if self.reward_fn.judge is not None:
+            n = max(tot["judged"], 1.0)
             out.update({"train/judge_score_mean": tot["judge_score_sum"] / n,
                         "train/judge_unparsed_rate": tot["judge_unparsed"] / n,
                         "train/judge_too_long": tot["judge_too_long"],
