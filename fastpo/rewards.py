@@ -95,7 +95,8 @@ class RewardFunction:
         replace) and the score. Returns sums over this batch: "reward_fn_sum" (the function's
         values over turns and trajectories), "count" (trajectories), and with a judge "judged"
         (trajectories with a turn, the ones judged), "judge_score_sum", "judge_unparsed",
-        "judge_too_long", "judge_seconds" (the trainer averages over every process). Raises EnvError naming the function, the env and the seed."""
+        "judge_too_long", "judge_seconds" (the trainer averages over every process). Raises
+        EnvError naming the function, the env and the seed."""
         n_traj = len(batch.scores)
         trajs = [self._trajectory(batch, i) for i in range(n_traj)]
         values = [self._values(t) if self.fn is not None else [0.0] * len(t.responses) for t in trajs]
