@@ -9,7 +9,8 @@ import re
 JUDGE_SCALES = ("yes_no", "number")
 PLACEHOLDERS = ("{answer}", "{task}", "{transcript}", "{env}")
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
-_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+# a number as a judge writes one: 7, 7.5, .5, 1,000, 1e3 (thousands separators dropped)
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
 
 
 def check_rubric(text: str) -> str:
@@ -66,5 +67,5 @@ def parse_verdict(reply: str, scale: str, lo: float = 0.0, hi: float = 10.0) -> 
     m = _NUMBER.search(reply)
     if m is None:
         return None
-    x = float(m.group(0))
-    return (x - lo) / (hi - lo) if lo <= x <= hi else None
+    x = float(m.group(0).replace(",", "")) + 0.0  # (+ 0.0: no -0.0)
+    return (x - lo) / (hi - lo) + 0.0 if lo <= x <= hi else None

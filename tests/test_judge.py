@@ -62,6 +62,7 @@ def test_rubric_placeholders_are_filled_once_and_other_braces_kept():
     ("Nobody knows; yes", "yes_no", 1.0),  # whole words only: "Nobody" is no verdict
     ("I cannot say", "yes_no", None), ("Score: 7/10", "number", 0.7), ("10", "number", 1.0),
     ("-3", "number", None), ("11 out of 10", "number", None), ("about 2.5", "number", 0.25), ("none", "number", None),
+    ("1e3", "number", None), ("1,000 points", "number", None), ("7.5/10", "number", 0.75), ("-0", "number", 0.0),
 ])
 def test_verdicts_by_hand(reply, scale, expected):
     got = parse_verdict(reply, scale, 0.0, 10.0)
@@ -118,6 +119,7 @@ def test_the_judges_score_goes_on_the_last_turn(tiny):
      "reward.judge_max", "must be above reward.judge_min"),
     (['reward.judge_rubric="Grade: {answer}"', "reward.judge_scale=stars"], "reward.judge_scale", "stars"),
     (['reward.judge_rubric="Grade: {answer}"', "reward.judge_batch_size=0"], "reward.judge_batch_size", "must be >= 1"),
+    (["reward.judge_model=random:tiny-llama"], "reward.judge_model", "no rubric is set"),
 ])
 def test_bad_judge_settings_are_one_line_before_any_model_loads(overrides, key, says, capsys):
     with pytest.raises((ConfigError, ValueError), match=key) as e:
@@ -185,3 +187,43 @@ def test_a_trajectory_without_a_turn_is_not_judged(tiny):
     m = RewardFunction(None, "add", "bandit", judge=judge).apply(batch)
     assert m["judged"] == 1.0 and m["count"] == 2.0
     assert batch.turn_rewards[1].tolist() == [0.0, 0.0] and batch.scores[1] == 0.0
+
+
+def test_the_rubric_file_is_kept_in_the_run_so_eval_and_resume_do_not_read_it(tmp_path):
+    """config.yaml holds the rubric's text: with the file gone (or run from elsewhere),
+    `fastpo eval` and `--resume` work; a file given on resume replaces the saved text."""
+    from fastpo.config import load_run_config
+
+    rubric = tmp_path / "rubric.txt"
+    rubric.write_text(YES_NO, encoding="utf-8")
+    run = tmp_path / "run"
+    assert cli_main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--out", str(run),
+                     f"reward.judge_rubric_file={rubric}", "reward.judge_max_new_tokens=2", "--iterations", "1",
+                     "trainer.eval_every=0", "trainer.plots=false"]) == 0
+    saved = load_run_config(str(run)).reward
+    assert saved.judge_rubric == YES_NO and saved.judge_rubric_file is None
+    rubric.unlink()
+    assert cli_main(["eval", "--model", str(run), "--seeds", "2"]) == 0
+    assert cli_main(["train", "--resume", str(run), "--iterations", "2"]) == 0
+    other = tmp_path / "other.txt"
+    other.write_text("Grade: {transcript}", encoding="utf-8")
+    assert cli_main(["train", "--resume", str(run), "--iterations", "3", f"reward.judge_rubric_file={other}"]) == 0
+    assert load_run_config(str(run)).reward.judge_rubric == "Grade: {transcript}"
+
+
+def test_a_judge_model_the_engine_cannot_run_is_one_line(tiny, tmp_path, capsys):
+    """A judge whose tokenizer has no chat template: exit 2, one line naming reward.judge_model
+    (not a traceback from the engine)."""
+    model, tok = tiny
+    folder = tmp_path / "no_template"
+    model.save_pretrained(folder)
+    tok.chat_template = None
+    try:
+        tok.save_pretrained(folder)
+    finally:
+        tok.chat_template = load_model_and_tokenizer("random:tiny-llama")[1].chat_template
+    assert cli_main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama",
+                     "--out", str(tmp_path / "r"), 'reward.judge_rubric="Grade: {answer}"',
+                     f"reward.judge_model={folder}", "trainer.plots=false"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.judge_model=" in err and "chat template" in err and "Traceback" not in err

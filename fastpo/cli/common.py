@@ -73,7 +73,7 @@ def resumed_run_config(args, fixed: list[str] = ()):
     Raises ConfigError naming what cannot change mid-run (an option, or a dotted override in
     any spelling that moves the env, model, preset, seed or output folder); `fixed` lists
     further options the caller refuses."""
-    from fastpo.config.schema import load_run_config, validate
+    from fastpo.config.schema import inline_rubric_file, load_run_config, validate
     from fastpo.config.fields import ConfigError, apply_dict, parse_override
 
     if not args.resume.strip():
@@ -102,7 +102,7 @@ def resumed_run_config(args, fixed: list[str] = ()):
     if args.device is not None:
         cfg.trainer.device = args.device
     cfg.trainer.output_dir = args.resume
-    return validate(cfg)
+    return validate(inline_rubric_file(cfg))
 
 
 def exit_status(run: Callable[[], None], error: Callable[[str], None], command: str, out: str) -> int:

@@ -126,7 +126,8 @@ class RewardConfig:
             {answer} or {transcript} (also {task}, {env}); the judge's score in [0, 1] goes on
             each training trajectory's last turn.
         judge_rubric_file: null, or a UTF-8 file holding the rubric (instead of judge_rubric);
-            read and checked before any model loads.
+            read and checked before any model loads, and kept as judge_rubric's text in the
+            run's config.yaml (a resume does not read the file again).
         judge_model: the judge model: null (the policy's starting weights, a frozen copy) or
             any model.name value (HF id, folder, run folder, random:<shape>).
         judge_scale: "yes_no" (a yes scores 1, a no 0) or "number" (the reply's first number
@@ -619,8 +620,9 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
                           (t, "trainer"), (cfg.reward, "reward")):
         check_fields(section, f"{name}.")
     rw = cfg.reward
-    need(rw.judge_rubric is None or rw.judge_rubric_file is None, "reward.judge_rubric_file", rw.judge_rubric_file,
-         "give the rubric once: as reward.judge_rubric (text) or reward.judge_rubric_file, not both")
+    need(rw.judge_model is None or rw.judge_rubric is not None or rw.judge_rubric_file is not None,
+         "reward.judge_model", rw.judge_model, "names a judge, but no rubric is set (reward.judge_rubric or "
+         "reward.judge_rubric_file)")
     need(rw.judge_scale != "number" or rw.judge_min < rw.judge_max, "reward.judge_max", rw.judge_max,
          f"must be above reward.judge_min ({rw.judge_min})")
     need(r.max_new_tokens < r.max_context, "rollout.max_new_tokens", r.max_new_tokens,
@@ -774,7 +776,28 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         cfg.env.name = env
     if not cfg.trainer.output_dir:
         cfg.trainer.output_dir = default_run_folder(cfg.env.name)
-    return validate(cfg, check_env)
+    if cfg.reward.judge_rubric is not None and cfg.reward.judge_rubric_file is not None:
+        raise ConfigError(f"config key 'reward.judge_rubric_file' = {cfg.reward.judge_rubric_file!r}: give the rubric "
+                          "once: as reward.judge_rubric (text) or reward.judge_rubric_file, not both")
+    return validate(inline_rubric_file(cfg), check_env)
+
+
+def inline_rubric_file(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with reward.judge_rubric_file's text as reward.judge_rubric (the file key cleared),
+    so that a run's config.yaml holds the rubric it was judged with: a resume or `fastpo eval`
+    never reads the file again (it may have moved or changed). On a resume, a file given as an
+    override replaces the saved text. Raises ConfigError (one line) for an unreadable file or a
+    rubric without a place for the answer."""
+    path = cfg.reward.judge_rubric_file
+    if path is not None:
+        from fastpo.rubric import read_rubric
+
+        try:
+            cfg.reward.judge_rubric = read_rubric(path)
+        except ValueError as e:
+            raise ConfigError(f"config key 'reward.judge_rubric_file' = {path!r}: {e}") from None
+        cfg.reward.judge_rubric_file = None
+    return cfg
 
 
 def default_run_folder(env_name: str, prefix: str = "") -> str:

@@ -140,14 +140,24 @@ def load_models(cfg: TrainConfig, device: torch.device, tok, ckpt: Optional[str]
 
 
 def load_judge(cfg: TrainConfig, model, tok, ref, device: torch.device, dtype) -> tuple:
-    """(the LLM judge's model, its tokenizer) for reward.judge_rubric(_file), else (None, None):
-    reward.judge_model's, or a frozen copy of the policy's starting weights `model` (the
-    reference module `ref` when the run has one). Called before a checkpoint's weights load,
-    so a resumed run's judge is still the starting model."""
+    """(the LLM judge's model, its tokenizer) for a rubric (reward.judge_rubric), else (None,
+    None): reward.judge_model's (frozen; bf16 on CUDA, fp32 on the CPU), or a frozen copy of the
+    policy's starting weights `model` (the reference module `ref` when the run has one). Called
+    before a checkpoint's weights load, so a resumed run's judge is still the starting model.
+    Raises ModelLoadError (one line naming reward.judge_model) for a judge the native engine or
+    the judge's prompt cannot take (sliding-window attention, no chat template)."""
+    from fastpo.judge import judge_from_config
+
     r = cfg.reward
     if r.judge_rubric is None and r.judge_rubric_file is None:
         return None, None
     if r.judge_model is None:
-        return (ref if ref is not None else copy.deepcopy(model).eval().requires_grad_(False)), tok
-    judge, judge_tok, _ = load_model_checked(r.judge_model, key="reward.judge_model", device=str(device), dtype=dtype)
-    return judge.eval().requires_grad_(False), judge_tok
+        judge = ref if ref is not None else copy.deepcopy(model).eval().requires_grad_(False)
+        return judge, tok
+    judge, judge_tok, _ = load_model_checked(r.judge_model, key="reward.judge_model", device=str(device), dtype=None)
+    judge.eval().requires_grad_(False)
+    try:
+        judge_from_config(r, judge, judge_tok)  # what the judge's engine and prompt need, checked now
+    except ValueError as e:
+        raise ModelLoadError(f"reward.judge_model={r.judge_model!r} cannot judge: {e}") from None
+    return judge, judge_tok
