@@ -30,8 +30,11 @@ $(STAMP): pyproject.toml Makefile
 train: setup
 	$(BIN)/fastpo train --env frozenlake
 
+# Two worker processes of one thread each (a test file stays on one worker, so its module
+# fixtures are made once): on 2 cores the suite's waits (subprocesses, torchrun, disk) overlap.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The peers benchmark's libraries (TRL, Liger-Kernel: the `bench` extra), on top of setup's
 # environment only here, so that `make setup` / `make test` (CI) stay without them; torch,
