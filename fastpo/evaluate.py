@@ -27,7 +27,7 @@ import torch
 
 from fastpo.config.schema import eval_horizon, eval_seeds
 from fastpo.report.metrics import rollout_metrics
-from fastpo.report.stats import standard_error
+from fastpo.report.stats import finite_number, standard_error
 from fastpo.seeds import eval_sampling_seed
 
 
@@ -164,21 +164,115 @@ def evaluate_config(rollout, cfg, autocast=contextlib.nullcontext,
     processes) the seeds are shared out over the ranks (collective). Returns (metrics, the
     first chunk's TrajectoryBatch for samples, None on ranks other than 0)."""
     t = cfg.trainer
+    if getattr(rollout, "mixed", False):
+        return evaluate_mixture(rollout, cfg, autocast=autocast, model=model, dist=dist)
     res = evaluate_policy(rollout, eval_seeds(cfg), t.eval_group_size, t.eval_temperature,
                           seed=eval_sampling_seed(t.seed), autocast=autocast, model=model, dist=dist)
     return res, res.pop("_batch")
 
 
+#: Evaluation figures of a mixture's games that add up (the engine's costs) or take the max.
+_SUMMED = ("seconds", "engine_seconds", "prefilled_tokens", "generated_tokens")
+_MAXED = ("peak_kv_bytes",)
+
+
+def evaluate_mixture(rollout, cfg, autocast=contextlib.nullcontext, model: Optional[torch.nn.Module] = None,
+                     dist=None) -> tuple[dict, Any]:
+    """`evaluate_config` of a rollout over several games (env.mixture): each game on every eval
+    seed (`evaluate_policy` of `rollout.only(label)`), its figures as `eval/<label>/<metric>`,
+    and the mixture's whole as the plain `eval/<metric>`: the weighted mean over the games
+    (weights w_k = weight / sum of weights, the training draw's shares), its standard error
+    sqrt(sum w_k^2 SE_k^2); the engine's costs summed. `_per_trajectory` concatenates the
+    games' outcomes (game by game) with `env` (each trajectory's label) and `weight`
+    (w_k / n_k, so a weighted sum of outcomes is the whole). Returns (metrics, the games'
+    first chunks concatenated, for samples; None on ranks other than 0)."""
+    from fastpo.envs.mixture import shares
+    from fastpo.rollout.batch import TrajectoryBatch
+
+    t = cfg.trainer
+    members = [m for m, _ in rollout.members]
+    w = shares(members)
+    per_game, batches, per_traj, ranks = {}, [], {}, None
+    for m, wk in zip(members, w):
+        res = evaluate_policy(rollout.only(m.label), eval_seeds(cfg), t.eval_group_size, t.eval_temperature,
+                              seed=eval_sampling_seed(t.seed), autocast=autocast, model=model, dist=dist)
+        if res.get("_batch") is not None:
+            batches.append(res.pop("_batch"))
+        res.pop("_batch", None)
+        got = res.pop("_ranks", None)
+        ranks = got if ranks is None else [{k: a[k] + b[k] for k in a} for a, b in zip(ranks, got)]
+        pt = res.pop("_per_trajectory", None)
+        if pt is not None:
+            n = len(pt["seed"])
+            for k, v in {**pt, "env": [m.label] * n, "weight": [float(wk) / n] * n}.items():
+                per_traj.setdefault(k, []).extend(v)
+        per_game[m.label] = res
+    out = {}
+    for label, res in per_game.items():
+        out.update({k.replace("eval/", f"eval/{label}/", 1): v for k, v in res.items()})
+    out.update(_weighted_whole(list(per_game.values()), w))
+    out["eval/num_seeds"] = len(eval_seeds(cfg))
+    if per_traj:
+        out["_per_trajectory"] = per_traj
+    out["_ranks"] = ranks or []
+    return out, (TrajectoryBatch.concat(batches) if batches else None)
+
+
+def _weighted_whole(results: list, w) -> dict:
+    """The mixture's `eval/<metric>` from its games' `results` (dicts of eval/ keys) with shares
+    `w`: keys every game has, weighted means (standard errors: sqrt(sum w^2 SE^2)), the
+    engine's costs summed or maxed, tokens per second recomputed."""
+    keys = [k for k in results[0] if all(finite_number(r.get(k)) for r in results)]
+    out = {}
+    for k in keys:
+        xs = np.asarray([float(r[k]) for r in results])
+        name = k.split("/", 1)[1]
+        if name in _SUMMED:
+            out[k] = float(xs.sum())
+        elif name in _MAXED:
+            out[k] = float(xs.max())
+        elif name.endswith("_se"):
+            out[k] = float(np.sqrt(np.sum((np.asarray(w) * xs) ** 2)))
+        else:
+            out[k] = float(np.dot(w, xs))
+    if "eval/generated_tokens" in out and out.get("eval/seconds"):
+        out["eval/tokens_per_s"] = out["eval/generated_tokens"] / out["eval/seconds"]
+    return out
+
+
 def config_success_bounds(cfg, warn: Optional[Callable[[str], None]] = None) -> dict:
-    """`success_bounds` of `cfg`'s env on its eval seeds and horizon. With `warn`, a Sokoban
-    search past its state cap (RuntimeError) is said through it and gives {} (no bounds);
-    without, it is raised."""
+    """`success_bounds` of `cfg`'s env on its eval seeds and horizon (a mixture: of each game,
+    as `eval/<label>/optimal_success` etc., and the weighted whole where every game has the
+    line). With `warn`, a Sokoban search past its state cap (RuntimeError) is said through it
+    and gives {} (no bounds); without, it is raised."""
+    from fastpo.config.schema import env_members, member_rollout_config
+
+    if cfg.env.mixture:
+        from fastpo.envs.mixture import shares
+
+        members = env_members(cfg)
+        per = []
+        out = {}
+        for m in members:
+            got = _bounds_or_warn(m.name, m.options, eval_seeds(cfg), eval_horizon(member_rollout_config(cfg, m)),
+                                  warn, f"eval/{m.label}/")
+            out.update({k.replace("eval/", f"eval/{m.label}/", 1): v for k, v in got.items()})
+            per.append(got)
+        w = shares(members)
+        for key in ("eval/optimal_success", "eval/random_success"):
+            if all(key in g for g in per):
+                out[key] = float(np.dot(w, [g[key] for g in per]))
+        return out
+    return _bounds_or_warn(cfg.env.name, cfg.env.options, eval_seeds(cfg), eval_horizon(cfg.rollout), warn, "eval/")
+
+
+def _bounds_or_warn(name: str, options: dict, seeds, horizon: int, warn, prefix: str) -> dict:
     try:
-        return success_bounds(cfg.env.name, cfg.env.options, eval_seeds(cfg), eval_horizon(cfg.rollout))
+        return success_bounds(name, options, seeds, horizon)
     except RuntimeError as e:
         if warn is None:
             raise
-        warn(f"no eval/optimal_success or eval/random_success: {e}")
+        warn(f"no {prefix}optimal_success or {prefix}random_success: {e}")
         return {}
 
 
@@ -331,6 +425,8 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if same_env and "env.options" not in explicit:
         carried = {**{f"env.options.{k}": copy.deepcopy(v) for k, v in run.env.options.items()
                       if f"env.options.{k}" not in explicit}, **values}
+    if same_env and run.env.mixture and "env.mixture" not in explicit:  # a mixture's games come along
+        carried = {"env.mixture": copy.deepcopy(run.env.mixture), **carried}
     cfg = load_config(env=env if env_explicit else run.env.name, preset=preset, file=file, overrides=overrides,
                       values=carried)
     eval_env = cfg.env.name
@@ -373,6 +469,7 @@ def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:
         "iteration": info.get("iteration"),
         "env": cfg.env.name,
         "env_options": dict(cfg.env.options),
+        **({"env_mixture": copy.deepcopy(cfg.env.mixture)} if cfg.env.mixture else {}),
         "trained_env": settings.trained_env if settings is not None else None,
         "settings_from": ref.config_path if ref is not None else None,
         "settings_taken": dict(settings.taken) if settings is not None else {},
@@ -415,8 +512,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None, dist=None) ->
     model, tok, info = load_model_checked(cfg.model.name, device=str(device),
                                                 dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
     rcfg = cfg.rollout.rollout_config(temperature=t.eval_temperature)
-    rollout = ro.MultiTurnRollout(ro.NativeEngine(model, tok), tok, cfg.env.name, dict(cfg.env.options), rcfg,
-                                  env_workers=cfg.env.workers)
+    rollout = ro.MultiTurnRollout.from_config(cfg, ro.NativeEngine(model, tok), tok)
     seeds = eval_seeds(cfg)
     if console is not None:
         procs = f" in {ctx.world_size} processes" if ctx.world_size > 1 else ""

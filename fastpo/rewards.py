@@ -123,7 +123,9 @@ class RewardFunction:
     def _trajectory(self, batch, i: int) -> Trajectory:
         n = int(batch.num_turns[i])
         env_r = (batch.turn_rewards[i, :n] - batch.format_penalty[i, :n]).tolist()
-        return Trajectory(env=self.env, seed=int(batch.seeds[i]),
+        labels = getattr(batch, "env_labels", None)  # a mixture: the game each trajectory played
+        env = labels[i] if labels else self.env
+        return Trajectory(env=env, seed=int(batch.seeds[i]),
                           user_messages=list(batch.user_messages[i]) if batch.user_messages else [],
                           responses=list(batch.response_texts[i][:n]), env_rewards=env_r,
                           format_penalty=batch.format_penalty[i, :n].tolist(), success=bool(batch.success[i]),
@@ -131,7 +133,7 @@ class RewardFunction:
 
     def _values(self, traj: Trajectory) -> list:
         n = len(traj.responses)
-        where = f"reward function {self.spec!r} on env {self.env!r}, seed {traj.seed}"
+        where = f"reward function {self.spec!r} on env {traj.env!r}, seed {traj.seed}"
         try:
             out = self.fn(traj)
         except Exception as e:

@@ -18,8 +18,16 @@ def records(out: str) -> list[dict]:
 
 
 def stable(rec: dict) -> dict:
-    """A record without its VOLATILE figures (nor their EMA copies)."""
-    return {k: v for k, v in rec.items() if not any(k.startswith(p) or k.startswith("ema/" + p) for p in VOLATILE)}
+    """A record without its VOLATILE figures (nor their EMA copies, nor a mixture's per-game
+    ones, eval/<game>/seconds and the like)."""
+    def volatile(k: str) -> bool:
+        k = k[4:] if k.startswith("ema/") else k
+        parts = k.split("/")
+        if len(parts) == 3 and parts[0] in ("train", "eval"):
+            k = f"{parts[0]}/{parts[2]}"
+        return any(k.startswith(p) for p in VOLATILE)
+
+    return {k: v for k, v in rec.items() if not volatile(k)}
 
 
 class WritesAFile:

@@ -53,6 +53,9 @@ def cmd_sft(args) -> int:
             if args.iterations is not None:
                 extra.append(f"trainer.iterations={args.iterations}")
             cfg = build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None)
+            if cfg.env.mixture:
+                raise ConfigError(f"env.mixture {cfg.env.mixture!r:.100}: fastpo sft trains on one game (--env NAME); "
+                                  "several games in one run are for fastpo train")
             sft = sft_config(game_sft + sft_ov)
             if not args.out:
                 cfg.trainer.output_dir = default_run_folder(cfg.env.name, "sft-")

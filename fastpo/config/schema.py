@@ -105,11 +105,16 @@ class EnvConfig:
             `{p: 0.9, success_prob: 0.8}` for FrozenLake.
         workers: > 0 steps a plain-Python game in that many worker processes (same results as
             in process); 0 steps it in the trainer's process. Built-in games ignore it.
+        mixture: several games in one run (name is then "mixture"): a list of entries
+            `{name, weight, options, settings, label}` (fastpo.envs.mixture); each env group
+            plays one of them, drawn by weight from its env seed, and each is evaluated on its
+            own (`eval/<label>/...`). `--env a,b` is a mixture of a and b at weight 1.
     """
 
     name: str = checked("frozenlake", lambda v: bool(v.strip()), "must name an environment")
     options: dict = field(default_factory=dict)
     workers: int = checked(0, at_least(0), "must be >= 0 (0 = in process)")
+    mixture: list = field(default_factory=list)
 
 
 @dataclass
@@ -660,9 +665,14 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
 
         need(importlib.util.find_spec("wandb") is not None, "trainer.wandb", t.wandb,
              "wandb is not installed (pip install wandb)")
+    members = _check_mixture(cfg, need)
     if check_env:
         # a plain-Python game's reference lines are checked on the evaluation's seeds and horizon
-        _check_env_options(cfg.env.name, cfg.env.options, (eval_seeds(cfg), eval_horizon(r)))
+        if members is None:
+            _check_env_options(cfg.env.name, cfg.env.options, (eval_seeds(cfg), eval_horizon(r)))
+        for m in members or []:
+            _check_env_options(m.name, m.options, (eval_seeds(cfg), eval_horizon(member_rollout_config(cfg, m))),
+                               member=m)
         for key in ("judge_rubric", "judge_rubric_file"):
             value = getattr(cfg.reward, key)
             if value is not None:
@@ -691,7 +701,59 @@ def _check_off_policy(cfg: TrainConfig, need) -> None:
          "trajectory's one ratio cannot take per-token weights; use algorithm.is_level=sequence")
 
 
-def _check_env_options(name: str, options: dict, bounds: Optional[tuple] = None) -> None:
+def _check_mixture(cfg: TrainConfig, need) -> Optional[list]:
+    """The members of env.mixture (None without one), each resolved and its rollout settings
+    checked; ConfigError naming env.mixture or env.name for what is wrong."""
+    from fastpo.envs import MIXTURE, EnvError, parse_mixture, resolve_env
+
+    e = cfg.env
+    if not e.mixture:
+        need(e.name != MIXTURE, "env.name", e.name, "names a mixture: list its games in env.mixture "
+             "(e.g. env.mixture=[sokoban, frozenlake]) or give --env a,b")
+        return None
+    need(e.name == MIXTURE, "env.name", e.name, f"is set beside env.mixture: give one game in env.name or several in "
+         f"env.mixture (whose run's env.name is {MIXTURE!r})")
+    need(not e.options, "env.options", e.options, "applies to one game: in a mixture give each entry its own "
+         "'options'")
+    try:
+        members = parse_mixture(e.mixture)
+        for m in members:
+            resolve_env(m.name)
+    except EnvError as err:
+        raise ConfigError(f"config key 'env.mixture': {err}") from None
+    for i, m in enumerate(members):
+        try:
+            member_rollout_config(cfg, m)
+        except ValueError as err:
+            raise ConfigError(f"config key 'env.mixture' entry {i} ({m.label}): {err}") from None
+    return members
+
+
+def env_members(cfg: TrainConfig) -> list:
+    """The games of TrainConfig `cfg` as `fastpo.envs.EnvMember`s: env.mixture's entries, or one
+    member (label = env.name, weight 1) for a single game. Raises ConfigError for a bad mixture."""
+    from fastpo.envs import EnvError, EnvMember, parse_mixture
+
+    if not cfg.env.mixture:
+        return [EnvMember(cfg.env.name, cfg.env.name, 1.0, dict(cfg.env.options), {})]
+    try:
+        return parse_mixture(cfg.env.mixture)
+    except EnvError as err:
+        raise ConfigError(f"config key 'env.mixture': {err}") from None
+
+
+def member_rollout_config(cfg: TrainConfig, member) -> RolloutConfig:
+    """The RolloutConfig a member plays with: the run's `rollout` section, then (in a mixture)
+    the game's own settings (e.g. Bandit's single turn), then the entry's `settings`. A single
+    game's settings were applied with the presets, so its member takes the section as it is."""
+    if not cfg.env.mixture:
+        return cfg.rollout.rollout_config()
+    from fastpo.envs import resolve_env
+
+    return cfg.rollout.rollout_config(**{**resolve_env(member.name).settings, **member.settings})
+
+
+def _check_env_options(name: str, options: dict, bounds: Optional[tuple] = None, member=None) -> None:
     """Dry run: build one instance of env `name` with `options` (no model; cheap;
     `fastpo.envs.check_env`). Sokoban with non-default options also resets it once (under a
     second), which finds impossible levels such as more boxes than a room holds; a
@@ -703,17 +765,19 @@ def _check_env_options(name: str, options: dict, bounds: Optional[tuple] = None)
     """
     from fastpo.envs import EnvError, check_env, resolve_env
 
+    key, opts = ("env.name", f"'env.options' = {options!r}") if member is None else \
+        (f"env.mixture ({member.label})", f"'env.mixture' ({member.label}) options {options!r}")
     try:
         resolve_env(name)
     except EnvError as e:
-        raise ConfigError(f"config key 'env.name': {e}") from None
+        raise ConfigError(f"config key '{key}': {e}") from None
     try:
         check_env(name, options, bounds)
     except EnvError as e:
-        raise ConfigError(f"config key 'env.name' = {name!r}: {e}" if not options else
-                          f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
+        raise ConfigError(f"config key '{key}' = {name!r}: {e}" if not options else
+                          f"config key {opts} for env {name!r}: {e}") from None
     except (ValueError, TypeError, RuntimeError) as e:
-        raise ConfigError(f"config key 'env.options' = {options!r} for env {name!r}: {e}") from None
+        raise ConfigError(f"config key {opts} for env {name!r}: {e}") from None
 
 
 def env_preset(name: str) -> dict:
@@ -750,10 +814,22 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         if "output_dir" in out and (out["output_dir"] is None or not str(out["output_dir"]).strip()):
             raise ConfigError(f"config key 'trainer.output_dir' = {out['output_dir']!r}: must name a folder "
                               "(leave it out for runs/<env>)")
-    env_name = env or dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name") or "frozenlake"
-    if not isinstance(env_name, str):
-        raise ConfigError(f"config key 'env.name' = {env_name!r}: must be an environment name")
-    fixed_by_env = env_preset(env_name)
+    from fastpo.envs import MIXTURE
+
+    named = env or dig(override_dicts, ("env", "name")) or (file_dict.get("env") or {}).get("name")
+    if named is not None and not isinstance(named, str):
+        raise ConfigError(f"config key 'env.name' = {named!r}: must be an environment name")
+    listed = [n.strip() for n in named.split(",")] if named and "," in named else None  # --env a,b: a mixture
+    if listed is not None:
+        named = MIXTURE
+    mixed = listed or dig(override_dicts, ("env", "mixture")) or (values or {}).get("env.mixture") \
+        or (file_dict.get("env") or {}).get("mixture")
+    if mixed and named is not None and named != MIXTURE:
+        raise ConfigError(f"config key 'env.name' = {named!r}: is set beside env.mixture; give one game in env.name or "
+                          f"several in env.mixture (whose run's env.name is {MIXTURE!r})")
+    env_name = MIXTURE if mixed else (named or "frozenlake")
+    # a mixture's games fix their own settings per member (member_rollout_config)
+    fixed_by_env = {} if env_name == MIXTURE else env_preset(env_name)
     preset_names = preset or file_dict.pop("preset", None) or default_preset()
     file_dict.pop("preset", None)
     cfg = TrainConfig()
@@ -772,8 +848,9 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         apply_dict(cfg, nested_dict(key, value))
     for d in override_dicts:
         apply_dict(cfg, d)
-    if env and cfg.env.name != env:
-        cfg.env.name = env
+    if listed is not None:
+        cfg.env.mixture = listed
+    cfg.env.name = env_name
     if not cfg.trainer.output_dir:
         cfg.trainer.output_dir = default_run_folder(cfg.env.name)
     if cfg.reward.judge_rubric is not None and cfg.reward.judge_rubric_file is not None:

@@ -18,13 +18,12 @@ import dataclasses
 import functools
 import importlib
 import inspect
-import math
 import os
 import sys
 from typing import Callable, Optional
 
 from .errors import EnvError
-from .interface import SETTING_KEYS, missing_methods
+from .interface import missing_methods
 
 BUILTIN = ("bandit", "sokoban", "frozenlake")
 #: What each built-in game fixes (RolloutConfig keys), applied after the named preset: Bandit is
@@ -143,17 +142,9 @@ def _settings(cls, name: str) -> dict:
     s = getattr(cls, "settings", None) or {}
     if not isinstance(s, dict):
         raise EnvError(f"environment {name!r}: settings must be a dict, got {type(s).__name__}")
-    bad = [k for k in s if k not in SETTING_KEYS]
-    if bad:
-        raise EnvError(f"environment {name!r}: settings key(s) {bad} unknown; known: {list(SETTING_KEYS)}")
-    for k, v in s.items():  # said as the game's, not as a config key the user never wrote
-        if k == "format_penalty":
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        else:
-            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-        if not ok:
-            raise EnvError(f"environment {name!r}: its settings[{k!r}] = {v!r} must be "
-                           + ("a finite number" if k == "format_penalty" else "an integer >= 1"))
+    from .mixture import check_settings
+
+    check_settings(s, f"environment {name!r}: its settings")  # said as the game's, not as a config key
     return dict(s)
 
 

@@ -337,4 +337,16 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in mine:
             # the engine's response_length is per turn; ours (above) is per trajectory
             out[f"{prefix}/{'response_length_per_turn' if k == 'response_length' else k}"] = float(v)
+    labels = list(dict.fromkeys(getattr(batch, "env_labels", None) or []))
+    if len(labels) > 1 or (batch.info or {}).get("envs"):  # a mixture: each game's own figures
+        per_turn_ok = 1.0 - (fp != 0).float().sum(dim=1) / turns
+        for label in (batch.info or {}).get("envs") or labels:
+            sel = torch.tensor([x == label for x in batch.env_labels], dtype=torch.bool)
+            n = int(sel.sum())
+            out[f"{prefix}/{label}/share"] = n / max(1, len(batch))
+            if n:
+                out[f"{prefix}/{label}/success_rate"] = float(batch.success[sel].float().mean())
+                out[f"{prefix}/{label}/score_mean"] = float(scores[sel].mean())
+                out[f"{prefix}/{label}/format_valid"] = float(per_turn_ok[sel].mean())
+                out[f"{prefix}/{label}/num_turns"] = float(batch.num_turns[sel].float().mean())
     return out

@@ -82,9 +82,10 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
         return None
     a, b = evals[0], evals[-1]
     oa, ob = _eval_outcomes(run_dir, a["iteration"]), _eval_outcomes(run_dir, b["iteration"])
-    paired = oa is not None and ob is not None and oa.get("seed") == ob.get("seed") and bool(oa.get("seed"))
+    paired = oa is not None and ob is not None and oa.get("seed") == ob.get("seed") and bool(oa.get("seed")) \
+        and oa.get("env") == ob.get("env")
     rows = []
-    for key, label, has_se in BEFORE_AFTER_KEYS:
+    for key, label, has_se in BEFORE_AFTER_KEYS + _game_keys(a):
         if not (finite_number(a.get(key)) and finite_number(b.get(key))):
             continue
         row = {"key": key, "label": label, "before": float(a[key]), "after": float(b[key]),
@@ -94,14 +95,50 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
             row["before_se"], row["after_se"] = float(a[f"{key}_se"]), float(b[f"{key}_se"])
             se = math.hypot(row["before_se"], row["after_se"])
             row["z"] = row["change"] / se if se > 0 else None
-        name = key.split("/", 1)[1]
-        if has_se and paired and isinstance(oa.get(name), list) and isinstance(ob.get(name), list) \
-                and len(oa[name]) == len(ob[name]) > 1:
-            d = np.asarray(ob[name], dtype=np.float64) - np.asarray(oa[name], dtype=np.float64)
-            se = standard_error(d)
-            row["z_paired"] = float(d.mean() / se) if se > 0 else None
+        if has_se and paired:
+            row["z_paired"] = _paired_z(oa, ob, key)
         rows.append(row)
     return {"before": a["iteration"], "after": b["iteration"], "rows": rows}
+
+
+def _game_keys(record: dict) -> list:
+    """Before/after rows of each game of a mixture (its `eval/<label>/...` keys in `record`)."""
+    labels = [k.split("/")[1] for k in record if k.count("/") == 2 and k.startswith("eval/")
+              and k.endswith("/success_rate")]
+    return [(f"eval/{g}/{key.split('/', 1)[1]}", f"{label.strip()} ({g})" if not label.startswith(" ")
+             else f" {label.strip()} ({g})", has_se)
+            for g in labels for key, label, has_se in BEFORE_AFTER_KEYS[:3]]
+
+
+def _paired_z(oa: dict, ob: dict, key: str) -> Optional[float]:
+    """Paired z of metric `key` (eval/<metric> or eval/<game>/<metric>) between two evaluations'
+    per-trajectory outcomes: mean(d) / SE(d) over d = after - before. A mixture's outcomes
+    carry `env` and `weight`: a game's rows use its own trajectories, the whole the weighted
+    mean sum(weight d) with SE sqrt(sum over games of (its weight)^2 var(d) / n)."""
+    parts = key.split("/")
+    name, game = parts[-1], (parts[1] if len(parts) == 3 else None)
+    if not (isinstance(oa.get(name), list) and isinstance(ob.get(name), list) and len(oa[name]) == len(ob[name])):
+        return None
+    d = np.asarray(ob[name], dtype=np.float64) - np.asarray(oa[name], dtype=np.float64)
+    env = oa.get("env")
+    if game is not None or env is None:
+        if game is not None:
+            if env is None:
+                return None
+            d = d[np.asarray(env) == game]
+        if len(d) < 2:
+            return None
+        se = standard_error(d)
+        return float(d.mean() / se) if se > 0 else None
+    w = np.asarray(oa.get("weight") or [1.0 / len(d)] * len(d), dtype=np.float64)
+    env = np.asarray(env)
+    var = 0.0
+    for g in dict.fromkeys(env.tolist()):
+        sel = env == g
+        if sel.sum() < 2:
+            return None
+        var += float(w[sel].sum()) ** 2 * standard_error(d[sel]) ** 2
+    return float(np.dot(w, d) / math.sqrt(var)) if var > 0 else None
 
 
 def before_after_note(records: list[dict]) -> Optional[str]:
@@ -149,8 +186,10 @@ def before_after_table(records: list[dict], title: Optional[str] = None,
     for row in ba["rows"]:
         table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
                       f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"]))
-        if row["key"] == "eval/success_rate":  # an env without reference lines: say so, invent none
+        if row["key"].endswith("success_rate"):  # an env without reference lines: say so, invent none
             for key, label, _ in BEFORE_AFTER_KEYS[1:3]:
+                key, label = row["key"].replace("success_rate", key.split("/")[-1]), \
+                    label + row["label"][len("success"):]
                 if key not in shown:
                     table.add_row(label, "not known", "not known", "", "", "")
     return table

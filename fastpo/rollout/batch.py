@@ -40,6 +40,8 @@ class TrajectoryBatch:
             answer pieces over all turns (executed or not); effective_actions: int64 [B],
             executed actions that changed the state; penalised_turns: int64 [B], turns that
             got the format penalty. None when the producer did not count them.
+        env_labels: B str, the game each trajectory played (its env.mixture label; the env
+            name for a single game); an empty list when the producer did not record it.
     Bounded context window only (rollout.context_window = K; empty lists otherwise; see
     fastpo/rollout/window.py): context_turns: int64 [L_i], the turn of each token (0: the always
     kept head); visible_from: int64 [L_i], the oldest turn the token attended to when it
@@ -77,6 +79,7 @@ class TrajectoryBatch:
     sample_values: list = dataclasses.field(default_factory=list)
     context_turns: list = dataclasses.field(default_factory=list)
     visible_from: list = dataclasses.field(default_factory=list)
+    env_labels: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -130,14 +133,16 @@ class TrajectoryBatch:
             sample_values=[self.sample_values[i] for i in il] if self.sample_values else [],
             context_turns=[self.context_turns[i] for i in il] if self.context_turns else [],
             visible_from=[self.visible_from[i] for i in il] if self.visible_from else [],
+            env_labels=[self.env_labels[i] for i in il] if self.env_labels else [],
         )
 
     @classmethod
     def concat(cls, batches: list) -> "TrajectoryBatch":
         """One batch of `batches`' trajectories in order (e.g. every process's share of an
         iteration, rank order). Per-trajectory fields are concatenated; the tokenizer and
-        info come from the first batch; `metrics` are combined by `combine_metrics`.
-        Raises ValueError for an empty list."""
+        info come from the first batch; `metrics` are combined by `combine_metrics`; the
+        per-turn fields are padded with zeros to the widest batch's turns (the games of a
+        mixture may have different turn limits). Raises ValueError for an empty list."""
         if not batches:
             raise ValueError("concat needs at least one TrajectoryBatch")
         if len(batches) == 1:
@@ -150,6 +155,9 @@ class TrajectoryBatch:
             elif f.name == "metrics":
                 kw[f.name] = combine_metrics(vals, [len(b) for b in batches])
             elif isinstance(vals[0], torch.Tensor):
+                if vals[0].dim() == 2:  # per-turn fields of games with different turn limits: zeros after the last turn
+                    width = max(v.shape[1] for v in vals)
+                    vals = [torch.nn.functional.pad(v, (0, width - v.shape[1])) for v in vals]
                 kw[f.name] = torch.cat(vals)
             elif vals[0] is None:
                 kw[f.name] = None

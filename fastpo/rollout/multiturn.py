@@ -40,6 +40,8 @@ import torch
 import fastpo.rollout.window as ctxwin
 from fastpo.config.schema import RolloutConfig, context_window_turns
 
+from fastpo.envs.mixture import EnvMember
+
 from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
 from .parsing import cut_at_stop, parse_response
@@ -202,19 +204,30 @@ def closing_question(cfg: RolloutConfig, action_names) -> str:
 
 
 @dataclasses.dataclass
+class _Part:
+    """The trajectories of one game of a rollout: `idx` (int64, ascending) of the batch, played
+    by `env` (len(idx) instances, instance i is trajectory idx[i]) under `cfg`."""
+
+    member: EnvMember
+    cfg: RolloutConfig
+    env: object
+    idx: np.ndarray
+
+
+@dataclasses.dataclass
 class _Rollout:
     """The state of one `generate` call: per trajectory b, its token ids and their
     per-token records, its turns, rewards and why it stopped (B = P * N, group by group)."""
 
     P: int
     N: int
-    env: object
+    parts: list  # the games played (_Part), one for a single game
     seeds: np.ndarray  # int64 [B], each trajectory's env seed
     users: list  # B lists of user messages
     group_prompts: list  # P prompt id lists
     ids: list
-    turns: int  # T = cfg.max_turns
-    max_actions: int
+    turn_limit: np.ndarray  # int64 [B], each trajectory's max_turns (its game's)
+    max_actions: np.ndarray  # int64 [B], each trajectory's action budget (its game's)
     mask: list = None
     lps: list = None
     ents: list = None
@@ -224,6 +237,11 @@ class _Rollout:
 
     def __post_init__(self):
         B, T = len(self.ids), self.turns
+        self.part_of = np.zeros(B, dtype=np.int64)  # trajectory b is instance pos[b] of parts[part_of[b]]
+        self.pos = np.zeros(B, dtype=np.int64)
+        for k, part in enumerate(self.parts):
+            self.part_of[part.idx] = k
+            self.pos[part.idx] = np.arange(len(part.idx))
         self.mask = [[False] * len(x) for x in self.ids]
         self.lps = [[0.0] * len(x) for x in self.ids]
         self.ents = [[0.0] * len(x) for x in self.ids]
@@ -240,7 +258,7 @@ class _Rollout:
         self.turn_rewards = np.zeros((B, T), dtype=np.float32)
         self.penalties = np.zeros((B, T), dtype=np.float32)
         self.num_turns = np.zeros(B, dtype=np.int64)
-        self.actions_left = np.full(B, self.max_actions, dtype=np.int64)
+        self.actions_left = self.max_actions.copy()
         self.truncated = np.zeros(B, dtype=bool)
         self.stop_reason = [""] * B
         self.counters = TurnCounters()
@@ -248,6 +266,22 @@ class _Rollout:
     @property
     def B(self) -> int:
         return len(self.ids)
+
+    @property
+    def turns(self) -> int:
+        """T: the most turns any trajectory may take."""
+        return int(self.turn_limit.max()) if len(self.turn_limit) else 0
+
+    def part(self, b: int) -> _Part:
+        return self.parts[int(self.part_of[b])]
+
+    @property
+    def success(self) -> np.ndarray:
+        """bool [B]: whether each trajectory's game is won."""
+        out = np.zeros(self.B, dtype=bool)
+        for part in self.parts:
+            out[part.idx] = part.env.success
+        return out
 
     def stop(self, b: int, reason: str) -> None:
         if reason == STOP_CONTEXT:
@@ -266,22 +300,31 @@ class _Rollout:
 
 
 class MultiTurnRollout:
-    """Generates TrajectoryBatches for one environment with one engine.
+    """Generates TrajectoryBatches for one environment, or a mixture of several, with one engine.
 
     Args:
         engine: NativeEngine or SGLangEngine (the session interface: start / generate /
             finish / session_length / stats).
         tokenizer: the model's tokenizer (chat template required).
         env_name: any name `fastpo.envs.make_env` takes: "bandit", "sokoban", "frozenlake",
-            "module.path:Class", "textarena:ID", "gym:ID" or an installed entry point.
+            "module.path:Class", "textarena:ID", "gym:ID" or an installed entry point; with
+            `members`, a label for the whole ("mixture").
         env_config: the environment's options.
-        cfg: RolloutConfig.
+        cfg: RolloutConfig (with `members`: the settings the games share: sampling, prompt,
+            context).
         env_workers: worker processes stepping a plain-Python env (0: in process).
+        members: None (the one game `env_name`), or several games as (fastpo.envs.EnvMember,
+            its RolloutConfig) pairs: each env group plays the member
+            `fastpo.envs.assign_members` draws from its seed, with that member's options, turn
+            and action limits and format penalty; every live trajectory of every game still
+            samples in one engine batch per turn.
     Raises ValueError (fastpo.envs.EnvError) for a bad config or environment name.
     """
 
     def __init__(self, engine, tokenizer, env_name: str, env_config: dict | None = None, cfg: RolloutConfig | None = None,
-                 env_workers: int = 0):
+                 env_workers: int = 0, members: list | None = None):
+        from fastpo.envs import resolve_env
+
         self.engine = engine
         self.tokenizer = tokenizer
         self.env_name = env_name
@@ -290,21 +333,84 @@ class MultiTurnRollout:
         self.cfg = cfg if cfg is not None else RolloutConfig()
         if not isinstance(self.cfg, RolloutConfig):
             raise TypeError(f"cfg must be a RolloutConfig, got {type(self.cfg).__name__}")
+        if members is None:
+            resolve_env(env_name)
+            members = [(EnvMember(env_name, env_name, 1.0, self.env_config, {}), self.cfg)]
+        elif not members or not all(isinstance(m, EnvMember) and isinstance(c, RolloutConfig) for m, c in members):
+            raise TypeError("members must be a non-empty list of (EnvMember, RolloutConfig) pairs")
+        else:
+            for m, _ in members:
+                resolve_env(m.name)
+        self.members = list(members)
         self.chat = ChatFormat(tokenizer, think=self.cfg.think, system_prompt=self.cfg.system_prompt)
         self.window = context_window_turns(self.cfg.context_window, "RolloutConfig.context_window")
         if self.window is not None and engine is not None and not hasattr(engine, "evict"):
             raise ValueError(f"rollout.context_window={self.cfg.context_window!r} needs an engine that evicts KV "
                              f"entries (the native engine); {type(engine).__name__} does not")
         self.refill_window = False  # benchmark baseline: re-prefill the window each turn (not trainable)
-        from fastpo.envs import resolve_env
 
-        resolve_env(env_name)
+    @classmethod
+    def from_config(cls, cfg, engine, tokenizer) -> "MultiTurnRollout":
+        """The rollout of TrainConfig `cfg` (its env or env.mixture, its rollout settings) over
+        `engine` (None: prompts only, e.g. `prompt_lengths`)."""
+        from fastpo.config.schema import env_members, member_rollout_config
 
-    def make_env(self, batch_size: int):
-        """B instances of this rollout's env (`fastpo.envs.make_env`)."""
+        shared = cfg.rollout.rollout_config()
+        if not cfg.env.mixture:
+            return cls(engine, tokenizer, cfg.env.name, dict(cfg.env.options), shared, env_workers=cfg.env.workers)
+        members = [(m, member_rollout_config(cfg, m)) for m in env_members(cfg)]
+        return cls(engine, tokenizer, cfg.env.name, {}, shared, env_workers=cfg.env.workers, members=members)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether this rollout plays several games."""
+        return len(self.members) > 1
+
+    def only(self, label: str) -> "MultiTurnRollout":
+        """A rollout over the same engine playing only member `label` (e.g. to evaluate one
+        game of a mixture); KeyError for an unknown label."""
+        for m, c in self.members:
+            if m.label == label:
+                ro = MultiTurnRollout(self.engine, self.tokenizer, m.name, m.options, c, self.env_workers)
+                ro.members = [(m, c)]
+                ro.refill_window = self.refill_window
+                return ro
+        raise KeyError(f"no env {label!r} in this rollout; it plays {[m.label for m, _ in self.members]}")
+
+    def make_env(self, batch_size: int, member: EnvMember | None = None):
+        """B instances of this rollout's env, or of `member`'s (`fastpo.envs.make_env`)."""
         from fastpo.envs import make_env
 
-        return make_env(self.env_name, batch_size, self.env_config, workers=self.env_workers)
+        m = member if member is not None else self.members[0][0]
+        return make_env(m.name, batch_size, m.options, workers=self.env_workers)
+
+    def _parts(self, seeds: list, N: int) -> list:
+        """The games of env groups `seeds` x N trajectories (each group's member drawn from its
+        seed), each with its instances built: [_Part], the members in their order."""
+        from fastpo.envs import assign_members
+
+        which = assign_members(seeds, [m for m, _ in self.members]) if self.mixed else [0] * len(seeds)
+        parts = []
+        try:
+            for k, (m, c) in enumerate(self.members):
+                groups = [g for g, w in enumerate(which) if w == k]
+                if groups:
+                    idx = np.asarray([g * N + i for g in groups for i in range(N)], dtype=np.int64)
+                    parts.append(_Part(m, c, self.make_env(len(idx), m), idx))
+        except BaseException:
+            for part in parts:
+                _close(part.env)
+            raise
+        return parts
+
+    def _reset(self, parts: list, traj_seeds: np.ndarray) -> list:
+        """Reset every part's instances from their trajectories' seeds; the B first user messages."""
+        users = [None] * len(traj_seeds)
+        for part in parts:
+            obs = part.env.reset(traj_seeds[part.idx])
+            for b, msg in zip(part.idx, self._first_messages(part.env, obs, part.cfg)):
+                users[b] = msg
+        return users
 
     def sampling_params(self, temperature: float | None = None) -> SamplingParams:
         """The engine settings for one turn under this config."""
@@ -325,30 +431,32 @@ class MultiTurnRollout:
         text = self.chat.prime + self.tokenizer.decode(body, skip_special_tokens=False)
         return cut_at_stop(text, stop_strings), eot
 
-    def _first_messages(self, env, obs) -> list:
-        """Turn 1's user message of each trajectory of the freshly reset `env` (states `obs`)."""
-        c = self.cfg
+    def _first_messages(self, env, obs, cfg: RolloutConfig | None = None) -> list:
+        """Turn 1's user message of each trajectory of the freshly reset `env` (states `obs`),
+        under `cfg` (its game's; default: this rollout's)."""
+        c = cfg if cfg is not None else self.cfg
         instructions = env.instructions()
         free = bool(getattr(env, "free_text", False))
         return [first_user_message(instructions[b], obs[b], c.max_actions_per_traj, c.max_actions_per_turn, c.think,
-                                   c.max_new_tokens, env.action_names(b), question=self._question(env, b),
+                                   c.max_new_tokens, env.action_names(b), question=self._question(env, b, c),
                                    free_text=free)
                 for b in range(len(obs))]
 
-    def _question(self, env, b: int) -> str:
-        return closing_question(self.cfg, env.action_names(b))
+    def _question(self, env, b: int, cfg: RolloutConfig | None = None) -> str:
+        return closing_question(cfg if cfg is not None else self.cfg, env.action_names(b))
 
     def prompt_lengths(self, seeds) -> list:
         """Tokens of the first prompt (chat template, system and first user message, assistant
-        header and prime) of the env group of each of `seeds`; needs the tokenizer, not the
-        engine. Raises ValueError for bad seeds, like `generate`."""
+        header and prime) of the env group of each of `seeds` (in a mixture: of the game its
+        seed draws); needs the tokenizer, not the engine. Raises ValueError for bad seeds,
+        like `generate`."""
         seeds = _check_seeds(seeds)
-        env = self.make_env(len(seeds))
+        parts = self._parts(seeds, 1)
         try:
-            obs = env.reset(np.asarray(seeds, dtype=np.int64))
-            return [len(self.chat.prompt_ids(m)) for m in self._first_messages(env, obs)]
+            return [len(self.chat.prompt_ids(m)) for m in self._reset(parts, np.asarray(seeds, dtype=np.int64))]
         finally:
-            _close(env)
+            for part in parts:
+                _close(part.env)
 
     def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0,
                  group_ids: list | None = None) -> TrajectoryBatch:
@@ -382,33 +490,35 @@ class MultiTurnRollout:
             raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
         t0 = time.perf_counter()
         params = self.sampling_params(temperature)
-        env = self.make_env(len(seeds) * group_size)
+        parts = self._parts(seeds, group_size)
         try:
-            st = self._start(env, seeds, group_size)
+            st = self._start(parts, seeds, group_size)
             engine = self.engine
             engine.reset_stats()
             gen, labels = self._sampling_streams(st.P, st.N, seed, group_ids, engine.device)
             self._turns(st, params, gen)
             engine.finish()
         finally:
-            _close(env)
+            for part in parts:
+                _close(part.env)
         for b in range(st.B):
             if not st.stop_reason[b]:
                 st.stop_reason[b] = "max_turns"
         return self._batch(st, labels, time.perf_counter() - t0)
 
-    def _start(self, env, seeds: list, N: int) -> _Rollout:
+    def _start(self, parts: list, seeds: list, N: int) -> _Rollout:
         """Reset the P x N instances and build each group's first prompt (and the context-
         window bookkeeping); a prompt that cannot fit one response token is truncated."""
         P = len(seeds)
         B = P * N
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
-        obs = env.reset(traj_seeds)
-        users = [[m] for m in self._first_messages(env, obs)]
+        users = [[m] for m in self._reset(parts, traj_seeds)]
         group_prompts = [self.chat.prompt_ids(users[g * N][0]) for g in range(P)]
         ids = [list(group_prompts[b // N]) for b in range(B)]
-        st = _Rollout(P, N, env, traj_seeds, users, group_prompts, ids, self.cfg.max_turns,
-                      self.cfg.max_actions_per_traj)
+        turn_limit, max_actions = np.zeros(B, dtype=np.int64), np.zeros(B, dtype=np.int64)
+        for part in parts:
+            turn_limit[part.idx], max_actions[part.idx] = part.cfg.max_turns, part.cfg.max_actions_per_traj
+        st = _Rollout(P, N, parts, traj_seeds, users, group_prompts, ids, turn_limit, max_actions)
         if self.window is not None:  # per token: its turn and the turn of the forward that fed it (window.py)
             heads = [ctxwin.head_length(self.chat, users[g * N][0], group_prompts[g]) for g in range(P)]
             st.window = {
@@ -507,8 +617,13 @@ class MultiTurnRollout:
         return texts, emitted_eot, ended
 
     def _score_turn(self, st: _Rollout, texts: list, turn: int) -> EnvTurn:
-        """Step the env with this turn's responses (`env_turn`) and tally the results."""
-        res = env_turn(st.env, self.cfg, texts, st.actions_left, st.counters)
+        """Step the env(s) with this turn's responses (`env_turn`, each game under its own
+        settings) and tally the results."""
+        if len(st.parts) == 1:
+            part = st.parts[0]
+            res = env_turn(part.env, part.cfg, texts, st.actions_left, st.counters)
+        else:
+            res = _merged_turn(st, texts)
         st.turn_rewards[:, turn] += res.reward
         st.penalties[:, turn] += res.penalty
         st.valid_n += res.valid
@@ -522,20 +637,21 @@ class MultiTurnRollout:
         """Give each trajectory that goes on its next user message's template ids (ending
         the others with their reason). Returns (the live sessions, their ids to append)."""
         cfg, K, j = self.cfg, self.window, turn + 1
-        obs_now = None
+        obs_now = {}
         new_active, new_append = [], []
         for b in active:
             if b in ended or st.truncated[b]:
                 continue
-            reason = end_reason(res, b, st.actions_left, turn, st.turns)
+            reason = end_reason(res, b, st.actions_left, turn, int(st.turn_limit[b]))
             if reason:
                 st.stop_reason[b] = reason
                 continue
-            if obs_now is None:
-                obs_now = st.env.render()
-            msg = next_user_message(turn + 2, float(st.turn_rewards[b, turn]), obs_now[b], int(st.actions_left[b]),
-                                    cfg.think, cfg.max_new_tokens, note=res.notes[b],
-                                    question=self._question(st.env, b))
+            part = st.part(b)
+            if int(st.part_of[b]) not in obs_now:  # rendered once per game and turn, only if some go on
+                obs_now[int(st.part_of[b])] = part.env.render()
+            msg = next_user_message(turn + 2, float(st.turn_rewards[b, turn]), obs_now[int(st.part_of[b])][st.pos[b]],
+                                    int(st.actions_left[b]), cfg.think, cfg.max_new_tokens, note=res.notes[b],
+                                    question=self._question(part.env, int(st.pos[b]), part.cfg))
             between = self.chat.between_turn_ids(msg, emitted_eot.get(b, False))
             if len(st.ids[b]) + len(between) + 1 > cfg.max_context:
                 st.stop(b, STOP_CONTEXT)
@@ -554,8 +670,9 @@ class MultiTurnRollout:
 
     def _batch(self, st: _Rollout, labels, seconds: float) -> TrajectoryBatch:
         """The TrajectoryBatch of a finished rollout, with its metrics (see `generate`)."""
-        cfg, K, N, P = self.cfg, self.window, st.N, st.P
+        K, N, P = self.window, st.N, st.P
         stats = self.engine.stats
+        success = st.success
         scores = st.turn_rewards.sum(1)
         metrics = {
             "seconds": seconds,
@@ -565,11 +682,11 @@ class MultiTurnRollout:
             "tokens_per_s": float(stats["generated_tokens"]) / max(seconds, 1e-9),
             "response_length": float(stats["generated_tokens"]) / max(1, st.counters.turns),
             "num_turns": float(st.num_turns.mean()),
-            "success_rate": float(st.env.success.mean()),
+            "success_rate": float(success.mean()),
             "score": float(scores.mean()),
             **st.counters.rates(),
             "truncated_rate": float(st.truncated.mean()),
-            "num_actions": float((cfg.max_actions_per_traj - st.actions_left).mean()),
+            "num_actions": float((st.max_actions - st.actions_left).mean()),
             "peak_kv_bytes": float(stats.get("peak_kv_bytes", 0)),
         }
         window = {}
@@ -586,17 +703,39 @@ class MultiTurnRollout:
             turn_index=[torch.tensor(x, dtype=torch.long) for x in st.tix],
             turn_rewards=torch.from_numpy(st.turn_rewards), format_penalty=torch.from_numpy(st.penalties),
             num_turns=torch.from_numpy(st.num_turns), scores=torch.from_numpy(scores.astype(np.float32)),
-            success=torch.from_numpy(st.env.success.copy()),
-            num_actions=torch.from_numpy((cfg.max_actions_per_traj - st.actions_left).astype(np.int64)),
+            success=torch.from_numpy(success),
+            num_actions=torch.from_numpy((st.max_actions - st.actions_left).astype(np.int64)),
             group_ids=labels.repeat_interleave(N), seeds=torch.from_numpy(st.seeds.copy()),
             truncated=torch.from_numpy(st.truncated), stop_reason=st.stop_reason, responses=st.responses,
             response_texts=st.resp_texts, metrics=metrics, user_messages=st.users, tokenizer=self.tokenizer,
             info={"env": self.env_name, "group_size": N, "num_groups": P,
+                  **({"envs": [m.label for m, _ in self.members]} if self.mixed else {}),
                   **({"context_window": K, "refill_window": self.refill_window} if K is not None else {})},
             turn_stop_reasons=st.turn_stops, valid_actions=torch.from_numpy(st.valid_n),
             invalid_actions=torch.from_numpy(st.invalid_n), effective_actions=torch.from_numpy(st.effective_n),
-            penalised_turns=torch.from_numpy(st.penalised_n), **window,
+            penalised_turns=torch.from_numpy(st.penalised_n),
+            env_labels=[st.part(b).member.label for b in range(st.B)], **window,
         )
+
+
+def _merged_turn(st: _Rollout, texts: list) -> EnvTurn:
+    """`env_turn` of each game on its own trajectories (its settings: action limits, format
+    penalty), scattered back into one EnvTurn of the B trajectories."""
+    B = st.B
+    out = EnvTurn(np.zeros(B, np.float32), np.zeros(B, np.float32), np.zeros(B, bool), np.zeros(B, bool),
+                  np.zeros(B, np.int64), [""] * B, np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64))
+    for part in st.parts:
+        sub = [texts[b] for b in part.idx]
+        if all(t is None for t in sub):
+            continue
+        left = st.actions_left[part.idx]
+        res = env_turn(part.env, part.cfg, sub, left, st.counters)
+        st.actions_left[part.idx] = left
+        for f in ("reward", "penalty", "ok", "done", "executed", "valid", "invalid", "effective"):
+            getattr(out, f)[part.idx] = getattr(res, f)
+        for b, note in zip(part.idx, res.notes):
+            out.notes[b] = note
+    return out
 
 
 def _close(env) -> None:

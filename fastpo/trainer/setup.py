@@ -98,14 +98,17 @@ def check_prompts_fit(cfg: TrainConfig) -> Any:
     r = cfg.rollout
     tok = load_model_checked(cfg.model.name, tokenizer_only=True)
     try:
-        probe = ro.MultiTurnRollout(None, tok, cfg.env.name, dict(cfg.env.options), r.rollout_config())
+        probe = ro.MultiTurnRollout.from_config(cfg, None, tok)
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
     seeds = iteration_seeds(cfg.trainer.seed, 1, r.env_groups) + [cfg.trainer.eval_seed_offset]
-    longest = max(probe.prompt_lengths(seeds))
+    # every game of a mixture is evaluated on the first eval seed
+    games = [(probe, seeds)] if not probe.mixed else \
+        [(probe, seeds[:-1])] + [(probe.only(m.label), seeds[-1:]) for m, _ in probe.members]
+    longest, name = max((max(ro_.prompt_lengths(s)), ro_.env_name) for ro_, s in games)
     if longest + r.max_new_tokens > r.max_context:
         raise NothingToTrain(
-            f"config key 'rollout.max_context' = {r.max_context}: the first prompt of {cfg.env.name} takes "
+            f"config key 'rollout.max_context' = {r.max_context}: the first prompt of {name} takes "
             f"{longest} tokens with {cfg.model.name}'s chat template, so no response of rollout.max_new_tokens = "
             f"{r.max_new_tokens} fits; raise rollout.max_context to at least {longest + r.max_new_tokens} "
             f"(or make the env's state smaller)")
@@ -170,8 +173,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
                 trainer.warn(line)
             else:
                 trainer.console.print(line)
-        rollout = ro.MultiTurnRollout(engine, models.tokenizer, cfg.env.name, dict(cfg.env.options),
-                                      cfg.rollout.rollout_config(), env_workers=cfg.env.workers)
+        rollout = ro.MultiTurnRollout.from_config(cfg, engine, models.tokenizer)
     except BaseException:
         if hasattr(engine, "shutdown"):  # a started SGLang server must not outlive the failed start
             engine.shutdown()
