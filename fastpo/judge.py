@@ -6,8 +6,9 @@ whose success is hard to verify (issue 36; verl's and TRL's LLM-as-judge rewards
 
 The rubric is the judge's user message with placeholders filled in per trajectory:
 `{answer}` (the trajectory's last response), `{task}` (its first user message, the task),
-`{transcript}` (every turn, "User: ..." / "Assistant: ..." lines) and `{env}` (the game's
-name); it must hold `{answer}` or `{transcript}`. Other braces are left as they are. The
+`{transcript}` (every turn, "User: ..." / "Assistant: ..." lines), `{env}` (the game's
+name) and `{final}` (the game's state after the last turn, which the model was not shown:
+e.g. whether the boxes ended on their targets); it must hold `{answer}` or `{transcript}`. Other braces are left as they are. The
 judge (by default the policy's starting weights, frozen; or any model `reward.judge_model`
 names) answers greedily, and its reply is read as a verdict:
 

@@ -41,7 +41,9 @@ class Trajectory:
     (the first, with the task, then one per continued turn); responses: the model's answer of
     each turn (text); env_rewards: the game's reward of each turn (format penalty excluded);
     format_penalty: each turn's format penalty (<= 0); success: the game's verdict;
-    stop_reason: why it ended ("env_done", "max_turns", "action_budget", "context").
+    stop_reason: why it ended ("env_done", "max_turns", "action_budget", "context");
+    final_observation: the game's state after the last turn (what the model was not shown;
+    "" when the rollout did not record it).
     """
 
     env: str
@@ -52,6 +54,21 @@ class Trajectory:
     format_penalty: list
     success: bool
     stop_reason: str
+    final_observation: str = ""
+
+
+def trajectory_of(batch, i: int, env: str) -> Trajectory:
+    """Trajectory i of TrajectoryBatch `batch` as a reward function (or the judge) reads it; `env`:
+    its game's name when the batch does not record each trajectory's (env_labels)."""
+    n = int(batch.num_turns[i])
+    env_r = (batch.turn_rewards[i, :n] - batch.format_penalty[i, :n]).tolist()
+    labels = getattr(batch, "env_labels", None)  # a mixture: the game each trajectory played
+    finals = getattr(batch, "final_observations", None)
+    return Trajectory(env=labels[i] if labels else env, seed=int(batch.seeds[i]),
+                      user_messages=list(batch.user_messages[i]) if batch.user_messages else [],
+                      responses=list(batch.response_texts[i][:n]), env_rewards=env_r,
+                      format_penalty=batch.format_penalty[i, :n].tolist(), success=bool(batch.success[i]),
+                      stop_reason=str(batch.stop_reason[i]), final_observation=str(finals[i]) if finals else "")
 
 
 def load_reward_fn(spec: str) -> Callable:
@@ -121,15 +138,7 @@ class RewardFunction:
         return out
 
     def _trajectory(self, batch, i: int) -> Trajectory:
-        n = int(batch.num_turns[i])
-        env_r = (batch.turn_rewards[i, :n] - batch.format_penalty[i, :n]).tolist()
-        labels = getattr(batch, "env_labels", None)  # a mixture: the game each trajectory played
-        env = labels[i] if labels else self.env
-        return Trajectory(env=env, seed=int(batch.seeds[i]),
-                          user_messages=list(batch.user_messages[i]) if batch.user_messages else [],
-                          responses=list(batch.response_texts[i][:n]), env_rewards=env_r,
-                          format_penalty=batch.format_penalty[i, :n].tolist(), success=bool(batch.success[i]),
-                          stop_reason=str(batch.stop_reason[i]))
+        return trajectory_of(batch, i, self.env)
 
     def _values(self, traj: Trajectory) -> list:
         n = len(traj.responses)

@@ -7,7 +7,7 @@ import os
 import re
 
 JUDGE_SCALES = ("yes_no", "number")
-PLACEHOLDERS = ("{answer}", "{task}", "{transcript}", "{env}")
+PLACEHOLDERS = ("{answer}", "{task}", "{transcript}", "{env}", "{final}")
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 # a number as a judge writes one: 7, 7.5, .5, 1,000, 1e3 (thousands separators dropped)
 _NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][-+]?\d+)?|[-+]?\.\d+(?:[eE][-+]?\d+)?")
@@ -53,7 +53,8 @@ def render_rubric(rubric: str, traj) -> str:
         turns.append(f"Assistant: {resp}")
     fill = {"{answer}": traj.responses[-1] if traj.responses else "",
             "{task}": traj.user_messages[0] if traj.user_messages else "",
-            "{transcript}": "\n".join(turns), "{env}": traj.env}
+            "{transcript}": "\n".join(turns), "{env}": traj.env,
+            "{final}": getattr(traj, "final_observation", "")}
     # one pass, so that a filled-in text holding "{answer}" is not filled again
     return re.sub("|".join(re.escape(p) for p in PLACEHOLDERS), lambda m: fill[m.group(0)], rubric)
 

@@ -2,6 +2,7 @@
 parsing by hand, the judge on the embedded model and on a random one (batched equals one by
 one; unparsed replies take the fallback and are counted), its score on the training batch, the
 one-line errors before any model loads, and one training iteration judged by the embedded model."""
+import os
 import types
 
 import pytest
@@ -227,3 +228,43 @@ def test_a_judge_model_the_engine_cannot_run_is_one_line(tiny, tmp_path, capsys)
                      f"reward.judge_model={folder}", "trainer.plots=false"]) == 2
     err = capsys.readouterr().err
     assert "reward.judge_model=" in err and "chat template" in err and "Traceback" not in err
+
+
+def test_final_placeholder_shows_the_state_after_the_last_move():
+    """The transcript ends with the state before the last move; `{final}` is the game's state
+    after it: a solved Sokoban level shows its box on the target there (no box left off one),
+    which the transcript's last observation does not."""
+    from fastpo.config import RolloutConfig
+    from fastpo.models import load_model_and_tokenizer
+    from fastpo.rewards import trajectory_of
+    from fastpo.sft import expert_rollout
+
+    _, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    cfg = RolloutConfig(max_turns=10, max_actions_per_turn=1, max_actions_per_traj=10, max_new_tokens=16,
+                        think=False, prompt_examples=True)
+    batch = expert_rollout(tok, "sokoban", {}, cfg, list(range(8)), actions_per_turn=1)
+    solved = [i for i in range(len(batch)) if bool(batch.success[i])]
+    assert solved and len(batch.final_observations) == len(batch)
+    seen = trajectory_of(batch, solved[0], "sokoban")
+    final = render_rubric("{transcript}\nAfter the last move:\n{final}", seen).split("After the last move:\n")[1]
+    assert final == batch.final_observations[solved[0]] and "X" not in final  # X: a box off its target
+    assert "X" in seen.user_messages[-1]  # the last state the model saw still had it
+    # select and concat carry it
+    assert batch.select([solved[0]]).final_observations == [final]
+
+
+def test_the_judged_free_text_example_trains(tmp_path, monkeypatch):
+    """examples/polite_reply.yaml: a free-text game with no reward of its own, the judge's
+    score replacing it; one iteration end to end (the random tiny model judging)."""
+    from fastpo.trainer import Trainer
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)  # the example names its game and rubric from the repository root
+    cfg = load_config(file="examples/polite_reply.yaml", preset="tiny",
+                      overrides=[f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama",
+                                 "trainer.iterations=1", "trainer.plots=false"])
+    assert cfg.reward.mode == "replace" and "{answer}" in cfg.reward.judge_rubric and cfg.rollout.max_turns == 1
+    rec = Trainer(cfg, console=Console(quiet=True)).run()[-1]
+    assert rec["train/judge_unparsed_rate"] == 1.0  # random weights give no verdict: the fallback, counted
+    assert rec["train/score_mean"] == pytest.approx(cfg.reward.judge_fallback + rec["train/format_penalty_rate"]
+                                                    * cfg.rollout.format_penalty)

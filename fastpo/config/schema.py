@@ -128,7 +128,7 @@ class RewardConfig:
         mode: "add" (to the game's turn rewards) or "replace" (the game's turn rewards; the
             format penalty stays); applies to the sum of reward.fn's value and the judge's.
         judge_rubric: null, or the LLM judge's rubric (fastpo.judge): its user message, holding
-            {answer} or {transcript} (also {task}, {env}); the judge's score in [0, 1] goes on
+            {answer} or {transcript} (also {task}, {env}, {final}); the judge's score in [0, 1] goes on
             each training trajectory's last turn.
         judge_rubric_file: null, or a UTF-8 file holding the rubric (instead of judge_rubric);
             read and checked before any model loads, and kept as judge_rubric's text in the

@@ -42,6 +42,9 @@ class TrajectoryBatch:
             got the format penalty. None when the producer did not count them.
         env_labels: B str, the game each trajectory played (its env.mixture label; the env
             name for a single game); an empty list when the producer did not record it.
+        final_observations: B str, the game's state after each trajectory's last turn as
+            `render()` gives it (the model never sees it: it is what a judge checks the
+            outcome against); an empty list when the producer did not record it.
     Bounded context window only (rollout.context_window = K; empty lists otherwise; see
     fastpo/rollout/window.py): context_turns: int64 [L_i], the turn of each token (0: the always
     kept head); visible_from: int64 [L_i], the oldest turn the token attended to when it
@@ -80,6 +83,7 @@ class TrajectoryBatch:
     context_turns: list = dataclasses.field(default_factory=list)
     visible_from: list = dataclasses.field(default_factory=list)
     env_labels: list = dataclasses.field(default_factory=list)
+    final_observations: list = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -134,6 +138,7 @@ class TrajectoryBatch:
             context_turns=[self.context_turns[i] for i in il] if self.context_turns else [],
             visible_from=[self.visible_from[i] for i in il] if self.visible_from else [],
             env_labels=[self.env_labels[i] for i in il] if self.env_labels else [],
+            final_observations=[self.final_observations[i] for i in il] if self.final_observations else [],
         )
 
     @classmethod

@@ -498,6 +498,10 @@ class MultiTurnRollout:
             gen, labels = self._sampling_streams(st.P, st.N, seed, group_ids, engine.device)
             self._turns(st, params, gen)
             engine.finish()
+            st.final_obs = [None] * st.B  # each instance's state after its trajectory's last turn
+            for part in parts:
+                for b, text in zip(part.idx, part.env.render()):
+                    st.final_obs[b] = text
         finally:
             for part in parts:
                 _close(part.env)
@@ -714,7 +718,7 @@ class MultiTurnRollout:
             turn_stop_reasons=st.turn_stops, valid_actions=torch.from_numpy(st.valid_n),
             invalid_actions=torch.from_numpy(st.invalid_n), effective_actions=torch.from_numpy(st.effective_n),
             penalised_turns=torch.from_numpy(st.penalised_n),
-            env_labels=[st.part(b).member.label for b in range(st.B)], **window,
+            env_labels=[st.part(b).member.label for b in range(st.B)], final_observations=st.final_obs, **window,
         )
 
 
