@@ -29,6 +29,10 @@ from .reference import zero_rows
 DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 # GEMMs with fewer rows than this lose much of their speed on CPUs
 MIN_CHUNK_ROWS = 256
+# The elementwise stages between a chunk's GEMMs (about ten passes over [C, V]) run over
+# blocks of rows of about this size, so that a block's passes after the first hit the core's
+# cache instead of memory (the rows are independent: the same numbers, fewer bytes moved)
+ELEMENTWISE_BLOCK_BYTES = 1024 * 1024
 
 CoefFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -147,8 +151,54 @@ def _softmax_stats(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
     return logp, p, s, m.squeeze(-1) + log_s, entropy, logprob
 
 
+def _block_rows(z: torch.Tensor) -> int:
+    """Rows per elementwise block of the [C, V] chunk `z` (ELEMENTWISE_BLOCK_BYTES; CPU only: on
+    a GPU each block would be more kernel launches for no gain)."""
+    if z.device.type != "cpu":
+        return z.shape[0]
+    return max(1, ELEMENTWISE_BLOCK_BYTES // max(1, z.shape[1] * z.element_size()))
+
+
+def _softmax_stats_blocked(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
+    """`_softmax_stats` over blocks of rows (`_block_rows`); the same results."""
+    r, c = _block_rows(z), z.shape[0]
+    if r >= c:
+        return _softmax_stats(z, t, p)
+    out = torch.empty(4, c, dtype=z.dtype, device=z.device)  # s, lse, entropy, logprob
+    for a in range(0, c, r):
+        b = min(c, a + r)
+        _, _, s_b, lse_b, ent_b, lp_b = _softmax_stats(z[a:b], t[a:b], p[a:b])
+        out[0, a:b], out[1, a:b], out[2, a:b], out[3, a:b] = s_b, lse_b, ent_b, lp_b
+    return z, p, out[0], out[1], out[2], out[3]
+
+
+def _dz_blocked(p, logp, t, ent, g_lp, g_ent, inv_t: float, s=None) -> torch.Tensor:
+    """`_dz_` over blocks of rows (`_block_rows`); the same result, in place on p."""
+    r, c = _block_rows(p), p.shape[0]
+    if r >= c:
+        return _dz_(p, logp, t, ent, g_lp, g_ent, inv_t, s)
+    no_ent = g_ent.device.type == "cpu" and not bool(g_ent.any())
+    for a in range(0, c, r):
+        b = min(c, a + r)
+        _dz_(p[a:b], logp[a:b], t[a:b], ent[a:b], g_lp[a:b], g_ent[a:b], inv_t, None if s is None else s[a:b],
+             no_entropy=no_ent)
+    return p
+
+
+def _dz_from_lse(z, lse, p, t, ent, g_lp, g_ent, inv_t: float) -> torch.Tensor:
+    """d loss / d logits of a chunk whose scaled logits `z` (in place: log p) and log-sum-exp are
+    known, into the buffer `p`, over blocks of rows (`_block_rows`)."""
+    r, c = _block_rows(z), z.shape[0]
+    no_ent = g_ent.device.type == "cpu" and not bool(g_ent.any())
+    for a in range(0, c, r):
+        b = min(c, a + r)
+        logp = z[a:b].sub_(lse[a:b].unsqueeze(-1))
+        _dz_(torch.exp(logp, out=p[a:b]), logp, t[a:b], ent[a:b], g_lp[a:b], g_ent[a:b], inv_t, no_entropy=no_ent)
+    return p
+
+
 def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor, g_lp: torch.Tensor,
-         g_ent: torch.Tensor, inv_t: float, s: torch.Tensor | None = None) -> torch.Tensor:
+         g_ent: torch.Tensor, inv_t: float, s: torch.Tensor | None = None, no_entropy: bool | None = None) -> torch.Tensor:
     """In place on p (and logp): d loss / d logits of a chunk from per-token upstream gradients.
 
     dz = -softmax * (g_lp + g_ent (log p + H)) + g_lp 1[target], times 1/T; with softmax =
@@ -156,7 +206,9 @@ def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor
     """
     scale = inv_t if s is None else inv_t / s
     b = (-(g_lp + g_ent * ent) * scale).unsqueeze(-1)
-    if g_ent.device.type == "cpu" and not bool(g_ent.any()):
+    if no_entropy is None:
+        no_entropy = g_ent.device.type == "cpu" and not bool(g_ent.any())
+    if no_entropy:
         # no entropy term in the loss (entropy_coef 0): dz = p * b, two [C, V] passes fewer
         # (checked on the CPU only: on a GPU the check would be a device sync per chunk)
         dz = p.mul_(b)
@@ -180,7 +232,7 @@ def chunked_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     for s in range(0, n, c):
         e = min(n, s + c)
         z = prep.logits(prep.h(hidden[s:e]), inv_t)
-        _, _, _, lse, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
+        _, _, _, lse, ent, lp = _softmax_stats_blocked(z, targets[s:e], prep.p(e - s))
         out[0, s:e], out[1, s:e], out[2, s:e] = lp, ent, lse
     return out[0], out[1], out[2]
 
@@ -203,10 +255,8 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
         e = min(n, s + c)
         h_c = prep.h(hidden[s:e])
         z = prep.logits(h_c, inv_t)
-        logp = z.sub_(lse[s:e].to(z.dtype).unsqueeze(-1))
-        p = torch.exp(logp, out=prep.p(e - s))
-        dz = _dz_(p, logp, targets[s:e], entropy[s:e].to(z.dtype), g_lp[s:e].to(z.dtype),
-                  g_ent[s:e].to(z.dtype), inv_t)
+        dz = _dz_from_lse(z, lse[s:e].to(z.dtype), prep.p(e - s), targets[s:e], entropy[s:e].to(z.dtype),
+                          g_lp[s:e].to(z.dtype), g_ent[s:e].to(z.dtype), inv_t)
         dh_c = prep.grads(dz, h_c, dw, need_hidden)
         if need_hidden:
             dh[s:e] = dh_c
@@ -237,12 +287,12 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
         e = min(n, s + c)
         h_c = prep.h(hidden[s:e])
         z = prep.logits(h_c, inv_t)
-        logp, p, s_row, _, ent, lp = _softmax_stats(z, targets[s:e], prep.p(e - s))
+        logp, p, s_row, _, ent, lp = _softmax_stats_blocked(z, targets[s:e], prep.p(e - s))
         stats[0, s:e], stats[1, s:e] = lp, ent
         if not grad:
             continue
         g_lp, g_ent = coef_fn(slice(s, e), lp, ent)
-        dz = _dz_(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
+        dz = _dz_blocked(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
         if grad_rows is not None:
             # 0 * NaN is NaN: a non-finite excluded row must be zeroed, not weighted by 0
             # (masked_fill_/where, not nonzero(): no device sync per chunk on CUDA)

@@ -54,3 +54,9 @@ def plant_in_checkpoint(ckpt: str, target: str, payload) -> str:
     torch.save(obj, path)
     write_manifest(ckpt, checkpoint_iteration(ckpt))
     return path
+
+
+def response_parity(traj) -> float:
+    """A reward function (reward.fn=run_helpers:response_parity) that makes a random model's
+    trajectories score differently: the parity of its last response's length in characters."""
+    return float(len(traj.responses[-1]) % 2) if traj.responses else 0.0

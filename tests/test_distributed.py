@@ -840,10 +840,33 @@ def test_other_estimators_in_two_processes_equal_one(tmp_path, case):
     assert any(k.startswith("critic") for k in wa) and any(k.startswith("model") for k in wa)
 
 
-def test_dynamic_sampling_is_refused_with_several_processes():
-    from fastpo.config import load_config
+def test_dynamic_sampling_in_two_processes_draws_and_keeps_as_one(tmp_path):
+    """DAPO's dynamic sampling with `--nproc 2`: each process rolls out its share of every
+    extra draw; the draws, the varying groups found and kept, and every training figure are
+    one process's (FrozenLake, the random tiny model, a reward of its responses' parity so that
+    some groups vary and others not: extra draws are needed and some groups are kept)."""
+    import subprocess
+    import sys
 
-    cfg = load_config(env="bandit", overrides=["algorithm.adv_estimator=grpo", "algorithm.filter_mode=dynamic"])
-    with pytest.raises(DistributedError, match="algorithm.filter_mode=dynamic with 2 processes"):
-        check_trainer_support(cfg, 2)
-    check_trainer_support(cfg, 1)
+    from run_helpers import records
+
+    a, b = str(tmp_path / "one"), str(tmp_path / "two")
+    common = ["--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "rollout.env_groups=4",
+              "algorithm.adv_estimator=grpo", "algorithm.filter_mode=dynamic", "algorithm.dynamic_max_draws=3",
+              "trainer.iterations=1", "trainer.eval_every=0", "trainer.progress=false", "trainer.plots=false",
+              "rollout.group_size=2", "reward.fn=run_helpers:response_parity", "reward.mode=replace",
+              "rollout.sampling_streams=group"]  # one process samples as two
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    for out, extra in ((a, []), (b, ["--nproc", "2"])):
+        p = subprocess.run([sys.executable, "-m", "fastpo", "train", "--out", out, *extra, *common], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+    one, two = records(a), records(b)
+    assert any(r["train/dynamic_draws"] > 1 for r in one), "the case should need extra draws"
+    assert any(r["train/dynamic_varying_groups"] > 0 for r in one), "and keep some groups"
+    assert len(one) == len(two) == 1  # (later iterations follow weights summed in another order)
+    for ra, rb in zip(one, two):
+        for k in ("train/dynamic_draws", "train/dynamic_varying_groups", "train/filter_kept_ratio",
+                  "train/success_rate", "train/score_mean", "train/in_group_reward_std_kept", "actor/grad_norm"):
+            assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (ra["iteration"], k)

@@ -262,3 +262,32 @@ def test_settings_a_loss_cannot_take_are_refused_in_one_line():
     z = torch.zeros(4)
     with pytest.raises(ValueError, match="loss must be one of"):
         linear_policy_loss(hidden, weight, targets, z, z, torch.ones(4), loss="dpo")
+
+
+@pytest.mark.parametrize("loss, entropy_coef, ratio_level",
+                         [(loss, e, "token") for loss in ("ppo", *LOSS_SETTINGS) for e in (0.0, 0.001)]
+                         + [(loss, 0.001, "sequence") for loss in ("ppo", "cispo")])  # GSPO's ratio: these two
+def test_elementwise_blocks_change_nothing(monkeypatch, loss, entropy_coef, ratio_level):
+    """The chunked path's elementwise stages over blocks of rows (kernels.chunked.
+    ELEMENTWISE_BLOCK_BYTES, here 1 and 3 rows of a 701-token vocabulary) give the loss, the
+    log-probs, the entropies and both gradients of the stages over whole chunks, whatever the
+    loss, with and without the entropy term, in one pass and in two (GSPO's sequence ratio)."""
+    import kernels.chunked as chunked
+
+    hidden, weight, targets, old, adv, mask, isw, sid = _case(230, torch.float32, seed=13)
+    settings = PolicyLossSettings(entropy_coef=entropy_coef, temperature=0.7, loss=loss, ratio_level=ratio_level,
+                                  **LOSS_SETTINGS.get(loss, {}))
+
+    def run():
+        hh, ww = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = linear_policy_loss(hh, ww, targets, old, adv, mask, seq_ids=sid, is_weights=isw, settings=settings,
+                                 impl="chunked", chunk_size=64)
+        out.loss.backward()
+        return out.loss, out.logprob, out.entropy, hh.grad, ww.grad
+
+    whole = run()
+    assert chunked._block_rows(torch.empty(64, 701)) >= 64  # the default: one block per chunk at this size
+    for rows in (1, 3):
+        monkeypatch.setattr(chunked, "ELEMENTWISE_BLOCK_BYTES", rows * 701 * 4)
+        for a, b in zip(run(), whole):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-6)

@@ -170,7 +170,7 @@ def test_one_batch_plays_every_game_under_its_own_limits(tiny):
 MIX = ["env.mixture=[{name: bandit, weight: 2}, {name: frozenlake, settings: {max_turns: 3}}]",
        "model.name=random:tiny-llama", "rollout.env_groups=4", "algorithm.adv_estimator=grpo", "trainer.eval_seeds=3",
        "trainer.iterations=2", "trainer.eval_every=2", "trainer.save_every=1", "trainer.plots=false",
-       "trainer.eval_before_training=true", "trainer.keep_checkpoints=1"]
+       "trainer.eval_before_training=true", "trainer.keep_checkpoints=1", "trainer.seed=1"]
 
 
 def test_a_mixture_trains_evaluates_each_game_and_resumes_exactly(tmp_path):
@@ -237,9 +237,14 @@ def test_two_processes_play_the_same_games(tmp_path):
     """`--nproc 2`: each process rolls out its share of the env groups; every game's rollout
     and evaluation figures equal one process's (the engine's costs aside)."""
     a, b = str(tmp_path / "one"), str(tmp_path / "two")
+    # one iteration (later ones follow weights summed in another order); group sampling streams
+    # (one process samples as two); a reward of the responses' parity so that scores differ
     common = ["--env", "bandit,frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "rollout.env_groups=4",
-              "trainer.eval_seeds=4", "trainer.progress=false", "trainer.plots=false", "algorithm.adv_estimator=grpo"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+              "trainer.eval_seeds=4", "trainer.progress=false", "trainer.plots=false", "algorithm.adv_estimator=grpo",
+              "trainer.iterations=1", "trainer.eval_every=1", "rollout.sampling_streams=group",
+              "reward.fn=run_helpers:response_parity", "trainer.seed=1"]  # seed 1: both games in iteration 1
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
     for out, extra in ((a, []), (b, ["--nproc", "2"])):
         p = subprocess.run([sys.executable, "-m", "fastpo", "train", "--out", out, *extra, *common], env=env,
                            capture_output=True, text=True, timeout=600)
@@ -252,7 +257,8 @@ def test_two_processes_play_the_same_games(tmp_path):
             if k.split("/")[0] in ("train", "eval") and k.count("/") == 2 and not k.endswith(cost):
                 assert rb[k] == pytest.approx(v, rel=1e-5, abs=1e-6), (ra["iteration"], k)
                 compared += 1
-    assert compared > 20
+    assert compared > 20 and len(one) == len(two) == 1
+    assert one[0]["train/bandit/share"] not in (0.0, 1.0)  # both games drawn
 
 
 def test_the_example_mixture_config_loads():

@@ -225,16 +225,24 @@ def dynamic_sampling_filter(scores: torch.Tensor, group_ids: torch.Tensor, targe
     Args: scores [B] float, group_ids [B] int, target >= 1. Returns FilterResult (no group
     kept when none varies: the caller skips the update).
     """
+    return dynamic_from_stds(group_reward_std(scores, group_ids), group_ids, target)
+
+
+def dynamic_from_stds(stds: dict, group_ids: torch.Tensor, target: int, count=None) -> FilterResult:
+    """`dynamic_sampling_filter` from the groups' reward stds {group id: std} (every process's
+    groups in a data-parallel run), keeping this process's trajectories `group_ids` of the
+    chosen groups. count(kept, n) -> (kept, n) over every process (None: these counts are the
+    whole batch's) gives kept_ratio."""
     if target < 1:
         raise ValueError(f"dynamic sampling needs a target of at least 1 group, got {target}")
-    stds = group_reward_std(scores, group_ids)
     chosen = varying_groups(stds)[:target]
     keep = torch.zeros_like(group_ids, dtype=torch.bool)
     for g in chosen:
         keep |= group_ids == g
     idx = torch.nonzero(keep, as_tuple=False).flatten()
+    kept, n = (idx.numel(), len(group_ids)) if count is None else count(idx.numel(), len(group_ids))
     mean = lambda gs: float(sum(stds[g] for g in gs) / len(gs)) if gs else 0.0  # noqa: E731
-    return FilterResult(indices=idx, kept_groups=chosen, group_std=stds, kept_ratio=idx.numel() / max(1, len(group_ids)),
+    return FilterResult(indices=idx, kept_groups=chosen, group_std=stds, kept_ratio=kept / max(1, n),
                         std_before=mean(sorted(stds)), std_after=mean(chosen),
                         zero_std_groups=sum(1 for g in stds if abs(stds[g]) <= ZERO_STD))
 

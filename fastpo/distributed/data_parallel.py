@@ -88,6 +88,19 @@ def global_filter(ctx: DistContext, scores: torch.Tensor, group_ids: torch.Tenso
                             count=lambda kept, n: all_reduce(ctx, [kept, n], "sum"))
 
 
+def global_dynamic_filter(ctx: DistContext, scores: torch.Tensor, group_ids: torch.Tensor, target: int):
+    """`fastpo.algorithms.filtering.dynamic_sampling_filter` on the global batch: the first
+    `target` varying groups by global group id (draw order) among every rank's, each rank
+    keeping its own trajectories of them; the FilterResult's figures are global, its indices
+    this rank's."""
+    from fastpo.algorithms.filtering import dynamic_from_stds, dynamic_sampling_filter, group_reward_std
+
+    if not ctx.initialized:
+        return dynamic_sampling_filter(scores, group_ids, target)
+    stds = gather_group_stds(ctx, group_reward_std(scores, group_ids) if scores.numel() else {})
+    return dynamic_from_stds(stds, group_ids, target, count=lambda kept, n: all_reduce(ctx, [kept, n], "sum"))
+
+
 def scored_counts(masks: list, indices: list[int]) -> tuple[int, int]:
     """(scored tokens, trajectories with a scored token) of trajectories `indices` on this
     rank. masks: [T_i] bool/int loss masks; a token is scored from position 1 on (the

@@ -43,8 +43,6 @@ UNSUPPORTED = (
      "one SGLang engine per process is not wired yet; use native"),
     ("rollout.sampling_streams=batch", lambda c: c.rollout.sampling_streams == "batch",
      "with several processes each env group samples from its own stream; use auto or group"),
-    ("algorithm.filter_mode=dynamic", lambda c: c.algorithm.filter_mode == "dynamic",
-     "DAPO's dynamic sampling draws its extra env groups in one process only yet; use top, bottom or none"),
 )
 
 

@@ -15,7 +15,7 @@ from fastpo import algorithms as alg
 from fastpo.memory import held_state_mib, peak_memory_mib
 from fastpo.distributed.collectives import all_reduce, gather_to_main, masked_mean, masked_whiten, on_main, per_rank, weighted_means
 from fastpo.distributed.context import DistContext
-from fastpo.distributed.data_parallel import global_filter, rank_seeds
+from fastpo.distributed.data_parallel import global_dynamic_filter, global_filter, rank_seeds
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.memory import release_free_memory
 from fastpo.report.metrics import rollout_metrics
@@ -303,28 +303,33 @@ class StarPOIteration:
         return out
 
     def dynamic_draws(self, it: int, first):
-        """DAPO's dynamic sampling, the drawing half (one process): more rollouts of
-        `rollout.env_groups` fresh env groups (`fastpo.seeds.dynamic_draw_seeds`; group ids
-        continuing after the earlier draws') while fewer than `rollout.env_groups` groups of
-        the batch have rewards that vary, at most `algorithm.dynamic_max_draws` rollouts in
-        all. Returns (every drawn trajectory in one batch, train/dynamic_draws and
-        train/dynamic_varying_groups: the rollouts made and the varying groups found)."""
+        """DAPO's dynamic sampling, the drawing half: more rollouts of `rollout.env_groups`
+        fresh env groups (`fastpo.seeds.dynamic_draw_seeds`; group ids continuing after the
+        earlier draws'; with several processes each rolls out its share of them, as of the
+        iteration's own groups) while fewer than `rollout.env_groups` groups of the whole
+        batch have rewards that vary, at most `algorithm.dynamic_max_draws` rollouts in all.
+        Returns (every trajectory this process drew, in one batch; train/dynamic_draws and
+        train/dynamic_varying_groups: the rollouts made and the varying groups found, global)."""
         from fastpo.algorithms.filtering import group_reward_std, varying_groups
+        from fastpo.distributed.data_parallel import gather_group_stds, split_groups
         from fastpo.rollout.batch import TrajectoryBatch
         from fastpo.seeds import dynamic_draw_seeds
 
-        cfg, r = self.cfg, self.cfg.rollout
+        cfg, r, ctx = self.cfg, self.cfg.rollout, self.dist
         batches = [first]
+        mine = list(split_groups(r.env_groups, ctx.world_size, ctx.rank)) if ctx.initialized else \
+            list(range(r.env_groups))
 
         def varying() -> int:
             stds = group_reward_std(torch.cat([b.scores.float() for b in batches]),
                                     torch.cat([b.group_ids for b in batches]))
-            return len(varying_groups(stds))
+            return len(varying_groups(gather_group_stds(ctx, stds) if ctx.initialized else stds))
 
         while len(batches) < cfg.algorithm.dynamic_max_draws and varying() < r.env_groups:
             draw = len(batches)
             seeds, sampling_seed = dynamic_draw_seeds(cfg.trainer.seed, it, draw, r.env_groups)
-            ids = [draw * r.env_groups + g for g in range(r.env_groups)]
+            seeds = [seeds[g] for g in mine]
+            ids = [draw * r.env_groups + g for g in mine]
             extra = {"group_ids": ids} if self.plan.per_group_streams else {}
             b = self.rescored(self.parts.sampler.generate(seeds, r.group_size, r.temperature, seed=sampling_seed,
                                                           **extra))
@@ -341,8 +346,8 @@ class StarPOIteration:
         groups dropped) the full batch is still scored for its metrics, then the update is
         skipped."""
         a = self.cfg.algorithm
-        if self.plan.filter_mode == "dynamic":  # one process (check_trainer_support)
-            filt = alg.dynamic_sampling_filter(full.scores.float(), full.group_ids, self.cfg.rollout.env_groups)
+        if self.plan.filter_mode == "dynamic":
+            filt = global_dynamic_filter(self.dist, full.scores.float(), full.group_ids, self.cfg.rollout.env_groups)
         else:
             filt = global_filter(self.dist, full.scores.float(), full.group_ids, a.filter_ratio, self.plan.filter_mode,
                                  a.filter_strategy, a.filter_top_p_mode, a.filter_eps, a.filter_keep_zero_std)
