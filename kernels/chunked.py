@@ -30,9 +30,10 @@ DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
 # GEMMs with fewer rows than this lose much of their speed on CPUs
 MIN_CHUNK_ROWS = 256
 # The elementwise stages between a chunk's GEMMs (about ten passes over [C, V]) run over
-# blocks of rows of about this size, so that a block's passes after the first hit the core's
-# cache instead of memory (the rows are independent: the same numbers, fewer bytes moved)
-ELEMENTWISE_BLOCK_BYTES = 1024 * 1024
+# blocks of rows of about this size (a row at a 49k vocabulary; with its two buffers within a
+# core's L2), so that a block's passes after the first hit the cache instead of memory (the
+# rows are independent: the same numbers, fewer bytes moved; measured in docs/performance.md)
+ELEMENTWISE_BLOCK_BYTES = 256 * 1024
 
 CoefFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -173,11 +174,13 @@ def _softmax_stats_blocked(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
 
 
 def _dz_blocked(p, logp, t, ent, g_lp, g_ent, inv_t: float, s=None) -> torch.Tensor:
-    """`_dz_` over blocks of rows (`_block_rows`); the same result, in place on p."""
+    """`_dz_` over blocks of rows (`_block_rows`); the same result, in place on p. Without an
+    entropy term `_dz_` is one pass over p: then over the whole chunk (blocks would only add
+    per-call overhead)."""
     r, c = _block_rows(p), p.shape[0]
-    if r >= c:
-        return _dz_(p, logp, t, ent, g_lp, g_ent, inv_t, s)
     no_ent = g_ent.device.type == "cpu" and not bool(g_ent.any())
+    if r >= c or no_ent:
+        return _dz_(p, logp, t, ent, g_lp, g_ent, inv_t, s, no_entropy=no_ent)
     for a in range(0, c, r):
         b = min(c, a + r)
         _dz_(p[a:b], logp[a:b], t[a:b], ent[a:b], g_lp[a:b], g_ent[a:b], inv_t, None if s is None else s[a:b],
