@@ -201,7 +201,8 @@ def _dz_from_lse(z, lse, p, t, ent, g_lp, g_ent, inv_t: float) -> torch.Tensor:
 
 
 def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor, g_lp: torch.Tensor,
-         g_ent: torch.Tensor, inv_t: float, s: torch.Tensor | None = None, no_entropy: bool | None = None) -> torch.Tensor:
+         g_ent: torch.Tensor, inv_t: float, s: torch.Tensor | None = None,
+         no_entropy: bool | None = None) -> torch.Tensor:
     """In place on p (and logp): d loss / d logits of a chunk from per-token upstream gradients.
 
     dz = -softmax * (g_lp + g_ent (log p + H)) + g_lp 1[target], times 1/T; with softmax =

@@ -5,12 +5,13 @@
 
 Trajectories whose outcome is known: `--expert` of the game's solver (mostly solved) and
 `--policy` of the model itself sampling (mostly not), on disjoint seeds, one move per turn over
-10 turns, answer-only prompt. Each is judged (yes/no, greedy, `fastpo.judge.Judge`) with two
-rubrics: the transcript only, and the transcript with the state after the last move
-(`{final}`). Printed per rubric: how many were judged, the judge's yes rate, its unparsed
-rate, and against the game's success: accuracy, the rate of yes on solved trajectories, of no
-on unsolved ones, and Cohen's kappa (agreement beyond chance; 0 = chance, 1 = perfect). An
-unparsed reply counts as the fallback "no" (what training would do with `judge_fallback=0`).
+10 turns, answer-only prompt. Each is judged (yes/no, greedy, `fastpo.judge.Judge`) with three
+rubrics: the transcript only, the transcript with the state after the last move (`{final}`),
+and the same with the question repeated after the trajectory. Printed per rubric: how many
+were judged, the judge's yes rate, its unparsed rate, and against the game's success:
+accuracy, the rate of yes on solved trajectories, of no on unsolved ones, and Cohen's kappa
+(agreement beyond chance; 0 = chance, 1 = perfect). An unparsed reply counts as the fallback
+"no" (what training would do with `judge_fallback=0`).
 """
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ RUBRICS = {
     "transcript + final state": ("Below is a transcript of a {game} game, then the state after the last move. "
                                  "{goal} Was the puzzle solved at the end? Answer with one word: yes or no.\n\n"
                                  "{{transcript}}\n\nState after the last move:\n{{final}}"),
+    # the question again after the trajectory, where a small model's recency looks (the prompts then
+    # share only the text up to {transcript})
+    "transcript + final state, question last": (
+        "Below is a transcript of a {game} game, then the state after the last move. {goal}\n\n{{transcript}}\n\n"
+        "State after the last move:\n{{final}}\n\nQuestion: was the puzzle solved at the end? Answer with one word, "
+        "yes or no."),
 }
 GOALS = {"sokoban": "The player (P) must push every box (X) onto a target (O); a box on a target is shown as √.",
          "frozenlake": "The player (P) must reach the goal (G) without falling into a hole (O)."}

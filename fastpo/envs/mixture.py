@@ -57,7 +57,8 @@ def parse_mixture(entries) -> list[EnvMember]:
     finite number, options or settings that are not mappings, an unknown setting or a bad
     value for one, a label used twice. Env names are not resolved here (`check_members`)."""
     if not isinstance(entries, (list, tuple)) or not entries:
-        raise EnvError(f"env.mixture must be a non-empty list of {{name: ..., weight: ...}} entries, got {entries!r:.120}")
+        raise EnvError(f"env.mixture must be a non-empty list of {{name: ..., weight: ...}} entries, "
+                       f"got {entries!r:.120}")
     out, labels = [], {}
     for i, e in enumerate(entries):
         where = f"env.mixture[{i}]"
