@@ -6,10 +6,10 @@ N=512 with 128-token chunks; CUDA: the Triton path, H=896, V=151936, N=4096 bf16
 one alternation (A B C ... A B C) so that machine load hits every loss alike, plus each
 call's peak memory beyond its inputs and returned gradients. Target: at most 1.05x PPO's
 time, and the same peak memory (no extra [N x V] tensor: at most 1.05x PPO's, which keeps one
-chunk's logits or none). Expected misses, said in the notes: on the chunked path Clip-Cov and
-KL-Cov take every log-prob before any gradient (their token choice is a statistic of the whole
-call), so they sweep the vocabulary twice where PPO sweeps it once; the Triton path always
-sweeps twice.
+chunk's logits or none). On the chunked path Clip-Cov and KL-Cov sweep the vocabulary once as
+PPO does, with no token chosen, then correct the few chosen tokens' gradients (their token
+choice is a statistic of the whole call: k = cov_ratio x n rows recomputed); the Triton path
+sweeps twice for every loss.
 """
 from __future__ import annotations
 
@@ -65,9 +65,9 @@ def run(ctx: BenchContext) -> list[Record]:
     records = []
     for loss in list(LOSSES)[1:]:
         t, s, _ = timed[loss]
-        two_sweeps = loss in ("clip_cov", "kl_cov") and impl == "chunked"
-        why = ("two vocabulary sweeps where PPO's chunked path makes one (the token choice needs every log-prob "
-               "first)" if two_sweeps else "the same sweeps as PPO's; only the [N] per-token terms differ")
+        cov = loss in ("clip_cov", "kl_cov") and impl == "chunked"
+        why = ("PPO's one vocabulary sweep, then the chosen tokens' rows recomputed to correct their gradients"
+               if cov else "the same sweeps as PPO's; only the [N] per-token terms differ")
         records.append(Record(PART, f"{loss} fwd+bwd time vs ppo ({shape})", "s", t, t_ppo, False, s, s_ppo,
                               "ppo (clip-higher, dual clip)", target=1 / 1.05,
                               notes=f"median of {ctx.repeats} runs, alternating with every loss; {why}"))

@@ -374,6 +374,27 @@ def _check_is_weights(is_weights: torch.Tensor, loss_mask: torch.Tensor) -> None
                          f"at index {i}")
 
 
+def _cov_correction(hidden, weight, targets, temperature: float, lp, ent, g_none: tuple, g_chosen: tuple, dh, dw):
+    """Clip-Cov / KL-Cov in one sweep: the chunked sweep formed every token's gradient as if no
+    token were chosen (`g_none`: per-token d loss / d log-prob and / d entropy); the chosen
+    tokens' true coefficients (`g_chosen`) differ only on those few rows, so their difference
+    is pushed through those rows' logits (recomputed: [k, V], k = cov_ratio x n) and added to
+    d hidden and d weight in place. The same gradient as a second sweep over all N tokens."""
+    d_lp, d_ent = g_chosen[0] - g_none[0], g_chosen[1] - g_none[1]
+    rows = torch.nonzero((d_lp != 0) | (d_ent != 0)).flatten()
+    if rows.numel() == 0:
+        return
+    h = hidden.index_select(0, rows)
+    t = targets.index_select(0, rows)
+    _, ent_r, lse_r = _chunked.chunked_stats(h, weight, t, temperature)
+    dh_r, dw_r = _chunked.chunked_grads(h, weight, t, lse_r, ent_r, d_lp[rows], d_ent[rows], temperature,
+                                        need_hidden=dh is not None, need_weight=dw is not None)
+    if dh is not None:
+        dh.index_add_(0, rows, dh_r.to(dh.dtype))
+    if dw is not None:
+        dw += dw_r.to(dw.dtype)
+
+
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -508,6 +529,9 @@ def linear_policy_loss(
     # log-probs before any term is formed
     seq = {"log_ratio": None, "cov": None}
     whole_call = ratio_level == "sequence" or given.loss in COVARIANCE_LOSSES
+    # Clip-Cov / KL-Cov on the chunked path: one sweep with no token chosen, then the chosen
+    # few (k = cov_ratio x n) corrected (`_cov_correction`) instead of a second sweep
+    cov_one_sweep = impl == "chunked" and given.loss in COVARIANCE_LOSSES and ratio_level == "token"
 
     def terms_of(sl, lp, ent):
         slr, cov = seq["log_ratio"], seq["cov"]
@@ -535,7 +559,7 @@ def linear_policy_loss(
         need = need_h or need_w
         # Two passes (forward, then gradients recomputing the logits): always on the Triton path;
         # on the chunked path when the sequence ratio or the covariance needs every log-prob first.
-        if impl in ("triton", "triton-auto") or (need and whole_call):
+        if impl in ("triton", "triton-auto") or (need and whole_call and not cov_one_sweep):
             lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
             set_seq_ratio(lp)
             dh = dw = None
@@ -550,10 +574,16 @@ def linear_policy_loss(
                 dh, dw = _grads(impl, h_g, weight, targets, lse_g, ent_g, g_lp, g_ent, temperature, chunk_size,
                                 need_h, need_w)
         else:
+            if need and cov_one_sweep:
+                seq["cov"] = torch.zeros(n, dtype=torch.bool, device=dev)  # the sweep's coefficients: none chosen
             lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
                                                      coef_fn if need else None, chunk_size, need_h, need_w,
                                                      grad_rows=sel if some_masked else None)
+            g_none = coef_fn(slice(None), lp, ent) if need and cov_one_sweep else None
             set_seq_ratio(lp)
+            if g_none is not None:
+                _cov_correction(hidden, weight, targets, temperature, lp, ent, g_none, coef_fn(slice(None), lp, ent),
+                                dh, dw)
         terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
         loss = aggregate(terms["loss"], loss_mask, weights=w)
         metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)
