@@ -357,18 +357,25 @@ def _trained_settings(run, eval_env: str) -> dict[str, Any]:
     """The settings a checkpoint's run config `run` carries over to an eval on `eval_env`, as
     {dotted key: value}: its env.options (same env only) and every RolloutConfig setting but
     `temperature`, less the turn and action limits the env presets fix when the env differs."""
-    from fastpo.config.schema import RolloutConfig, env_preset
+    from fastpo.config.schema import RolloutConfig, env_members, env_preset, member_rollout_config
+    from fastpo.envs import MIXTURE
 
     layer: dict[str, Any] = {}
     fixed_by_env: set[str] = set()
-    if eval_env != run.env.name:
+    rollout = run.rollout
+    game = next((m for m in env_members(run) if m.name == eval_env), None) if run.env.mixture else None
+    if game is not None:  # one game of a mixture run: its options and its own settings
+        layer.update({f"env.options.{k}": v for k, v in game.options.items()})
+        rollout = member_rollout_config(run, game)
+    elif eval_env != run.env.name:
         for e in (run.env.name, eval_env):
-            fixed_by_env |= set(env_preset(e).get("rollout", {}))
+            if e != MIXTURE:  # a mixture's games fix their settings in their entries
+                fixed_by_env |= set(env_preset(e).get("rollout", {}))
     else:
         layer.update({f"env.options.{k}": v for k, v in run.env.options.items()})
     for f in dataclasses.fields(RolloutConfig):
         if f.name != "temperature" and f.name not in fixed_by_env:
-            layer[f"rollout.{f.name}"] = getattr(run.rollout, f.name)
+            layer[f"rollout.{f.name}"] = getattr(rollout, f.name)
     return layer
 
 
@@ -381,7 +388,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     `env.options` (same env only) and every RolloutConfig setting except `temperature`
     (eval runs at `trainer.eval_temperature`). Keys set by `preset`, `file` or `overrides`
     keep their command-line value. On another env than the trained one, the turn and
-    action limits the env presets fix (bandit: 1 turn, 1 action) are not carried over.
+    action limits the env presets fix (bandit: 1 turn, 1 action) are not carried over; on one
+    game of a mixture run (`--env frozenlake` of a run that mixed it), that game's options and
+    settings in the mixture are.
 
     A run folder whose newest checkpoints are damaged means its newest intact one; `warn`
     (a callable) gets the line naming the damage.

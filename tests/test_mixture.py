@@ -79,15 +79,37 @@ def test_cli_says_it_in_one_line_with_exit_2(tmp_path, capsys):
 
 
 def test_each_game_keeps_its_own_settings_over_the_runs():
-    cfg = load_config(preset="tiny", overrides=["env.mixture=[bandit, {name: frozenlake, settings: {max_turns: 3, "
-                                                "format_penalty: -0.5}}, sokoban]", "rollout.max_turns=4"])
+    mix = "env.mixture=[bandit, {name: frozenlake, settings: {max_turns: 3, format_penalty: -0.5}}, sokoban]"
+    cfg = load_config(preset="tiny", overrides=[mix])
     assert cfg.env.name == MIXTURE and cfg.trainer.output_dir == "runs/mixture"
     rc = {m.label: member_rollout_config(cfg, m) for m in env_members(cfg)}
     assert (rc["bandit"].max_turns, rc["bandit"].max_actions_per_traj) == (1, 1)  # the game's own single turn
     assert (rc["frozenlake"].max_turns, rc["frozenlake"].format_penalty) == (3, -0.5)  # the entry's
-    assert rc["sokoban"].max_turns == 4 and rc["sokoban"].format_penalty == cfg.rollout.format_penalty  # the run's
-    # `--env a,b` is the same mixture at weight 1
-    assert load_config(env="bandit,frozenlake", preset="tiny").env.mixture == ["bandit", "frozenlake"]
+    assert rc["sokoban"].max_turns == 2 and rc["sokoban"].format_penalty == cfg.rollout.format_penalty  # the run's
+    # the game's settings are written into its entry (config.yaml says what each game plays with)
+    assert cfg.env.mixture[0] == {"name": "bandit", "settings": {"max_turns": 1, "max_actions_per_turn": 1,
+                                                                  "max_actions_per_traj": 1}}
+    # a rollout key the user sets beats a game's built-in setting, as for one game; an entry's beats both
+    cfg = load_config(preset="tiny", overrides=[mix, "rollout.max_turns=4"])
+    rc = {m.label: member_rollout_config(cfg, m) for m in env_members(cfg)}
+    assert [rc[g].max_turns for g in ("bandit", "frozenlake", "sokoban")] == [4, 3, 4]
+    assert rc["bandit"].max_actions_per_traj == 1
+    # `--env a,b` is the same mixture at weight 1; `--env a` wins over a file's mixture
+    assert [e["name"] for e in load_config(env="bandit,frozenlake", preset="tiny").env.mixture] == ["bandit",
+                                                                                                 "frozenlake"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    one = load_config(env="frozenlake", file=os.path.join(root, "examples", "mixture.yaml"), preset="tiny")
+    assert (one.env.name, one.env.mixture) == ("frozenlake", [])
+
+
+def test_weights_as_written_in_yaml_and_huge_ones():
+    got = parse_mixture([{"name": "bandit", "weight": "1e-3"}, {"name": "sokoban", "weight": "2.5E+2"}])
+    assert [m.weight for m in got] == [1e-3, 250.0]  # YAML 1.1 reads 1e-3 as a string
+    huge = parse_mixture([{"name": "bandit", "weight": 1.5e308}, {"name": "sokoban", "weight": 1.5e308}])
+    assert shares(huge).tolist() == [0.5, 0.5]  # the sum overflows; the shares must not
+    assert set(assign_members(range(100), huge)) == {0, 1}
+    # a name a metric key cannot hold gets a label that can
+    assert parse_mixture(["gym:fastpo/FrozenLake-v0"])[0].label == "gym:fastpo_FrozenLake-v0"
 
 
 def test_groups_draw_their_game_by_weight_from_their_seed():
@@ -219,6 +241,10 @@ def test_a_mixture_trains_evaluates_each_game_and_resumes_exactly(tmp_path):
     assert rep["env"] == MIXTURE and len(rep["env_mixture"]) == 2
     for g in ("bandit", "frozenlake"):
         assert f"{g}/success_rate" in rep["metrics"] and f"{g}/random_success" in rep["metrics"]
+    # on one of its games: that game's settings in the mixture (frozenlake: 3 turns)
+    assert cli_main(["eval", "--model", a, "--env", "frozenlake", "--json", js]) == 0
+    rep = json.load(open(js))
+    assert rep["env"] == "frozenlake" and rep["rollout"]["max_turns"] == 3 and "success_rate" in rep["metrics"]
 
 
 def test_paired_z_of_a_mixture_weighs_each_game():

@@ -729,6 +729,29 @@ def _check_mixture(cfg: TrainConfig, need) -> Optional[list]:
     return members
 
 
+def settled_mixture(entries: list, rollout, explicit: set) -> list:
+    """env.mixture's entries with each game's own settings written into its `settings` (the
+    run's config.yaml then says what each game plays with): the game's built-in settings (e.g.
+    Bandit's single turn), except a key the user set in the `rollout` section (`explicit`: from
+    a config file or the command line), which keeps the user's value as for one game; the
+    entry's own settings over both. Entries that are not valid are left for `validate`."""
+    from fastpo.envs import EnvError, resolve_env
+
+    out = []
+    for e in entries:
+        e = {"name": e} if isinstance(e, str) else e
+        if isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("settings", {}) or {}, dict):
+            try:
+                game = resolve_env(e["name"].strip()).settings
+            except EnvError:
+                game = {}
+            own = {k: getattr(rollout, k) if k in explicit else v for k, v in game.items()}
+            if own:
+                e = {**e, "settings": {**own, **(e.get("settings") or {})}}
+        out.append(e)
+    return out
+
+
 def env_members(cfg: TrainConfig) -> list:
     """The games of TrainConfig `cfg` as `fastpo.envs.EnvMember`s: env.mixture's entries, or one
     member (label = env.name, weight 1) for a single game. Raises ConfigError for a bad mixture."""
@@ -822,6 +845,8 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     listed = [n.strip() for n in named.split(",")] if named and "," in named else None  # --env a,b: a mixture
     if listed is not None:
         named = MIXTURE
+    if env and isinstance(file_dict.get("env"), dict):  # --env wins over the file's game(s), as over its name
+        file_dict["env"].pop("mixture", None)
     mixed = listed or dig(override_dicts, ("env", "mixture")) or (values or {}).get("env.mixture") \
         or (file_dict.get("env") or {}).get("mixture")
     if mixed and named is not None and named != MIXTURE:
@@ -851,6 +876,10 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     if listed is not None:
         cfg.env.mixture = listed
     cfg.env.name = env_name
+    if cfg.env.mixture:
+        explicit = {k for d in (file_dict, *override_dicts) if isinstance(d.get("rollout"), dict) for k in d["rollout"]}
+        explicit |= {k.split(".", 1)[1] for k in (values or {}) if k.startswith("rollout.")}
+        cfg.env.mixture = settled_mixture(cfg.env.mixture, cfg.rollout, explicit)
     if not cfg.trainer.output_dir:
         cfg.trainer.output_dir = default_run_folder(cfg.env.name)
     if cfg.reward.judge_rubric is not None and cfg.reward.judge_rubric_file is not None:

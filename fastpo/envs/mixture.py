@@ -73,7 +73,7 @@ def parse_mixture(entries) -> list[EnvMember]:
         if not isinstance(name, str) or not name.strip():
             raise EnvError(f"{where}: 'name' must name an environment, got {name!r}")
         name = name.strip()
-        weight = e.get("weight", 1.0)
+        weight = _number(e.get("weight", 1.0))
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise EnvError(f"{where} ({name}): weight = {weight!r} must be a positive number")
         options = e.get("options") or {}
@@ -81,8 +81,10 @@ def parse_mixture(entries) -> list[EnvMember]:
         for key, value in (("options", options), ("settings", settings)):
             if not isinstance(value, dict):
                 raise EnvError(f"{where} ({name}): '{key}' must be a mapping, got {value!r:.80}")
+        settings = {k: _number(v) if k == "format_penalty" else v for k, v in settings.items()}
         check_settings(settings, f"{where} ({name}) settings")
-        label = e.get("label", name)
+        # the default label: the name with what a metric key cannot hold (e.g. gym:a/B-v0's "/") as "_"
+        label = e.get("label", re.sub(r"[^A-Za-z0-9._:+-]", "_", name))
         if not isinstance(label, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:+-]*", label):
             raise EnvError(f"{where} ({name}): label = {label!r} must be a non-empty name of letters, digits and ._:+-")
         if label in labels:
@@ -91,6 +93,14 @@ def parse_mixture(entries) -> list[EnvMember]:
         labels[label] = i
         out.append(EnvMember(label, name, float(weight), dict(options), dict(settings)))
     return out
+
+
+def _number(v):
+    """`v`, or the float a string in exponent form means ("1e-3": YAML 1.1, which PyYAML reads,
+    takes it for a string, as fastpo's typed config keys do not)."""
+    if isinstance(v, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)\s*", v):
+        return float(v)
+    return v
 
 
 def check_settings(settings: dict, owner: str) -> None:
@@ -111,7 +121,14 @@ def check_settings(settings: dict, owner: str) -> None:
 
 def shares(members: Sequence[EnvMember]) -> np.ndarray:
     """float64 [M]: each member's weight over the sum of weights."""
-    w = np.asarray([m.weight for m in members], dtype=np.float64)
+    return _normalised([m.weight for m in members])
+
+
+def _normalised(weights) -> np.ndarray:
+    """float64 weights over their sum (divided by the largest first: a sum of huge weights must
+    not overflow)."""
+    w = np.asarray(weights, dtype=np.float64)
+    w = w / w.max()
     return w / w.sum()
 
 
@@ -122,7 +139,7 @@ def member_index(seed: int, weights: Sequence[float]) -> int:
     if len(w) == 1:
         return 0
     u = np.random.default_rng([_SALT, int(seed)]).random()
-    return int(min(np.searchsorted(np.cumsum(w / w.sum()), u, side="right"), len(w) - 1))
+    return int(min(np.searchsorted(np.cumsum(_normalised(w)), u, side="right"), len(w) - 1))
 
 
 def assign_members(seeds: Sequence[int], members: Sequence[EnvMember]) -> list[int]:
