@@ -76,6 +76,8 @@ def main(argv=None) -> int:
     from fastpo.sft import expert_rollout
 
     torch.manual_seed(0)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, encoding="utf-8",
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()  # the code that runs
     name = args.model or TrainConfig().model.name
     model, tok, info = load_model_and_tokenizer(name)
     cfg = RolloutConfig(max_turns=10, max_actions_per_turn=1, max_actions_per_traj=10, max_new_tokens=16,
@@ -103,8 +105,7 @@ def main(argv=None) -> int:
         rows.append(row)
     out = {"env": args.env, "policy": info.label, "judge": args.judge or info.label, "expert": args.expert,
            "policy_trajectories": args.policy, "rollout_seconds": rollout_s, "rows": rows,
-           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    encoding="utf-8", cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip(),
+           "commit": commit,
            "machine": f"{platform.machine()}, {os.cpu_count()} cores, threads {torch.get_num_threads()}",
            "load_average": os.getloadavg()}
 
