@@ -130,11 +130,20 @@ def _train_in_process(args, cfg, ctx, console) -> int:
         if ctx.is_main:
             print(f"fastpo train: error: {text}", file=sys.stderr)
 
+    turns = f"{cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}"
+    if cfg.env.mixture:  # each game its share and its own turns
+        from fastpo.config.schema import env_members, member_rollout_config
+        from fastpo.envs.mixture import shares
+
+        games = env_members(cfg)
+        limits = [member_rollout_config(cfg, m).max_turns for m in games]
+        turns = "games " + ", ".join(f"{m.label} ({w:.0%}, {t} turn{'s' if t != 1 else ''})"
+                                     for m, w, t in zip(games, shares(games), limits))
     console.print(f"[bold]fastpo train[/] env={cfg.env.name} preset={cfg.preset} "
                   f"algorithm={'PPO (GAE, critic ' + cfg.algorithm.critic + ')' if cfg.algorithm.adv_estimator == 'gae' else cfg.algorithm.adv_estimator.upper()} "
                   f"filter={cfg.algorithm.filter_mode}:{cfg.algorithm.filter_ratio}"
                   f"{'' if cfg.algorithm.filter_strategy == 'top_k' else ':' + cfg.algorithm.filter_strategy} "
-                  f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}, "
+                  f"{cfg.rollout.env_groups}x{cfg.rollout.group_size} trajectories, {turns}, "
                   f"{cfg.trainer.iterations} iteration{'s' if cfg.trainer.iterations != 1 else ''} -> {cfg.trainer.output_dir}")
     return exit_status(lambda: train(cfg, resume=args.resume is not None, console=console, overwrite=args.overwrite,
                                      dist=ctx, trust_checkpoint=args.trust_checkpoint),
