@@ -24,3 +24,17 @@ def no_model(monkeypatch):
     def boom(*a, **k):
         raise ModelLoadReached("model load reached")
     monkeypatch.setattr(fastpo.models, "load_model_and_tokenizer", boom)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(model, tokenizer) of the random tiny Llama (seed 0): fast, for wiring; one per test file."""
+    model, tok, _ = fastpo.models.load_model_and_tokenizer("random:tiny-llama", seed=0)
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct; one per test file."""
+    model, tok, _ = fastpo.models.load_model_and_tokenizer("smollm2-135m-instruct")
+    return model, tok

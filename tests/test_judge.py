@@ -26,18 +26,6 @@ def _traj(responses, users=("Say hi",), seed=0):
                       stop_reason="env_done")
 
 
-@pytest.fixture(scope="module")
-def embedded():
-    model, tok, _ = load_model_and_tokenizer("smollm2-135m-instruct")
-    return model, tok
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok, _ = load_model_and_tokenizer("random:tiny-llama")
-    return model, tok
-
-
 def test_a_rubric_needs_a_place_for_the_answer(tmp_path):
     with pytest.raises(ValueError, match=r"no place for the answer: put \{answer\}"):
         check_rubric("Is it good? Say yes or no.")
@@ -230,16 +218,15 @@ def test_a_judge_model_the_engine_cannot_run_is_one_line(tiny, tmp_path, capsys)
     assert "reward.judge_model=" in err and "chat template" in err and "Traceback" not in err
 
 
-def test_final_placeholder_shows_the_state_after_the_last_move():
+def test_final_placeholder_shows_the_state_after_the_last_move(tiny):
     """The transcript ends with the state before the last move; `{final}` is the game's state
     after it: a solved Sokoban level shows its box on the target there (no box left off one),
     which the transcript's last observation does not."""
     from fastpo.config import RolloutConfig
-    from fastpo.models import load_model_and_tokenizer
     from fastpo.rewards import trajectory_of
     from fastpo.sft import expert_rollout
 
-    _, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
+    _, tok = tiny
     cfg = RolloutConfig(max_turns=10, max_actions_per_turn=1, max_actions_per_traj=10, max_new_tokens=16,
                         think=False, prompt_examples=True)
     batch = expert_rollout(tok, "sokoban", {}, cfg, list(range(8)), actions_per_turn=1)

@@ -141,14 +141,6 @@ def test_concat_pads_the_turns_of_games_with_different_limits():
 
 # --- the rollout ------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny():
-    from fastpo.models import load_model_and_tokenizer
-
-    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
-    return model, tok
-
-
 def _rollout(tiny, members):
     from fastpo.config import RolloutConfig
     from fastpo.rollout import MultiTurnRollout, NativeEngine

@@ -6,21 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from fastpo.models import load_model_and_tokenizer
 from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig, TurnOutput
 from fastpo.rollout.kv_cache import shared_prefix_length
-
-
-@pytest.fixture(scope="module")
-def smol():
-    model, tok, _ = load_model_and_tokenizer("smollm2-135m-instruct")
-    return model, tok
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
-    return model, tok
 
 
 def _runs(mask: torch.Tensor):
@@ -93,8 +80,8 @@ def _check_sampled_and_fed(batch, rec, prompt_lens):
 
 
 @pytest.fixture(scope="module")
-def smol_batch(smol):
-    model, tok = smol
+def smol_batch(embedded):
+    model, tok = embedded
     # On this seed the 12 responses end at max_new_tokens or on the model's own <|im_end|>;
     # the "</answer>" stop string is rare this early in a response (every kind, on purpose:
     # test_every_stop_kind_on_a_scripted_model_keeps_tokens_and_template).
@@ -165,8 +152,8 @@ def _check_stop_reasons(batch, params, tok):
 
 
 @pytest.mark.slow
-def test_token_in_token_out_matches_chat_template(smol, smol_batch):
-    model, tok = smol
+def test_token_in_token_out_matches_chat_template(embedded, smol_batch):
+    model, tok = embedded
     ro, batch, rec = smol_batch
     assert len(batch) == 4 and batch.group_ids.tolist() == [0, 0, 1, 1] and batch.seeds.tolist() == [0, 0, 1, 1]
     eots = []
@@ -182,8 +169,8 @@ def test_token_in_token_out_matches_chat_template(smol, smol_batch):
 
 
 @pytest.mark.slow
-def test_sampling_logprobs_match_a_plain_forward(smol, smol_batch):
-    model, tok = smol
+def test_sampling_logprobs_match_a_plain_forward(embedded, smol_batch):
+    model, tok = embedded
     _, batch, _ = smol_batch
     for i in range(len(batch)):
         ids = batch.input_ids[i]
