@@ -77,7 +77,7 @@ def run(ctx: BenchContext) -> list:
         ro = MultiTurnRollout(NativeEngine(model, tok), tok, ENV, {"high": 16}, cfg)
         made = []
         plain = ro.make_env
-        ro.make_env = lambda B: made.append(_Timed(plain(B))) or made[-1]
+        ro.make_env = lambda B, member=None: made.append(_Timed(plain(B, member))) or made[-1]
         seeds = [ctx.seed + 17 * g for g in range(P)]
         ro.generate(seeds[:1], 1, seed=ctx.seed)  # warm-up (allocator, first calls)
         env_s, total_s, turns_done, answers = [], [], [], []

@@ -182,7 +182,7 @@ def test_quick_losses_part_sets_every_loss_beside_ppo():
     for r in recs:
         assert r.fastpo > 0 and r.baseline > 0 and r.ratio is not None and r.met is not None
         assert r.baseline_name.startswith("ppo") and r.target == pytest.approx(1 / 1.05)
-    assert "two vocabulary sweeps" in recs[4].notes and "same sweeps" in recs[0].notes
+    assert "one vocabulary sweep" in recs[4].notes and "same sweeps" in recs[0].notes
 
 
 def test_quick_judge_part_sets_the_judge_beside_the_rest_of_the_iteration():
