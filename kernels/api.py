@@ -386,13 +386,14 @@ def _cov_correction(hidden, weight, targets, temperature: float, lp, ent, g_none
         return
     h = hidden.index_select(0, rows)
     t = targets.index_select(0, rows)
-    _, ent_r, lse_r = _chunked.chunked_stats(h, weight, t, temperature)
-    dh_r, dw_r = _chunked.chunked_grads(h, weight, t, lse_r, ent_r, d_lp[rows], d_ent[rows], temperature,
-                                        need_hidden=dh is not None, need_weight=dw is not None)
+    prep = _chunked._Prepared(h, weight, h.shape[0])
+    h_c = prep.h(h)
+    z = prep.logits(h_c, 1.0 / temperature)
+    logp, p, s_row, _, ent_r, _ = _chunked._softmax_stats(z, t, prep.p(h.shape[0]))
+    dz = _chunked._dz_(p, logp, t, ent_r, d_lp[rows].to(z.dtype), d_ent[rows].to(z.dtype), 1.0 / temperature, s_row)
+    dh_r = prep.grads(dz, h_c, dw, dh is not None)  # (adds the rows' d weight into the sweep's accumulator)
     if dh is not None:
         dh.index_add_(0, rows, dh_r.to(dh.dtype))
-    if dw is not None:
-        dw += dw_r.to(dw.dtype)
 
 
 def linear_policy_loss(
