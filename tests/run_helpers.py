@@ -60,3 +60,21 @@ def response_parity(traj) -> float:
     """A reward function (reward.fn=run_helpers:response_parity) that makes a random model's
     trajectories score differently: the parity of its last response's length in characters."""
     return float(len(traj.responses[-1]) % 2) if traj.responses else 0.0
+
+
+def train_one_and_two_processes(tmp_path, args: list) -> tuple:
+    """`fastpo train ARGS` in one process and with `--nproc 2` (one thread each, this folder on
+    PYTHONPATH for reward functions such as `run_helpers:response_parity`); both runs' records."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    outs = []
+    for name, extra in (("one", []), ("two", ["--nproc", "2"])):
+        out = os.path.join(str(tmp_path), name)
+        p = subprocess.run([sys.executable, "-m", "fastpo", "train", "--out", out, *extra, *args], env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs.append(records(out))
+    return tuple(outs)

@@ -845,24 +845,14 @@ def test_dynamic_sampling_in_two_processes_draws_and_keeps_as_one(tmp_path):
     extra draw; the draws, the varying groups found and kept, and every training figure are
     one process's (FrozenLake, the random tiny model, a reward of its responses' parity so that
     some groups vary and others not: extra draws are needed and some groups are kept)."""
-    import subprocess
-    import sys
+    from run_helpers import train_one_and_two_processes
 
-    from run_helpers import records
-
-    a, b = str(tmp_path / "one"), str(tmp_path / "two")
-    common = ["--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "rollout.env_groups=4",
+    one, two = train_one_and_two_processes(tmp_path, [
+              "--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "rollout.env_groups=4",
               "algorithm.adv_estimator=grpo", "algorithm.filter_mode=dynamic", "algorithm.dynamic_max_draws=3",
               "trainer.iterations=1", "trainer.eval_every=0", "trainer.progress=false", "trainer.plots=false",
               "rollout.group_size=2", "reward.fn=run_helpers:response_parity", "reward.mode=replace",
-              "rollout.sampling_streams=group"]  # one process samples as two
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    for out, extra in ((a, []), (b, ["--nproc", "2"])):
-        p = subprocess.run([sys.executable, "-m", "fastpo", "train", "--out", out, *extra, *common], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-    one, two = records(a), records(b)
+              "rollout.sampling_streams=group"])  # one process samples as two
     assert any(r["train/dynamic_draws"] > 1 for r in one), "the case should need extra draws"
     assert any(r["train/dynamic_varying_groups"] > 0 for r in one), "and keep some groups"
     assert len(one) == len(two) == 1  # (later iterations follow weights summed in another order)

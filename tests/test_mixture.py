@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,7 +18,7 @@ from fastpo.config.schema import env_members, member_rollout_config
 from fastpo.envs import EnvError, EnvMember, MIXTURE, assign_members, parse_mixture
 from fastpo.envs.mixture import member_index, shares
 from fastpo.rollout.batch import TrajectoryBatch
-from run_helpers import records as _records, stable as _stable
+from run_helpers import records as _records, stable as _stable, train_one_and_two_processes
 
 
 # --- the entries ----------------------------------------------------------------------------
@@ -254,20 +252,13 @@ def test_paired_z_of_a_mixture_weighs_each_game():
 def test_two_processes_play_the_same_games(tmp_path):
     """`--nproc 2`: each process rolls out its share of the env groups; every game's rollout
     and evaluation figures equal one process's (the engine's costs aside)."""
-    a, b = str(tmp_path / "one"), str(tmp_path / "two")
     # one iteration (later ones follow weights summed in another order); group sampling streams
     # (one process samples as two); a reward of the responses' parity so that scores differ
-    common = ["--env", "bandit,frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "rollout.env_groups=4",
+    one, two = train_one_and_two_processes(tmp_path, [
+              "--env", "bandit,frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "rollout.env_groups=4",
               "trainer.eval_seeds=4", "trainer.progress=false", "trainer.plots=false", "algorithm.adv_estimator=grpo",
               "trainer.iterations=1", "trainer.eval_every=1", "rollout.sampling_streams=group",
-              "reward.fn=run_helpers:response_parity", "trainer.seed=1"]  # seed 1: both games in iteration 1
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    for out, extra in ((a, []), (b, ["--nproc", "2"])):
-        p = subprocess.run([sys.executable, "-m", "fastpo", "train", "--out", out, *extra, *common], env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, p.stderr[-2000:]
-    one, two = _records(a), _records(b)
+              "reward.fn=run_helpers:response_parity", "trainer.seed=1"])  # seed 1: both games in iteration 1
     cost = ("seconds", "tokens_per_s", "prefilled_tokens", "peak_kv_bytes")
     compared = 0
     for ra, rb in zip(one, two):
