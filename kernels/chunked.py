@@ -32,7 +32,8 @@ MIN_CHUNK_ROWS = 256
 # The elementwise stages between a chunk's GEMMs (about ten passes over [C, V]) run over
 # blocks of rows of about this size (a row at a 49k vocabulary; with its two buffers within a
 # core's L2), so that a block's passes after the first hit the cache instead of memory (the
-# rows are independent: the same numbers, fewer bytes moved; measured in docs/performance.md)
+# rows are independent: the same numbers but for the entropy's row dot, which a batched dot
+# over one row rounds in another order, about 1e-7 relative; docs/kernels_compile.md)
 ELEMENTWISE_BLOCK_BYTES = 256 * 1024
 
 CoefFn = Callable[[slice, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -161,7 +162,8 @@ def _block_rows(z: torch.Tensor) -> int:
 
 
 def _softmax_stats_blocked(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
-    """`_softmax_stats` over blocks of rows (`_block_rows`); the same results."""
+    """`_softmax_stats` over blocks of rows (`_block_rows`); the same results up to the rounding
+    of the entropy's row dots (a batched dot of one row sums in another order)."""
     r, c = _block_rows(z), z.shape[0]
     if r >= c:
         return _softmax_stats(z, t, p)
