@@ -175,12 +175,18 @@ def _softmax_stats_blocked(z: torch.Tensor, t: torch.Tensor, p: torch.Tensor):
     return z, p, out[0], out[1], out[2], out[3]
 
 
+def _no_entropy(g_ent: torch.Tensor) -> bool:
+    """No entropy term in the loss (every d loss / d entropy is 0): `_dz_`'s one-pass form.
+    Checked on the CPU only: on a GPU the check would be a device sync per chunk."""
+    return g_ent.device.type == "cpu" and not bool(g_ent.any())
+
+
 def _dz_blocked(p, logp, t, ent, g_lp, g_ent, inv_t: float, s=None) -> torch.Tensor:
     """`_dz_` over blocks of rows (`_block_rows`); the same result, in place on p. Without an
     entropy term `_dz_` is one pass over p: then over the whole chunk (blocks would only add
     per-call overhead)."""
     r, c = _block_rows(p), p.shape[0]
-    no_ent = g_ent.device.type == "cpu" and not bool(g_ent.any())
+    no_ent = _no_entropy(g_ent)
     if r >= c or no_ent:
         return _dz_(p, logp, t, ent, g_lp, g_ent, inv_t, s, no_entropy=no_ent)
     for a in range(0, c, r):
@@ -194,7 +200,7 @@ def _dz_from_lse(z, lse, p, t, ent, g_lp, g_ent, inv_t: float) -> torch.Tensor:
     """d loss / d logits of a chunk whose scaled logits `z` (in place: log p) and log-sum-exp are
     known, into the buffer `p`, over blocks of rows (`_block_rows`)."""
     r, c = _block_rows(z), z.shape[0]
-    no_ent = g_ent.device.type == "cpu" and not bool(g_ent.any())
+    no_ent = _no_entropy(g_ent)
     for a in range(0, c, r):
         b = min(c, a + r)
         logp = z[a:b].sub_(lse[a:b].unsqueeze(-1))
@@ -213,10 +219,8 @@ def _dz_(p: torch.Tensor, logp: torch.Tensor, t: torch.Tensor, ent: torch.Tensor
     scale = inv_t if s is None else inv_t / s
     b = (-(g_lp + g_ent * ent) * scale).unsqueeze(-1)
     if no_entropy is None:
-        no_entropy = g_ent.device.type == "cpu" and not bool(g_ent.any())
-    if no_entropy:
-        # no entropy term in the loss (entropy_coef 0): dz = p * b, two [C, V] passes fewer
-        # (checked on the CPU only: on a GPU the check would be a device sync per chunk)
+        no_entropy = _no_entropy(g_ent)
+    if no_entropy:  # entropy_coef 0: dz = p * b, two [C, V] passes fewer
         dz = p.mul_(b)
     else:
         a = (-g_ent * scale).unsqueeze(-1)

@@ -70,8 +70,9 @@ def cmd_eval(args) -> int:
     if not main_rank:
         return 0
     console.print(f"model: {res['model']}", markup=False)
-    games = f" ({', '.join(str(m.get('label', m.get('name')) if isinstance(m, dict) else m) for m in cfg.env.mixture)})" \
-        if cfg.env.mixture else ""
+    from fastpo.config.schema import env_members
+
+    games = f" ({', '.join(m.label for m in env_members(cfg))})" if cfg.env.mixture else ""
     table = Table(title=f"fastpo eval: {cfg.env.name}{games}")
     table.add_column("metric")
     table.add_column("value")

@@ -36,7 +36,10 @@ option the constructor does not take is refused (one line, before any model load
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
+
+from .errors import EnvError
 
 #: Keys an env's `settings` may fix (RolloutConfig fields).
 SETTING_KEYS = ("max_turns", "max_actions_per_turn", "max_actions_per_traj", "format_penalty")
@@ -65,3 +68,19 @@ class TextEnv:
 def missing_methods(cls) -> list:
     """The required methods (`reset`, `step`) that `cls` lacks or does not make callable."""
     return [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+
+
+def check_settings(settings: dict, owner: str) -> None:
+    """EnvError naming `owner` for a key outside SETTING_KEYS or a bad value (format_penalty: a
+    finite number; the limits: integers >= 1)."""
+    bad = [k for k in settings if k not in SETTING_KEYS]
+    if bad:
+        raise EnvError(f"{owner}: unknown key(s) {bad}; known: {list(SETTING_KEYS)}")
+    for k, v in settings.items():
+        if k == "format_penalty":
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        else:
+            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
+        if not ok:
+            raise EnvError(f"{owner}[{k!r}] = {v!r} must be " + ("a finite number" if k == "format_penalty"
+                                                                 else "an integer >= 1"))

@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from .errors import EnvError
-from .interface import SETTING_KEYS
+from .interface import check_settings
 
 #: `env.name` of a run whose env groups come from `env.mixture` (set by the configuration).
 MIXTURE = "mixture"
@@ -103,22 +103,6 @@ def _number(v):
     return v
 
 
-def check_settings(settings: dict, owner: str) -> None:
-    """EnvError naming `owner` for a key outside SETTING_KEYS or a bad value (format_penalty: a
-    finite number; the limits: integers >= 1)."""
-    bad = [k for k in settings if k not in SETTING_KEYS]
-    if bad:
-        raise EnvError(f"{owner}: unknown key(s) {bad}; known: {list(SETTING_KEYS)}")
-    for k, v in settings.items():
-        if k == "format_penalty":
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-        else:
-            ok = isinstance(v, int) and not isinstance(v, bool) and v >= 1
-        if not ok:
-            raise EnvError(f"{owner}[{k!r}] = {v!r} must be " + ("a finite number" if k == "format_penalty"
-                                                                 else "an integer >= 1"))
-
-
 def shares(members: Sequence[EnvMember]) -> np.ndarray:
     """float64 [M]: each member's weight over the sum of weights."""
     return _normalised([m.weight for m in members])
@@ -146,8 +130,3 @@ def assign_members(seeds: Sequence[int], members: Sequence[EnvMember]) -> list[i
     """`member_index` of each env group seed."""
     w = [m.weight for m in members]
     return [member_index(s, w) for s in seeds]
-
-
-def member_by_label(members: Sequence[EnvMember], label: str) -> Optional[EnvMember]:
-    """The member labelled `label`, or None."""
-    return next((m for m in members if m.label == label), None)

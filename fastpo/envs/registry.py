@@ -23,7 +23,7 @@ import sys
 from typing import Callable, Optional
 
 from .errors import EnvError
-from .interface import missing_methods
+from .interface import check_settings, missing_methods
 
 BUILTIN = ("bandit", "sokoban", "frozenlake")
 #: What each built-in game fixes (RolloutConfig keys), applied after the named preset: Bandit is
@@ -142,8 +142,6 @@ def _settings(cls, name: str) -> dict:
     s = getattr(cls, "settings", None) or {}
     if not isinstance(s, dict):
         raise EnvError(f"environment {name!r}: settings must be a dict, got {type(s).__name__}")
-    from .mixture import check_settings
-
     check_settings(s, f"environment {name!r}: its settings")  # said as the game's, not as a config key
     return dict(s)
 

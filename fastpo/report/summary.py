@@ -105,8 +105,7 @@ def _game_keys(record: dict) -> list:
     """Before/after rows of each game of a mixture (its `eval/<label>/...` keys in `record`)."""
     labels = [k.split("/")[1] for k in record if k.count("/") == 2 and k.startswith("eval/")
               and k.endswith("/success_rate")]
-    return [(f"eval/{g}/{key.split('/', 1)[1]}", f"{label.strip()} ({g})" if not label.startswith(" ")
-             else f" {label.strip()} ({g})", has_se)
+    return [(f"eval/{g}/{key.split('/', 1)[1]}", f"{label} ({g})", has_se)
             for g in labels for key, label, has_se in BEFORE_AFTER_KEYS[:3]]
 
 

@@ -371,8 +371,8 @@ class MultiTurnRollout:
         game of a mixture); KeyError for an unknown label."""
         for m, c in self.members:
             if m.label == label:
-                ro = MultiTurnRollout(self.engine, self.tokenizer, m.name, m.options, c, self.env_workers)
-                ro.members = [(m, c)]
+                ro = MultiTurnRollout(self.engine, self.tokenizer, m.name, m.options, c, self.env_workers,
+                                      members=[(m, c)])
                 ro.refill_window = self.refill_window
                 return ro
         raise KeyError(f"no env {label!r} in this rollout; it plays {[m.label for m, _ in self.members]}")

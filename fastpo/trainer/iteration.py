@@ -317,15 +317,15 @@ class StarPOIteration:
 
         cfg, r, ctx = self.cfg, self.cfg.rollout, self.dist
         batches = [first]
-        mine = list(split_groups(r.env_groups, ctx.world_size, ctx.rank)) if ctx.initialized else \
-            list(range(r.env_groups))
+        mine = list(split_groups(r.env_groups, ctx.world_size, ctx.rank))  # every group in one process
 
-        def varying() -> int:
+        def varying() -> int:  # over every process's groups (collective)
             stds = group_reward_std(torch.cat([b.scores.float() for b in batches]),
                                     torch.cat([b.group_ids for b in batches]))
-            return len(varying_groups(gather_group_stds(ctx, stds) if ctx.initialized else stds))
+            return len(varying_groups(gather_group_stds(ctx, stds)))
 
-        while len(batches) < cfg.algorithm.dynamic_max_draws and varying() < r.env_groups:
+        found = varying()
+        while len(batches) < cfg.algorithm.dynamic_max_draws and found < r.env_groups:
             draw = len(batches)
             seeds, sampling_seed = dynamic_draw_seeds(cfg.trainer.seed, it, draw, r.env_groups)
             seeds = [seeds[g] for g in mine]
@@ -337,8 +337,9 @@ class StarPOIteration:
                 b = dataclasses.replace(b, group_ids=b.group_ids + draw * r.env_groups)
             batches.append(b)
             release_free_memory()
+            found = varying()
         return TrajectoryBatch.concat(batches), {"train/dynamic_draws": float(len(batches)),
-                                                 "train/dynamic_varying_groups": float(varying())}
+                                                 "train/dynamic_varying_groups": float(found)}
 
     def filter_step(self, full, metrics: dict):
         """Step 2: StarPO-S over every process's env groups; (the kept trajectories, the
