@@ -196,9 +196,9 @@ def evaluate_mixture(rollout, cfg, autocast=contextlib.nullcontext, model: Optio
     for m, wk in zip(members, w):
         res = evaluate_policy(rollout.only(m.label), eval_seeds(cfg), t.eval_group_size, t.eval_temperature,
                               seed=eval_sampling_seed(t.seed), autocast=autocast, model=model, dist=dist)
-        first = res.pop("_batch", None)
-        if first is not None:
-            batches.append(first)
+        if res.get("_batch") is not None:
+            batches.append(res.pop("_batch"))
+        res.pop("_batch", None)
         got = res.pop("_ranks", None)
         ranks = got if ranks is None else [{k: a[k] + b[k] for k in a} for a, b in zip(ranks, got)]
         pt = res.pop("_per_trajectory", None)
