@@ -24,9 +24,13 @@ from typing import Callable
 
 import torch
 
+from . import cpu_rows
 from .reference import zero_rows
 
-DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+# Bytes of [C, V] buffers a chunk may hold: two of 64 MiB for the eager stages (logits and
+# p), or one of 128 MiB where the compiled CPU stages work in place on the logits (more rows
+# per GEMM: 672 instead of 336 at V = 49152, the GEMMs then within a few % of whole-batch ones)
+CHUNK_BUFFER_BYTES = 128 * 1024 * 1024
 # GEMMs with fewer rows than this lose much of their speed on CPUs
 MIN_CHUNK_ROWS = 256
 # The elementwise stages between a chunk's GEMMs (about ten passes over [C, V]) run over
@@ -81,15 +85,27 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
     return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
-def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4) -> int:
-    """Tokens per chunk: `chunk_size` if given, else what fits DEFAULT_CHUNK_BYTES per [C, V]
-    buffer, but at least MIN_CHUNK_ROWS."""
+def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4, buffers: int = 2,
+               n_tokens: int | None = None) -> int:
+    """Tokens per chunk: `chunk_size` if given, else what fits CHUNK_BUFFER_BYTES in `buffers`
+    [C, V] buffers, but at least MIN_CHUNK_ROWS; with `n_tokens`, the same number of chunks
+    made even (2048 tokens in 672-row chunks: four of 512, not three and one of 32 that would
+    stream W and d W once more for a few rows)."""
     if chunk_size is not None:
         if int(chunk_size) < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         return int(chunk_size)
-    rows = DEFAULT_CHUNK_BYTES // max(1, n_vocab * itemsize)
-    return max(MIN_CHUNK_ROWS, rows // 16 * 16)
+    rows = max(MIN_CHUNK_ROWS, CHUNK_BUFFER_BYTES // max(1, buffers) // max(1, n_vocab * itemsize) // 16 * 16)
+    if n_tokens:
+        k = -(-int(n_tokens) // rows)
+        rows = min(rows, -(-(-(-int(n_tokens) // k)) // 16) * 16)
+    return rows
+
+
+def _buffers(hidden: torch.Tensor) -> int:
+    """[C, V] buffers a chunk needs: one where the compiled CPU stages (`cpu_rows`) take it."""
+    return 1 if hidden.device.type == "cpu" and _compute_dtype(hidden) == torch.float32 \
+        and cpu_rows.status() == "ok" else 2
 
 
 class _Prepared:
@@ -99,10 +115,11 @@ class _Prepared:
         self.cd = _compute_dtype(hidden)
         self.lowp = _lowp_gpu(weight) and hidden.dtype == weight.dtype
         self.w = weight if self.lowp else weight.to(self.cd)
-        # two [C, V] buffers reused by every chunk (logits / log p, and p / dlogits)
-        shape = (max(1, min(rows, hidden.shape[0])), weight.shape[0])
-        self.zbuf = torch.empty(shape, dtype=self.cd, device=hidden.device)
-        self.pbuf = torch.empty(shape, dtype=self.cd, device=hidden.device)
+        # [C, V] buffers reused by every chunk: logits / log p, and p / dlogits (made on first
+        # use: the compiled CPU stages work in place on the logits and need only the first)
+        self.shape = (max(1, min(rows, hidden.shape[0])), weight.shape[0])
+        self.zbuf = torch.empty(self.shape, dtype=self.cd, device=hidden.device)
+        self.pbuf: torch.Tensor | None = None
 
     def h(self, h_c: torch.Tensor) -> torch.Tensor:
         return h_c if self.lowp else h_c.to(self.cd)
@@ -116,20 +133,38 @@ class _Prepared:
         return out.mul_(inv_t) if inv_t != 1.0 else out  # scaling bf16 inputs would round them
 
     def p(self, rows: int) -> torch.Tensor:
+        if self.pbuf is None:
+            self.pbuf = torch.empty(self.shape, dtype=self.cd, device=self.zbuf.device)
         return self.pbuf[:rows]
 
-    def grads(self, dz: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, need_h: bool):
-        """dz @ W for one chunk (None unless need_h); adds dz.T @ h into the accumulator dw in place."""
+    def grads(self, dz: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, need_h: bool,
+              first: bool = False, out_h: torch.Tensor | None = None):
+        """dz @ W for one chunk (None unless need_h; into `out_h` where given and the compute dtype
+        is the hidden's); adds dz.T @ h into the accumulator dw in place (`first`: writes it
+        instead, so dw may start uninitialised: no zero fill of [V, H])."""
         if self.lowp:
             d = dz.to(self.w.dtype)
             dh = torch.mm(d, self.w) if need_h else None
             if dw is not None:
-                dw += mm_f32(d.T, h_c)
+                if first:
+                    mm_f32(d.T, h_c, out=dw)
+                else:
+                    dw += mm_f32(d.T, h_c)
         else:
-            dh = torch.mm(dz, self.w) if need_h else None
+            dh = (torch.mm(dz, self.w) if out_h is None else torch.mm(dz, self.w, out=out_h)) if need_h else None
             if dw is not None:
-                dw.addmm_(dz.T, h_c)
+                if first:
+                    torch.mm(dz.T, h_c, out=dw)
+                else:
+                    dw.addmm_(dz.T, h_c)
         return dh
+
+
+def _dw_buffer(weight: torch.Tensor, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """The d weight accumulator [V, H]: left uninitialised when a first chunk will write it
+    (`_Prepared.grads(first=True)`), zeros when there are no tokens."""
+    make = torch.empty if n > 0 else torch.zeros
+    return make(weight.shape, dtype=dtype, device=weight.device)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -235,14 +270,17 @@ def chunked_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
                   chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprob [N], entropy [N], lse [N]) in the compute dtype; lse is of the scaled logits."""
     n = hidden.shape[0]
-    c = chunk_rows(weight.shape[0], chunk_size)
+    c = chunk_rows(weight.shape[0], chunk_size, buffers=_buffers(hidden), n_tokens=n)
     prep = _Prepared(hidden, weight, c)
     out = torch.empty(3, n, dtype=prep.cd, device=hidden.device)
     inv_t = 1.0 / temperature
     for s in range(0, n, c):
         e = min(n, s + c)
         z = prep.logits(prep.h(hidden[s:e]), inv_t)
-        _, _, _, lse, ent, lp = _softmax_stats_blocked(z, targets[s:e], prep.p(e - s))
+        if cpu_rows.usable(z, targets[s:e]):
+            lse, ent, lp = cpu_rows.row_stats(z, targets[s:e])
+        else:
+            _, _, _, lse, ent, lp = _softmax_stats_blocked(z, targets[s:e], prep.p(e - s))
         out[0, s:e], out[1, s:e], out[2, s:e] = lp, ent, lse
     return out[0], out[1], out[2]
 
@@ -256,19 +294,23 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
     `chunked_stats`. Recomputes each chunk's logits.
     """
     n = hidden.shape[0]
-    c = chunk_rows(weight.shape[0], chunk_size)
+    c = chunk_rows(weight.shape[0], chunk_size, buffers=_buffers(hidden), n_tokens=n)
     prep = _Prepared(hidden, weight, c)
     inv_t = 1.0 / temperature
     dh = torch.empty_like(hidden) if need_hidden else None
-    dw = torch.zeros(weight.shape, dtype=prep.cd, device=weight.device) if need_weight else None
+    dw = _dw_buffer(weight, prep.cd, n) if need_weight else None
     for s in range(0, n, c):
         e = min(n, s + c)
         h_c = prep.h(hidden[s:e])
         z = prep.logits(h_c, inv_t)
-        dz = _dz_from_lse(z, lse[s:e].to(z.dtype), prep.p(e - s), targets[s:e], entropy[s:e].to(z.dtype),
-                          g_lp[s:e].to(z.dtype), g_ent[s:e].to(z.dtype), inv_t)
-        dh_c = prep.grads(dz, h_c, dw, need_hidden)
-        if need_hidden:
+        if cpu_rows.usable(z, targets[s:e]):
+            dz = cpu_rows.row_dz_(z, targets[s:e], lse[s:e], entropy[s:e], g_lp[s:e], g_ent[s:e], inv_t)
+        else:
+            dz = _dz_from_lse(z, lse[s:e].to(z.dtype), prep.p(e - s), targets[s:e], entropy[s:e].to(z.dtype),
+                              g_lp[s:e].to(z.dtype), g_ent[s:e].to(z.dtype), inv_t)
+        out_h = dh[s:e] if need_hidden and dh.dtype == z.dtype and not prep.lowp else None
+        dh_c = prep.grads(dz, h_c, dw, need_hidden, first=s == 0, out_h=out_h)
+        if need_hidden and out_h is None:
             dh[s:e] = dh_c
     return dh, dw
 
@@ -286,23 +328,31 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
     not finite (masked-out padding); their log-prob and entropy are still computed.
     """
     n = hidden.shape[0]
-    c = chunk_rows(weight.shape[0], chunk_size)
+    c = chunk_rows(weight.shape[0], chunk_size, buffers=_buffers(hidden), n_tokens=n)
     prep = _Prepared(hidden, weight, c)
     inv_t = 1.0 / temperature
     stats = torch.empty(2, n, dtype=prep.cd, device=hidden.device)
     grad = coef_fn is not None and (need_hidden or need_weight)
     dh = torch.empty_like(hidden) if grad and need_hidden else None
-    dw = torch.zeros(weight.shape, dtype=prep.cd, device=weight.device) if grad and need_weight else None
+    dw = _dw_buffer(weight, prep.cd, n) if grad and need_weight else None
     for s in range(0, n, c):
         e = min(n, s + c)
         h_c = prep.h(hidden[s:e])
         z = prep.logits(h_c, inv_t)
-        logp, p, s_row, _, ent, lp = _softmax_stats_blocked(z, targets[s:e], prep.p(e - s))
+        fast = cpu_rows.usable(z, targets[s:e])
+        if fast:  # the gradient is formed in place on z, from the exp the statistics leave there
+            rs = cpu_rows.row_stats(z, targets[s:e], store_exp=grad)
+            _, ent, lp = rs
+        else:
+            logp, p, s_row, _, ent, lp = _softmax_stats_blocked(z, targets[s:e], prep.p(e - s))
         stats[0, s:e], stats[1, s:e] = lp, ent
         if not grad:
             continue
         g_lp, g_ent = coef_fn(slice(s, e), lp, ent)
-        dz = _dz_blocked(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
+        if fast:
+            dz = cpu_rows.row_dz_(z, targets[s:e], rs, ent, g_lp, g_ent, inv_t)
+        else:
+            dz = _dz_blocked(p, logp, targets[s:e], ent, g_lp.to(z.dtype), g_ent.to(z.dtype), inv_t, s_row)
         if grad_rows is not None:
             # 0 * NaN is NaN: a non-finite excluded row must be zeroed, not weighted by 0
             # (masked_fill_/where, not nonzero(): no device sync per chunk on CUDA)
@@ -312,7 +362,8 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
             else:
                 dz.masked_fill_(~keep, 0.0)
             h_c = zero_rows(h_c, keep)
-        dh_c = prep.grads(dz, h_c, dw, need_hidden)
-        if need_hidden:
+        out_h = dh[s:e] if need_hidden and dh.dtype == z.dtype and not prep.lowp else None
+        dh_c = prep.grads(dz, h_c, dw, need_hidden, first=s == 0, out_h=out_h)
+        if need_hidden and out_h is None:
             dh[s:e] = dh_c
     return stats[0], stats[1], dh, dw

@@ -1,0 +1,196 @@
+"""The chunked path's elementwise stages as one compiled C routine per stage (CPU, fp32).
+
+Between a chunk's GEMMs the chunked path turns the scaled logits z [C, V] into the per-token
+statistics (log-sum-exp, entropy, log-prob of the target) and then into d loss / d z. In
+PyTorch eager that is about ten passes over each row, each a separate call; `_cpu_rows.c`
+does it in two passes for the statistics (the second may leave exp(z - max) in place) and
+one for the gradient (from the stored exp: no exp again; a logf only with an entropy term),
+row by row (the row stays in the core's cache), the rows split over `torch.get_num_threads()`
+OpenMP threads.
+
+The C file is compiled on first use with the system's C compiler (`$CC`, else `cc`;
+`-O3 -march=native -ffast-math -fno-finite-math-only -fopenmp`, glibc's vector expf where it
+links) into `$FASTPO_CACHE` or `~/.cache/fastpo` (a file per source, flags, compiler and CPU)
+and loaded with ctypes; later processes load the built file. Without a compiler, or when the
+build fails, the eager ops run instead (warned once). `FASTPO_CPU_ROWS=0` turns it off.
+
+Numerics: the same equations as the eager stages (`chunked._softmax_stats`, `chunked._dz_`),
+fp32 throughout; sums are vectorized (reassociated) and expf is libmvec's (<= 4 ulp), so the
+results agree with the eager path to fp32 rounding (about 1e-6 relative), not bit for bit.
+Each row is summed by one thread in one order: the results do not depend on the thread count.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("_cpu_rows.c")
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
+          "-shared", "-fPIC"]
+# the vector expf first; a libc without libmvec gets the scalar one
+_VARIANTS = (["-DFASTPO_VECTOR_EXP"], ["-lmvec"]), ([], [])
+
+_lib = None
+_state: str | None = None  # None: not tried; "ok"; else why it is off
+_lock = threading.Lock()
+
+
+def _cpu_key() -> str:
+    """What -march=native depends on: the machine and its CPU's feature flags."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{platform.processor()}|{flags}"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FASTPO_CACHE") or Path.home() / ".cache" / "fastpo")
+
+
+def _build(cc: str) -> Path:
+    """The shared library for this source, compiler and CPU (built if missing; atomic rename,
+    so concurrent processes each build and one file wins). RuntimeError with the compiler's
+    first line when no variant builds and loads."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+    src = _SOURCE.read_bytes()
+    errors = []
+    for defines, libs in _VARIANTS:
+        key = hashlib.sha256(b"|".join([src, " ".join(_FLAGS + defines + libs).encode(), version.encode(),
+                                        _cpu_key().encode()])).hexdigest()[:16]
+        out = _cache_dir() / f"cpu_rows-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            r = subprocess.run([cc, *_FLAGS, *defines, "-o", tmp, str(_SOURCE), *libs, "-lm"], capture_output=True,
+                               text=True, timeout=300)
+            if r.returncode != 0:
+                os.unlink(tmp)
+                errors.append((r.stderr.strip().splitlines() or ["no output"])[0][:200])
+                continue
+            os.replace(tmp, out)
+        try:
+            ctypes.CDLL(str(out))
+        except OSError as e:  # e.g. built against libmvec but it cannot be loaded
+            errors.append(str(e)[:200])
+            continue
+        return out
+    raise RuntimeError("; ".join(errors))
+
+
+def _load():
+    global _lib, _state
+    with _lock:
+        if _state is not None:
+            return _lib
+        if os.environ.get("FASTPO_CPU_ROWS", "1") == "0":
+            _state = "off (FASTPO_CPU_ROWS=0)"
+            return None
+        cc = _compiler()
+        try:
+            if cc is None:
+                raise RuntimeError("no C compiler found ($CC, cc, gcc)")
+            lib = ctypes.CDLL(str(_build(cc)))
+        except Exception as e:  # any build or load failure: the eager ops are the fallback
+            _state = f"off ({type(e).__name__}: {e})"
+            warnings.warn(f"fastpo.kernels: the CPU row kernels could not be built, the chunked path's elementwise "
+                          f"stages run as PyTorch ops (slower, same results to rounding): {e}", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        lib.fastpo_row_stats.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, INT, INT]
+        lib.fastpo_row_stats.restype = None
+        lib.fastpo_row_dz.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, F, INT]
+        lib.fastpo_row_dz.restype = None
+        lib.fastpo_row_dz_exp.argtypes = [P, I64, I64, I64, P, P, P, P, P, F, INT]
+        lib.fastpo_row_dz_exp.restype = None
+        _lib, _state = lib, "ok"
+        return lib
+
+
+def status() -> str:
+    """"ok" when the compiled routines are in use, else why not (builds them on first call)."""
+    _load()
+    return _state or "off"
+
+
+def usable(z: torch.Tensor, targets: torch.Tensor) -> bool:
+    """Whether the compiled routines can take this chunk: CPU fp32 z [C, V] with unit column
+    stride, targets within [0, V) (others go to the eager ops, which raise on a bad target)."""
+    if z.device.type != "cpu" or z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1 or z.shape[0] == 0:
+        return False
+    if _load() is None:
+        return False
+    return bool(((targets >= 0) & (targets < z.shape[1])).all())
+
+
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).contiguous()
+
+
+class RowStats(tuple):
+    """(lse, entropy, logprob), each [C] fp32, with the row max `shift`, `log_norm` = log sum
+    exp(z - max) and whether the rows now hold exp(z - max) (`exp_stored`), for `row_dz_`."""
+    shift: torch.Tensor
+    log_norm: torch.Tensor
+    exp_stored: bool
+
+
+def row_stats(z: torch.Tensor, targets: torch.Tensor, store_exp: bool = False) -> RowStats:
+    """(lse [C], entropy [C], logprob [C]) fp32 of the scaled logits z [C, V]: lse = log sum_v
+    exp z_v, entropy = lse - sum_v softmax_v z_v, logprob = z_target - lse (as (z_target - max)
+    - log sum exp(z - max)). z is left unchanged, or with `store_exp` holds exp(z - max) (what
+    `row_dz_` then needs: no second exp). Call only where `usable(z, targets)`."""
+    c, v = z.shape
+    t = targets.to(torch.int64).contiguous()
+    out = torch.empty(5, c, dtype=torch.float32)  # max, log sum, lse, entropy, logprob
+    _lib.fastpo_row_stats(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), *(out[i].data_ptr() for i in range(5)),
+                          int(store_exp), torch.get_num_threads())
+    stats = RowStats((out[2], out[3], out[4]))
+    stats.shift, stats.log_norm, stats.exp_stored = out[0], out[1], bool(store_exp)
+    return stats
+
+
+def row_dz_(z: torch.Tensor, targets: torch.Tensor, stats, entropy: torch.Tensor, g_lp: torch.Tensor,
+            g_ent: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """In place on z [C, V] (scaled logits, or exp(z - max) after `row_stats(store_exp=True)`):
+    d loss / d logits, (1/T) (g_lp 1[v = target] - p_v (g_lp + g_ent (log p_v + entropy))),
+    p = softmax(z); `stats` is `row_stats(z, targets)` or the log-sum-exp [C] alone (as the
+    backward of the generic function has it; log p is then z - lse, as in the eager ops);
+    g_lp, g_ent [C] are the upstream gradients of log-prob and entropy. Returns z. Call only
+    where `usable(z, targets)`."""
+    c, v = z.shape
+    t = targets.to(torch.int64).contiguous()
+    if isinstance(stats, RowStats) and stats.exp_stored:
+        entropy, g_lp, g_ent = _f32(entropy), _f32(g_lp), _f32(g_ent)
+        _lib.fastpo_row_dz_exp(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), stats.log_norm.data_ptr(),
+                               entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
+                               torch.get_num_threads())
+        return z
+    if isinstance(stats, RowStats):
+        shift, log_norm = stats.shift, stats.log_norm
+    else:
+        shift, log_norm = _f32(stats), torch.zeros(c, dtype=torch.float32)
+    entropy, g_lp, g_ent = _f32(entropy), _f32(g_lp), _f32(g_ent)
+    _lib.fastpo_row_dz(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), shift.data_ptr(), log_norm.data_ptr(),
+                       entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t), torch.get_num_threads())
+    return z
