@@ -1,6 +1,7 @@
 /* The chunked path's elementwise stages on the CPU, one row of scaled logits at a time.
  *
- * Built and loaded by kernels/cpu_rows.py (cc -O3 -march=native -ffast-math -fopenmp). Each
+ * Built and loaded by kernels/cpu_rows.py (compiled with cc -O3 -march=native -ffast-math
+ * -fno-finite-math-only -fopenmp, linked without -ffast-math: no flush-to-zero). Each
  * row is read while it sits in a core's L2: the statistics are two passes over the row (max,
  * then exp-sum and the entropy's sum), the gradient one more; PyTorch's eager ops need about
  * ten passes and a call each. Rows are split over OpenMP threads and every row is summed by
@@ -94,7 +95,7 @@ void fastpo_row_dz(float *z, int64_t rows, int64_t V, int64_t ld, const int64_t 
 
 /* In place on e, rows holding exp(z - m) (fastpo_row_stats with store_exp): the gradient of
  * fastpo_row_dz with p_v = e_v / s and log p_v = log e_v - log s; without an entropy term no
- * transcendental per element, with one a logf (p_v = 0 gives 0, the limit of p log p). */
+ * transcendental per element, with one a logf. */
 void fastpo_row_dz_exp(float *e, int64_t rows, int64_t V, int64_t ld, const int64_t *t, const float *log_norm,
                        const float *ent, const float *g_lp, const float *g_ent, float inv_t, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -111,7 +112,8 @@ void fastpo_row_dz_exp(float *e, int64_t rows, int64_t V, int64_t ld, const int6
 #pragma omp simd
             for (int64_t v = 0; v < V; v++) {
                 float p = row[v] * inv_s;
-                row[v] = p > 0.0f ? p * (a * (logf(row[v]) - n) + b) : 0.0f;
+                /* p = 0 (exp underflowed): 0, the limit of p log p; a NaN p stays NaN */
+                row[v] = p == 0.0f ? 0.0f : p * (a * (logf(row[v]) - n) + b);
             }
         }
         row[t[r]] += g_lp[r] * inv_t;

@@ -8,11 +8,13 @@ one for the gradient (from the stored exp: no exp again; a logf only with an ent
 row by row (the row stays in the core's cache), the rows split over `torch.get_num_threads()`
 OpenMP threads.
 
-The C file is compiled on first use with the system's C compiler (`$CC`, else `cc`;
-`-O3 -march=native -ffast-math -fno-finite-math-only -fopenmp`, glibc's vector expf where it
-links) into `$FASTPO_CACHE` or `~/.cache/fastpo` (a file per source, flags, compiler and CPU)
+The C file is compiled on first use with the system's C compiler (`$CC`, else `cc` or `gcc`;
+`-O3 -march=native -ffast-math -fno-finite-math-only -fopenmp`, glibc's vector expf/logf where
+they link; linked without -ffast-math, so loading it leaves the process's floating-point mode
+alone) into `$FASTPO_CACHE` or `~/.cache/fastpo` (a file per source, flags, compiler and CPU)
 and loaded with ctypes; later processes load the built file. Without a compiler, or when the
-build fails, the eager ops run instead (warned once). `FASTPO_CPU_ROWS=0` turns it off.
+build fails, the eager ops run instead (warned once). `FASTPO_CPU_ROWS=0` (or false, off, no)
+turns it off.
 
 Numerics: the same equations as the eager stages (`chunked._softmax_stats`, `chunked._dz_`),
 fp32 throughout; sums are vectorized (reassociated) and expf is libmvec's (<= 4 ulp), so the
@@ -25,6 +27,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -35,10 +38,14 @@ from pathlib import Path
 import torch
 
 _SOURCE = Path(__file__).with_name("_cpu_rows.c")
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
-          "-shared", "-fPIC"]
-# the vector expf first; a libc without libmvec gets the scalar one
+# Compiled to an object with these, then linked without -ffast-math: linking a shared library
+# with it adds crtfastmath.o, whose constructor would turn on flush-to-zero for the whole process.
+_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
+           "-fPIC"]
+_LDFLAGS = ["-shared", "-fopenmp"]
+# the vector expf/logf first; a libc without libmvec gets the scalar ones
 _VARIANTS = (["-DFASTPO_VECTOR_EXP"], ["-lmvec"]), ([], [])
+_OFF = ("0", "false", "off", "no")
 
 _lib = None
 _state: str | None = None  # None: not tried; "ok"; else why it is off
@@ -58,42 +65,68 @@ def _cpu_key() -> str:
     return f"{platform.machine()}|{platform.processor()}|{flags}"
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+def _compiler() -> list[str] | None:
+    """The compiler command: $CC (split as a shell would: "ccache gcc"), else cc or gcc."""
+    if os.environ.get("CC", "").strip():
+        cmd = shlex.split(os.environ["CC"])
+        return cmd if shutil.which(cmd[0]) else None
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def _cache_dir() -> Path:
     return Path(os.environ.get("FASTPO_CACHE") or Path.home() / ".cache" / "fastpo")
 
 
-def _build(cc: str) -> Path:
-    """The shared library for this source, compiler and CPU (built if missing; atomic rename,
-    so concurrent processes each build and one file wins). RuntimeError with the compiler's
-    first line when no variant builds and loads."""
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+def _run(cmd: list[str]) -> str | None:
+    """None when `cmd` succeeds, else its first line of error output (or its exit status)."""
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if r.returncode == 0:
+        return None
+    lines = (r.stderr or r.stdout).strip().splitlines()
+    return (lines[0] if lines else f"{cmd[0]} exited with status {r.returncode}")[:200]
+
+
+def _build(cc: list[str]) -> Path:
+    """The shared library for this source, compiler and CPU: loaded from the cache, or built
+    (into a temporary file, loaded once to check it, then renamed into place: concurrent
+    processes each build and one file wins; a cached file that does not load is rebuilt).
+    RuntimeError with the compiler's first line when no variant builds and loads."""
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
     src = _SOURCE.read_bytes()
     errors = []
     for defines, libs in _VARIANTS:
-        key = hashlib.sha256(b"|".join([src, " ".join(_FLAGS + defines + libs).encode(), version.encode(),
-                                        _cpu_key().encode()])).hexdigest()[:16]
+        key = hashlib.sha256(b"|".join([src, " ".join(cc + _CFLAGS + _LDFLAGS + defines + libs).encode(),
+                                        version.encode(), _cpu_key().encode()])).hexdigest()[:16]
         out = _cache_dir() / f"cpu_rows-{key}.so"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-            os.close(fd)
-            r = subprocess.run([cc, *_FLAGS, *defines, "-o", tmp, str(_SOURCE), *libs, "-lm"], capture_output=True,
-                               text=True, timeout=300)
-            if r.returncode != 0:
-                os.unlink(tmp)
-                errors.append((r.stderr.strip().splitlines() or ["no output"])[0][:200])
-                continue
-            os.replace(tmp, out)
+        if out.exists():
+            try:
+                ctypes.CDLL(str(out))
+                return out
+            except OSError:  # truncated or foreign: build it again
+                pass
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        obj = tmp[:-3] + ".o"
         try:
-            ctypes.CDLL(str(out))
-        except OSError as e:  # e.g. built against libmvec but it cannot be loaded
-            errors.append(str(e)[:200])
-            continue
-        return out
+            err = _run([*cc, *_CFLAGS, *defines, "-c", "-o", obj, str(_SOURCE)]) \
+                or _run([*cc, *_LDFLAGS, "-o", tmp, obj, *libs, "-lm"])
+            if err is None:
+                try:
+                    ctypes.CDLL(tmp)
+                except OSError as e:  # e.g. built against libmvec, which cannot be loaded
+                    err = str(e)[:200]
+            if err is not None:
+                errors.append(err)
+                continue
+            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep others sharing the cache out
+            os.replace(tmp, out)
+            return out
+        finally:
+            for leftover in (tmp, obj):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
     raise RuntimeError("; ".join(errors))
 
 
@@ -102,8 +135,8 @@ def _load():
     with _lock:
         if _state is not None:
             return _lib
-        if os.environ.get("FASTPO_CPU_ROWS", "1") == "0":
-            _state = "off (FASTPO_CPU_ROWS=0)"
+        if os.environ.get("FASTPO_CPU_ROWS", "1").strip().lower() in _OFF:
+            _state = f"off (FASTPO_CPU_ROWS={os.environ['FASTPO_CPU_ROWS']})"
             return None
         cc = _compiler()
         try:
@@ -135,16 +168,30 @@ def status() -> str:
 
 def usable(z: torch.Tensor, targets: torch.Tensor) -> bool:
     """Whether the compiled routines can take this chunk: CPU fp32 z [C, V] with unit column
-    stride, targets within [0, V) (others go to the eager ops, which raise on a bad target)."""
+    stride, int32/int64 targets [C] within [0, V) (anything else goes to the eager ops, which
+    raise on a bad target as before)."""
     if z.device.type != "cpu" or z.dtype != torch.float32 or z.dim() != 2 or z.stride(1) != 1 or z.shape[0] == 0:
+        return False
+    if targets.dtype not in (torch.int32, torch.int64) or targets.shape != z.shape[:1]:
         return False
     if _load() is None:
         return False
     return bool(((targets >= 0) & (targets < z.shape[1])).all())
 
 
-def _f32(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32).contiguous()
+def _rows(x: torch.Tensor, c: int, name: str) -> torch.Tensor:
+    """x as c contiguous fp32 values (ValueError otherwise: the C loops read one per row)."""
+    if not isinstance(x, torch.Tensor) or x.numel() != c or x.device.type != "cpu":
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must hold one value per row ({c}) on the CPU, got {shape}")
+    return x.reshape(c).to(torch.float32).contiguous()
+
+
+def _checked(z: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    if not usable(z, targets):
+        raise ValueError(f"the CPU row kernels cannot take z {tuple(z.shape)} {z.dtype} on {z.device} with targets "
+                         f"{tuple(targets.shape)} {targets.dtype} (see cpu_rows.usable)")
+    return targets.to(torch.int64).contiguous()
 
 
 class RowStats(tuple):
@@ -161,7 +208,7 @@ def row_stats(z: torch.Tensor, targets: torch.Tensor, store_exp: bool = False) -
     - log sum exp(z - max)). z is left unchanged, or with `store_exp` holds exp(z - max) (what
     `row_dz_` then needs: no second exp). Call only where `usable(z, targets)`."""
     c, v = z.shape
-    t = targets.to(torch.int64).contiguous()
+    t = _checked(z, targets)
     out = torch.empty(5, c, dtype=torch.float32)  # max, log sum, lse, entropy, logprob
     _lib.fastpo_row_stats(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), *(out[i].data_ptr() for i in range(5)),
                           int(store_exp), torch.get_num_threads())
@@ -179,18 +226,19 @@ def row_dz_(z: torch.Tensor, targets: torch.Tensor, stats, entropy: torch.Tensor
     g_lp, g_ent [C] are the upstream gradients of log-prob and entropy. Returns z. Call only
     where `usable(z, targets)`."""
     c, v = z.shape
-    t = targets.to(torch.int64).contiguous()
+    t = _checked(z, targets)
+    entropy, g_lp, g_ent = _rows(entropy, c, "entropy"), _rows(g_lp, c, "g_lp"), _rows(g_ent, c, "g_ent")
     if isinstance(stats, RowStats) and stats.exp_stored:
-        entropy, g_lp, g_ent = _f32(entropy), _f32(g_lp), _f32(g_ent)
+        if stats.log_norm.numel() != c:
+            raise ValueError(f"stats are of {stats.log_norm.numel()} rows, z has {c}")
         _lib.fastpo_row_dz_exp(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), stats.log_norm.data_ptr(),
                                entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
                                torch.get_num_threads())
         return z
     if isinstance(stats, RowStats):
-        shift, log_norm = stats.shift, stats.log_norm
+        shift, log_norm = _rows(stats.shift, c, "stats"), _rows(stats.log_norm, c, "stats")
     else:
-        shift, log_norm = _f32(stats), torch.zeros(c, dtype=torch.float32)
-    entropy, g_lp, g_ent = _f32(entropy), _f32(g_lp), _f32(g_ent)
+        shift, log_norm = _rows(stats, c, "lse"), torch.zeros(c, dtype=torch.float32)
     _lib.fastpo_row_dz(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), shift.data_ptr(), log_norm.data_ptr(),
                        entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t), torch.get_num_threads())
     return z

@@ -121,7 +121,8 @@ def test_out_of_range_target_still_raises():
         linear_logprob_entropy(h, w, torch.tensor([0, 1, 10, 2]), impl="chunked")
 
 
-@pytest.mark.parametrize("env", [{"FASTPO_CPU_ROWS": "0"}, {"CC": "/nonexistent/cc", "PATH": "/nonexistent"}])
+@pytest.mark.parametrize("env", [{"FASTPO_CPU_ROWS": "0"}, {"FASTPO_CPU_ROWS": "off"},
+                                 {"CC": "/nonexistent/cc", "PATH": "/nonexistent"}])
 def test_without_the_routines_the_eager_ops_give_the_same_loss(env, tmp_path):
     """Turned off, or no compiler (a fresh cache): one warning at most, the same numbers."""
     code = """
@@ -160,3 +161,60 @@ print(repr(out.loss.item()), repr(h.grad.abs().sum().item()))
         loss, grad = (float(x) for x in numbers.split())
         assert out.loss.item() == pytest.approx(loss, rel=1e-5)
         assert h.grad.abs().sum().item() == pytest.approx(grad, rel=1e-5)
+
+
+def test_loading_the_routines_keeps_subnormal_numbers():
+    """Linked with -ffast-math, a shared library turns on flush-to-zero for the whole process
+    when it loads (crtfastmath.o); it must not."""
+    code = """
+import torch
+from fastpo.kernels import cpu_rows, linear_logprob_entropy
+linear_logprob_entropy(torch.randn(4, 8), torch.randn(16, 8), torch.randint(0, 16, (4,)), impl="chunked")
+print(cpu_rows.status(), 1e-300 * 1e-10 > 0, bool(torch.tensor([1e-40]) > 0))
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == [("ok" if HAS_CC else got.stdout.split()[0]), "True", "True"]
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_mis_shaped_rows_are_refused_not_read_past():
+    z = torch.randn(6, 50)
+    t = torch.randint(0, 50, (6,))
+    assert not cpu_rows.usable(z, t[:5]) and not cpu_rows.usable(z, t.to(torch.uint8))
+    with pytest.raises(ValueError, match="cannot take"):
+        cpu_rows.row_stats(z, t[:5])
+    stats = cpu_rows.row_stats(z, t, store_exp=True)
+    with pytest.raises(ValueError, match="g_lp must hold one value per row"):
+        cpu_rows.row_dz_(z, t, stats, stats[1], torch.ones(5), torch.zeros(6), 1.0)
+    with pytest.raises(ValueError, match="lse must hold one value per row"):
+        cpu_rows.row_dz_(z, t, stats[0][:3], stats[1], torch.ones(6), torch.zeros(6), 1.0)
+    h, w = torch.randn(64, 16), torch.randn(1000, 16)
+    with pytest.raises((ValueError, RuntimeError, IndexError)):  # short targets: the eager ops' shape error
+        chunked.chunked_fused(h, w, torch.randint(0, 1000, (59,)), 1.0,
+                              lambda s, lp, e: (torch.ones_like(lp), torch.zeros_like(e)))
+
+
+@pytest.mark.skipif(not HAS_CC, reason="no C compiler")
+def test_a_nan_row_stays_nan_with_an_entropy_term():
+    z = torch.randn(2, 40)
+    z[1, 3] = float("nan")
+    t = torch.tensor([0, 1])
+    *_, dz = _compiled(z, t, torch.ones(2), torch.full((2,), 0.5), 1.0)
+    assert torch.isfinite(dz[0]).all() and torch.isnan(dz[1]).any()
+
+
+def test_a_compiler_that_writes_nothing_does_not_poison_the_cache(tmp_path):
+    """`true` as the compiler exits 0 and writes no library: a warning, the eager ops, and no
+    empty file left in the cache for the next process."""
+    code = """
+import warnings, torch
+warnings.simplefilter("always")
+from fastpo.kernels import cpu_rows
+print(cpu_rows.status())
+"""
+    env = {**os.environ, "FASTPO_CACHE": str(tmp_path), "CC": "true"}
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.startswith("off (") and "CPU row kernels could not be built" in got.stderr
+    assert list(tmp_path.iterdir()) == []
