@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 import torch
 
 
-def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
+def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],
+                    min_common: int = 0) -> tuple[list[int], list[int]]:
     """Which trajectories share their untrained leading tokens (an env group's prompt).
 
     A trajectory's prefix is its tokens before its first trained token (loss mask 1), cut so
@@ -47,11 +48,17 @@ def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torc
     attention, a group's prefix is computed once per micro-batch and every member attends to
     it (`pack_micro_batch`): the prompt's forward and backward are not repeated per member.
 
+    With `min_common` > 0, trajectories whose prefixes only begin alike are grouped too (SFT:
+    every expert trajectory opens with the same system prompt and instructions, then its own
+    level): in the order of their prefixes, a trajectory joins the group before it while the
+    group's longest common prefix stays >= `min_common` tokens, and every member's prefix
+    length is that common length. (This merges identical-prompt groups as well.)
+
     Args: input_ids, loss_masks: per-trajectory 1-D tensors [T_i] (int64, bool).
     Returns (prefix_lengths, prefix_groups): per trajectory, the prefix length in tokens and
-    a group number (equal numbers = identical prefixes; a trajectory alone in its group
-    shares nothing). Raises ValueError when the lists differ in length or a mask's length
-    differs from its ids'.
+    a group number (equal numbers = the same first prefix_length tokens; a trajectory alone in
+    its group shares nothing). Raises ValueError when the lists differ in length or a mask's
+    length differs from its ids'.
     """
     if len(input_ids) != len(loss_masks):
         raise ValueError(f"{len(input_ids)} trajectories but {len(loss_masks)} loss masks")
@@ -66,7 +73,38 @@ def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torc
         p = max(0, min(p, int(x.numel()) - 1))
         lengths.append(p)
         groups.append(keys.setdefault((p, x[:p].cpu().numpy().tobytes()), len(keys)))
+    if min_common > 0:
+        return _common_prefixes([torch.as_tensor(x).cpu().numpy() for x in input_ids], lengths, min_common)
     return lengths, groups
+
+
+def _common_prefixes(ids: list, lengths: list[int], min_common: int) -> tuple[list[int], list[int]]:
+    """`shared_prefixes`' grouping by common leading tokens (see there); `lengths` are the
+    untrained prefixes' lengths, `ids` numpy int arrays."""
+    import numpy as np
+
+    # a fixed-width encoding sorts lexicographically by tokens: alike prefixes end up adjacent
+    order = sorted(range(len(ids)), key=lambda i: (ids[i][:lengths[i]].astype(">i8").tobytes(), i))
+    out_len, out_group = list(lengths), list(range(len(ids)))
+    runs: list[tuple[list[int], int]] = []  # (members, their common length)
+    for i in order:
+        head = ids[i][:lengths[i]]
+        if runs:
+            members, common = runs[-1]
+            ref = ids[members[0]][:common]
+            m = min(common, head.size)
+            diff = np.nonzero(ref[:m] != head[:m])[0]
+            lcp = int(diff[0]) if diff.size else m
+            if lcp >= min_common:
+                runs[-1] = (members + [i], lcp)
+                continue
+        runs.append(([i], lengths[i]))
+    for g, (members, common) in enumerate(runs):
+        for i in members:
+            out_group[i] = g
+            if len(members) > 1:
+                out_len[i] = common
+    return out_len, out_group
 
 
 def _units(indices: Sequence[int], prefix_lengths, prefix_groups) -> list[list[int]]:

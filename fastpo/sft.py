@@ -54,6 +54,9 @@ from fastpo.trainer.plan import SUPERVISED
 from fastpo.trainer.setup import open_run
 from fastpo.trainer.update import MetricMeans
 
+# sft.common_prefix: the shortest shared lead worth a segment of its own (a chat header alone is
+# about 10 tokens; the instructions of a built-in game 300-400)
+MIN_COMMON_PREFIX = 16
 _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
 
 # What `fastpo sft` sets before the preset's and the user's overrides apply (user overrides win):
@@ -77,7 +80,11 @@ class SFTConfig:
 
     trajectories: expert trajectories in the data set, one per env seed seed_offset,
     seed_offset + 1, ... (disjoint from the eval seeds: checked). batch_size: trajectories
-    per optimizer step (one trainer iteration). actions_per_turn: the expert's actions per
+    per optimizer step (one trainer iteration). common_prefix: pack a micro-batch's
+    trajectories after one copy of the leading tokens they share (at least 16: the chat
+    header, system prompt and instructions), computed once per micro-batch (with
+    optim.share_prefix and "segments" attention; the same gradients up to float rounding).
+    actions_per_turn: the expert's actions per
     turn (capped by rollout.max_actions_per_turn and the actions left); 0 = 1 on FrozenLake
     (closed loop: every cell acted on is observed), rollout.max_actions_per_turn otherwise.
     data: a JSONL file of conversations (`{"messages": [{"role": ..., "content": ...}, ...]}`
@@ -93,6 +100,7 @@ class SFTConfig:
     batch_size: int = checked(8, at_least(1), "must be >= 1")
     seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
     actions_per_turn: int = checked(0, at_least(0), "must be >= 0 (0 = the env's default)")
+    common_prefix: bool = checked(True, lambda v: isinstance(v, bool), "must be true or false")
 
     def seeds(self) -> list[int]:
         return list(range(self.seed_offset, self.seed_offset + self.trajectories))
@@ -547,6 +555,8 @@ class SFTTrainer(RunTrainer):
         from fastpo.run.folder import atomic_write_text
 
         open_run(self, SUPERVISED)
+        if self.sft.common_prefix:
+            self.parts.scorer.min_common_prefix = MIN_COMMON_PREFIX
         if self.sft.data:
             digest = file_sha256(self.sft.data)
             if self.sft.data_sha256 and digest != self.sft.data_sha256:

@@ -169,22 +169,58 @@ def test_shared_prefixes_and_plan():
         plan_micro_batches(L, 40, lengths, None)
 
 
+def _common_head_batch():
+    """Four trajectories opening with the same 6 tokens (a chat header and instructions), then
+    each its own prompt (a level) and trained answer tokens; one whose prompt differs at once."""
+    g = torch.Generator().manual_seed(5)
+    head = torch.randint(0, 97, (6,), generator=g)
+    seqs, masks = [], []
+    for own, ans in ((3, 4), (5, 2), (2, 6), (4, 3)):
+        s = torch.cat([head, torch.randint(0, 97, (own + ans,), generator=g)])
+        m = torch.zeros(len(s), dtype=torch.bool)
+        m[6 + own:] = True
+        seqs.append(s)
+        masks.append(m)
+    s = torch.randint(0, 97, (9,), generator=g)
+    s[0] = (head[0] + 1) % 97
+    seqs.append(s)
+    masks.append(torch.arange(9) >= 5)
+    return seqs, masks
+
+
+def test_common_prefixes_group_prompts_that_only_begin_alike():
+    seqs, masks = _common_head_batch()
+    assert shared_prefixes(seqs, masks)[1] == [0, 1, 2, 3, 4]  # no two prompts are identical
+    lengths, groups = shared_prefixes(seqs, masks, min_common=3)
+    assert lengths[:4] == [6, 6, 6, 6] and lengths[4] == 5
+    assert len(set(groups[:4])) == 1 and groups[4] != groups[0]
+    loose = shared_prefixes(seqs, masks, min_common=7)
+    assert len(set(loose[1])) == 5 and loose[0] == shared_prefixes(seqs, masks)[0]  # 6 < 7: nothing shared
+    # identical prompts (env groups) that differ from their first token stay as they were
+    seqs2, masks2, _ = _grouped_batch()
+    assert seqs2[0][0] != seqs2[3][0]
+    l2, g2 = shared_prefixes(seqs2, masks2, min_common=1)
+    assert l2 == shared_prefixes(seqs2, masks2)[0] and g2[0] == g2[1] == g2[2] != g2[3] == g2[4]
+
+
 CUDA = torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("kind,device", [
-    ("llama", "cpu"), ("qwen2", "cpu"),
-    pytest.param("qwen2", "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])])
-def test_shared_prefix_logprobs_and_gradients_equal_one_at_a_time(kind, device):
+@pytest.mark.parametrize("kind,device,common", [
+    ("llama", "cpu", 0), ("qwen2", "cpu", 0), ("llama", "cpu", 3),
+    pytest.param("qwen2", "cuda", 0, marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])])
+def test_shared_prefix_logprobs_and_gradients_equal_one_at_a_time(kind, device, common):
     """A row holding a group's prompt once gives every member the log-probs and the summed
-    gradients of computing each trajectory on its own."""
-    seqs, masks, _ = _grouped_batch()
+    gradients of computing each trajectory on its own; also when the group shares only the
+    prompts' first tokens (`min_common`, as SFT packs)."""
+    seqs, masks = _common_head_batch() if common else _grouped_batch()[:2]
     ref = _tiny(kind, "sdpa").to(device)
     seg = _tiny(kind, "segments").to(device)
     seg.load_state_dict(ref.state_dict())
     seqs = [s.to(device) for s in seqs]
     tol = 1e-5 if device == "cpu" else 1e-4  # CUDA's fused attention kernels round differently
-    lengths, groups = shared_prefixes(seqs, masks)
+    lengths, groups = shared_prefixes(seqs, masks, min_common=common)
+    assert not common or len(set(groups)) == 2
 
     alone = []
     for s, m in zip(seqs, masks):

@@ -179,6 +179,30 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
         tr.release_lock()
 
 
+def test_the_shared_instructions_are_computed_once_per_micro_batch(tmp_path):
+    """sft.common_prefix: a micro-batch holds the header and instructions every expert
+    trajectory opens with once; the step's loss and the trained weights are those of packing
+    each trajectory whole (to float rounding), from fewer computed tokens."""
+    out = {}
+    for common in (True, False):
+        torch.manual_seed(0)
+        tr = SFTTrainer(_cfg(tmp_path / str(common)), SFTConfig(trajectories=4, batch_size=4, common_prefix=common),
+                        console=Console(quiet=True))
+        tr.setup()
+        try:
+            micro = list(tr.parts.scorer.micro_batches(tr.batch, list(range(4))))
+            shared = [m.prefix for pb in micro for m in pb.members]
+            computed = sum(pb.num_tokens for pb in micro)
+            m = tr.iteration(1)
+            out[common] = (shared, computed, m["sft/loss"], _nll(tr))
+        finally:
+            tr.release_lock()
+    (shared, computed, loss, after), (none, whole, loss0, after0) = out[True], out[False]
+    assert max(shared) >= 16 and not any(none)
+    assert computed < whole - 16
+    assert loss == pytest.approx(loss0, rel=1e-5) and after == pytest.approx(after0, rel=1e-4)
+
+
 def _weights(run):
     from safetensors.torch import load_file
 

@@ -22,6 +22,9 @@ class Scorer:
 
     def __init__(self, cfg: TrainConfig, models: Models, plan: RunPlan):
         self.cfg, self.models, self.plan = cfg, models, plan
+        # > 0: share prompts that only begin alike, at least this many tokens (`shared_prefixes`'
+        # min_common; SFT sets it: its trajectories share the instructions, not whole prompts)
+        self.min_common_prefix = 0
 
     def micro_batches(self, batch: TrainBatch, indices: list[int]):
         """Packed micro-batches of the trajectories `indices` of `batch` (at most
@@ -33,7 +36,8 @@ class Scorer:
         attention = packing_attention(model)
         prefix = groups = None
         if attention == "segments" and self.cfg.optim.share_prefix:
-            pl, pg = shared_prefixes([ids[i] for i in indices], [masks[i] for i in indices])
+            pl, pg = shared_prefixes([ids[i] for i in indices], [masks[i] for i in indices],
+                                     min_common=self.min_common_prefix)
             prefix, groups = dict(zip(indices, pl)), dict(zip(indices, pg))
         lengths = [int(ids[i].numel()) for i in indices]
         plan = plan_micro_batches(lengths, self.cfg.optim.micro_token_budget,
