@@ -56,7 +56,7 @@ def _cpu_key() -> str:
     """What -march=native depends on: the machine and its CPU's feature flags."""
     flags = ""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
             if line.startswith(("flags", "Features")):
                 flags = line
                 break
@@ -80,7 +80,7 @@ def _cache_dir() -> Path:
 
 def _run(cmd: list[str]) -> str | None:
     """None when `cmd` succeeds, else its first line of error output (or its exit status)."""
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=300)
     if r.returncode == 0:
         return None
     lines = (r.stderr or r.stdout).strip().splitlines()
@@ -92,7 +92,8 @@ def _build(cc: list[str]) -> Path:
     (into a temporary file, loaded once to check it, then renamed into place: concurrent
     processes each build and one file wins; a cached file that does not load is rebuilt).
     RuntimeError with the compiler's first line when no variant builds and loads."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60).stdout.split("\n")[0]
+    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, encoding="utf-8", errors="replace",
+                             timeout=60).stdout.split("\n")[0]
     src = _SOURCE.read_bytes()
     errors = []
     for defines, libs in _VARIANTS:
