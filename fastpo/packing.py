@@ -72,7 +72,8 @@ def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torc
         p = int(trained[0]) if trained.numel() else int(x.numel())
         p = max(0, min(p, int(x.numel()) - 1))
         lengths.append(p)
-        groups.append(keys.setdefault((p, x[:p].cpu().numpy().tobytes()), len(keys)))
+        if min_common <= 0:
+            groups.append(keys.setdefault((p, x[:p].cpu().numpy().tobytes()), len(keys)))
     if min_common > 0:
         return _common_prefixes([torch.as_tensor(x).cpu().numpy() for x in input_ids], lengths, min_common)
     return lengths, groups

@@ -97,9 +97,13 @@ def chunk_rows(n_vocab: int, chunk_size: int | None, itemsize: int = 4, buffers:
         return int(chunk_size)
     rows = max(MIN_CHUNK_ROWS, CHUNK_BUFFER_BYTES // max(1, buffers) // max(1, n_vocab * itemsize) // 16 * 16)
     if n_tokens:
-        k = -(-int(n_tokens) // rows)
-        rows = min(rows, -(-(-(-int(n_tokens) // k)) // 16) * 16)
+        chunks = _ceil_div(int(n_tokens), rows)
+        rows = min(rows, _ceil_div(_ceil_div(int(n_tokens), chunks), 16) * 16)
     return rows
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _buffers(hidden: torch.Tensor) -> int:
@@ -139,24 +143,29 @@ class _Prepared:
 
     def grads(self, dz: torch.Tensor, h_c: torch.Tensor, dw: torch.Tensor | None, need_h: bool,
               first: bool = False, out_h: torch.Tensor | None = None):
-        """dz @ W for one chunk (None unless need_h; into `out_h` where given and the compute dtype
-        is the hidden's); adds dz.T @ h into the accumulator dw in place (`first`: writes it
-        instead, so dw may start uninitialised: no zero fill of [V, H])."""
-        if self.lowp:
-            d = dz.to(self.w.dtype)
-            dh = torch.mm(d, self.w) if need_h else None
-            if dw is not None:
+        """dz @ W for one chunk (None unless need_h; written into `out_h`, the chunk's rows of d
+        hidden, where given: by the GEMM itself when the dtypes match); adds dz.T @ h into the
+        accumulator dw in place (`first`: writes it instead, so dw may start uninitialised: no
+        zero fill of [V, H])."""
+        d = dz.to(self.w.dtype) if self.lowp else dz
+        if not need_h:
+            dh = None
+        elif out_h is not None and out_h.dtype == d.dtype:
+            dh = torch.mm(d, self.w, out=out_h)
+        else:
+            dh = torch.mm(d, self.w)
+            if out_h is not None:
+                dh = out_h.copy_(dh)
+        if dw is not None:
+            if self.lowp:
                 if first:
                     mm_f32(d.T, h_c, out=dw)
                 else:
                     dw += mm_f32(d.T, h_c)
-        else:
-            dh = (torch.mm(dz, self.w) if out_h is None else torch.mm(dz, self.w, out=out_h)) if need_h else None
-            if dw is not None:
-                if first:
-                    torch.mm(dz.T, h_c, out=dw)
-                else:
-                    dw.addmm_(dz.T, h_c)
+            elif first:
+                torch.mm(d.T, h_c, out=dw)
+            else:
+                dw.addmm_(d.T, h_c)
         return dh
 
 
@@ -308,10 +317,7 @@ def chunked_grads(hidden, weight, targets, lse, entropy, g_lp, g_ent, temperatur
         else:
             dz = _dz_from_lse(z, lse[s:e].to(z.dtype), prep.p(e - s), targets[s:e], entropy[s:e].to(z.dtype),
                               g_lp[s:e].to(z.dtype), g_ent[s:e].to(z.dtype), inv_t)
-        out_h = dh[s:e] if need_hidden and dh.dtype == z.dtype and not prep.lowp else None
-        dh_c = prep.grads(dz, h_c, dw, need_hidden, first=s == 0, out_h=out_h)
-        if need_hidden and out_h is None:
-            dh[s:e] = dh_c
+        prep.grads(dz, h_c, dw, need_hidden, first=s == 0, out_h=dh[s:e] if need_hidden else None)
     return dh, dw
 
 
@@ -362,8 +368,5 @@ def chunked_fused(hidden, weight, targets, temperature: float, coef_fn: CoefFn |
             else:
                 dz.masked_fill_(~keep, 0.0)
             h_c = zero_rows(h_c, keep)
-        out_h = dh[s:e] if need_hidden and dh.dtype == z.dtype and not prep.lowp else None
-        dh_c = prep.grads(dz, h_c, dw, need_hidden, first=s == 0, out_h=out_h)
-        if need_hidden and out_h is None:
-            dh[s:e] = dh_c
+        prep.grads(dz, h_c, dw, need_hidden, first=s == 0, out_h=dh[s:e] if need_hidden else None)
     return stats[0], stats[1], dh, dw

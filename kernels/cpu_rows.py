@@ -229,17 +229,15 @@ def row_dz_(z: torch.Tensor, targets: torch.Tensor, stats, entropy: torch.Tensor
     c, v = z.shape
     t = _checked(z, targets)
     entropy, g_lp, g_ent = _rows(entropy, c, "entropy"), _rows(g_lp, c, "g_lp"), _rows(g_ent, c, "g_ent")
-    if isinstance(stats, RowStats) and stats.exp_stored:
-        if stats.log_norm.numel() != c:
-            raise ValueError(f"stats are of {stats.log_norm.numel()} rows, z has {c}")
-        _lib.fastpo_row_dz_exp(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), stats.log_norm.data_ptr(),
-                               entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
-                               torch.get_num_threads())
-        return z
     if isinstance(stats, RowStats):
         shift, log_norm = _rows(stats.shift, c, "stats"), _rows(stats.log_norm, c, "stats")
     else:
         shift, log_norm = _rows(stats, c, "lse"), torch.zeros(c, dtype=torch.float32)
+    if isinstance(stats, RowStats) and stats.exp_stored:
+        _lib.fastpo_row_dz_exp(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), log_norm.data_ptr(),
+                               entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
+                               torch.get_num_threads())
+        return z
     _lib.fastpo_row_dz(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), shift.data_ptr(), log_norm.data_ptr(),
                        entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t), torch.get_num_threads())
     return z
