@@ -56,11 +56,10 @@ if ! $PY -c "import numba" >/dev/null 2>&1 && ls "$CARRY"/whl/numba/*.whl >/dev/
     export PYTHONPATH=/tmp/fastpo-site${PYTHONPATH:+:$PYTHONPATH}
 fi
 $PY -c "import numba" || echo "warning: numba does not import here; envs, rollout and e2e parts will fail"
-# fastpo without pip: the package layout rebuilt from symlinks (kernels/ -> fastpo.kernels).
+# fastpo without pip: the package layout rebuilt from symlinks (envs_native/ -> fastpo.envs_native).
 SHIM=/tmp/fastpo-shim
 rm -rf "$SHIM" && mkdir -p "$SHIM/fastpo"
 for f in fastpo/*; do ln -s "$PWD/$f" "$SHIM/fastpo/"; done
-ln -s "$PWD/kernels" "$SHIM/fastpo/kernels"
 ln -s "$PWD/envs_native" "$SHIM/fastpo/envs_native"
 export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
 [ -d "$CARRY/cache" ] && export FASTPO_CACHE=$CARRY/cache
@@ -76,7 +75,7 @@ compile_rc=${PIPESTATUS[0]}
 [ "$compile_rc" = 3 ] && compile_rc=0
 echo "compile check rc=$compile_rc"
 echo "== GPU tests"
-# PYTHONSAFEPATH: `-m` would put the repo root first on sys.path, where fastpo/ lacks kernels/
+# PYTHONSAFEPATH: `-m` would put the repo root first on sys.path, where fastpo/ lacks envs_native/
 # (the kernels' paper-scale tests, N=16384 at Qwen2.5-0.5B/7B and Llama-3 shapes, are among them)
 PYTHONSAFEPATH=1 timeout -k 5 140 $PY -m pytest -q -m gpu tests -p no:cacheprovider --durations=15 2>&1 \
     | tee "$OUT/gpu_tests.log"

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: The shipped code: the package, its mapped subpackages, and the scripts users run.
-FOLDERS = ("fastpo", "kernels", "envs_native", "tools", "bench", "examples")
+FOLDERS = ("fastpo", "envs_native", "tools", "bench", "examples")
 _SUBPROCESS = {"run", "Popen", "check_output", "check_call", "call"}
 _TEMPFILES = {"NamedTemporaryFile", "TemporaryFile", "SpooledTemporaryFile"}
 

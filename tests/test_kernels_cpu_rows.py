@@ -1,4 +1,4 @@
-"""The compiled CPU row routines (kernels/cpu_rows.py, kernels/_cpu_rows.c) against the eager
+"""The compiled CPU row routines (fastpo/kernels/cpu_rows.py, fastpo/kernels/_cpu_rows.c) against the eager
 PyTorch stages they replace, and their fallbacks."""
 import os
 import shutil

@@ -114,9 +114,11 @@ def _from_module(path: pathlib.Path, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _runtime_imports(path: pathlib.Path) -> set[str]:
+def _runtime_imports(path: pathlib.Path, modules: frozenset = frozenset()) -> set[str]:
     """Every module `path` imports, relative imports resolved, without those under `if
-    TYPE_CHECKING:` (annotations only, never run)."""
+    TYPE_CHECKING:` (annotations only, never run). `from PKG import name` where PKG.name is one
+    of `modules` (a submodule, e.g. `from . import chunked` inside fastpo/kernels/) imports that
+    submodule, not PKG's __init__ (already initialising when a sibling does this)."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
@@ -127,7 +129,8 @@ def _runtime_imports(path: pathlib.Path) -> set[str]:
             out |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             module = _from_module(path, node)
-            out |= {module} | {f"{module}.{a.name}" for a in node.names}
+            names = {f"{module}.{a.name}" for a in node.names}
+            out |= names if names <= modules else {module} | names
     return out
 
 
@@ -136,7 +139,7 @@ def test_no_import_cycle_in_fastpo():
     functions count: a cycle hidden in a function is still one; those under `if
     TYPE_CHECKING:` do not run), found as the strongly connected components of the graph."""
     mods = {_module_name(p): p for p in _sources()}
-    graph = {m: {n for n in _runtime_imports(p) if n in mods and n != m} for m, p in mods.items()}
+    graph = {m: {n for n in _runtime_imports(p, frozenset(mods)) if n in mods and n != m} for m, p in mods.items()}
     index, low, stack, on, cycles = {}, {}, [], set(), []
 
     def visit(v):  # Tarjan's algorithm
@@ -165,13 +168,18 @@ def test_no_import_cycle_in_fastpo():
 
 def test_no_private_name_is_imported_from_another_module():
     """A name with a leading underscore is its module's own: another fastpo module that needs
-    it gets a public name (or the rule moves where both can read it)."""
+    it gets a public name (or the rule moves where both can read it). A private module is its
+    package's own: its siblings may import it (`from . import _triton` in fastpo/kernels/)."""
     found = []
+    mods = {_module_name(p) for p in _sources()}
     for p in _sources():
+        package = _module_name(p) if p.name == "__init__.py" else _module_name(p).rpartition(".")[0]
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom) and _from_module(p, node).startswith("fastpo"):
-                found += [f"{_module_name(p)} <- {_from_module(p, node)}.{a.name}" for a in node.names
-                          if a.name.startswith("_") and not a.name.startswith("__")]
+                module = _from_module(p, node)
+                found += [f"{_module_name(p)} <- {module}.{a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")
+                          and not (module == package and f"{module}.{a.name}" in mods)]
     assert found == []
 
 

@@ -28,7 +28,7 @@ SKIP = shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-i
 def _source_packages() -> set[str]:
     """Import names of every package folder of the checkout (an __init__.py inside)."""
     names = set()
-    for prefix, folder in (("fastpo", "fastpo"), ("fastpo.kernels", "kernels"), ("fastpo.envs_native", "envs_native")):
+    for prefix, folder in (("fastpo", "fastpo"), ("fastpo.envs_native", "envs_native")):
         for here, dirs, files in os.walk(os.path.join(ROOT, folder)):
             dirs[:] = [d for d in dirs if d != "__pycache__"]
             if "__init__.py" in files:

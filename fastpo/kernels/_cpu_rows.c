@@ -1,6 +1,6 @@
 /* The chunked path's elementwise stages on the CPU, one row of scaled logits at a time.
  *
- * Built and loaded by kernels/cpu_rows.py (compiled with cc -O3 -march=native -ffast-math
+ * Built and loaded by fastpo/kernels/cpu_rows.py (compiled with cc -O3 -march=native -ffast-math
  * -fno-finite-math-only -fopenmp, linked without -ffast-math: no flush-to-zero). Each
  * row is read while it sits in a core's L2: the statistics are two passes over the row (max,
  * then exp-sum and the entropy's sum), the gradient one more; PyTorch's eager ops need about
