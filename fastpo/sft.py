@@ -66,11 +66,12 @@ SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", 
 #: What `fastpo sft --env GAME` adds on the CPU preset alone (this machine's default; `--preset paper`
 #: keeps the paper's turns and answers), before your overrides: the best measured setting
 #: (docs/sft.md, "What the embedded model learns of Sokoban"): one move per answer, closed loop,
-#: 10 turns of it, 384 expert levels for one epoch, lr 5e-5. (config overrides, sft.* overrides)
+#: 10 turns of it, the prompt saying one action per turn, 768 expert levels for one epoch (96
+#: steps of 8), lr 2e-4. (config overrides, sft.* overrides)
 SFT_CPU_GAME_DEFAULTS = {
-    "sokoban": (["rollout.max_turns=10", "rollout.max_actions_per_traj=10", "optim.actor_lr=5e-5",
-                 "trainer.iterations=48"],
-                ["sft.actions_per_turn=1", "sft.trajectories=384"]),
+    "sokoban": (["rollout.max_turns=10", "rollout.max_actions_per_traj=10", "rollout.max_actions_per_turn=1",
+                 "optim.actor_lr=2e-4", "trainer.iterations=96"],
+                ["sft.actions_per_turn=1", "sft.trajectories=768"]),
 }
 
 

@@ -522,16 +522,17 @@ def test_chat_file_encodings(tok, tmp_path):
 
 
 def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, no_model, tmp_path):
-    """`fastpo sft --env sokoban` on the CPU preset: one move per answer over 10 turns, 384
-    levels, 48 steps at 5e-5 (docs/sft.md); --preset paper and a config file keep the plain defaults."""
-    for argv, said in ((["--preset", "cpu"], "384 expert trajectories, 8 per step, 48 steps, lr 5e-05"),
+    """`fastpo sft --env sokoban` on the CPU preset: one move per answer (and a prompt saying so)
+    over 10 turns, 768 levels, 96 steps at 2e-4 (docs/sft.md); --preset paper and a config file
+    keep the plain defaults."""
+    for argv, said in ((["--preset", "cpu"], "768 expert trajectories, 8 per step, 96 steps, lr 0.0002"),
                        (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 1e-05"),
                        (["--preset", "cpu", "sft.trajectories=64", "--iterations", "4"],
-                        "64 expert trajectories, 8 per step, 4 steps, lr 5e-05")):
+                        "64 expert trajectories, 8 per step, 4 steps, lr 0.0002")):
         with pytest.raises(ModelLoadReached):
             main(["sft", "--env", "sokoban", *argv, "--out", str(tmp_path / argv[1])])
         out = " ".join(capsys.readouterr().out.split())
         assert said in out, out
     cfg = load_config(env="sokoban", preset="cpu", overrides=fastpo.sft.SFT_CPU_GAME_DEFAULTS["sokoban"][0])
-    assert (cfg.rollout.max_turns, cfg.rollout.max_actions_per_traj) == (10, 10)
+    assert (cfg.rollout.max_turns, cfg.rollout.max_actions_per_traj, cfg.rollout.max_actions_per_turn) == (10, 10, 1)
     assert cfg.env.options.get("observation", "grid") == "grid"  # the paper's rendering: no format measured better
