@@ -65,7 +65,7 @@ SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", 
                          "optim.actor_lr=1e-5", "trainer.eval_before_training=true"]
 #: What `fastpo sft --env GAME` adds on the CPU preset alone (this machine's default; `--preset paper`
 #: keeps the paper's turns and answers), before your overrides: the best measured setting
-#: (docs/sft.md, "What the embedded model learns of Sokoban"): one move per answer, closed loop,
+#: (docs/sft.md, "Twice the levels at a higher learning rate"): one move per answer, closed loop,
 #: 10 turns of it, the prompt saying one action per turn, 768 expert levels for one epoch (96
 #: steps of 8), lr 2e-4. (config overrides, sft.* overrides)
 SFT_CPU_GAME_DEFAULTS = {
