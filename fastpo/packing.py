@@ -62,8 +62,7 @@ def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torc
     """
     if len(input_ids) != len(loss_masks):
         raise ValueError(f"{len(input_ids)} trajectories but {len(loss_masks)} loss masks")
-    lengths, keys = [], {}
-    groups = []
+    heads = []  # each trajectory's untrained prefix, as numpy
     for i, (x, m) in enumerate(zip(input_ids, loss_masks)):
         x, m = torch.as_tensor(x), torch.as_tensor(m)
         if m.shape != x.shape:
@@ -71,35 +70,34 @@ def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torc
         trained = torch.nonzero(m, as_tuple=False)
         p = int(trained[0]) if trained.numel() else int(x.numel())
         p = max(0, min(p, int(x.numel()) - 1))
-        lengths.append(p)
-        if min_common <= 0:
-            groups.append(keys.setdefault((p, x[:p].cpu().numpy().tobytes()), len(keys)))
+        heads.append(x[:p].cpu().numpy())
     if min_common > 0:
-        return _common_prefixes([torch.as_tensor(x).cpu().numpy() for x in input_ids], lengths, min_common)
-    return lengths, groups
+        return _common_prefixes(heads, min_common)
+    keys: dict = {}
+    return [h.size for h in heads], [keys.setdefault((h.size, h.tobytes()), len(keys)) for h in heads]
 
 
-def _common_prefixes(ids: list, lengths: list[int], min_common: int) -> tuple[list[int], list[int]]:
-    """`shared_prefixes`' grouping by common leading tokens (see there); `lengths` are the
-    untrained prefixes' lengths, `ids` numpy int arrays."""
+def _common_prefixes(heads: list, min_common: int) -> tuple[list[int], list[int]]:
+    """`shared_prefixes`' grouping by common leading tokens (see there); `heads` are the
+    untrained prefixes, numpy int arrays."""
     import numpy as np
 
     # a fixed-width encoding sorts lexicographically by tokens: alike prefixes end up adjacent
-    order = sorted(range(len(ids)), key=lambda i: (ids[i][:lengths[i]].astype(">i8").tobytes(), i))
-    out_len, out_group = list(lengths), list(range(len(ids)))
+    order = sorted(range(len(heads)), key=lambda i: (heads[i].astype(">i8").tobytes(), i))
+    out_len, out_group = [h.size for h in heads], list(range(len(heads)))
     runs: list[tuple[list[int], int]] = []  # (members, their common length)
     for i in order:
-        head = ids[i][:lengths[i]]
+        head = heads[i]
         if runs:
             members, common = runs[-1]
-            ref = ids[members[0]][:common]
+            ref = heads[members[0]][:common]
             m = min(common, head.size)
             diff = np.nonzero(ref[:m] != head[:m])[0]
             lcp = int(diff[0]) if diff.size else m
             if lcp >= min_common:
                 runs[-1] = (members + [i], lcp)
                 continue
-        runs.append(([i], lengths[i]))
+        runs.append(([i], head.size))
     for g, (members, common) in enumerate(runs):
         for i in members:
             out_group[i] = g
