@@ -103,6 +103,12 @@ def _module_name(p: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _package(path: pathlib.Path) -> str:
+    """The package a module belongs to (an __init__.py: its own)."""
+    name = _module_name(path)
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
 def _from_module(path: pathlib.Path, node: ast.ImportFrom) -> str:
     """The absolute module of `from ... import` in `path` (a relative one resolved)."""
     if not node.level:
@@ -116,9 +122,11 @@ def _from_module(path: pathlib.Path, node: ast.ImportFrom) -> str:
 
 def _runtime_imports(path: pathlib.Path, modules: frozenset = frozenset()) -> set[str]:
     """Every module `path` imports, relative imports resolved, without those under `if
-    TYPE_CHECKING:` (annotations only, never run). `from PKG import name` where PKG.name is one
-    of `modules` (a submodule, e.g. `from . import chunked` inside fastpo/kernels/) imports that
-    submodule, not PKG's __init__ (already initialising when a sibling does this)."""
+    TYPE_CHECKING:` (annotations only, never run). A module of package PKG doing `from PKG
+    import name` where PKG.name is one of `modules` (a sibling, e.g. `from . import chunked`
+    inside fastpo/kernels/) imports that submodule, not PKG's __init__ (already initialising
+    whenever one of its modules runs)."""
+    package = _package(path)
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
@@ -130,7 +138,7 @@ def _runtime_imports(path: pathlib.Path, modules: frozenset = frozenset()) -> se
         elif isinstance(node, ast.ImportFrom):
             module = _from_module(path, node)
             names = {f"{module}.{a.name}" for a in node.names}
-            out |= names if names <= modules else {module} | names
+            out |= names if module == package and names <= modules else {module} | names
     return out
 
 
@@ -173,7 +181,7 @@ def test_no_private_name_is_imported_from_another_module():
     found = []
     mods = {_module_name(p) for p in _sources()}
     for p in _sources():
-        package = _module_name(p) if p.name == "__init__.py" else _module_name(p).rpartition(".")[0]
+        package = _package(p)
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, ast.ImportFrom) and _from_module(p, node).startswith("fastpo"):
                 module = _from_module(p, node)
