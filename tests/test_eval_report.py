@@ -9,7 +9,7 @@ import torch
 from fastpo.config import load_config
 from fastpo.evaluate import format_valid_per_trajectory, standard_error
 from fastpo.report.plots import plot_curves
-from fastpo.report.summary import before_after, before_after_table
+from fastpo.report.summary import before_after, before_after_table, result_line
 from fastpo.rollout.parsing import parse_response
 from fastpo.rollout.prompts import first_user_message, move_question, next_user_message
 
@@ -51,6 +51,31 @@ def test_before_after_compares_first_and_last_eval_in_standard_errors():
     assert rows["eval/random_success"]["z"] is None and rows["eval/optimal_success"]["after"] == 0.52
     assert before_after(_records()[:2]) is None and before_after_table(_records()[1:]) is None
     assert before_after_table(_records()).row_count == 5
+
+
+def test_result_line_says_where_success_stands_against_the_random_policy():
+    recs = _records()  # after: 0.20 +- 0.04 against random 0.22
+    line = result_line(recs)
+    assert line.startswith("result (eval at iteration 2): success 0.200 +- 0.040 is within 2 SE of the random "
+                           "policy's 0.220, not above random play (z -0.5; exact on the same seeds, optimal 0.520)")
+    # success rose by exactly 2 SE: not "more than"; format-valid and score mean did
+    assert "rose by more than 2 SE since iteration 0: format-valid +0.450 (z +10.9), score mean +0.250 (z +6.9)" \
+        in line and "success +" not in line and "fell" not in line
+    recs[2]["eval/success_rate"] = 0.40
+    line = result_line(recs)
+    assert "is above the random policy's 0.220 by more than 2 SE (z +4.5;" in line
+    assert "success +0.300 (z +6.0)" in line
+    recs[0]["eval/success_rate"], recs[2]["eval/success_rate"], recs[2]["eval/success_rate_se"] = 0.3, 0.05, 0.02
+    line = result_line(recs)
+    assert "is below the random policy's 0.220 by more than 2 SE (z -8.5;" in line
+    assert "fell by more than 2 SE since iteration 0: success -0.250 (z -6.9)" in line
+    recs[2]["eval/success_rate"], recs[2]["eval/success_rate_se"] = 1.0, 0.0  # every seed solved
+    assert "is above the random policy's 0.220 (every seed the same, no SE;" in result_line(recs)
+    for r in recs:  # a game without reference lines: says so, compares nothing to random
+        r.pop("eval/random_success", None), r.pop("eval/optimal_success", None)
+    assert "(no random-policy reference for this game)" in result_line(recs)
+    assert result_line(recs[:2]) is None  # no evaluation after training
+    assert result_line(recs[1:]).endswith("+- 0.000 (no random-policy reference for this game)")  # no "before"
 
 
 def test_eval_figure_has_the_reference_lines(tmp_path):
@@ -102,6 +127,10 @@ def test_before_after_pairs_by_seed_when_the_outcomes_are_there(tmp_path):
     d = np.array([1, 0, 0, 1.0])
     assert rows["eval/success_rate"]["z_paired"] == pytest.approx(d.mean() / (d.std(ddof=1) / 2))
     assert rows["eval/random_success"]["z_paired"] is None
+    # the result line judges the changes by the paired test where there is one (all under 2 here;
+    # the independent z calls format-valid +10.9)
+    assert result_line(_records(), run_dir=str(tmp_path)).endswith("nothing changed by more than 2 SE since "
+                                                                   "iteration 0")
     after["seed"] = [1, 2, 3, 5]  # other seeds: no pairing
     (tmp_path / "eval" / "iter_000002.json").write_text(json.dumps(after))
     assert all(r["z_paired"] is None for r in before_after(_records(), run_dir=str(tmp_path))["rows"])

@@ -140,19 +140,65 @@ def _paired_z(oa: dict, ob: dict, key: str) -> Optional[float]:
     return float(np.dot(w, d) / math.sqrt(var)) if var > 0 else None
 
 
+def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[str]:
+    """One plain line on what a run's last evaluation shows (None without one at iteration >= 1):
+    its success against the random policy's on the same seeds (exact, per seed, so the test is
+    z = (success - random) / SE(success), "above"/"below" beyond 2, "within 2 SE" otherwise),
+    the optimal policy's beside it, and which before/after rows (`before_after`) changed by
+    more than 2 standard errors since the evaluation before training (paired where the
+    per-seed outcomes are in `run_dir`). A run that learnt only the answer format says so here
+    rather than leaving the reader to compare the table's rows."""
+    evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
+    if not evals or evals[-1].get("iteration", 0) < 1:
+        return None
+    last = evals[-1]
+    succ, se = float(last["eval/success_rate"]), last.get("eval/success_rate_se")
+    text = f"result (eval at iteration {last['iteration']}): success {succ:.3f}"
+    text += f" +- {se:.3f}" if finite_number(se) else ""
+    rnd = last.get("eval/random_success")
+    if finite_number(rnd):
+        rnd = float(rnd)
+        if finite_number(se) and se > 0:
+            z = (succ - rnd) / se
+            where = ("above the random policy's {r:.3f} by more than 2 SE" if z > 2 else
+                     "below the random policy's {r:.3f} by more than 2 SE" if z < -2 else
+                     "within 2 SE of the random policy's {r:.3f}, not above random play").format(r=rnd)
+            text += f" is {where} (z {z:+.1f}"
+        else:  # every seed scored the same: no standard error to scale by
+            where = "above" if succ > rnd else "below" if succ < rnd else "equal to"
+            text += f" is {where} the random policy's {rnd:.3f} (every seed the same, no SE"
+        text += "; exact on the same seeds"
+        if finite_number(last.get("eval/optimal_success")):
+            text += f", optimal {float(last['eval/optimal_success']):.3f}"
+        text += ")"
+    else:
+        text += " (no random-policy reference for this game)"
+    ba = before_after(records, run_dir)
+    if ba is not None:
+        moved = {"rose": [], "fell": []}
+        for row in ba["rows"]:
+            paired = row["z_paired"] is not None
+            z = row["z_paired"] if paired else row["z"]
+            if z is not None and abs(z) > 2:
+                moved["rose" if z > 0 else "fell"].append(
+                    f"{row['label'].strip()} {row['change']:+.3f} ({'paired ' if paired else ''}z {z:+.1f})")
+        changes = [f"{k} by more than 2 SE since iteration {ba['before']}: " + ", ".join(v)
+                   for k, v in moved.items() if v]
+        text += "; " + ("; ".join(changes) if changes else
+                        f"nothing changed by more than 2 SE since iteration {ba['before']}")
+    return text
+
+
 def before_after_note(records: list[dict]) -> Optional[str]:
     """One line for a run that evaluated but not before training (no iteration-0 record:
     trainer.eval_before_training off, or that evaluation stopped by a signal), where
-    `before_after` compares nothing: the last evaluation's success rate, and why there is no
-    before/after table. None when there is an evaluation at iteration 0, or none at all."""
+    `before_after` compares nothing: why there is no before/after table (`result_line` gives
+    the last evaluation). None when there is an evaluation at iteration 0, or none at all."""
     evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
     if not evals or evals[0]["iteration"] == 0:
         return None
-    last = evals[-1]
-    se = last.get("eval/success_rate_se")
-    return (f"no evaluation before training (trainer.eval_before_training is off, or it was stopped), so no "
-            f"before/after table; eval success at iteration {last['iteration']}: {last['eval/success_rate']:.3f}"
-            + (f" +- {se:.3f}" if finite_number(se) else ""))
+    return ("no evaluation before training (trainer.eval_before_training is off, or it was stopped), so no "
+            "before/after table")
 
 
 def before_after_table(records: list[dict], title: Optional[str] = None,

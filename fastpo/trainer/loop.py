@@ -20,7 +20,7 @@ from fastpo.config.presets import cpu_preset_note
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
 from fastpo.report.metrics import warn_user
 from fastpo.report.plots import plot_curves
-from fastpo.report.summary import before_after_note, before_after_table, summary_table
+from fastpo.report.summary import before_after_note, before_after_table, result_line, summary_table
 from fastpo.models import resolve_device
 from fastpo.trainer.iteration import StarPOIteration
 from fastpo.trainer.lifecycle import Dropped, StopControl, Stopped
@@ -420,6 +420,9 @@ class RunLoop:
             self.console.print(ba)
         elif note:
             self.console.print(note, markup=False, soft_wrap=True)
+        line = result_line(records, run_dir=self.out)
+        if line:
+            self.console.print(line, markup=False, soft_wrap=True)
         held = [name for name in ("metrics.jsonl", "plots/", "eval/", "samples/", "checkpoints/")
                 if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
         self.console.print(f"outputs in {self.out}/: {', '.join(held)}")
