@@ -57,7 +57,7 @@ def test_result_line_says_where_success_stands_against_the_random_policy():
     recs = _records()  # after: 0.20 +- 0.04 against random 0.22
     line = result_line(recs)
     assert line.startswith("result (eval at iteration 2): success 0.200 +- 0.040 is within 2 SE of the random "
-                           "policy's 0.220, not above random play (z -0.5; exact on the same seeds, optimal 0.520)")
+                           "policy's 0.220, not above random play (z -0.5; on the same seeds, optimal 0.520)")
     # success rose by exactly 2 SE: not "more than"; format-valid and score mean did
     assert "rose by more than 2 SE since iteration 0: format-valid +0.450 (z +10.9), score mean +0.250 (z +6.9)" \
         in line and "success +" not in line and "fell" not in line
@@ -70,12 +70,14 @@ def test_result_line_says_where_success_stands_against_the_random_policy():
     assert "is below the random policy's 0.220 by more than 2 SE (z -8.5;" in line
     assert "fell by more than 2 SE since iteration 0: success -0.250 (z -6.9)" in line
     recs[2]["eval/success_rate"], recs[2]["eval/success_rate_se"] = 1.0, 0.0  # every seed solved
-    assert "is above the random policy's 0.220 (every seed the same, no SE;" in result_line(recs)
+    assert "is above the random policy's 0.220 (no SE: every seed the same;" in result_line(recs)
+    del recs[2]["eval/success_rate_se"]
+    assert "success 1.000 is above the random policy's 0.220 (no SE: none recorded;" in result_line(recs)
     for r in recs:  # a game without reference lines: says so, compares nothing to random
         r.pop("eval/random_success", None), r.pop("eval/optimal_success", None)
     assert "(no random-policy reference for this game)" in result_line(recs)
     assert result_line(recs[:2]) is None  # no evaluation after training
-    assert result_line(recs[1:]).endswith("+- 0.000 (no random-policy reference for this game)")  # no "before"
+    assert result_line(recs[1:]).endswith("success 1.000 (no random-policy reference for this game)")  # no "before"
 
 
 def test_eval_figure_has_the_reference_lines(tmp_path):

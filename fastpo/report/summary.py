@@ -142,8 +142,9 @@ def _paired_z(oa: dict, ob: dict, key: str) -> Optional[float]:
 
 def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[str]:
     """One plain line on what a run's last evaluation shows (None without one at iteration >= 1):
-    its success against the random policy's on the same seeds (exact, per seed, so the test is
-    z = (success - random) / SE(success), "above"/"below" beyond 2, "within 2 SE" otherwise),
+    its success against the random policy's on the same seeds (an expectation per seed, taken as
+    known: `fastpo.evaluate.success_bounds`; so z = (success - random) / SE(success), "above" or
+    "below" beyond 2, "within 2 SE" otherwise),
     the optimal policy's beside it, and which before/after rows (`before_after`) changed by
     more than 2 standard errors since the evaluation before training (paired where the
     per-seed outcomes are in `run_dir`). A run that learnt only the answer format says so here
@@ -164,10 +165,11 @@ def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[
                      "below the random policy's {r:.3f} by more than 2 SE" if z < -2 else
                      "within 2 SE of the random policy's {r:.3f}, not above random play").format(r=rnd)
             text += f" is {where} (z {z:+.1f}"
-        else:  # every seed scored the same: no standard error to scale by
+        else:  # no standard error to scale by
             where = "above" if succ > rnd else "below" if succ < rnd else "equal to"
-            text += f" is {where} the random policy's {rnd:.3f} (every seed the same, no SE"
-        text += "; exact on the same seeds"
+            why = "every seed the same" if finite_number(se) else "none recorded"
+            text += f" is {where} the random policy's {rnd:.3f} (no SE: {why}"
+        text += "; on the same seeds"
         if finite_number(last.get("eval/optimal_success")):
             text += f", optimal {float(last['eval/optimal_success']):.3f}"
         text += ")"
