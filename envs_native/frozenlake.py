@@ -37,6 +37,9 @@ MAPS = {
     "8x8": ["SFFFFFFF", "FFFFFFFF", "FFFHFFFF", "FFFFFHFF", "FFFHFFFF", "FHHFFFHF", "FHFFHFHF", "FFFHFFFG"],
 }
 _FROZEN, _HOLE, _GOAL = 0, 1, 2
+# Worth of a step in the expert's tie-break between equally likely successes (a shorter
+# route scores higher); any value in (0, 1) would do.
+_TIE_DISCOUNT = 0.9
 _SALT = 0xF20
 _MAX_MAP_TRIES = 100_000
 LAYOUTS = ("ragen", "gymnasium")
@@ -127,8 +130,12 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, 
     sum_s' P(s' | s, a) * (1 if s' is a goal, 0 if a hole, else V_{k-1}(s')), with the
     transition probabilities of `_fl_step`; out[b] = V_horizon(start[b]).
     policy: int8 [B, horizon + 1, R * C] (or an empty array: not wanted): policy[b, k, s] is
-    the first action (lowest id among ties) maximising the sum above with k actions left
-    (row 0 stays 0).
+    an action maximising the sum above with k actions left (row 0 stays 0); among actions
+    within 1e-12 of the best, the one with the highest discounted success (the same sums with
+    each step worth _TIE_DISCOUNT, the chosen actions' value carried as U_k), then the lowest
+    id: without slip every action that still reaches the goal in time ties at 1, and the
+    lowest id alone would bump into walls until the last moment instead of walking the
+    shortest path. The values (out) do not depend on the tie-break.
     """
     want_policy = policy.shape[0] > 0
     B, R, C = maps.shape
@@ -136,20 +143,28 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, 
     p_side = (1.0 - p_intended) / 2.0
     v = np.zeros(n)
     nv = np.zeros(n)
+    u = np.zeros(n)  # discounted success of the chosen actions: the tie-break
+    nu = np.zeros(n)
+    qs = np.zeros(4)
+    qus = np.zeros(4)
     for b in range(B):
         v[:] = 0.0
+        u[:] = 0.0
         for k in range(1, horizon + 1):
             for s in range(n):
                 r0 = s // C
                 c0 = s % C
                 if maps[b, r0, c0] != _FROZEN:
                     nv[s] = 0.0
+                    nu[s] = 0.0
                     continue
                 best = -1.0
+                best_u = -1.0
                 best_a = 0
                 total = 0.0
                 for a in range(4):
                     q = 0.0
+                    qu = 0.0
                     for o in range(3 if slippery else 1):
                         if o == 0:
                             d = a
@@ -173,17 +188,25 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, 
                         t = maps[b, r, c]
                         if t == _GOAL:
                             q += pr
+                            qu += pr * _TIE_DISCOUNT
                         elif t == _FROZEN:
                             q += pr * v[r * C + c]
-                    if q > best:
-                        best = q
-                        best_a = a
+                            qu += pr * _TIE_DISCOUNT * u[r * C + c]
+                    qs[a] = q
+                    qus[a] = qu
+                    best = max(best, q)
                     total += q
+                for a in range(4):  # the fastest of the (near-)best actions; the lowest id on equal terms
+                    if qs[a] >= best - 1e-12 and qus[a] > best_u:
+                        best_u = qus[a]
+                        best_a = a
                 nv[s] = best if greedy else total / 4.0
+                nu[s] = best_u
                 if want_policy:
                     policy[b, k, s] = best_a
             for s in range(n):
                 v[s] = nv[s]
+                u[s] = nu[s]
         out[b] = v[start[b]]
 
 
