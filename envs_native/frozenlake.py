@@ -423,8 +423,9 @@ class FrozenLakeEnv(BatchedTextEnv):
     def optimal_policy(self, horizon: int) -> np.ndarray:
         """int8 [B, horizon + 1, R * C]: for each current instance, the best action id (0 Left,
         1 Down, 2 Right, 3 Up) in each cell (row * C + column) with k = 1..horizon actions left
-        (row k), from the finite-horizon value iteration of `optimal_success` (ties: the lowest
-        id; row 0 and cells that are holes or goals hold 0). The closed-loop expert: acting
+        (row k), from the finite-horizon value iteration of `optimal_success` (ties: the faster
+        route, then the lowest id, see `_fl_success_values`; row 0 and cells that are holes or
+        goals hold 0). The closed-loop expert: acting
         with table[b, k, position] at every step reaches the goal with `optimal_success`'s
         probability. Raises ValueError for a horizon that is not an integer >= 1,
         RuntimeError before the first reset.

@@ -57,7 +57,7 @@ def test_result_line_says_where_success_stands_against_the_random_policy():
     recs = _records()  # after: 0.20 +- 0.04 against random 0.22
     line = result_line(recs)
     assert line.startswith("result (eval at iteration 2): success 0.200 +- 0.040 is within 2 SE of the random "
-                           "policy's 0.220, not above random play (z -0.5; on the same seeds, optimal 0.520)")
+                           "policy's 0.220, not shown above random play (z -0.5; on the same seeds, optimal 0.520)")
     # success rose by exactly 2 SE: not "more than"; format-valid and score mean did
     assert "rose by more than 2 SE since iteration 0: format-valid +0.450 (z +10.9), score mean +0.250 (z +6.9)" \
         in line and "success +" not in line and "fell" not in line
@@ -75,9 +75,17 @@ def test_result_line_says_where_success_stands_against_the_random_policy():
     assert "success 1.000 is above the random policy's 0.220 (no SE: none recorded;" in result_line(recs)
     for r in recs:  # a game without reference lines: says so, compares nothing to random
         r.pop("eval/random_success", None), r.pop("eval/optimal_success", None)
-    assert "(no random-policy reference for this game)" in result_line(recs)
+    assert "(no random-policy line in this evaluation)" in result_line(recs)
     assert result_line(recs[:2]) is None  # no evaluation after training
-    assert result_line(recs[1:]).endswith("success 1.000 (no random-policy reference for this game)")  # no "before"
+    assert result_line(recs[1:]).endswith("success 1.000 (no random-policy line in this evaluation)")  # no "before"
+    # every seed moved alike (both SEs 0): a change of 1.0 is named, not "nothing changed"
+    recs[0].update({"eval/format_valid": 0.0, "eval/format_valid_se": 0.0})
+    recs[2].update({"eval/format_valid": 1.0, "eval/format_valid_se": 0.0})
+    assert "rose by more than 2 SE since iteration 0: format-valid +1.000 (SE 0)" in result_line(recs)
+    # judged as printed: z 2.04 prints +2.0, "within"; 1.96 too; 2.06 prints +2.1, "above"
+    for s_after, word in ((0.302, "within 2 SE"), (0.298, "within 2 SE"), (0.303, "above")):
+        recs[2].update({"eval/success_rate": s_after, "eval/success_rate_se": 0.05, "eval/random_success": 0.2})
+        assert f"success {s_after:.3f} +- 0.050 is {word}" in result_line(recs)
 
 
 def test_eval_figure_has_the_reference_lines(tmp_path):

@@ -239,7 +239,7 @@ def test_without_an_evaluation_before_training_there_is_no_before_after_table_bu
     assert "no evaluation before training" in note
     from fastpo.report.summary import result_line
 
-    assert result_line(recs) == "result (eval at iteration 4): success 0.500 +- 0.100 (no random-policy reference " \
-        "for this game)"  # the last evaluation, nothing to compare it with
+    assert result_line(recs) == "result (eval at iteration 4): success 0.500 +- 0.100 (no random-policy line in " \
+        "this evaluation)"  # the last evaluation, nothing to compare it with
     with_before = [{"iteration": 0, **ev}] + recs
     assert before_after(with_before)["before"] == 0 and before_after_note(with_before) is None

@@ -144,11 +144,12 @@ def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[
     """One plain line on what a run's last evaluation shows (None without one at iteration >= 1):
     its success against the random policy's on the same seeds (an expectation per seed, taken as
     known: `fastpo.evaluate.success_bounds`; so z = (success - random) / SE(success), "above" or
-    "below" beyond 2, "within 2 SE" otherwise),
-    the optimal policy's beside it, and which before/after rows (`before_after`) changed by
-    more than 2 standard errors since the evaluation before training (paired where the
-    per-seed outcomes are in `run_dir`). A run that learnt only the answer format says so here
-    rather than leaving the reader to compare the table's rows."""
+    "below" beyond 2, "within 2 SE" otherwise), the optimal policy's beside it, and which
+    before/after rows (`before_after`) changed by more than 2 standard errors since the
+    evaluation before training (paired where the per-seed outcomes are in `run_dir`; a change
+    with a standard error of 0, every seed moving alike, is named too). Each z is judged as
+    printed, to one decimal, so the words never contradict the figure. A run that learnt only
+    the answer format says so here rather than leaving the reader to compare the table's rows."""
     evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
     if not evals or evals[-1].get("iteration", 0) < 1:
         return None
@@ -156,34 +157,36 @@ def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[
     succ, se = float(last["eval/success_rate"]), last.get("eval/success_rate_se")
     text = f"result (eval at iteration {last['iteration']}): success {succ:.3f}"
     text += f" +- {se:.3f}" if finite_number(se) else ""
-    rnd = last.get("eval/random_success")
+    rnd, opt = last.get("eval/random_success"), last.get("eval/optimal_success")
+    refs = f", optimal {float(opt):.3f}" if finite_number(opt) else ""
     if finite_number(rnd):
         rnd = float(rnd)
         if finite_number(se) and se > 0:
-            z = (succ - rnd) / se
+            z = round((succ - rnd) / se, 1)
             where = ("above the random policy's {r:.3f} by more than 2 SE" if z > 2 else
                      "below the random policy's {r:.3f} by more than 2 SE" if z < -2 else
-                     "within 2 SE of the random policy's {r:.3f}, not above random play").format(r=rnd)
+                     "within 2 SE of the random policy's {r:.3f}, not shown above random play").format(r=rnd)
             text += f" is {where} (z {z:+.1f}"
         else:  # no standard error to scale by
             where = "above" if succ > rnd else "below" if succ < rnd else "equal to"
             why = "every seed the same" if finite_number(se) else "none recorded"
             text += f" is {where} the random policy's {rnd:.3f} (no SE: {why}"
-        text += "; on the same seeds"
-        if finite_number(last.get("eval/optimal_success")):
-            text += f", optimal {float(last['eval/optimal_success']):.3f}"
-        text += ")"
+        text += f"; on the same seeds{refs})"
     else:
-        text += " (no random-policy reference for this game)"
+        text += f" (no random-policy line in this evaluation{refs})"
     ba = before_after(records, run_dir)
     if ba is not None:
         moved = {"rose": [], "fell": []}
         for row in ba["rows"]:
             paired = row["z_paired"] is not None
             z = row["z_paired"] if paired else row["z"]
+            if z is not None:
+                z = round(z, 1)
+                how = f"{'paired ' if paired else ''}z {z:+.1f}"
+            elif row["before_se"] is not None and row["change"] != 0:  # both SEs 0: every seed moved alike
+                z, how = math.copysign(math.inf, row["change"]), "SE 0"
             if z is not None and abs(z) > 2:
-                moved["rose" if z > 0 else "fell"].append(
-                    f"{row['label'].strip()} {row['change']:+.3f} ({'paired ' if paired else ''}z {z:+.1f})")
+                moved["rose" if z > 0 else "fell"].append(f"{row['label'].strip()} {row['change']:+.3f} ({how})")
         changes = [f"{k} by more than 2 SE since iteration {ba['before']}: " + ", ".join(v)
                    for k, v in moved.items() if v]
         text += "; " + ("; ".join(changes) if changes else
