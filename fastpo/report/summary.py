@@ -66,6 +66,11 @@ def _eval_outcomes(run_dir: Optional[str], iteration: int) -> Optional[dict]:
         return None
 
 
+def _evaluations(records: list[dict]) -> list[dict]:
+    """The records of a run that hold an evaluation (a finite eval/success_rate), in order."""
+    return [r for r in records if finite_number(r.get("eval/success_rate"))]
+
+
 def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional[dict]:
     """The evaluation before training (iteration 0) and the last one, compared: None without
     an evaluation at iteration 0 or a later one, else {"before": iteration, "after": iteration, "rows": [{"key", "label",
@@ -77,7 +82,7 @@ def before_after(records: list[dict], run_dir: Optional[str] = None) -> Optional
     per-seed differences d = after - before, which takes out what the seeds themselves make
     easy or hard (a map without a short safe path fails before and after). Either is None
     where it cannot be computed (no standard error, both 0, or no outcomes)."""
-    evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
+    evals = _evaluations(records)
     if len(evals) < 2 or evals[0]["iteration"] != 0:  # no "before": see before_after_note
         return None
     a, b = evals[0], evals[-1]
@@ -150,7 +155,7 @@ def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[
     with a standard error of 0, every seed moving alike, is named too). Each z is judged as
     printed, to one decimal, so the words never contradict the figure. A run that learnt only
     the answer format says so here rather than leaving the reader to compare the table's rows."""
-    evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
+    evals = _evaluations(records)
     if not evals or evals[-1].get("iteration", 0) < 1:
         return None
     last = evals[-1]
@@ -199,7 +204,7 @@ def before_after_note(records: list[dict]) -> Optional[str]:
     trainer.eval_before_training off, or that evaluation stopped by a signal), where
     `before_after` compares nothing: why there is no before/after table (`result_line` gives
     the last evaluation). None when there is an evaluation at iteration 0, or none at all."""
-    evals = [r for r in records if finite_number(r.get("eval/success_rate"))]
+    evals = _evaluations(records)
     if not evals or evals[0]["iteration"] == 0:
         return None
     return ("no evaluation before training (trainer.eval_before_training is off, or it was stopped), so no "
