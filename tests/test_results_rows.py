@@ -34,7 +34,7 @@ def fake(tmp_path, monkeypatch):
            "z_paired": 2.0}
     rec = {"name": "t", "title": "`make train`", "argv": argv, "commit": "0" * 40, "recorded": "2026-12-02",
            "wall_s": 600.0, "config_sha256": results_row._sha(results_row._config_text(argv)),
-           "eval_sources_sha256": results_row._eval_fingerprint("frozenlake"),
+           "eval_code_sha256": results_row._eval_fingerprint("frozenlake"),
            "figures": {"eval/success_rate": row, "eval/random_success": {**row, "after": 0.224}}}
     os.makedirs(results_row.RECORDS)
     with open(os.path.join(results_row.RECORDS, "t.json"), "w") as f:
@@ -61,3 +61,19 @@ def test_a_moved_preset_eval_code_or_readme_row_is_named(fake, monkeypatch, tmp_
     (tmp_path / "README.md").write_text("# x\n| `make train` | success 0.2 -> 0.9 |\n")
     said = results_row.problems()
     assert len(said) == 1 and "README.md's row is not the record's" in said[0]
+
+
+def test_a_docstring_or_comment_keeps_a_record_current_and_code_does_not(fake):
+    """The evaluation fingerprint ignores docstrings and whole-line comments, not code."""
+    assert results_row.problems() == []
+    fake.write_text('"""A module docstring,\nover two lines."""\n# a comment\n\nx = 1   \n')
+    assert results_row.problems() == []
+    fake.write_text('x = 1\n\n\ndef f():\n    """f\'s docstring."""\n    return x\n')
+    moved = results_row._eval_fingerprint("frozenlake")
+    fake.write_text('x = 1\n\n\ndef f():\n    """Reworded."""\n    # why\n    return x\n')
+    assert results_row._eval_fingerprint("frozenlake") == moved
+    fake.write_text('x = 1\n\n\ndef f():\n    """Reworded."""\n    return -x\n')
+    assert results_row._eval_fingerprint("frozenlake") != moved
+    fake.write_text('x = "# not a comment"\n')
+    said = results_row.problems()
+    assert len(said) == 1 and "the evaluation code" in said[0]

@@ -9,8 +9,9 @@ with the code version, and a test fails once the preset or the evaluation code m
 before/after table does: fastpo.report.summary.before_after) and writes
 bench/results/recorded/NAME.json: the figures, the git commit, and two fingerprints: the SHA-256
 of the configuration that `fastpo train ARGV` resolves to today (its config.yaml without the
-output folder; the run's own config.yaml must match it) and of the evaluation's sources
-(`EVAL_SOURCES` plus the game's module and the games' shared rendering, envs_native/_core.py). `check` recomputes both fingerprints for every record
+output folder; the run's own config.yaml must match it) and of the evaluation's code
+(`EVAL_SOURCES` plus the game's module and the games' shared rendering, envs_native/_core.py;
+docstrings and comments left out). `check` recomputes both fingerprints for every record
 and compares the README's row (the line holding `<!-- results-row:NAME -->`) with the one
 the record gives; it names what moved and the commands that renew the row.
 """
@@ -64,11 +65,31 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _code_lines(text: str) -> list:
+    """The lines of a Python source that decide what it does: without docstrings (module,
+    class and function), whole-line comments, blank lines and trailing blanks. A comment after
+    code on the same line still counts. Line-based (ast gives the docstrings' line spans) so
+    the result does not depend on the Python version's ast or tokenizer output."""
+    import ast
+
+    drop = set()
+    for node in ast.walk(ast.parse(text)):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            drop.update(range(body[0].lineno, body[0].end_lineno + 1))
+    return [line.rstrip() for i, line in enumerate(text.splitlines(), 1)
+            if i not in drop and line.strip() and not line.lstrip().startswith("#")]
+
+
 def _eval_fingerprint(env: str) -> str:
+    """SHA-256 of the evaluation's code (`EVAL_SOURCES`, the game's module and envs_native/_core.py),
+    docstrings and comments left out (`_code_lines`): a reworded docstring keeps a record current."""
     h = hashlib.sha256()
     for rel in EVAL_SOURCES + ((GAME_SOURCES[env], "envs_native/_core.py") if env in GAME_SOURCES else ()):
-        with open(os.path.join(ROOT, rel), "rb") as f:
-            h.update(rel.encode() + b"\0" + f.read())
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            h.update(rel.encode() + b"\0" + "\n".join(_code_lines(f.read())).encode("utf-8") + b"\0")
     return h.hexdigest()
 
 
@@ -117,7 +138,7 @@ def record(name: str, run_dir: str, argv: list, title: str, wall: float | None) 
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, encoding="utf-8").stdout.strip()
     rec = {"name": name, "title": title, "argv": argv, "commit": commit,
            "recorded": datetime.date.today().isoformat(), "wall_s": wall,
-           "config_sha256": _sha(now), "eval_sources_sha256": _eval_fingerprint(env),
+           "config_sha256": _sha(now), "eval_code_sha256": _eval_fingerprint(env),
            "figures": {row["key"]: {k: row[k] for k in ("before", "after", "before_se", "after_se", "change", "z",
                                                           "z_paired")} for row in ba["rows"]}}
     os.makedirs(RECORDS, exist_ok=True)
@@ -152,7 +173,7 @@ def problems() -> list[str]:
             out.append(f"{rec['name']}: the configuration of `fastpo train {' '.join(rec['argv'])}` changed since "
                        f"{rec['commit'][:7]}: {renew}")
         env = yaml.safe_load(now)["env"]["name"]
-        if _eval_fingerprint(env) != rec["eval_sources_sha256"]:
+        if _eval_fingerprint(env) != rec["eval_code_sha256"]:
             out.append(f"{rec['name']}: the evaluation code ({', '.join(EVAL_SOURCES)}, the game) changed since "
                        f"{rec['commit'][:7]}: {renew}")
         marker = f"<!-- results-row:{rec['name']} -->"
