@@ -425,9 +425,11 @@ class FrozenLakeEnv(BatchedTextEnv):
         1 Down, 2 Right, 3 Up) in each cell (row * C + column) with k = 1..horizon actions left
         (row k), from the finite-horizon value iteration of `optimal_success` (ties: the faster
         route, then the lowest id, see `_fl_success_values`; row 0 and cells that are holes or
-        goals hold 0). The closed-loop expert: acting
-        with table[b, k, position] at every step reaches the goal with `optimal_success`'s
-        probability. Raises ValueError for a horizon that is not an integer >= 1,
+        goals hold 0). The closed-loop expert: acting with table[b, k, position] at every step,
+        k the actions the episode has left, reaches the goal with `optimal_success`'s
+        probability. The table does not apply max_steps: k must count it (the smaller of the
+        horizon's and max_steps' actions left), or a cap below the horizon makes the expert fall
+        short of that probability with slip. Raises ValueError for a horizon that is not an integer >= 1,
         RuntimeError before the first reset.
         """
         self._require_reset()
