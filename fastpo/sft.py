@@ -65,13 +65,13 @@ SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", 
                          "optim.actor_lr=1e-5", "trainer.eval_before_training=true"]
 #: What `fastpo sft --env GAME` adds on the CPU preset alone (this machine's default; `--preset paper`
 #: keeps the paper's turns and answers), before your overrides: the best measured setting
-#: (docs/sft.md, "Twice the levels at a higher learning rate"): one move per answer, closed loop,
-#: 10 turns of it, the prompt saying one action per turn, 768 expert levels for one epoch (96
-#: steps of 8), lr 2e-4. (config overrides, sft.* overrides)
+#: (docs/sft.md, "1,536 levels"): one move per answer, closed loop, 10 turns of it, the prompt
+#: saying one action per turn, 1,536 expert levels for one epoch (192 steps of 8), lr 2e-4.
+#: (config overrides, sft.* overrides)
 SFT_CPU_GAME_DEFAULTS = {
     "sokoban": (["rollout.max_turns=10", "rollout.max_actions_per_traj=10", "rollout.max_actions_per_turn=1",
-                 "optim.actor_lr=2e-4", "trainer.iterations=96"],
-                ["sft.actions_per_turn=1", "sft.trajectories=768"]),
+                 "optim.actor_lr=2e-4", "trainer.iterations=192"],
+                ["sft.actions_per_turn=1", "sft.trajectories=1536"]),
 }
 
 

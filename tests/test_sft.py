@@ -523,9 +523,9 @@ def test_chat_file_encodings(tok, tmp_path):
 
 def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, no_model, tmp_path):
     """`fastpo sft --env sokoban` on the CPU preset: one move per answer (and a prompt saying so)
-    over 10 turns, 768 levels, 96 steps at 2e-4 (docs/sft.md); --preset paper and a config file
+    over 10 turns, 1,536 levels, 192 steps at 2e-4 (docs/sft.md); --preset paper and a config file
     keep the plain defaults."""
-    for argv, said in ((["--preset", "cpu"], "768 expert trajectories, 8 per step, 96 steps, lr 0.0002"),
+    for argv, said in ((["--preset", "cpu"], "1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
                        (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 1e-05"),
                        (["--preset", "cpu", "sft.trajectories=64", "--iterations", "4"],
                         "64 expert trajectories, 8 per step, 4 steps, lr 0.0002")):
