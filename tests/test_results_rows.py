@@ -77,3 +77,9 @@ def test_a_docstring_or_comment_keeps_a_record_current_and_code_does_not(fake):
     fake.write_text('x = "# not a comment"\n')
     said = results_row.problems()
     assert len(said) == 1 and "the evaluation code" in said[0]
+    fake.write_text('x = 1\ny = """\n# a line of a string\n"""\n')
+    inside = results_row._eval_fingerprint("frozenlake")
+    fake.write_text('x = 1\ny = """\n# another line of a string\n"""\n')
+    assert results_row._eval_fingerprint("frozenlake") != inside
+    fake.write_text('x = 1  # a comment after code\n')
+    assert results_row.problems() != []

@@ -67,10 +67,13 @@ def _sha(text: str) -> str:
 
 def _code_lines(text: str) -> list:
     """The lines of a Python source that decide what it does: without docstrings (module,
-    class and function), whole-line comments, blank lines and trailing blanks. A comment after
-    code on the same line still counts. Line-based (ast gives the docstrings' line spans) so
-    the result does not depend on the Python version's ast or tokenizer output."""
+    class and function), comment-only lines, blank lines and trailing blanks. A comment after
+    code on the same line still counts, and so does a line inside a string. Line-based (ast
+    gives the docstrings' line spans, tokenize the comments') so the result does not depend on
+    the Python version's ast dump or its tokens for f-strings."""
     import ast
+    import io
+    import tokenize
 
     drop = set()
     for node in ast.walk(ast.parse(text)):
@@ -79,8 +82,15 @@ def _code_lines(text: str) -> list:
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             drop.update(range(body[0].lineno, body[0].end_lineno + 1))
-    return [line.rstrip() for i, line in enumerate(text.splitlines(), 1)
-            if i not in drop and line.strip() and not line.lstrip().startswith("#")]
+    comment, code = set(), set()
+    layout = (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type == tokenize.COMMENT:
+            comment.add(tok.start[0])
+        elif tok.type not in layout:
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    drop |= comment - code
+    return [line.rstrip() for i, line in enumerate(text.splitlines(), 1) if i not in drop and line.strip()]
 
 
 def _eval_fingerprint(env: str) -> str:
