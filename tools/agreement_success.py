@@ -1,0 +1,109 @@
+"""How often must an imitator agree with FrozenLake's expert to clear the random policy? (issue 33)
+
+    python tools/agreement_success.py [--seeds 128] [--horizon 10] [--no-slip]
+                                      [--agreement 0.25,0.5,0.587,0.75,1] [--json FILE]
+
+The imitator's policy with k actions left in cell s: the expert's move (the closed-loop
+optimal table, `FrozenLakeEnv.optimal_policy`) with probability p, each of the other three
+with probability (1 - p) / 3. Its success probability on each eval seed's map within
+`--horizon` actions is exact: finite-horizon policy evaluation with the env's own transition
+probabilities (slip: the intended direction with `success_prob`, each perpendicular one with
+(1 - success_prob) / 2), V_k(s) = sum_a pi(a | s, k) sum_s' P(s' | s, a) (1 if s' is the goal,
+V_{k-1}(s') if frozen, 0 in a hole). p = 1 is `optimal_success`, p = 1/4 is `random_success`.
+
+Agreement here is the per-move probability on every state the imitator reaches, with errors
+spread evenly: an upper reading of what a measured first-move accuracy (teacher-forced, on the
+expert's own states) buys. A model whose errors repeat (the same wrong move in the same cell)
+does worse than this line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def imitator_success(env, horizon: int, agreement: float) -> np.ndarray:
+    """float64 [B]: each current instance's probability of reaching the goal within `horizon`
+    actions for the imitator above (agreement p in [0, 1]). env: a reset FrozenLakeEnv."""
+    table = env.optimal_policy(horizon)  # int8 [B, horizon + 1, R * C]
+    maps = env._maps  # int8 [B, R, C]: 0 frozen, 1 hole, 2 goal
+    B, R, C = maps.shape
+    n = R * C
+    sp = env.success_prob if env.is_slippery else 1.0
+    outcomes = [(0, sp), (3, (1 - sp) / 2), (1, (1 - sp) / 2)] if env.is_slippery else [(0, 1.0)]
+    rows, cols = np.divmod(np.arange(n), C)
+    dest = np.empty((4, n), dtype=np.int64)  # the cell each direction leads to (walls keep you)
+    dest[0] = rows * C + np.maximum(cols - 1, 0)
+    dest[1] = np.minimum(rows + 1, R - 1) * C + cols
+    dest[2] = rows * C + np.minimum(cols + 1, C - 1)
+    dest[3] = np.maximum(rows - 1, 0) * C + cols
+    out = np.zeros(B)
+    for b in range(B):
+        flat = maps[b].reshape(-1)
+        frozen = flat == 0
+        v = np.zeros(n)
+        for k in range(1, horizon + 1):
+            worth = np.where(flat == 2, 1.0, np.where(frozen, v, 0.0))  # value of landing in s'
+            q = np.zeros((4, n))
+            for a in range(4):
+                for turn, pr in outcomes:
+                    q[a] += pr * worth[dest[(a + turn) % 4]]
+            pi = np.full((4, n), (1 - agreement) / 3)
+            pi[table[b, k].astype(np.int64), np.arange(n)] = agreement
+            v = np.where(frozen, (pi * q).sum(0), 0.0)
+        out[b] = v[int(env._start[b])]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=128, help="the first N eval seeds of `fastpo train --env frozenlake`")
+    ap.add_argument("--horizon", type=int, default=10, help="actions per episode (10 turns of one move)")
+    ap.add_argument("--no-slip", action="store_true", help="is_slippery=False")
+    ap.add_argument("--agreement", default="0.25,0.4,0.5,0.587,0.7,0.8,0.9,1")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    try:
+        ps = [float(x) for x in args.agreement.split(",")]
+    except ValueError:
+        print(f"agreement_success: --agreement {args.agreement!r}: must be numbers separated by commas",
+              file=sys.stderr)
+        return 2
+    bad = [p for p in ps if not 0 <= p <= 1]
+    if bad or args.seeds < 1 or args.horizon < 1:
+        what = (f"--agreement {bad[0]!r}: must be in [0, 1]" if bad else
+                f"--seeds {args.seeds}: must be >= 1" if args.seeds < 1 else f"--horizon {args.horizon}: must be >= 1")
+        print(f"agreement_success: {what}", file=sys.stderr)
+        return 2
+
+    from envs_native.frozenlake import FrozenLakeEnv
+    from fastpo.config.schema import eval_seeds, load_config
+
+    cfg = load_config(env="frozenlake", preset="cpu", overrides=[f"trainer.eval_seeds={args.seeds}"])
+    seeds = eval_seeds(cfg)
+    options = {k: v for k, v in cfg.env.options.items() if k != "observation"}
+    env = FrozenLakeEnv(len(seeds), **{**options, "is_slippery": not args.no_slip})
+    env.reset(seeds)
+    res = {"seeds": len(seeds), "horizon": args.horizon, "is_slippery": env.is_slippery,
+           "random": float(env.random_success(seeds, args.horizon).mean()),
+           "optimal": float(env.optimal_success(seeds, args.horizon).mean()),
+           "rows": [{"agreement": p, "success": float(imitator_success(env, args.horizon, p).mean())} for p in ps]}
+    print(f"FrozenLake ({'slippery' if env.is_slippery else 'no slip'}), {len(seeds)} eval seeds, "
+          f"{args.horizon} actions: random {res['random']:.3f}, optimal {res['optimal']:.3f}")
+    for row in res["rows"]:
+        print(f"  agreement {row['agreement']:.3f}: success {row['success']:.3f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(res, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
