@@ -73,7 +73,10 @@ def main(argv=None) -> int:
     import torch.nn.functional as F
 
     from fastpo.config.schema import eval_seeds, load_config
+    from transformers import DynamicCache
+
     from fastpo.models import load_model_and_tokenizer
+    from fastpo.rollout.kv_cache import cache_kwarg
     from fastpo.sft import expert_rollout
 
     torch.manual_seed(args.seed)
@@ -82,6 +85,7 @@ def main(argv=None) -> int:
     ov += ([f"model.name={args.model}"] if args.model else []) + args.overrides
     cfg = load_config(env=args.env, preset="cpu", overrides=ov)
     model, tok, _ = load_model_and_tokenizer(cfg.model.name)
+    cache_kw = cache_kwarg(model)  # 'cache' on newer transformers, 'past_key_values' before
     rc = cfg.rollout.rollout_config()
     t0 = time.perf_counter()
     prefix, train = examples(tok, expert_rollout(tok, cfg.env.name, cfg.env.options, rc, list(range(args.levels)), 1))
@@ -99,12 +103,13 @@ def main(argv=None) -> int:
         ids = torch.full((B, L), tok.pad_token_id)
         for i, (s, _) in enumerate(batch):
             ids[i, :len(s)] = torch.tensor(s)  # right padding: causal attention never reads it
+        cache = DynamicCache()  # filled in place: no version-dependent output attribute to read
         with torch.no_grad():
-            cache = model(input_ids=pids, use_cache=True).past_key_values
+            model(input_ids=pids, use_cache=True, **{cache_kw: cache})
         cache.batch_repeat_interleave(B)
         pos = torch.arange(pids.shape[1], pids.shape[1] + L)[None].expand(B, L)
         with torch.set_grad_enabled(grad):
-            h = model.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True).last_hidden_state
+            h = model.model(input_ids=ids, position_ids=pos, use_cache=True, **{cache_kw: cache}).last_hidden_state
             return model.lm_head(h[torch.arange(B), torch.tensor([len(s) - 1 for s, _ in batch])])
 
     def score(exs) -> tuple[float, float]:
