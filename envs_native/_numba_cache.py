@@ -9,8 +9,11 @@ would go on running the old helper code until someone deleted ``__pycache__/*.nb
 defined in a ``.py`` file directly inside ``package_dir`` it takes whatever locator numba
 itself would pick (so the cache folder, file names, ``NUMBA_CACHE_DIR`` and the read-only
 fallbacks stay numba's) and replaces only its source stamp with a hash of every ``.py`` file
-in ``package_dir``: one edit anywhere in the package recompiles the package's functions once,
-and a stale entry is never loaded. Functions from anywhere else get numba's locator unchanged,
+in ``package_dir`` and the name the module was imported under: one edit anywhere in the
+package recompiles the package's functions once, and a stale entry is never loaded. (The
+name: the package is ``fastpo.envs_native`` when installed and ``envs_native`` to a script with
+the repository on sys.path; an entry pickles the name, and loading it where that name is not
+importable fails.) Functions from anywhere else get numba's locator unchanged,
 and a second process still loads from the cache. The numba version needs no place in the
 stamp: numba already discards an index written by another version.
 
@@ -65,13 +68,17 @@ def _install(package_dir: str) -> bool:
     if any(getattr(c, _MARK, None) == package_dir for c in classes):
         return True
     # Hashed once, at install: the package's modules are imported right after.
-    stamp = ("fastpo-package-sources", package_sources_hash(package_dir))
+    sources = package_sources_hash(package_dir)
 
     class PackageSourcesLocator(base):
         """Numba's own locator for the function, with the package-wide source stamp."""
 
-        def __init__(self, inner):
+        def __init__(self, inner, module):
             self._inner = inner
+            # The module's name too: a cached entry pickles the name its globals are imported
+            # by, so one written under `envs_native` (the folder on sys.path) fails to load
+            # in a process that knows the package only as `fastpo.envs_native`.
+            self._stamp = ("fastpo-package-sources", sources, module)
 
         def __getattr__(self, name):  # e.g. _py_file, read by numba's warnings
             if name == "_inner":
@@ -88,7 +95,7 @@ def _install(package_dir: str) -> bool:
             return self._inner.get_disambiguator()
 
         def get_source_stamp(self):
-            return stamp
+            return self._stamp
 
         @classmethod
         def from_function(cls, py_func, py_file):
@@ -99,7 +106,7 @@ def _install(package_dir: str) -> bool:
                     if getattr(other, _MARK, None) is None:
                         inner = other.from_function(py_func, py_file)
                         if inner is not None:
-                            return cls(inner)
+                            return cls(inner, py_func.__module__)
             except Exception:  # numba then tries its own locators, as without us
                 return None
             return None

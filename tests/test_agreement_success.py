@@ -14,7 +14,7 @@ TOOL = os.path.join(ROOT, "tools", "agreement_success.py")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
 from agreement_success import imitator_success  # noqa: E402
-from envs_native.frozenlake import FrozenLakeEnv  # noqa: E402
+from fastpo.envs_native.frozenlake import FrozenLakeEnv  # noqa: E402
 
 
 @pytest.mark.parametrize("slippery", [True, False])

@@ -23,7 +23,7 @@ PKG_DIR = Path(envs_native.__file__).resolve().parent
 
 def _run(code: str, cwd: Path, **env_overrides) -> list:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(cwd), **env_overrides)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(cwd), **env_overrides})
     r = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -95,6 +95,28 @@ def test_core_edit_reaches_cached_frozenlake_in_a_fresh_process(tmp_path):
     assert _run(_FL_SCRIPT, tmp_path) == [after, 1, 0]
 
 
+_TWO_NAMES_SCRIPT = """
+import json, sys
+from {package} import frozenlake
+obs = frozenlake.FrozenLakeEnv(4, size=4, p=0.8).reset([0, 1, 2, 3])
+f = frozenlake._fl_reset
+print(json.dumps([obs, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())]))
+"""
+
+
+def test_entry_cached_under_the_folder_name_does_not_break_the_installed_name(tmp_path):
+    # A script with the repository on sys.path imports the package as `envs_native` (as
+    # tools/agreement_success.py once did); the entries it cached named that module, and the
+    # next `fastpo` process, which knows only `fastpo.envs_native`, died loading them
+    # (ModuleNotFoundError: No module named 'envs_native').
+    cache = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    top = _run(_TWO_NAMES_SCRIPT.format(package="envs_native"), tmp_path, PYTHONPATH=str(PKG_DIR.parent), **cache)
+    assert top[1:] == [0, 1]
+    installed = _run(_TWO_NAMES_SCRIPT.format(package="fastpo.envs_native"), tmp_path, **cache)
+    assert installed == [top[0], 0, 1]  # its own entry, compiled
+    assert _run(_TWO_NAMES_SCRIPT.format(package="fastpo.envs_native"), tmp_path, **cache) == [top[0], 1, 0]
+
+
 def test_locator_applies_to_this_package_only(tmp_path):
     from numba.core import caching, config
 
@@ -102,7 +124,8 @@ def test_locator_applies_to_this_package_only(tmp_path):
 
     ours = caching.CompileResultCacheImpl(frozenlake._fl_reset.py_func).locator
     assert getattr(type(ours), "_fastpo_package_dir") == str(PKG_DIR)
-    assert ours.get_source_stamp() == ("fastpo-package-sources", _numba_cache.package_sources_hash(str(PKG_DIR)))
+    assert ours.get_source_stamp() == ("fastpo-package-sources", _numba_cache.package_sources_hash(str(PKG_DIR)),
+                                       "fastpo.envs_native.frozenlake")
     # numba's folder and file names are kept
     if config.CACHE_DIR:
         assert ours.get_cache_path().startswith(config.CACHE_DIR)

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
         print(f"agreement_success: {what}", file=sys.stderr)
         return 2
 
-    from envs_native.frozenlake import FrozenLakeEnv
+    from fastpo.envs_native.frozenlake import FrozenLakeEnv
     from fastpo.config.schema import eval_seeds, load_config
 
     cfg = load_config(env="frozenlake", preset="cpu", overrides=[f"trainer.eval_seeds={args.seeds}"])
