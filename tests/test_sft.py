@@ -3,6 +3,7 @@ one SFT step, exact resume and the hand-off to `fastpo train --model RUN`.
 
 Small real runs: random:tiny-llama (with the embedded SmolLM2 tokenizer), the tiny preset."""
 import glob
+import io
 import json
 import os
 import shutil
@@ -177,6 +178,27 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
         assert _nll(tr) < before - 0.05
     finally:
         tr.release_lock()
+
+
+def test_expert_trajectories_cut_by_max_context_get_a_warning(tmp_path):
+    """A context too short for the expert's whole game (e.g. the coordinate observation over 10
+    turns on the CPU preset's 1,536 tokens) would silently drop its later turns."""
+    said, longest = {}, {}
+    for name in ("roomy", "short"):
+        cfg = _cfg(tmp_path / name)
+        cfg.rollout.max_turns = 4
+        if name == "short":
+            cfg.rollout.max_context = longest["roomy"] - 1
+        console = Console(file=io.StringIO(), width=400)
+        tr = SFTTrainer(cfg, SFTConfig(trajectories=8, batch_size=4), console=console)
+        tr.setup()
+        tr.release_lock()
+        said[name], longest[name] = console.file.getvalue(), max(x.numel() for x in tr.ids)
+        cut = int(tr.data.truncated.sum())
+    assert "max_context" not in said["roomy"] and longest["roomy"] > 0
+    assert cut >= 1 and longest["short"] < longest["roomy"]
+    assert f"warning: {cut} of 8 expert trajectories reached rollout.max_context ({longest['roomy'] - 1} tokens)" \
+        in said["short"], said["short"]
 
 
 def test_the_shared_instructions_are_computed_once_per_micro_batch(tmp_path):
