@@ -122,13 +122,16 @@ def _fl_reset(seeds, p, fixed, fixed_start, ragen, maps, pos, start, rng, steps)
 
 
 @njit(cache=True)
-def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, policy):
+def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, policy, pi):
     """out[b] (float64 [B]): the probability of reaching a goal from start[b] (int64 [B])
-    within `horizon` actions, for the best policy (greedy) or the uniformly random one.
+    within `horizon` actions, for the best policy (greedy), the uniformly random one, or the
+    given stochastic one.
 
-    Finite-horizon value iteration: V_0 = 0; V_k(s) = max (or mean) over actions of
-    sum_s' P(s' | s, a) * (1 if s' is a goal, 0 if a hole, else V_{k-1}(s')), with the
-    transition probabilities of `_fl_step`; out[b] = V_horizon(start[b]).
+    Finite-horizon value iteration: V_0 = 0; V_k(s) = max (or mean, or the pi-weighted sum)
+    over actions of sum_s' P(s' | s, a) * (1 if s' is a goal, 0 if a hole, else V_{k-1}(s')),
+    with the transition probabilities of `_fl_step`; out[b] = V_horizon(start[b]).
+    pi: float64 [B, horizon + 1, R * C, 4] (or an empty array: greedy decides), pi[b, k, s, a]
+    the probability of action a in cell s with k actions left: policy evaluation.
     policy: int8 [B, horizon + 1, R * C] (or an empty array: not wanted): policy[b, k, s] is
     an action maximising the sum above with k actions left (row 0 stays 0); among actions
     within 1e-12 of the best, the one with the highest discounted success (the same sums with
@@ -138,6 +141,7 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, 
     shortest path. The values (out) do not depend on the tie-break.
     """
     want_policy = policy.shape[0] > 0
+    given = pi.shape[0] > 0
     B, R, C = maps.shape
     n = R * C
     p_side = (1.0 - p_intended) / 2.0
@@ -200,7 +204,12 @@ def _fl_success_values(maps, start, slippery, p_intended, horizon, greedy, out, 
                     if qs[a] >= best - 1e-12 and qus[a] > best_u:
                         best_u = qus[a]
                         best_a = a
-                nv[s] = best if greedy else total / 4.0
+                if given:
+                    nv[s] = 0.0
+                    for a in range(4):
+                        nv[s] += pi[b, k, s, a] * qs[a]
+                else:
+                    nv[s] = best if greedy else total / 4.0
                 nu[s] = best_u
                 if want_policy:
                     policy[b, k, s] = best_a
@@ -417,7 +426,7 @@ class FrozenLakeEnv(BatchedTextEnv):
             raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
         out = np.zeros(n, dtype=np.float64)
         _fl_success_values(maps, start, self.is_slippery, self.success_prob, h, greedy, out,
-                           np.zeros((0, 0, 0), dtype=np.int8))
+                           np.zeros((0, 0, 0), dtype=np.int8), np.zeros((0, 0, 0, 0)))
         return out
 
     def optimal_policy(self, horizon: int) -> np.ndarray:
@@ -437,8 +446,42 @@ class FrozenLakeEnv(BatchedTextEnv):
         B, (R, C) = self._B, self.size
         table = np.zeros((B, h + 1, R * C), dtype=np.int8)
         _fl_success_values(self._maps, self._start, self.is_slippery, self.success_prob, h, True,
-                           np.zeros(B, dtype=np.float64), table)
+                           np.zeros(B, dtype=np.float64), table, np.zeros((0, 0, 0, 0)))
         return table
+
+    def policy_success(self, pi) -> np.ndarray:
+        """float64 [B]: for each current instance, the exact probability that the stochastic
+        policy `pi` reaches the goal from the instance's start within horizon = pi.shape[1] - 1
+        actions: finite-horizon policy evaluation with the env's own slip probabilities,
+        V_k(s) = sum_a pi[b, k, s, a] sum_s' P(s' | s, a) (1 if s' is the goal, V_{k-1}(s') if
+        frozen, 0 in a hole).
+
+        pi: array-like [B, horizon + 1, R * C, 4] of probabilities, pi[b, k, s, a] that of
+        action a (0 Left, 1 Down, 2 Right, 3 Up) in cell s (row * C + column) with k actions
+        left; row k = 0 is not read, and every row k >= 1 sums to 1. The uniform policy gives
+        `random_success` and the one-hot `optimal_policy` table `optimal_success` (for the
+        current instances' seeds). Like `optimal_policy`, max_steps is not applied. Raises
+        ValueError for a wrong shape, horizon < 1, a negative or non-finite entry or a row not
+        summing to 1; RuntimeError before the first reset.
+        """
+        self._require_reset()
+        B, (R, C) = self._B, self.size
+        p = np.ascontiguousarray(pi, dtype=np.float64)
+        if p.ndim != 4 or p.shape[0] != B or p.shape[2] != R * C or p.shape[3] != 4 or p.shape[1] < 2:
+            raise ValueError(f"pi of shape {p.shape}: must be [{B}, horizon + 1 >= 2, {R * C}, 4] "
+                             f"(instances, actions left, cells, actions)")
+        rows = p[:, 1:]
+        if not np.isfinite(rows).all() or (rows < 0).any():
+            raise ValueError("pi: every probability must be finite and >= 0")
+        sums = rows.sum(-1)
+        off = np.argwhere(np.abs(sums - 1.0) > 1e-6)
+        if off.shape[0]:
+            b, k, c = (int(x) for x in off[0])
+            raise ValueError(f"pi[{b}, {k + 1}, {c}] sums to {float(sums[b, k, c]):.6g}, not 1")
+        out = np.zeros(B, dtype=np.float64)
+        _fl_success_values(self._maps, self._start, self.is_slippery, self.success_prob, p.shape[1] - 1, True,
+                           out, np.zeros((0, 0, 0), dtype=np.int8), p)
+        return out
 
     def positions(self) -> np.ndarray:
         """int64 [B]: each instance's current cell (row * C + column). RuntimeError before reset."""

@@ -266,6 +266,46 @@ def test_optimal_and_random_success_match_an_independent_value_iteration(layout,
         assert set(best.tolist()) <= {0.0, 1.0}  # deterministic: reachable within the horizon or not
 
 
+def test_policy_success_evaluates_a_given_stochastic_policy():
+    """policy_success: the uniform policy is random_success and the one-hot optimal table
+    optimal_success, to the last bit; a fixed stochastic policy on a 3x3 map
+    (slippery) matches 20,000 played episodes within 4 SE; bad tables are refused by name."""
+    seeds, h = list(range(100, 124)), 10
+    env = make_env("frozenlake", len(seeds))
+    env.reset(seeds)
+    n = env.size[0] * env.size[1]
+    np.testing.assert_array_equal(env.policy_success(np.full((len(seeds), h + 1, n, 4), 0.25)),
+                                  env.random_success(seeds, h))
+    table = env.optimal_policy(h).astype(np.int64)
+    onehot = np.zeros(table.shape + (4,))
+    np.put_along_axis(onehot, table[..., None], 1.0, axis=-1)
+    np.testing.assert_array_equal(env.policy_success(onehot), env.optimal_success(seeds, h))
+
+    N, probs = 20000, np.array([0.1, 0.4, 0.4, 0.1])  # Left, Down, Right, Up in every cell
+    played = make_env("frozenlake", N, desc="SFF/FHF/FFG")
+    played.reset(np.arange(N))  # one map, each instance its own slips
+    exact = played.policy_success(np.broadcast_to(probs, (N, h + 1, 9, 4)))
+    assert np.ptp(exact) == 0 and 0.05 < exact[0] < 0.95
+    rng = np.random.default_rng(0)
+    for _ in range(h):
+        actions = rng.choice(4, size=N, p=probs)
+        played.step(actions[:, None], active=~played.done)
+    got = played.success.mean()
+    assert abs(got - exact[0]) < 4 * math.sqrt(exact[0] * (1 - exact[0]) / N), (got, exact[0])
+
+    with pytest.raises(ValueError, match=r"pi of shape \(24, 11, 16\)"):
+        env.policy_success(np.full((len(seeds), h + 1, n), 0.25))
+    bad = np.full((len(seeds), h + 1, n, 4), 0.25)
+    bad[3, 2, 5, 0] = 0.5
+    with pytest.raises(ValueError, match=r"pi\[3, 2, 5\] sums to 1.25, not 1"):
+        env.policy_success(bad)
+    bad[3, 2, 5, 0] = -0.25
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        env.policy_success(bad)
+    with pytest.raises(RuntimeError):
+        make_env("frozenlake", 1).policy_success(np.full((1, 2, 16, 4), 0.25))
+
+
 def _shortest_path(rows) -> int:
     """Moves from S to G over frozen cells (breadth-first), -1 when there is no route."""
     R, C = len(rows), len(rows[0])

@@ -6,10 +6,11 @@
 The imitator's policy with k actions left in cell s: the expert's move (the closed-loop
 optimal table, `FrozenLakeEnv.optimal_policy`) with probability p, each of the other three
 with probability (1 - p) / 3. Its success probability on each eval seed's map within
-`--horizon` actions is exact: finite-horizon policy evaluation with the env's own transition
-probabilities (slip: the intended direction with `success_prob`, each perpendicular one with
-(1 - success_prob) / 2), V_k(s) = sum_a pi(a | s, k) sum_s' P(s' | s, a) (1 if s' is the goal,
-V_{k-1}(s') if frozen, 0 in a hole). p = 1 is `optimal_success`, p = 1/4 is `random_success`.
+`--horizon` actions is exact: finite-horizon policy evaluation (`FrozenLakeEnv.policy_success`)
+with the env's own transition probabilities (slip: the intended direction with
+`success_prob`, each perpendicular one with (1 - success_prob) / 2), V_k(s) = sum_a
+pi(a | s, k) sum_s' P(s' | s, a) (1 if s' is the goal, V_{k-1}(s') if frozen, 0 in a hole).
+p = 1 is `optimal_success`, p = 1/4 is `random_success`.
 
 Agreement here is the per-move probability on every state the imitator reaches, with errors
 spread evenly: an upper reading of what a measured first-move accuracy (teacher-forced, on the
@@ -32,34 +33,10 @@ sys.path.insert(0, ROOT)
 def imitator_success(env, horizon: int, agreement: float) -> np.ndarray:
     """float64 [B]: each current instance's probability of reaching the goal within `horizon`
     actions for the imitator above (agreement p in [0, 1]). env: a reset FrozenLakeEnv."""
-    table = env.optimal_policy(horizon)  # int8 [B, horizon + 1, R * C]
-    maps = env._maps  # int8 [B, R, C]: 0 frozen, 1 hole, 2 goal
-    B, R, C = maps.shape
-    n = R * C
-    sp = env.success_prob if env.is_slippery else 1.0
-    outcomes = [(0, sp), (3, (1 - sp) / 2), (1, (1 - sp) / 2)] if env.is_slippery else [(0, 1.0)]
-    rows, cols = np.divmod(np.arange(n), C)
-    dest = np.empty((4, n), dtype=np.int64)  # the cell each direction leads to (walls keep you)
-    dest[0] = rows * C + np.maximum(cols - 1, 0)
-    dest[1] = np.minimum(rows + 1, R - 1) * C + cols
-    dest[2] = rows * C + np.minimum(cols + 1, C - 1)
-    dest[3] = np.maximum(rows - 1, 0) * C + cols
-    out = np.zeros(B)
-    for b in range(B):
-        flat = maps[b].reshape(-1)
-        frozen = flat == 0
-        v = np.zeros(n)
-        for k in range(1, horizon + 1):
-            worth = np.where(flat == 2, 1.0, np.where(frozen, v, 0.0))  # value of landing in s'
-            q = np.zeros((4, n))
-            for a in range(4):
-                for turn, pr in outcomes:
-                    q[a] += pr * worth[dest[(a + turn) % 4]]
-            pi = np.full((4, n), (1 - agreement) / 3)
-            pi[table[b, k].astype(np.int64), np.arange(n)] = agreement
-            v = np.where(frozen, (pi * q).sum(0), 0.0)
-        out[b] = v[int(env._start[b])]
-    return out
+    table = env.optimal_policy(horizon).astype(np.int64)  # [B, horizon + 1, R * C]
+    pi = np.full(table.shape + (4,), (1 - agreement) / 3)
+    np.put_along_axis(pi, table[..., None], agreement, axis=-1)
+    return env.policy_success(pi)
 
 
 def main(argv=None) -> int:
