@@ -7,13 +7,14 @@ would go on running the old helper code until someone deleted ``__pycache__/*.nb
 
 ``install(package_dir)`` puts one cache locator in front of numba's list. For functions
 defined in a ``.py`` file directly inside ``package_dir`` it takes whatever locator numba
-itself would pick (so the cache folder, file names, ``NUMBA_CACHE_DIR`` and the read-only
-fallbacks stay numba's) and replaces only its source stamp with a hash of every ``.py`` file
-in ``package_dir`` and the name the module was imported under: one edit anywhere in the
-package recompiles the package's functions once, and a stale entry is never loaded. (The
-name: the package is ``fastpo.envs_native`` when installed and ``envs_native`` to a script with
-the repository on sys.path; an entry pickles the name, and loading it where that name is not
-importable fails.) Functions from anywhere else get numba's locator unchanged,
+itself would pick (so the cache folder, ``NUMBA_CACHE_DIR`` and the read-only fallbacks stay
+numba's) and replaces its source stamp with a hash of every ``.py`` file in ``package_dir``:
+one edit anywhere in the package recompiles the package's functions once, and a stale entry
+is never loaded. The file names get a hash of the name the module was imported under: the
+package is ``fastpo.envs_native`` when installed and ``envs_native`` to a script with the
+repository on sys.path, an entry pickles that name, and loading it where the name is not
+importable fails; with files of their own the two never meet. Functions from anywhere else
+get numba's locator unchanged,
 and a second process still loads from the cache. The numba version needs no place in the
 stamp: numba already discards an index written by another version.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 
 # Marks our locator classes in numba's list (one per installed package directory).
 _MARK = "_fastpo_package_dir"
@@ -68,17 +70,17 @@ def _install(package_dir: str) -> bool:
     if any(getattr(c, _MARK, None) == package_dir for c in classes):
         return True
     # Hashed once, at install: the package's modules are imported right after.
-    sources = package_sources_hash(package_dir)
+    stamp = ("fastpo-package-sources", package_sources_hash(package_dir))
 
     class PackageSourcesLocator(base):
         """Numba's own locator for the function, with the package-wide source stamp."""
 
         def __init__(self, inner, module):
             self._inner = inner
-            # The module's name too: a cached entry pickles the name its globals are imported
-            # by, so one written under `envs_native` (the folder on sys.path) fails to load
-            # in a process that knows the package only as `fastpo.envs_native`.
-            self._stamp = ("fastpo-package-sources", sources, module)
+            # An entry pickles the name of the module whose globals it uses, so one written
+            # under `envs_native` (the folder on sys.path) fails to load in a process that
+            # knows the package only as `fastpo.envs_native`: each name its own files.
+            self._module_tag = "%08x" % zlib.crc32(module.encode())
 
         def __getattr__(self, name):  # e.g. _py_file, read by numba's warnings
             if name == "_inner":
@@ -92,10 +94,10 @@ def _install(package_dir: str) -> bool:
             return self._inner.get_cache_path()
 
         def get_disambiguator(self):
-            return self._inner.get_disambiguator()
+            return f"{self._inner.get_disambiguator()}-{self._module_tag}"
 
         def get_source_stamp(self):
-            return self._stamp
+            return stamp
 
         @classmethod
         def from_function(cls, py_func, py_file):

@@ -458,21 +458,24 @@ class FrozenLakeEnv(BatchedTextEnv):
 
         pi: array-like [B, horizon + 1, R * C, 4] of probabilities, pi[b, k, s, a] that of
         action a (0 Left, 1 Down, 2 Right, 3 Up) in cell s (row * C + column) with k actions
-        left; row k = 0 is not read, and every row k >= 1 sums to 1. The uniform policy gives
-        `random_success` and the one-hot `optimal_policy` table `optimal_success` (for the
-        current instances' seeds). Like `optimal_policy`, max_steps is not applied. Raises
-        ValueError for a wrong shape, horizon < 1, a negative or non-finite entry or a row not
-        summing to 1; RuntimeError before the first reset.
+        left; row k = 0 is not read, and every row k >= 1 sums to 1. Like `optimal_policy`,
+        max_steps is not applied: for the current instances' seeds and a horizon within
+        max_steps, the uniform policy gives `random_success` and the one-hot `optimal_policy`
+        table `optimal_success` (to float rounding). Raises ValueError for a wrong shape,
+        horizon < 1, a negative or non-finite entry or a row not summing to 1 (naming the
+        first such entry); RuntimeError before the first reset.
         """
         self._require_reset()
         B, (R, C) = self._B, self.size
-        p = np.ascontiguousarray(pi, dtype=np.float64)
+        p = np.array(pi, dtype=np.float64)  # a writable C-ordered copy: one compiled signature
         if p.ndim != 4 or p.shape[0] != B or p.shape[2] != R * C or p.shape[3] != 4 or p.shape[1] < 2:
             raise ValueError(f"pi of shape {p.shape}: must be [{B}, horizon + 1 >= 2, {R * C}, 4] "
                              f"(instances, actions left, cells, actions)")
         rows = p[:, 1:]
-        if not np.isfinite(rows).all() or (rows < 0).any():
-            raise ValueError("pi: every probability must be finite and >= 0")
+        bad = np.argwhere(~np.isfinite(rows) | (rows < 0))
+        if bad.shape[0]:
+            b, k, c, a = (int(x) for x in bad[0])
+            raise ValueError(f"pi[{b}, {k + 1}, {c}, {a}] = {float(rows[b, k, c, a])}: must be finite and >= 0")
         sums = rows.sum(-1)
         off = np.argwhere(np.abs(sums - 1.0) > 1e-6)
         if off.shape[0]:

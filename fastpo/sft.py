@@ -601,8 +601,7 @@ class SFTTrainer(RunTrainer):
             if cut:  # e.g. a longer observation format with 10 turns on the CPU preset's 1,536 tokens
                 self.warn(f"{cut} of {len(self.ids)} expert trajectories reached rollout.max_context "
                           f"({self.cfg.rollout.max_context} tokens) before the game ended: their later turns are "
-                          f"not in the data, and evaluations stop there too; raise rollout.max_context "
-                          f"(the longest here: {max(x.numel() for x in self.ids)} tokens)")
+                          f"not in the data, and evaluations stop there too; raise rollout.max_context")
 
     def expert_eval(self) -> dict:
         """{"eval/expert_success", "eval/expert_success_se"}: the expert's success on the eval

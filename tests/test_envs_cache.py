@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -77,11 +78,10 @@ print(json.dumps([obs, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misse
 
 
 def test_core_edit_reaches_cached_frozenlake_in_a_fresh_process(tmp_path):
-    # A copy of the package, imported as top-level `envs_native`, with its own in-tree cache.
-    # Copying the repository's cache files (same sources, same stamps) skips the first compile
-    # when that cache is warm; otherwise the first process compiles.
+    # A copy of the package, imported as top-level `envs_native`, with its own in-tree cache
+    # (empty: the first process compiles).
     copy = tmp_path / "envs_native"
-    shutil.copytree(PKG_DIR, copy, ignore=shutil.ignore_patterns("*.pyc"))
+    shutil.copytree(PKG_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
     before, _, _ = _run(_FL_SCRIPT, tmp_path)
     assert any("O" in o for o in before), before  # p=0.8: some of 4 random 4x4 maps have holes
     # A behaviour change in _core.py only: every uniform draw is 0, so every cell is frozen
@@ -110,11 +110,15 @@ def test_entry_cached_under_the_folder_name_does_not_break_the_installed_name(tm
     # next `fastpo` process, which knows only `fastpo.envs_native`, died loading them
     # (ModuleNotFoundError: No module named 'envs_native').
     cache = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    top = _run(_TWO_NAMES_SCRIPT.format(package="envs_native"), tmp_path, PYTHONPATH=str(PKG_DIR.parent), **cache)
-    assert top[1:] == [0, 1]
-    installed = _run(_TWO_NAMES_SCRIPT.format(package="fastpo.envs_native"), tmp_path, **cache)
-    assert installed == [top[0], 0, 1]  # its own entry, compiled
-    assert _run(_TWO_NAMES_SCRIPT.format(package="fastpo.envs_native"), tmp_path, **cache) == [top[0], 1, 0]
+    top = _TWO_NAMES_SCRIPT.format(package="envs_native")
+    installed = _TWO_NAMES_SCRIPT.format(package="fastpo.envs_native")
+    on_path = {"PYTHONPATH": str(PKG_DIR.parent), **cache}
+    first = _run(top, tmp_path, **on_path)
+    assert first[1:] == [0, 1]
+    assert _run(installed, tmp_path, **cache) == [first[0], 0, 1]  # its own entry, compiled
+    # each name keeps its entry: no recompiling when they take turns
+    assert _run(installed, tmp_path, **cache) == [first[0], 1, 0]
+    assert _run(top, tmp_path, **on_path) == [first[0], 1, 0]
 
 
 def test_locator_applies_to_this_package_only(tmp_path):
@@ -124,14 +128,15 @@ def test_locator_applies_to_this_package_only(tmp_path):
 
     ours = caching.CompileResultCacheImpl(frozenlake._fl_reset.py_func).locator
     assert getattr(type(ours), "_fastpo_package_dir") == str(PKG_DIR)
-    assert ours.get_source_stamp() == ("fastpo-package-sources", _numba_cache.package_sources_hash(str(PKG_DIR)),
-                                       "fastpo.envs_native.frozenlake")
+    assert ours.get_source_stamp() == ("fastpo-package-sources", _numba_cache.package_sources_hash(str(PKG_DIR)))
     # numba's folder and file names are kept
     if config.CACHE_DIR:
         assert ours.get_cache_path().startswith(config.CACHE_DIR)
     else:
         assert ours.get_cache_path() == str(PKG_DIR / "__pycache__")
-    assert ours.get_disambiguator() == str(frozenlake._fl_reset.py_func.__code__.co_firstlineno)
+    # numba's disambiguator (the line number), then the module's import name hashed
+    module_tag = "%08x" % zlib.crc32(b"fastpo.envs_native.frozenlake")
+    assert ours.get_disambiguator() == f"{frozenlake._fl_reset.py_func.__code__.co_firstlineno}-{module_tag}"
     (tmp_path / "fastpo_other_module.py").write_text("def g(x):\n    return x\n")
     sys.path.insert(0, str(tmp_path))
     try:

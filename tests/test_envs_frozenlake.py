@@ -268,18 +268,18 @@ def test_optimal_and_random_success_match_an_independent_value_iteration(layout,
 
 def test_policy_success_evaluates_a_given_stochastic_policy():
     """policy_success: the uniform policy is random_success and the one-hot optimal table
-    optimal_success, to the last bit; a fixed stochastic policy on a 3x3 map
+    optimal_success; a fixed stochastic policy on a 3x3 map
     (slippery) matches 20,000 played episodes within 4 SE; bad tables are refused by name."""
     seeds, h = list(range(100, 124)), 10
     env = make_env("frozenlake", len(seeds))
     env.reset(seeds)
     n = env.size[0] * env.size[1]
-    np.testing.assert_array_equal(env.policy_success(np.full((len(seeds), h + 1, n, 4), 0.25)),
-                                  env.random_success(seeds, h))
+    np.testing.assert_allclose(env.policy_success(np.full((len(seeds), h + 1, n, 4), 0.25)),
+                               env.random_success(seeds, h), rtol=0, atol=1e-12)
     table = env.optimal_policy(h).astype(np.int64)
     onehot = np.zeros(table.shape + (4,))
     np.put_along_axis(onehot, table[..., None], 1.0, axis=-1)
-    np.testing.assert_array_equal(env.policy_success(onehot), env.optimal_success(seeds, h))
+    np.testing.assert_allclose(env.policy_success(onehot), env.optimal_success(seeds, h), rtol=0, atol=1e-12)
 
     N, probs = 20000, np.array([0.1, 0.4, 0.4, 0.1])  # Left, Down, Right, Up in every cell
     played = make_env("frozenlake", N, desc="SFF/FHF/FFG")
@@ -300,7 +300,10 @@ def test_policy_success_evaluates_a_given_stochastic_policy():
     with pytest.raises(ValueError, match=r"pi\[3, 2, 5\] sums to 1.25, not 1"):
         env.policy_success(bad)
     bad[3, 2, 5, 0] = -0.25
-    with pytest.raises(ValueError, match="finite and >= 0"):
+    with pytest.raises(ValueError, match=r"pi\[3, 2, 5, 0\] = -0.25: must be finite and >= 0"):
+        env.policy_success(bad)
+    bad[3, 2, 5, 0] = np.nan
+    with pytest.raises(ValueError, match=r"pi\[3, 2, 5, 0\] = nan"):
         env.policy_success(bad)
     with pytest.raises(RuntimeError):
         make_env("frozenlake", 1).policy_success(np.full((1, 2, 16, 4), 0.25))

@@ -197,8 +197,8 @@ def test_expert_trajectories_cut_by_max_context_get_a_warning(tmp_path):
         cut = int(tr.data.truncated.sum())
     assert "max_context" not in said["roomy"] and longest["roomy"] > 0
     assert cut >= 1 and longest["short"] < longest["roomy"]
-    assert f"warning: {cut} of 8 expert trajectories reached rollout.max_context ({longest['roomy'] - 1} tokens)" \
-        in said["short"], said["short"]
+    assert (f"warning: {cut} of 8 expert trajectories reached rollout.max_context ({longest['roomy'] - 1} tokens) "
+            "before the game ended") in said["short"], said["short"]
 
 
 def test_the_shared_instructions_are_computed_once_per_micro_batch(tmp_path):
