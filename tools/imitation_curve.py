@@ -80,8 +80,9 @@ def main(argv=None) -> int:
     from fastpo.sft import expert_rollout
 
     torch.manual_seed(args.seed)
+    # the context only cuts expert trajectories here (no generation): room for the longest format
     ov = ["rollout.max_turns=10", "rollout.max_actions_per_traj=10", "rollout.max_actions_per_turn=1",
-          f"env.options.observation={args.observation}"]
+          "rollout.max_context=4096", f"env.options.observation={args.observation}"]
     ov += ([f"model.name={args.model}"] if args.model else []) + args.overrides
     cfg = load_config(env=args.env, preset="cpu", overrides=ov)
     model, tok, _ = load_model_and_tokenizer(cfg.model.name)
