@@ -14,9 +14,9 @@ is never loaded. The file names get a hash of the name the module was imported u
 package is ``fastpo.envs_native`` when installed and ``envs_native`` to a script with the
 repository on sys.path, an entry pickles that name, and loading it where the name is not
 importable fails; with files of their own the two never meet. Functions from anywhere else
-get numba's locator unchanged,
-and a second process still loads from the cache. The numba version needs no place in the
-stamp: numba already discards an index written by another version.
+get numba's locator unchanged, and a second process still loads from the cache. The numba
+version needs no place in the stamp: numba already discards an index written by another
+version.
 
 Chosen over deleting stale cache files at import: nothing is deleted under another process
 that may be reading or writing the same cache, and numba overwrites stale entries itself.
