@@ -70,7 +70,7 @@ def test_helper_edit_recompiles_caller_in_another_file(tmp_path, where):
 
 _FL_SCRIPT = """
 import json
-from envs_native import make_env, frozenlake
+from {package} import make_env, frozenlake
 obs = make_env("frozenlake", 4, size=4, p=0.8, layout="gymnasium").reset([0, 1, 2, 3])
 f = frozenlake._fl_reset
 print(json.dumps([obs, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())]))
@@ -82,26 +82,17 @@ def test_core_edit_reaches_cached_frozenlake_in_a_fresh_process(tmp_path):
     # (empty: the first process compiles).
     copy = tmp_path / "envs_native"
     shutil.copytree(PKG_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    before, _, _ = _run(_FL_SCRIPT, tmp_path)
+    before, _, _ = _run(_FL_SCRIPT.format(package="envs_native"), tmp_path)
     assert any("O" in o for o in before), before  # p=0.8: some of 4 random 4x4 maps have holes
     # A behaviour change in _core.py only: every uniform draw is 0, so every cell is frozen
     # (and with gymnasium's corners every map is the same).
     core = copy / "_core.py"
     assert "def rng_uniform(" in core.read_text()
     core.write_text(core.read_text() + "\n\n@njit(cache=True)\ndef rng_uniform(state, i):\n    return 0.0\n")
-    after, hits, misses = _run(_FL_SCRIPT, tmp_path)
+    after, hits, misses = _run(_FL_SCRIPT.format(package="envs_native"), tmp_path)
     assert (hits, misses) == (0, 1), "frozenlake._fl_reset was loaded from a cache made before the edit"
     assert len(set(after)) == 1 and "O" not in after[0], after
-    assert _run(_FL_SCRIPT, tmp_path) == [after, 1, 0]
-
-
-_TWO_NAMES_SCRIPT = """
-import json, sys
-from {package} import frozenlake
-obs = frozenlake.FrozenLakeEnv(4, size=4, p=0.8).reset([0, 1, 2, 3])
-f = frozenlake._fl_reset
-print(json.dumps([obs, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())]))
-"""
+    assert _run(_FL_SCRIPT.format(package="envs_native"), tmp_path) == [after, 1, 0]
 
 
 def test_entry_cached_under_the_folder_name_does_not_break_the_installed_name(tmp_path):
@@ -110,8 +101,8 @@ def test_entry_cached_under_the_folder_name_does_not_break_the_installed_name(tm
     # next `fastpo` process, which knows only `fastpo.envs_native`, died loading them
     # (ModuleNotFoundError: No module named 'envs_native').
     cache = {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
-    top = _TWO_NAMES_SCRIPT.format(package="envs_native")
-    installed = _TWO_NAMES_SCRIPT.format(package="fastpo.envs_native")
+    top = _FL_SCRIPT.format(package="envs_native")
+    installed = _FL_SCRIPT.format(package="fastpo.envs_native")
     on_path = {"PYTHONPATH": str(PKG_DIR.parent), **cache}
     first = _run(top, tmp_path, **on_path)
     assert first[1:] == [0, 1]
