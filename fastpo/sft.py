@@ -174,7 +174,8 @@ def file_sha256(path: str) -> str:
 def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Tensor]:
     """One conversation as the model's chat template renders it: (input_ids int64 [T],
     loss_mask bool [T]), the mask True on each assistant message's tokens and the end-of-turn
-    marker the template closes it with (what a model samples), False elsewhere.
+    marker the template closes it with (what a model samples), False elsewhere and on an
+    assistant message with "weight": 0 (OpenAI's fine-tuning format: context, not a target).
 
     The assistant spans come from rendering each prefix of the conversation: the one through
     the message ends where its end-of-turn marker ends, and the message's text starts where a
@@ -189,14 +190,15 @@ def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Te
         except Exception as e:  # noqa: BLE001 - a template's own refusal ("system role not supported", ...)
             raise ValueError(f"the model's chat template refused it: {type(e).__name__}: {e}") from None
 
-    text = render(messages)
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no weight
+    text = render(plain)
     spans = []
     for i, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or m.get("weight", 1) == 0:
             continue
-        through = render(messages[:i + 1]).rstrip()
+        through = render(plain[:i + 1]).rstrip()
         # where the message's text starts: the same conversation with a marker in its place
-        marked = render(messages[:i] + [{"role": "assistant", "content": _CONTENT_MARK}])
+        marked = render(plain[:i] + [{"role": "assistant", "content": _CONTENT_MARK}])
         start = marked.find(_CONTENT_MARK)
         if not text.startswith(through) or start < 0 or marked[:start] != through[:start]:
             raise ValueError("the model's chat template does not render a conversation's beginning as the start "
@@ -213,9 +215,11 @@ def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
 
     Each non-blank line is one JSON object with "messages": a list of {"role": "system" |
     "user" | "assistant", "content": str} holding at least one assistant message (TRL's
-    conversational format; other keys are ignored). Raises ConfigError naming the file, the
-    line number and what is wrong (not JSON, no messages list, a bad role or content, no
-    assistant message, more tokens than max_context), or a file with no conversation.
+    conversational format; other keys are ignored), an assistant message optionally with
+    "weight": 0 or 1 (OpenAI's fine-tuning format; 0: in the context, not trained on). Raises
+    ConfigError naming the file, the line number and what is wrong (not JSON, no messages
+    list, a bad role, content or weight, no assistant message of weight 1, more tokens than
+    max_context), or a file with no conversation.
     """
     ids, masks = [], []
     try:
@@ -242,10 +246,15 @@ def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
                 if not isinstance(m, dict) or m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
                     raise ConfigError(f"{where}: message {k} must be {{\"role\": one of {list(_ROLES)}, \"content\": "
                                       f"text}}, got {json.dumps(m)[:80]}")
-            if not any(m["role"] == "assistant" for m in msgs):
-                raise ConfigError(f"{where}: has no assistant message (nothing to train on)")
+                if "weight" in m and (m["role"] != "assistant" or m["weight"] not in (0, 1)
+                                      or isinstance(m["weight"], bool)):
+                    raise ConfigError(f"{where}: message {k} has \"weight\": {json.dumps(m['weight'])[:40]}; only an "
+                                      f"assistant message takes one, 0 or 1")
+            if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in msgs):
+                raise ConfigError(f"{where}: has no assistant message of weight 1 (nothing to train on)")
             try:
-                x, m = chat_ids_and_mask(tokenizer, [{"role": m["role"], "content": m["content"]} for m in msgs])
+                x, m = chat_ids_and_mask(tokenizer, [{key: m[key] for key in ("role", "content", "weight") if key in m}
+                                                     for m in msgs])
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
             if len(x) > max_context:

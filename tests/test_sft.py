@@ -415,8 +415,30 @@ def test_a_chat_file_is_masked_on_the_assistant_tokens_and_their_end_of_turn(tok
         assert x[m].tolist().count(eot) == len(said)
 
 
+def test_an_assistant_message_of_weight_0_is_context_not_target(tok, tmp_path):
+    """OpenAI's per-message "weight": the weight-0 answer is rendered (same tokens) and not trained on."""
+    msgs = [dict(m) for m in CHAT[0]["messages"]]
+    msgs[1]["weight"] = 0
+    (x0, m0), = zip(*fastpo.sft.read_chat_file(_jsonl(tmp_path / "a.jsonl", [CHAT[0]]), tok, 1024))
+    (x, m), = zip(*fastpo.sft.read_chat_file(_jsonl(tmp_path / "w.jsonl", [{"messages": msgs}]), tok, 1024))
+    assert torch.equal(x, x0)
+    assert tok.decode(x[m]) == "Left || Down<|im_end|>"
+    assert tok.decode(x0[m0]) == "Up<|im_end|>Left || Down<|im_end|>"
+    msgs[3]["weight"] = 1
+    (_, m1), = zip(*fastpo.sft.read_chat_file(_jsonl(tmp_path / "w1.jsonl", [{"messages": msgs}]), tok, 1024))
+    assert torch.equal(m1, m)
+
+
 @pytest.mark.parametrize("line,said", [
     ("{not json", "line 2: not JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "weight": 0}]}',
+     "line 2: has no assistant message of weight 1"),
+    ('{"messages": [{"role": "user", "content": "hi", "weight": 1}, {"role": "assistant", "content": "ok"}]}',
+     'line 2: message 0 has "weight": 1; only an assistant message takes one, 0 or 1'),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "weight": 0.5}]}',
+     'line 2: message 1 has "weight": 0.5'),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", "weight": true}]}',
+     'line 2: message 1 has "weight": true'),
     ('{"text": "hi"}', 'line 2: needs a non-empty "messages" list'),
     ('{"messages": [{"role": "bot", "content": "hi"}]}', "line 2: message 0 must be"),
     ('{"messages": [{"role": "user", "content": 3}]}', "line 2: message 0 must be"),
