@@ -253,8 +253,7 @@ def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
             if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in msgs):
                 raise ConfigError(f"{where}: has no assistant message of weight 1 (nothing to train on)")
             try:
-                x, m = chat_ids_and_mask(tokenizer, [{key: m[key] for key in ("role", "content", "weight") if key in m}
-                                                     for m in msgs])
+                x, m = chat_ids_and_mask(tokenizer, msgs)  # it renders role and content alone
             except ValueError as e:
                 raise ConfigError(f"{where}: {e}") from None
             if len(x) > max_context:

@@ -33,16 +33,16 @@ def test_relabelling_the_expert_gives_its_answers(observation, slippery):
     eb = expert_rollout(tok, "frozenlake", options, rcfg, seeds, 1)
     env = FrozenLakeEnv(len(seeds), **options)
     env.reset(seeds)
-    rows, agree = relabel(eb, env.optimal_policy(10), env.action_names(0), env.size[1], 10, "SYSTEM")
-    assert agree == 1.0
-    assert sum(len(r["messages"]) // 2 for r in rows) == int(eb.num_turns.sum()) > len(seeds)
+    rows, agree, turns = relabel(eb, env.optimal_policy(10), env.action_names(0), env.size[1], 10, "SYSTEM")
+    assert agree == turns
+    assert sum(len(r["messages"]) // 2 for r in rows) == turns == int(eb.num_turns.sum()) > len(seeds)
     for b, r in enumerate(rows):
         assert [m["content"] for m in r["messages"][2::2]] == [t.strip() for t in eb.response_texts[b]]
     # with the rollout's own system prompt the chat renders to the tokens the rollout fed
     from fastpo.rollout import MultiTurnRollout
 
     system = MultiTurnRollout(None, tok, "frozenlake", options, rcfg).chat.system_prompt
-    rows, _ = relabel(eb, env.optimal_policy(10), env.action_names(0), env.size[1], 10, system)
+    rows = relabel(eb, env.optimal_policy(10), env.action_names(0), env.size[1], 10, system)[0]
     ids, mask = chat_ids_and_mask(tok, rows[0]["messages"])
     fed = eb.input_ids[0]
     assert torch.equal(ids[:len(fed)], fed)
@@ -80,15 +80,15 @@ def test_own_history_keeps_the_models_answers_as_context():
             return 1
 
     batch = B(user_messages=[users], response_texts=[["<answer>Right</answer>", " <answer>Down</answer>"]])
-    rows, agree = relabel(batch, policy, names, 4, 10, "S", history="own")
-    assert agree == 0.0 and len(rows) == 2
+    rows, agree, turns = relabel(batch, policy, names, 4, 10, "S", history="own")
+    assert agree == 0 and turns == 2 and len(rows) == 2
     assert rows[1]["messages"] == [
         {"role": "system", "content": "S"}, {"role": "user", "content": users[0]},
         {"role": "assistant", "content": "<answer>Right</answer>", "weight": 0},
         {"role": "user", "content": users[1]}, {"role": "assistant", "content": "<answer>Up</answer>"}]
     assert rows[0]["messages"][-1] == {"role": "assistant", "content": "<answer>Left</answer>"}
-    rows, _ = relabel(batch, policy, names, 4, 10, "S", history="own", per_trajectory=1,
-                      rng=np.random.default_rng(0))
+    rows = relabel(batch, policy, names, 4, 10, "S", history="own", per_trajectory=1,
+                   rng=np.random.default_rng(0))[0]
     assert len(rows) == 1
-    rows, _ = relabel(batch, policy, names, 4, 10, "S")
+    rows = relabel(batch, policy, names, 4, 10, "S")[0]
     assert [m["content"] for m in rows[0]["messages"][2::2]] == ["<answer>Left</answer>", "<answer>Up</answer>"]

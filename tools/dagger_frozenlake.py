@@ -53,7 +53,7 @@ def relabelled_messages(system: str, users: list, moves: list) -> list:
 
 
 def relabel(batch, policy: np.ndarray, names: list, cols: int, horizon: int, system: str,
-            history: str = "expert", per_trajectory: int = 0, rng=None) -> tuple[list, float]:
+            history: str = "expert", per_trajectory: int = 0, rng=None) -> tuple[list, int, int]:
     """DAgger's labels for a TrajectoryBatch of one trajectory per env instance (instance b of
     the env `policy` came from played trajectory b): each answered turn's label is
     policy[b, min(actions left, horizon), row * cols + column], the state read from its user
@@ -64,7 +64,7 @@ def relabel(batch, policy: np.ndarray, names: list, cols: int, horizon: int, sys
     the model's own earlier answers as context ("weight": 0) and the label as the one target,
     so that the model learns to act from the histories it makes itself; `per_trajectory` > 0
     keeps that many turns of each trajectory (drawn with `rng`, a numpy Generator).
-    Returns ({"messages": ...} rows, the share of answered turns whose answer was the label).
+    Returns ({"messages": ...} rows, answered turns whose answer was the label, answered turns).
     """
     rows, agree, total = [], 0, 0
     for b in range(len(batch)):
@@ -90,7 +90,7 @@ def relabel(batch, policy: np.ndarray, names: list, cols: int, horizon: int, sys
             msgs += [{"role": "user", "content": users[k]},
                      {"role": "assistant", "content": f"<answer>{moves[k]}</answer>"}]
             rows.append({"messages": msgs})
-    return rows, agree / max(total, 1)
+    return rows, agree, total
 
 
 def main(argv=None) -> int:
@@ -146,16 +146,15 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rng = np.random.default_rng(a.sampling_seed)
     system = rollout.chat.system_prompt
-    rows, agreed, turns, wins = [], 0.0, 0, 0
+    rows, agreed, turns, wins = [], 0, 0, 0
     for i in range(0, len(seeds), a.chunk):  # the KV cache of a chunk is what bounds memory
         part = seeds[i:i + a.chunk]
         with torch.no_grad():
             batch = rollout.generate(part, 1, temperature=a.temperature, seed=a.sampling_seed + i)
-        got, agree = relabel(batch, policy[i:i + len(part)], names, cols, horizon, system, a.history,
-                             a.per_trajectory, rng)
-        n = sum(len(t) for t in batch.response_texts)
+        got, agree, n = relabel(batch, policy[i:i + len(part)], names, cols, horizon, system, a.history,
+                                a.per_trajectory, rng)
         rows += got
-        agreed, turns, wins = agreed + agree * n, turns + n, wins + int(batch.success.sum())
+        agreed, turns, wins = agreed + agree, turns + n, wins + int(batch.success.sum())
         print(f"rolled out seeds {part[0]}..{part[-1]} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"{info.label} on {len(seeds)} seeds at temperature {a.temperature}: success {wins / len(seeds):.3f}, "
           f"{turns / len(seeds):.2f} turns; {turns} turns labelled ({len(rows)} conversations), the model's "
@@ -164,9 +163,7 @@ def main(argv=None) -> int:
 
     if a.expert:
         eb = expert_rollout(tok, "frozenlake", cfg.env.options, cfg.rollout.rollout_config(), seeds[:a.expert], 1)
-        for b in range(len(eb)):
-            moves = [t.replace("<answer>", "").replace("</answer>", "").strip() for t in eb.response_texts[b]]
-            rows.append({"messages": relabelled_messages(system, eb.user_messages[b], moves)})
+        rows += relabel(eb, policy[:a.expert], names, cols, horizon, system)[0]  # its own answers, as labelled
         print(f"appended {len(eb)} expert trajectories (success {float(eb.success.float().mean()):.3f})")
     with open(a.out, "w", encoding="utf-8") as f:
         for r in rows:
