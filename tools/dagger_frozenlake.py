@@ -98,7 +98,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", required=True, help="a fastpo run folder or checkpoint (FrozenLake, coords)")
     p.add_argument("--seeds", type=int, default=384, help="training seeds 0..N-1 to roll out on")
     p.add_argument("--seed-offset", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.5,
+                   help="sampling temperature of the rollout (default: the paper's eval temperature)")
     p.add_argument("--expert", type=int, default=0, help="append the expert's trajectories on the first N seeds")
     p.add_argument("--sampling-seed", type=int, default=1)
     p.add_argument("--history", choices=("expert", "own"), default="expert",
