@@ -138,3 +138,26 @@ def test_dynamic_draw_seeds_are_a_function_of_seed_iteration_and_draw():
     assert a == dynamic_draw_seeds(0, 3, 1, 4) and len(a[0]) == 4
     assert a != dynamic_draw_seeds(0, 3, 2, 4) and a != dynamic_draw_seeds(0, 4, 1, 4) and a != dynamic_draw_seeds(1, 3, 1, 4)
     assert set(a[0]).isdisjoint(iteration_seeds(0, 3, 4))
+
+
+
+@pytest.mark.parametrize("size", [8, 16])
+@pytest.mark.parametrize("value", [0.1, -0.1, 1 / 3])
+def test_equal_scores_that_are_not_binary_fractions_have_zero_spread_everywhere(value, size):
+    """Groups of 8 or 16 equal scores such as Sokoban's -0.1 or the Bandit's 0.1: in float32 their
+    std came out near 1e-8, above the 1e-10 zero-spread threshold, so they counted as varying
+    (StarPO-S's zero-std count, filter_keep_zero_std=false, DAPO's dynamic sampling, the soft
+    reweighting and the in-group reward std metric all read `group_reward_std`)."""
+    from fastpo.algorithms import dynamic_sampling_filter, grpo_advantages, group_reward_std
+
+    # group 0: all equal; group 1: a real spread
+    scores = torch.tensor([value] * size + [value] * (size - 1) + [1.0], dtype=torch.float32)
+    gids = torch.tensor([0] * size + [1] * size)
+    stds = group_reward_std(scores, gids)
+    assert stds[0] == 0.0 and stds[1] > 0.1
+    res = filter_groups(scores, gids, ratio=1.0, keep_zero_std=False)
+    assert res.zero_std_groups == 1 and res.kept_groups == [1]
+    assert dynamic_sampling_filter(scores, gids, target=2).kept_groups == [1]
+    w = soft_advantage_weights(scores, gids)
+    assert w[:size].tolist() == [0.0] * size and bool((w[size:] > 0.9).all())
+    assert grpo_advantages(scores, gids)[:size].tolist() == [0.0] * size

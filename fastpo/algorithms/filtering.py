@@ -86,15 +86,20 @@ class FilterResult:
 def group_reward_std(scores: torch.Tensor, group_ids: torch.Tensor) -> dict:
     """In-group reward std per env group: {group id (int): unbiased std (float)}.
 
-    A group of one trajectory has std 0. Args: scores [B] float, group_ids [B] int.
-    Raises ValueError on shape mismatch.
+    A group of one trajectory, or one whose scores are all equal, has std exactly 0; the
+    others are computed in float64. (In float32, eight or more equal scores that are not
+    binary fractions, e.g. Sokoban's -0.1 step penalty, leave a std near 1e-8, above the
+    zero-spread threshold 1e-10: such groups counted as varying; `grpo_advantages` has the
+    same rule.) Args: scores [B] float, group_ids [B] int. Raises ValueError on shape
+    mismatch.
     """
     if scores.dim() != 1 or group_ids.shape != scores.shape:
         raise ValueError(f"scores {tuple(scores.shape)} and group_ids {tuple(group_ids.shape)} must both be [B]")
     out = {}
+    s = scores.to(torch.float64)
     for g in torch.unique(group_ids).tolist():
-        x = scores[group_ids == g].to(torch.float32)
-        out[int(g)] = float(x.std(unbiased=True)) if x.numel() > 1 else 0.0
+        x = s[group_ids == g]
+        out[int(g)] = 0.0 if x.numel() < 2 or bool((x == x[0]).all()) else float(x.std(unbiased=True))
     return out
 
 
