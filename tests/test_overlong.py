@@ -67,3 +67,65 @@ def test_overlong_shaping_and_filtering_in_training_resume_exactly(tmp_path):
     for ra, rb in zip(full, again):
         for k in ("train/overlong_penalty_mean", "train/overlong_filtered_turns", "train/score_mean"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-5, abs=1e-6), k
+
+
+def _two_turn_group():
+    """Two trajectories of one env group, two turns each (one observation token between):
+    trajectory 0's second turn stopped at the length limit (rollout.max_new_tokens = 2) with env
+    reward 2.0; every other turn ended normally, shorter, with reward 0."""
+    from fastpo.rollout.batch import TrajectoryBatch
+
+    ids = torch.tensor([7, 1, 2, 3, 4, 5])
+    mask = torch.tensor([False, True, True, False, True, True])
+    turn = torch.tensor([-1, 0, 0, -1, 1, 1])
+    b = 2
+    return TrajectoryBatch(
+        input_ids=[ids] * b, loss_mask=[mask.clone() for _ in range(b)], sample_logprobs=[torch.zeros(6)] * b,
+        turn_index=[turn] * b, turn_rewards=torch.tensor([[0.0, 2.0], [0.0, 0.0]]), format_penalty=torch.zeros(b, 2),
+        num_turns=torch.full((b,), 2), scores=torch.tensor([2.0, 0.0]), success=torch.zeros(b, dtype=torch.bool),
+        num_actions=torch.full((b,), 2), group_ids=torch.zeros(b, dtype=torch.long),
+        seeds=torch.zeros(b, dtype=torch.long), truncated=torch.zeros(b, dtype=torch.bool),
+        stop_reason=["max_turns"] * b,
+        # (lengths for the overlong penalty, L_max 2, buffer 1: 1 token is free, 2 tokens cost -1)
+        responses=[[torch.tensor([1]), torch.tensor([4, 5])], [torch.tensor([1]), torch.tensor([4])]],
+        response_texts=[["", ""]] * b, metrics={}, turn_stop_reasons=[["eot", "length"], ["eot", "eot"]])
+
+
+def _advantages_after_overlong(tmp_path, estimator, overlong_filter):
+    """The trainer's overlong step, then its advantage step, on `_two_turn_group` (no model)."""
+    from fastpo.distributed.context import SINGLE
+    from fastpo.trainer.batch import TrainBatch
+    from fastpo.trainer.iteration import Advantages, StarPOIteration
+    from fastpo.trainer.plan import rl_plan
+
+    cfg = load_config(env="frozenlake", preset="tiny", overrides=[
+        f"trainer.output_dir={tmp_path}", f"algorithm.adv_estimator={estimator}", "algorithm.reward_position=turn",
+        "algorithm.whiten_advantages=false", "rollout.max_new_tokens=2", "algorithm.overlong_buffer=1",
+        f"algorithm.overlong_filter={str(overlong_filter).lower()}"])
+    step = StarPOIteration.__new__(StarPOIteration)  # the steps that need no model
+    step.cfg, step.dist, step.plan = cfg, SINGLE, rl_plan(cfg, False)
+    step.advantages = Advantages(cfg, SINGLE, step.plan)
+    rollout = _two_turn_group()
+    metrics = step.overlong_step(rollout)
+    batch = TrainBatch.from_rollout(rollout, 0)
+    batch.values = [torch.zeros(6)] * 2
+    step.advantage_step(rollout, batch, metrics)
+    return batch, metrics
+
+
+@pytest.mark.parametrize("estimator", ["gae", "bilevel_gae", "turn_rloo", "reinforce_pp"])
+def test_a_cut_turn_leaves_the_loss_but_its_reward_and_penalty_reach_the_earlier_turn(tmp_path, estimator):
+    """Overlong filtering takes the cut turn out of the loss only: its reward (2.0) and its overlong
+    penalty (-1.0 at the limit) still reach turn 0's advantage, exactly as without the filter.
+    (Before, the turn left the loss mask before the rewards were placed: turn 0 of trajectory 0
+    saw neither, and its advantage was trajectory 1's.)"""
+    batch, metrics = _advantages_after_overlong(tmp_path, estimator, True)
+    kept, _ = _advantages_after_overlong(tmp_path, estimator, False)
+    assert metrics["train/overlong_filtered_turns"] == 1 and metrics["train/overlong_penalty_mean"] == -0.5
+    assert batch.loss_mask[0].tolist() == [False, True, True, False, False, False]
+    assert batch.loss_mask[1].tolist() == [False, True, True, False, True, True]
+    assert batch.advantages[0][4:].tolist() == [0.0, 0.0]
+    assert torch.equal(batch.advantages[0][:4], kept.advantages[0][:4])
+    assert torch.equal(batch.advantages[1], kept.advantages[1])
+    # turn 0 of the cut trajectory is credited with the cut turn's net reward 2.0 - 1.0, its group mate's with 0
+    assert float(batch.advantages[0][1]) > float(batch.advantages[1][1])

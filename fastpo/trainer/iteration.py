@@ -273,12 +273,13 @@ class StarPOIteration:
         return out
 
     def overlong_step(self, full) -> dict:
-        """DAPO's overlong shaping and filtering on this process's trajectories, in place, after
-        the rollout metrics (which stay the game's): each turn's penalty (`overlong_penalty`)
-        added to its turn reward and the trajectory's score, and with algorithm.overlong_filter
-        the turns cut at rollout.max_new_tokens out of the loss mask. Returns
-        train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns (both
-        over every process)."""
+        """DAPO's overlong shaping on this process's trajectories, in place, after the rollout
+        metrics (which stay the game's): each turn's penalty (`overlong_penalty`) added to its
+        turn reward and the trajectory's score. The filtering half (algorithm.overlong_filter:
+        the turns cut at rollout.max_new_tokens out of the loss) is `overlong_filtered`, after
+        the advantages, so that a cut turn's reward, its penalty included, still reaches the
+        earlier turns' credit. Returns train/overlong_penalty_mean (per trajectory) and
+        train/overlong_filtered_turns (both over every process)."""
         a, r = self.cfg.algorithm, self.cfg.rollout
         if not a.overlong_buffer and not a.overlong_filter:
             return {}
@@ -291,9 +292,7 @@ class StarPOIteration:
                 full.scores[i] += pen.sum().to(full.scores.dtype)
                 total += float(pen.sum())
             if a.overlong_filter and full.turn_stop_reasons:
-                reasons = full.turn_stop_reasons[i]
-                cut += sum(1 for why in reasons if why == "length")
-                full.loss_mask[i] = alg.truncated_turn_mask(full.loss_mask[i], full.turn_index[i], reasons)
+                cut += sum(1 for why in full.turn_stop_reasons[i] if why == "length")
         n, total, cut = all_reduce(self.dist, [len(full.responses), total, cut])
         out = {}
         if a.overlong_buffer:
@@ -364,11 +363,25 @@ class StarPOIteration:
         statistics over every process; RAGEN's soft reweighting by the group's reward std."""
         batch.advantages, batch.returns, am = self.compute_advantages(rollout, batch.loss_mask, batch.values,
                                                                       batch.old_logprobs, batch.ref_logprobs)
+        if self.cfg.algorithm.overlong_filter:
+            self.overlong_filtered(rollout, batch)
         metrics.update(self.advantage_metrics(batch.advantages, batch.loss_mask, am))
         if self.cfg.algorithm.soft_advantage_reweight:  # the largest group std over every process
             w, wm = self.soft_weights(rollout)
             batch.advantages = [x * w[i] for i, x in enumerate(batch.advantages)]
             metrics.update(wm)
+
+    @staticmethod
+    def overlong_filtered(rollout, batch: TrainBatch) -> None:
+        """DAPO's overlong filtering, in place: the tokens of every turn that stopped at the
+        length limit leave `batch`'s loss masks (and their advantages are zeroed), after the
+        advantages were computed over the whole trajectory (`overlong_step`)."""
+        if not rollout.turn_stop_reasons:
+            return
+        for i, reasons in enumerate(rollout.turn_stop_reasons):
+            turn = torch.as_tensor(rollout.turn_index[i])
+            batch.loss_mask[i] = alg.truncated_turn_mask(batch.loss_mask[i], turn, reasons)
+            batch.advantages[i] = batch.advantages[i] * batch.loss_mask[i]
 
     def update_step(self, it: int, metrics: dict, tm: dict, batch: TrainBatch) -> None:
         """Step 5, the update phase: `PolicyUpdater.update`, its metrics into `metrics` and its
