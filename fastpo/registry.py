@@ -27,6 +27,9 @@ class Estimator:
     batch_statistics: it normalises over the whole batch's tokens, so a process left with no
     trajectory still joins those statistics (data parallel). paper: where it comes from.
     needs_turns: it reads each token's turn (the turn structure of a multi-turn trajectory).
+    loss_agg: the loss aggregation its paper pairs it with, used when `algorithm.loss_agg` is
+    null (`TrainConfig.loss_agg`): the RAGEN paper's "seq-mean-token-mean" but for Dr.GRPO,
+    whose point is to drop that per-trajectory 1/|tau_i| ("seq-mean-token-sum-norm").
     """
 
     name: str
@@ -36,6 +39,7 @@ class Estimator:
     batch_statistics: bool
     paper: str
     needs_turns: bool = False
+    loss_agg: str = "seq-mean-token-mean"
 
 
 #: The advantage estimators by name (`algorithm.adv_estimator`), in the config's order.
@@ -45,7 +49,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
     Estimator("grpo", token_level=False, needs_groups=True, needs_critic=False, batch_statistics=False,
               paper="(R - group mean) / (group std + 1e-6) (GRPO, arXiv 2402.03300)"),
     Estimator("drgrpo", token_level=False, needs_groups=True, needs_critic=False, batch_statistics=False,
-              paper="R - group mean, no std division (Dr.GRPO, arXiv 2503.20783)"),
+              paper="R - group mean, no std division, a constant loss normaliser (Dr.GRPO, arXiv 2503.20783)",
+              loss_agg="seq-mean-token-sum-norm"),
     Estimator("rloo", token_level=False, needs_groups=True, needs_critic=False, batch_statistics=False,
               paper="R minus the mean of the group's other trajectories (RLOO, arXiv 2402.14740)"),
     Estimator("reinforce_pp", token_level=True, needs_groups=False, needs_critic=False, batch_statistics=True,
@@ -65,11 +70,22 @@ class LossAggregation:
     """How token losses become a mini-batch's loss (verl's `loss_agg_mode` names).
 
     per_token: the mini-batch's denominator counts its scored tokens ("token-mean"); else it
-    counts its trajectories with a scored token (the seq-mean modes). The equations are
-    fastpo.kernels.reference.aggregate's (the loss specification)."""
+    counts its trajectories with a scored token (the seq-mean modes). constant_norm: that
+    count is multiplied by a constant token count C (`TrainConfig.loss_norm`), Dr.GRPO's
+    normaliser. kernel_mode: the fastpo.kernels aggregation that computes it with that
+    denominator. The equations are fastpo.kernels.reference.aggregate's (the loss
+    specification): "seq-mean-token-sum-norm" is its "seq-mean-token-sum" with denominator
+    (trajectories x C), i.e. sum_i sum_t l_it / (G C) (Dr.GRPO, arXiv 2503.20783, Sec. 3.2:
+    no 1/|o_i|, a constant in its place; verl's mode of that name)."""
 
     name: str
     per_token: bool
+    constant_norm: bool = False
+    kernel_mode: str = ""
+
+    def __post_init__(self):
+        if not self.kernel_mode:
+            object.__setattr__(self, "kernel_mode", self.name)
 
 
 #: The loss aggregations by name (`algorithm.loss_agg`, `algorithm.value_loss_agg`).
@@ -77,6 +93,7 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {a.name: a for a in (
     LossAggregation("token-mean", per_token=True),
     LossAggregation("seq-mean-token-sum", per_token=False),
     LossAggregation("seq-mean-token-mean", per_token=False),
+    LossAggregation("seq-mean-token-sum-norm", per_token=False, constant_norm=True, kernel_mode="seq-mean-token-sum"),
 )}
 LOSS_AGGREGATION_NAMES: tuple[str, ...] = tuple(LOSS_AGGREGATIONS)
 
@@ -132,11 +149,14 @@ def loss_aggregation(name: str) -> LossAggregation:
     return LOSS_AGGREGATIONS[name]
 
 
-def loss_denominator_of(loss_agg: str, scored_tokens: int, scored_trajectories: int) -> float:
+def loss_denominator_of(loss_agg: str, scored_tokens: int, scored_trajectories: int, norm: int = 1) -> float:
     """The normaliser of a mini-batch's loss under `loss_agg`, from its counts (over every
     process's part of it): its scored tokens for a per-token aggregation, else its
-    trajectories with a scored token; at least 1. So that micro-batch losses, each divided by
-    it, accumulate to the mini-batch's loss (fastpo.kernels.aggregation_weights' denominator)."""
-    if loss_aggregation(loss_agg).per_token:
+    trajectories with a scored token (at least 1), times `norm` (tokens, >= 1) for a
+    constant-norm one ("seq-mean-token-sum-norm"). So that micro-batch losses, each divided by
+    it, accumulate to the mini-batch's loss (fastpo.kernels.aggregation_weights' denominator,
+    with the aggregation's `kernel_mode`)."""
+    agg = loss_aggregation(loss_agg)
+    if agg.per_token:
         return float(max(1, scored_tokens))
-    return float(scored_trajectories or 1)
+    return float(scored_trajectories or 1) * (norm if agg.constant_norm else 1)

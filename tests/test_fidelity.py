@@ -61,23 +61,50 @@ def test_hand_example_token_mean_versus_the_papers_aggregation():
     assert _first_step_loss("seq-mean-token-mean") == pytest.approx(0.0, abs=1e-6)
 
 
-@pytest.mark.parametrize("preset", ["paper", "cpu", "starpo", "grpo", "cpu,starpo", "paper,grpo"])
+@pytest.mark.parametrize("preset", ["paper", "starpo", "grpo", "paper,grpo"])
 def test_presets_that_claim_the_papers_settings_use_its_loss_aggregation(preset, tmp_path):
     cfg = load_config(env="sokoban", preset=preset, overrides=[f"trainer.output_dir={tmp_path}",
                                                                "optim.mini_batch_size=4"])
-    assert cfg.algorithm.loss_agg == "seq-mean-token-mean"
+    assert cfg.algorithm.loss_agg is None and cfg.loss_agg == "seq-mean-token-mean"
     # the trainer's mini-batch denominators: one mini-batch of the four trajectories, each
     # trajectory in its own micro-batch (as a small token budget packs them); the micro-batch
     # losses add up to the paper's value on the whole mini-batch
     masks = [torch.cat([torch.zeros(1, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]) for n in LENGTHS]
     (mb, n_tok, denom), = epoch_mini_batches(cfg, SINGLE, masks, torch.Generator().manual_seed(0))
     assert sorted(mb) == [0, 1, 2, 3] and n_tok == 248 and denom == 4.0
-    total = sum(_first_step_loss(cfg.algorithm.loss_agg, denom, [i]) for i in range(4))
+    total = sum(_first_step_loss(cfg.loss_agg, denom, [i]) for i in range(4))
     assert total == pytest.approx(0.0, abs=1e-6)
     assert sum(_first_step_loss("token-mean", 248.0, [i]) for i in range(4)) == pytest.approx(232 / 248, abs=1e-6)
 
 
+@pytest.mark.parametrize("preset,extra", [("cpu", []), ("cpu,starpo", []), ("paper", ["algorithm.adv_estimator=drgrpo"]),
+                                          ("paper", ["algorithm.loss_agg=seq-mean-token-sum-norm"])])
+def test_drgrpo_drops_the_per_trajectory_length_average_for_a_constant(preset, extra, tmp_path):
+    """Dr.GRPO (arXiv 2503.20783) removes the 1/|o_i| of GRPO's objective: sum_i sum_t l_it / (G C)
+    with a constant C (here rollout.max_new_tokens x rollout.max_turns). The hand example:
+    (-4 - 4 + 40 + 200) / (4 C). (Every preset called Dr.GRPO used to keep the paper's
+    per-trajectory token mean: only the advantage followed Dr.GRPO.)"""
+    cfg = load_config(env="sokoban", preset=preset, overrides=[f"trainer.output_dir={tmp_path}",
+                                                               "optim.mini_batch_size=4", *extra])
+    C = cfg.rollout.max_new_tokens * cfg.rollout.max_turns
+    assert cfg.loss_agg == "seq-mean-token-sum-norm" and cfg.loss_norm == C
+    masks = [torch.cat([torch.zeros(1, dtype=torch.bool), torch.ones(n, dtype=torch.bool)]) for n in LENGTHS]
+    (mb, _, denom), = epoch_mini_batches(cfg, SINGLE, masks, torch.Generator().manual_seed(0))
+    assert denom == 4.0 * C
+    # the trainer hands the kernels their "seq-mean-token-sum" with that denominator
+    from fastpo.trainer.update import policy_loss_settings
+
+    mode = policy_loss_settings(cfg).loss_agg
+    total = sum(_first_step_loss(mode, denom, [i]) for i in range(4))
+    assert total == pytest.approx(232 / (4 * C), abs=1e-6)
+    fixed = load_config(env="sokoban", preset=preset, overrides=[f"trainer.output_dir={tmp_path}",
+                                                                 "optim.mini_batch_size=4", *extra,
+                                                                 "algorithm.loss_scale_factor=100"])
+    assert next(epoch_mini_batches(fixed, SINGLE, masks, torch.Generator().manual_seed(0)))[2] == 400.0
+
+
 def test_no_preset_sets_another_loss_aggregation():
+    """The aggregation follows the estimator (TrainConfig.loss_agg), never a preset of its own."""
     assert not any("loss_agg" in p.get("algorithm", {}) for p in PRESETS.values())
 
 

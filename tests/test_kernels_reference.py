@@ -706,6 +706,30 @@ def test_policy_loss_settings_checked_when_built():
         linear_policy_loss(hidden, weight, t, torch.zeros(3), torch.ones(3), torch.ones(3), clip_low=0.3)
 
 
+def test_cispo_as_published_has_no_lower_bound_on_its_is_weight(tmp_path):
+    """CISPO (arXiv 2506.13585) clips its IS weight from above only: clip_low >= 1 puts the lower
+    bound at or below 0, under every ratio, and clip-higher's clip_high >= clip_low does not apply.
+    (The settings check refused clip_low >= 1 for every loss: CISPO as published could not be set.)"""
+    from fastpo.config import load_config
+    from fastpo.config.fields import ConfigError
+    from fastpo.kernels.reference import policy_loss_terms
+
+    s = PolicyLossSettings(loss="cispo", clip_low=1.0, clip_high=0.28)
+    lp = torch.log(torch.tensor([0.05, 0.5, 3.0]))  # ratios 0.05, 0.5, 3.0 against old log-probs 0
+    out = policy_loss_terms(lp, torch.zeros(3), torch.zeros(3), torch.ones(3), settings=s)
+    # weight = sg(min(r, 1 + clip_high)): 0.05 and 0.5 as they are, 3.0 cut to 1.28
+    assert out["pg"].tolist() == pytest.approx((-torch.tensor([0.05, 0.5, 1.28]) * lp).tolist(), rel=1e-6)
+    assert not bool(out["clip_low"].any()) and out["clip_high"].tolist() == [False, False, True]
+    cfg = load_config(env="bandit", preset="tiny", overrides=[
+        f"trainer.output_dir={tmp_path}", "algorithm.policy_loss=cispo", "algorithm.clip_low=1.0"])
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (1.0, 0.28)
+    with pytest.raises(ValueError, match="clip_low must be < 1"):  # PPO's clip range stays a range
+        PolicyLossSettings(loss="ppo", clip_low=1.0, clip_high=1.0)
+    with pytest.raises(ConfigError, match="'algorithm.clip_low' = 1.0: must be < 1"):
+        load_config(env="bandit", preset="tiny", overrides=[f"trainer.output_dir={tmp_path}", "algorithm.clip_low=1.0",
+                                                            "algorithm.clip_high=1.0"])
+
+
 def test_library_defaults_are_verls():
     """The library's defaults (kept on purpose: a loss moved from verl computes the same
     objective; docs/kernels_compile.md sets them beside the trainer's)."""

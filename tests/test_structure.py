@@ -75,7 +75,9 @@ def test_registry_names_are_the_configs_allowed_values():
 
     hints = typing.get_type_hints(config.AlgorithmConfig)
     assert typing.get_args(hints["adv_estimator"]) == tuple(registry.ESTIMATORS)
-    assert typing.get_args(hints["loss_agg"]) == tuple(registry.LOSS_AGGREGATIONS)
+    loss_agg, none = typing.get_args(hints["loss_agg"])  # Optional: null = the estimator's own
+    assert typing.get_args(loss_agg) == tuple(registry.LOSS_AGGREGATIONS) and none is type(None)
+    assert all(e.loss_agg in registry.LOSS_AGGREGATIONS for e in registry.ESTIMATORS.values())
     assert typing.get_args(hints["value_loss_agg"]) == tuple(registry.LOSS_AGGREGATIONS)
     assert set(estimators._ESTIMATORS) == set(registry.ESTIMATORS)
     from fastpo.kernels import POLICY_LOSSES

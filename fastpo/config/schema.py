@@ -351,9 +351,10 @@ class AlgorithmConfig:
         clip_cov_lb: Clip-Cov's covariance band, lower end.
         clip_cov_ub: Clip-Cov's covariance band, upper end.
         kl_cov_coef: KL-Cov's penalty weight.
-        clip_low: PPO's lower clip bound (ratio >= 1 - clip_low).
+        clip_low: PPO's lower clip bound (ratio >= 1 - clip_low; < 1). With policy_loss=cispo
+            the IS weight's lower bound, and >= 1 means none (CISPO's paper sets none).
         clip_high: PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above
-            clip_low).
+            clip_low; >= clip_low but with cispo).
         dual_clip: dual-clip bound on the loss for negative advantages (null = off).
         entropy_coef: weight of the entropy bonus in the policy loss.
         kl_coef: > 0 penalises KL to a frozen reference model (plain StarPO).
@@ -362,11 +363,18 @@ class AlgorithmConfig:
             (verl's `apply_kl_penalty`, r_t - kl_coef * kl_t, what RAGEN's PPO runs did);
             false adds + kl_coef * kl_t to the policy loss (what its GRPO runs did); null
             picks the reward for gae and reinforce_pp and the loss for the group estimators.
-        loss_agg: how token losses become the mini-batch loss. "seq-mean-token-mean" (every
-            preset) is the paper's objective (1/G) sum_i (1/|tau_i|) sum_t: each
-            trajectory's token mean, then the mean over trajectories; "token-mean" (verl's
-            default) divides by all tokens of the mini-batch; "seq-mean-token-sum" sums each
-            trajectory's tokens.
+        loss_agg: how token losses become the mini-batch loss; null (the default) takes the
+            one the advantage estimator's paper pairs with it (fastpo.registry's Estimator
+            `loss_agg`; `TrainConfig.loss_agg`): "seq-mean-token-mean", the RAGEN paper's
+            objective (1/G) sum_i (1/|tau_i|) sum_t (each trajectory's token mean, then the
+            mean over trajectories), for every estimator but drgrpo, which takes
+            "seq-mean-token-sum-norm": sum_i sum_t / (G C), no per-trajectory 1/|tau_i| and
+            a constant C (`loss_scale_factor`; Dr.GRPO, arXiv 2503.20783). "token-mean"
+            (verl's default) divides by all tokens of the mini-batch; "seq-mean-token-sum"
+            sums each trajectory's tokens.
+        loss_scale_factor: the constant C of "seq-mean-token-sum-norm" in tokens; null =
+            rollout.max_new_tokens x rollout.max_turns, the most model tokens a trajectory
+            can hold (Dr.GRPO's code divides by the generation budget).
         old_logprob: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
             from the "sampler", or "auto": the sampler's exactly when they are the same
             quantity (native engine on the trained fp32 module; fastpo.trainer.old_logprob).
@@ -419,7 +427,8 @@ class AlgorithmConfig:
     kl_coef: float = checked(0.0, at_least(0), "must be >= 0")
     kl_estimator: Literal["k1", "k3"] = "k1"
     kl_in_reward: Optional[bool] = None
-    loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "seq-mean-token-mean"  # fastpo.registry.LOSS_AGGREGATIONS
+    loss_agg: Optional[Literal[LOSS_AGGREGATION_NAMES]] = None  # fastpo.registry.LOSS_AGGREGATIONS
+    loss_scale_factor: Optional[int] = checked(None, lambda v: v is None or v >= 1, "must be >= 1 or null")
     old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
     ratio_level: Literal["token", "sequence"] = "token"
     is_correction: Literal["none", "tis", "mis"] = "none"
@@ -578,6 +587,21 @@ class TrainConfig:
         return bool(a.kl_in_reward)
 
     @property
+    def loss_agg(self) -> str:
+        """The policy loss's aggregation: `algorithm.loss_agg`, or when null the one the
+        advantage estimator's paper pairs with it (fastpo.registry's Estimator `loss_agg`:
+        "seq-mean-token-sum-norm" for drgrpo, "seq-mean-token-mean" for the others)."""
+        a = self.algorithm
+        return a.loss_agg if a.loss_agg is not None else estimator(a.adv_estimator).loss_agg
+
+    @property
+    def loss_norm(self) -> int:
+        """The constant C (tokens) of the "seq-mean-token-sum-norm" aggregation:
+        `algorithm.loss_scale_factor`, or rollout.max_new_tokens x rollout.max_turns."""
+        f = self.algorithm.loss_scale_factor
+        return int(f) if f is not None else self.rollout.max_new_tokens * self.rollout.max_turns
+
+    @property
     def train_batch_size(self) -> int:
         """Trajectories per iteration after filtering."""
         return self.kept_groups * self.rollout.group_size
@@ -637,8 +661,11 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
     need(bool(cfg.model.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.model.lora_target_modules),
          "model.lora_target_modules", cfg.model.lora_target_modules,
          "must list the names of the modules LoRA adapts, e.g. [q_proj, v_proj]")
-    need(a.clip_high >= a.clip_low, "algorithm.clip_high", a.clip_high,
+    need(a.clip_high >= a.clip_low or a.policy_loss == "cispo", "algorithm.clip_high", a.clip_high,
          f"must be >= algorithm.clip_low ({a.clip_low})")
+    need(a.clip_low < 1 or a.policy_loss == "cispo", "algorithm.clip_low", a.clip_low,
+         "must be < 1 (the ratio's lower clip bound is 1 - clip_low; only policy_loss=cispo's IS weight may go "
+         "without a lower bound, clip_low >= 1)")
     need(a.ratio_level == "token" or POLICY_LOSSES[a.policy_loss].sequence_ratio, "algorithm.ratio_level",
          a.ratio_level, f"GSPO's sequence ratio is defined for policy_loss ppo and cispo, not {a.policy_loss!r}")
     need(a.overlong_buffer <= r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,

@@ -117,15 +117,15 @@ def global_counts(ctx: DistContext, masks: list, indices: list[int]) -> tuple[in
     return int(t), int(s)
 
 
-def global_loss_denominator(ctx: DistContext, loss_agg: str, masks: list, indices: list[int]) -> float:
+def global_loss_denominator(ctx: DistContext, loss_agg: str, masks: list, indices: list[int], norm: int = 1) -> float:
     """The loss normaliser of a mini-batch spread over ranks: its global scored-token count for
     "token-mean", else its global count of trajectories with a scored token (the seq-mean
-    modes); at least 1. Every rank divides by it, so that the sum over ranks of the ranks'
-    gradients is the one-process gradient of the whole mini-batch
-    (`fastpo.trainer.loss_denominator` on the concatenation)."""
+    modes; times `norm` for "seq-mean-token-sum-norm"); at least 1. Every rank divides by it,
+    so that the sum over ranks of the ranks' gradients is the one-process gradient of the
+    whole mini-batch (`fastpo.trainer.loss_denominator` on the concatenation)."""
     from fastpo.registry import loss_denominator_of
 
-    return loss_denominator_of(loss_agg, *global_counts(ctx, masks, indices))
+    return loss_denominator_of(loss_agg, *global_counts(ctx, masks, indices), norm)
 
 
 def micro_batch_count(ctx: DistContext, n: int) -> int:

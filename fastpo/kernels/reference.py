@@ -154,6 +154,7 @@ def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob:
     - "cispo" (MiniMax-M1, arXiv 2506.13585, eq. 4): pg = -sg(clip(r, 1 - clip_low,
       1 + clip_high)) * A * logprob. The IS weight is clipped and detached; every token keeps
       the gradient of its log-prob (PPO's clip zeroes it for a token that moved too far).
+      The paper sets no lower bound (a large eps_low): clip_low >= 1.
       Its value holds logprob itself, so pg is not comparable to PPO's in size.
     - "sapo" (Soft Adaptive Policy Optimization, arXiv 2511.20347): pg = -A * f(r) with the
       soft gate f(r) = (4 / tau) * sigmoid(tau * (r - 1)), tau = sapo_tau_pos where A > 0,
@@ -295,9 +296,11 @@ class PolicyLossSettings:
     """The policy loss's settings as one object (Liger keeps them on its loss module): what
     `linear_policy_loss` also takes one keyword each (`settings=`), with the same defaults and
     meaning (see `policy_loss_terms` and `aggregation_weights`): clip_low / clip_high >= 0,
-    clip_low < 1 (PPO's clip range, DAPO's clip-higher), dual_clip None or > 1, entropy_coef
-    and kl_coef >= 0, kl_estimator in KL_ESTIMATORS, temperature > 0 (the logits' divisor),
-    loss_agg in LOSS_AGGS, ratio_level in RATIO_LEVELS, clip_high >= clip_low; `loss` in
+    clip_low < 1 and clip_high >= clip_low (PPO's clip range, DAPO's clip-higher; for "cispo"
+    any clip_low, >= 1 meaning no lower bound on the IS weight, as its paper runs it),
+    dual_clip None or > 1, entropy_coef and kl_coef >= 0, kl_estimator in KL_ESTIMATORS,
+    temperature > 0 (the logits' divisor), loss_agg in LOSS_AGGS, ratio_level in
+    RATIO_LEVELS; `loss` in
     POLICY_LOSSES ("ppo", "cispo", "sapo", "clip_cov", "kl_cov", see `policy_loss_terms`) with
     its own settings: sapo_tau_pos / sapo_tau_neg > 0 (SAPO's gate temperatures for positive
     and other advantages; verl's 1.0 / 1.05), cov_ratio in (0, 1] (the fraction of a call's
@@ -347,9 +350,11 @@ class PolicyLossSettings:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.clip_low >= 1.0:
+        # CISPO's IS weight may go without a lower bound (its paper's setting): clip_low >= 1 puts
+        # 1 - clip_low at or below 0, under every ratio; PPO's clip range must stay a range
+        if self.clip_low >= 1.0 and self.loss != "cispo":
             raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {self.clip_low}")
-        if self.clip_high < self.clip_low:
+        if self.clip_high < self.clip_low and self.loss != "cispo":
             raise ValueError(f"clip_high must be >= clip_low (clip-higher widens the upper bound), got clip_high="
                              f"{self.clip_high} < clip_low={self.clip_low}")
         d = self.dual_clip

@@ -20,7 +20,7 @@ from fastpo.kernels import PolicyLossSettings, linear_policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
-from fastpo.registry import POLICY_LOSSES, loss_denominator_of
+from fastpo.registry import POLICY_LOSSES, loss_aggregation, loss_denominator_of
 from fastpo.seeds import clip_cov_seed, mini_batch_generator_seed
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.models import Models, hidden_states
@@ -39,24 +39,26 @@ def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
     dual_clip = a.dual_clip if POLICY_LOSSES[a.policy_loss].dual_clip else None
     return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=dual_clip,
                               entropy_coef=a.entropy_coef, kl_coef=0.0 if cfg.kl_in_reward else a.kl_coef,
-                              kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature, loss_agg=a.loss_agg,
+                              kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature,
+                              loss_agg=loss_aggregation(cfg.loss_agg).kernel_mode,
                               ratio_level=a.ratio_level, loss=a.policy_loss, sapo_tau_pos=a.sapo_tau_pos,
                               sapo_tau_neg=a.sapo_tau_neg, cov_ratio=a.cov_ratio, clip_cov_lb=a.clip_cov_lb,
                               clip_cov_ub=a.clip_cov_ub, kl_cov_coef=a.kl_cov_coef, cov_seed=cfg.trainer.seed)
 
 
-def loss_denominator(loss_agg: str, masks: list, indices: list[int]) -> float:
+def loss_denominator(loss_agg: str, masks: list, indices: list[int], norm: int = 1) -> float:
     """The normaliser of a mini-batch's loss under `loss_agg` (fastpo.kernels.aggregation_weights'
     `denominator`), so that micro-batch losses accumulate to the mini-batch's: its scored tokens
-    for "token-mean", else its trajectories with a scored token; at least 1."""
-    return loss_denominator_of(loss_agg, *scored_counts(masks, indices))
+    for "token-mean", else its trajectories with a scored token (times `norm` for
+    "seq-mean-token-sum-norm"); at least 1."""
+    return loss_denominator_of(loss_agg, *scored_counts(masks, indices), norm)
 
 
 def epoch_mini_batches(cfg: TrainConfig, dist: DistContext, masks: list, generator: torch.Generator):
     """One PPO epoch's mini-batches of `optim.mini_batch_size` trajectories: shuffled trajectory
     indices (`generator`), the last one smaller when n % mini_batch_size != 0. Yields (indices,
-    scored tokens, loss denominator): the denominator of `algorithm.loss_agg`
-    (`loss_denominator`). Data parallel: the shuffle is of the global batch (the ranks'
+    scored tokens, loss denominator): the denominator of the run's policy-loss aggregation
+    (`TrainConfig.loss_agg`, `loss_denominator`). Data parallel: the shuffle is of the global batch (the ranks'
     trajectories in rank order), each rank gets its trajectories of each mini-batch (maybe
     none) and the global denominator, so the mini-batches are those of one process whatever
     the world size."""
@@ -67,7 +69,7 @@ def epoch_mini_batches(cfg: TrainConfig, dist: DistContext, masks: list, generat
     for start in range(0, total, size):
         mini = [i - offset for i in perm[start:start + size] if offset <= i < offset + len(masks)]
         n_tok = sum(int(masks[i][1:].sum()) for i in mini)
-        yield mini, n_tok, global_loss_denominator(dist, cfg.algorithm.loss_agg, masks, mini)
+        yield mini, n_tok, global_loss_denominator(dist, cfg.loss_agg, masks, mini, cfg.loss_norm)
 
 
 class MetricMeans:
@@ -267,7 +269,8 @@ class PolicyUpdater:
         self.models.policy.train()
         for _epoch in range(cfg.optim.ppo_epochs):
             for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
-                value_denom = global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini)
+                value_denom = global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini,
+                                                      cfg.loss_norm)
                 loss_fn = self.ppo_loss(per_traj, denom, value_denom, metrics, it)
                 stepped, n = self.step(batch, mini, loss_fn, metrics)
                 train_tokens += n
@@ -313,7 +316,8 @@ class PolicyUpdater:
                     v = m.values(micro, scored.rows, h)
                     vloss, vm = alg.clipped_value_loss(v, take["vals"], take["returns"],
                                                        torch.ones_like(v, dtype=torch.bool), clip=a.value_clip,
-                                                       mode=a.value_loss_agg, seq_ids=scored.seq,
+                                                       mode=loss_aggregation(a.value_loss_agg).kernel_mode,
+                                                       seq_ids=scored.seq,
                                                        denominator=value_denom)
                     for k, val in vm.items():
                         metrics.add(f"critic/{k}", val)
