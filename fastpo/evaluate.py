@@ -41,10 +41,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def format_valid_per_trajectory(batch) -> torch.Tensor:
-    """float32 [B]: the share of each trajectory's turns without the format penalty (1 - its
-    format-penalty rate; a trajectory without turns counts as 0 turns of 1)."""
-    turns = batch.num_turns.clamp_min(1).float()
-    return 1.0 - (batch.format_penalty != 0).float().sum(dim=1) / turns
+    """float32 [B]: the share of each trajectory's turns without the format penalty
+    (`TrajectoryBatch.format_valid`)."""
+    return batch.format_valid()
 
 
 def _outcomes(batch):

@@ -20,12 +20,38 @@ def test_standard_error_is_sample_std_over_root_n():
     assert standard_error([0.3]) == 0.0 and standard_error([]) == 0.0
 
 
-def test_format_valid_per_trajectory_counts_unpenalised_turns():
-    class B:  # the two fields it reads
-        num_turns = torch.tensor([3, 2, 0])
-        format_penalty = torch.tensor([[-0.1, 0.0, 0.0], [-0.1, -0.1, 0.0], [0.0, 0.0, 0.0]])
+def _penalised(penalty: float, penalised):
+    """Three trajectories of 3, 2 and 0 turns, `penalised` turns each got `penalty`."""
+    from fastpo.rollout.batch import TrajectoryBatch
 
-    assert format_valid_per_trajectory(B()).tolist() == pytest.approx([2 / 3, 0.0, 1.0])
+    b = len(penalised)
+    fp = torch.zeros(b, 3)
+    for i, n in enumerate(penalised):
+        fp[i, :n] = penalty
+    return TrajectoryBatch(
+        input_ids=[torch.tensor([1, 2])] * b, loss_mask=[torch.tensor([False, True])] * b,
+        sample_logprobs=[torch.zeros(2)] * b, turn_index=[torch.tensor([-1, 0])] * b, turn_rewards=fp.clone(),
+        format_penalty=fp, num_turns=torch.tensor([3, 2, 0]), scores=fp.sum(1), success=torch.zeros(b, dtype=torch.bool),
+        num_actions=torch.zeros(b, dtype=torch.long), group_ids=torch.arange(b), seeds=torch.arange(b),
+        truncated=torch.zeros(b, dtype=torch.bool), stop_reason=["x"] * b, responses=[[]] * b,
+        response_texts=[[]] * b, metrics={}, penalised_turns=torch.tensor(penalised))
+
+
+def test_format_valid_per_trajectory_counts_unpenalised_turns():
+    assert format_valid_per_trajectory(_penalised(-0.1, [1, 2, 0])).tolist() == pytest.approx([2 / 3, 0.0, 1.0])
+
+
+def test_format_valid_counts_malformed_turns_when_the_penalty_is_zero():
+    """A game or config with format_penalty 0 (the probe games') still has malformed turns: they
+    were counted from a non-zero penalty, so every malformed turn read as valid (format-valid 1.0
+    for a random model that never closed an answer)."""
+    from fastpo.report.metrics import rollout_metrics
+
+    batch = _penalised(0.0, [1, 2, 0])
+    assert format_valid_per_trajectory(batch).tolist() == pytest.approx([2 / 3, 0.0, 1.0])
+    m = rollout_metrics(batch, prefix="train")
+    assert m["train/format_valid"] == pytest.approx((2 / 3 + 0 + 1) / 3)
+    assert m["train/format_penalty_rate"] == pytest.approx(1 - (2 / 3 + 0 + 1) / 3)
 
 
 def _records():

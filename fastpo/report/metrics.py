@@ -328,10 +328,9 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
         f"{prefix}/num_actions": float(batch.num_actions.float().mean()),
         f"{prefix}/truncated_rate": float(batch.truncated.float().mean()),
     }
-    fp = batch.format_penalty
-    turns = batch.num_turns.clamp_min(1).float()
-    out[f"{prefix}/format_penalty_rate"] = float(((fp != 0).float().sum(dim=1) / turns).mean())
-    out[f"{prefix}/format_valid"] = 1.0 - out[f"{prefix}/format_penalty_rate"]
+    per_turn_ok = batch.format_valid()
+    out[f"{prefix}/format_valid"] = float(per_turn_ok.mean())
+    out[f"{prefix}/format_penalty_rate"] = 1.0 - out[f"{prefix}/format_valid"]
     mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate", "format_valid"}
     for k, v in (batch.metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in mine:
@@ -339,7 +338,6 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
             out[f"{prefix}/{'response_length_per_turn' if k == 'response_length' else k}"] = float(v)
     labels = list(dict.fromkeys(getattr(batch, "env_labels", None) or []))
     if len(labels) > 1 or (batch.info or {}).get("envs"):  # a mixture: each game's own figures
-        per_turn_ok = 1.0 - (fp != 0).float().sum(dim=1) / turns
         for label in (batch.info or {}).get("envs") or labels:
             sel = torch.tensor([x == label for x in batch.env_labels], dtype=torch.bool)
             n = int(sel.sum())

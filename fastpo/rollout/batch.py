@@ -101,6 +101,16 @@ class TrajectoryBatch:
             raise ValueError("this TrajectoryBatch has no tokenizer to decode with")
         return [self.tokenizer.decode(ids.tolist(), skip_special_tokens=skip_special_tokens) for ids in self.input_ids]
 
+    def format_valid(self) -> torch.Tensor:
+        """float32 [B]: each trajectory's share of its turns whose answer was well formed and
+        valid (no format penalty due), from `penalised_turns` (else from a non-zero
+        `format_penalty`, which misses every malformed turn when the penalty is 0); a
+        trajectory without turns counts as 0 turns of 1."""
+        turns = self.num_turns.clamp_min(1).float()
+        bad = (self.penalised_turns.float() if self.penalised_turns is not None
+               else (self.format_penalty != 0).float().sum(dim=1))
+        return 1.0 - bad / turns
+
     def select(self, indices) -> "TrajectoryBatch":
         """The sub-batch of trajectories `indices` (list / 1D int or bool tensor), in that order.
 
