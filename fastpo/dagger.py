@@ -614,7 +614,7 @@ class DaggerRun:
                 text.append(f.read())
         expert = 0
         if dag.expert_trajectories:
-            tok = load_model_checked(self.parent(k), tokenizer_only=True)
+            tok = load_model_checked(self.cfg.model.name, tokenizer_only=True)  # (every round's tokenizer)
             rcfg = self.cfg.rollout.rollout_config()
             eb = expert_rollout(tok, self.cfg.env.name, self.cfg.env.options, rcfg,
                                 dag.round_levels(k)[:dag.expert_trajectories], self.sft.actions_per_turn)

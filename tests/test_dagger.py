@@ -334,3 +334,45 @@ def test_a_folder_holding_another_run_or_other_settings_is_refused(capsys, no_mo
     assert "holds a DAgger run with other settings (dagger.levels=16 (the run's: 256))" in err
     assert main(["dagger", "--resume", str(run), "dagger.levels=16"]) == 2
     assert "cannot change on --resume" in capsys.readouterr().err
+
+
+def test_a_round_s_data_adds_the_expert_s_trajectories_and_aggregates_the_rounds(tmp_path):
+    """write_round: the chunks' conversations, then the expert's own trajectories on the
+    round's first levels; with dagger.aggregate round k trains on rounds 1..k (one epoch of
+    them), without it on its own."""
+    from rich.console import Console
+
+    from fastpo.config import load_config
+    from fastpo.dagger import DaggerRun
+    from fastpo.sft import SFTConfig
+
+    cfg = load_config(env="test_dagger:Walk", preset="tiny", overrides=[
+        f"model.name={MODEL}", f"trainer.output_dir={tmp_path}", "rollout.think=false"])
+    run = DaggerRun(cfg, SFTConfig(batch_size=4), dagger_config(["dagger.levels=3", "dagger.expert_trajectories=2",
+                                                                  "dagger.aggregate=true"]), Console(quiet=True))
+    for k, n in ((1, 3), (2, 5)):
+        part = tmp_path / "data" / f"round-{k}.chunks"
+        part.mkdir(parents=True)
+        rows = [{"messages": [{"role": "user", "content": f"r{k} {i}"}, {"role": "assistant", "content": "x"}]}
+                for i in range(n)]
+        (part / "0000.jsonl").write_text(fastpo.dagger.jsonl(rows))
+        (part / "0000.json").write_text(json.dumps({"trajectories": 3, "successes": 1, "turns": 9, "labelled": 9,
+                                                    "agreed": 3, "conversations": n}))
+        run.write_round(k, [[0, 1, 2]], str(part), 1.0)
+        assert not part.exists()
+    lines = [json.loads(x) for x in (tmp_path / "data" / "round-2.jsonl").read_text().splitlines()]
+    assert len(lines) == 5 + 2 and lines[0]["messages"][0]["content"] == "r2 0"
+    expert = lines[5:]  # the expert's trajectories on levels 3 and 4 (round 2's first), its answers as targets
+    assert all(m["content"] in ("<answer>Left</answer>", "<answer>Right</answer>") and "weight" not in m
+               for r in expert for m in r["messages"] if m["role"] == "assistant")
+    s = json.loads((tmp_path / "data" / "round-2.json").read_text())
+    assert (s["conversations"], s["expert_conversations"], s["agreement"], s["levels"]) == (7, 2, 1 / 3, [3, 5])
+    data = run.collect(2)
+    assert data["file"].endswith("rounds-1-2.jsonl") and data["conversations"] == 5 + 7
+    assert open(data["file"]).read() == (tmp_path / "data" / "round-1.jsonl").read_text() + \
+        (tmp_path / "data" / "round-2.jsonl").read_text()
+    cfg2, sft2 = run.round_config(2, data)
+    assert cfg2.trainer.iterations == 3 and sft2.batch_size == 4 and sft2.data == data["file"]  # ceil(12 / 4)
+    assert cfg2.model.name == str(tmp_path / "round-1") and not cfg2.trainer.eval_before_training
+    run.dag = dagger_config(["dagger.levels=3"])
+    assert run.collect(2)["file"].endswith("round-2.jsonl") and run.collect(2)["conversations"] == 7
