@@ -307,7 +307,8 @@ def _fitted_label(answer, chat, tok, max_new_tokens: int, env_name: str) -> str:
             answer = answer[:-1]
     if size(answer) > max_new_tokens:
         raise ConfigError(f"config key 'rollout.max_new_tokens' = {max_new_tokens}: the expert's answer "
-                          f"{expert_answer_text(answer, chat.think)!r:.120} of {env_name!r} takes {size(answer)} tokens")
+                          f"{expert_answer_text(answer, chat.think)!r:.120} of {env_name!r} takes {size(answer)} "
+                          f"tokens")
     return chat.prime + expert_answer_text(answer, chat.think)
 
 
@@ -558,7 +559,6 @@ class DaggerRun:
 
         for s in old:
             signal.signal(s, stop)
-        model = None
         try:
             if not all(done):
                 device = resolve_device(cfg.trainer.device)
@@ -580,12 +580,12 @@ class DaggerRun:
                              "conversations": len(rows)}
                     atomic_write_text(os.path.join(part_dir, f"{i:04d}.jsonl"), jsonl(rows))
                     atomic_write_text(os.path.join(part_dir, f"{i:04d}.json"), json.dumps(stats) + "\n")
-                    self.console.print(f"  levels {seeds[0]}..{seeds[-1]}: success {stats['successes'] / len(batch):.3f}, "
+                    won = stats["successes"] / len(batch)
+                    self.console.print(f"  levels {seeds[0]}..{seeds[-1]}: success {won:.3f}, "
                                        f"{n} states labelled, the model's answer was the expert's in "
                                        f"{agree / max(n, 1):.3f} ({time.perf_counter() - t0:.0f} s)", markup=False)
                     del batch
-                del rollout, model
-                model = None
+                del rollout, model  # the model's memory back before the round's training loads its own
                 gc.collect()
                 release_free_memory()
             self.write_round(k, chunks, part_dir, time.perf_counter() - t0)

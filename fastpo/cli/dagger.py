@@ -125,7 +125,8 @@ def cmd_dagger(args) -> int:
             cfg = build_config(args, list(SFT_DEFAULT_OVERRIDES) + list(game),
                                {"trainer.output_dir": args.out} if args.out else None)
             if cfg.env.mixture:
-                raise ConfigError(f"env.mixture {cfg.env.mixture!r:.100}: fastpo dagger trains on one game (--env NAME)")
+                raise ConfigError(f"env.mixture {cfg.env.mixture!r:.100}: fastpo dagger trains on one game "
+                                  f"(--env NAME)")
             sft = sft_config(list(game_sft) + sft_ov)
             if sft.data:
                 raise ConfigError(f"config key 'sft.data' = {sft.data!r}: fastpo dagger makes its data from the game's "
@@ -147,8 +148,8 @@ def cmd_dagger(args) -> int:
         print(f"fastpo dagger: error: {e}", file=sys.stderr)
         return 2
     if continuing and dagger_run_finished(out, dag.rounds):
-        console.print(f"{out} already ran its {dag.rounds} rounds: nothing to do; pass --rounds N with N > {dag.rounds} "
-                      f"to run more", style="yellow", markup=False)
+        console.print(f"{out} already ran its {dag.rounds} rounds: nothing to do; pass --rounds N with "
+                      f"N > {dag.rounds} to run more", style="yellow", markup=False)
         return 0
     if args.overwrite and os.path.isdir(out):
         with RunLock(out):
