@@ -77,6 +77,24 @@ DAGGER_CPU_GAME_DEFAULTS = {
                    ["dagger.lr=1e-4"]),
 }
 
+# (seed, round, salt) -> a round's rollout sampling seed (a chunk starting at level index i samples
+# with it + i); (seed, round, chunk, salt) -> the labelled turns that chunk keeps. Pure functions of
+# their arguments, so a resumed round redoes a chunk exactly. (Here rather than in fastpo.seeds,
+# whose every change marks the recorded evaluations stale: tools/results_row.py.)
+_SALT_SAMPLING = 49979687
+_SALT_TURNS = 67867967
+
+
+def round_sampling_seed(seed: int, k: int) -> int:
+    """The sampling seed of DAgger round k's rollout (trainer.seed `seed`), in [0, 2**31)."""
+    return int(np.random.default_rng([seed, k, _SALT_SAMPLING]).integers(2**31))
+
+
+def chunk_turns_rng(seed: int, k: int, chunk: int) -> np.random.Generator:
+    """The generator that draws the labelled turns chunk `chunk` of round k keeps."""
+    return np.random.default_rng([seed, k, chunk, _SALT_TURNS])
+
+
 #: Files and folders of a DAgger run folder besides the rounds (`round-K`).
 _RUN_FILES = (DAGGER_FILE, "config.yaml", "rounds.json", "data")
 _ROUND = re.compile(r"round-(\d+)$")
@@ -539,7 +557,6 @@ class DaggerRun:
         from fastpo import rollout as ro
         from fastpo.memory import release_free_memory
         from fastpo.models import load_model_checked, resolve_device
-        from fastpo.seeds import dagger_sampling_seed, dagger_turns_rng
 
         cfg, dag = self.cfg, self.dag
         levels = dag.round_levels(k)
@@ -565,7 +582,7 @@ class DaggerRun:
                 model, tok, info = load_model_checked(self.parent(k), device=str(device),
                                                       dtype=None if cfg.model.dtype == "auto" else cfg.model.dtype)
                 rollout = ro.MultiTurnRollout.from_config(cfg, ro.NativeEngine(model, tok), tok)
-                base = dagger_sampling_seed(cfg.trainer.seed, k)
+                base = round_sampling_seed(cfg.trainer.seed, k)
                 for i, seeds in enumerate(chunks):
                     if done[i]:
                         continue
@@ -574,7 +591,7 @@ class DaggerRun:
                     labels = label_trajectories(batch, rollout, self.sft.actions_per_turn)
                     rows, agree, n = labelled_conversations(batch, labels, rollout.chat.system_prompt, dag.history,
                                                             dag.turns_per_trajectory,
-                                                            dagger_turns_rng(cfg.trainer.seed, k, i))
+                                                            chunk_turns_rng(cfg.trainer.seed, k, i))
                     stats = {"trajectories": len(batch), "successes": int(batch.success.sum()),
                              "turns": int(batch.num_turns.sum()), "labelled": n, "agreed": agree,
                              "conversations": len(rows)}

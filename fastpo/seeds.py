@@ -15,8 +15,6 @@ SALT_ROLLOUT_SAMPLING = 1_000_003  # seed * salt + iteration: a training rollout
 SALT_GROUP_SAMPLING = 15485863  # (sampling seed, group, salt) -> an env group's own sampling stream
 SALT_DYNAMIC_DRAW = 2750159  # (seed, iteration, draw, salt) -> DAPO's extra draws: env seeds, sampling seed
 SALT_CLIP_COV = 32452843  # (seed, iteration, call, salt) -> Clip-Cov's token draw in one loss call
-SALT_DAGGER_SAMPLING = 49979687  # (seed, round, salt) -> a DAgger round's rollout sampling seed
-SALT_DAGGER_TURNS = 67867967  # (seed, round, chunk, salt) -> the labelled turns a DAgger chunk keeps
 
 
 def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
@@ -64,16 +62,3 @@ def dynamic_draw_seeds(seed: int, iteration: int, draw: int, n: int) -> tuple[li
     rng = np.random.default_rng([seed, iteration, draw, SALT_DYNAMIC_DRAW])
     seeds = [int(s) for s in rng.integers(0, 2**31 - 1, size=n)]
     return seeds, int(rng.integers(2**62))
-
-
-def dagger_sampling_seed(seed: int, round_: int) -> int:
-    """The sampling seed of DAgger round `round_`'s rollout (fastpo.dagger; a chunk of it
-    starting at level index i samples with this + i), a value in [0, 2**31)."""
-    return int(np.random.default_rng([seed, round_, SALT_DAGGER_SAMPLING]).integers(2**31))
-
-
-def dagger_turns_rng(seed: int, round_: int, chunk: int) -> np.random.Generator:
-    """The generator that draws which labelled turns chunk `chunk` of DAgger round `round_`
-    keeps (`dagger.turns_per_trajectory`): one per chunk, so a resumed round redraws a chunk
-    exactly."""
-    return np.random.default_rng([seed, round_, chunk, SALT_DAGGER_TURNS])
