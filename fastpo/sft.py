@@ -345,11 +345,7 @@ class ExpertEngine:
         return self.length[session]
 
     def _text(self, names: list | str) -> str:
-        """The answer after the prime: from move names, or a user game's expert answer text."""
-        acts, plan = (names, names) if isinstance(names, str) else (" || ".join(names), ", ".join(names))
-        if self.chat.think:
-            return f"Expert plan: {plan}.</think> <answer>{acts}</answer>"
-        return f"{acts}</answer>"
+        return expert_answer_text(names, self.chat.think)
 
     def _ids(self, names: list | str) -> list:
         ids = self.tok(self._text(names), add_special_tokens=False)["input_ids"]
@@ -430,6 +426,18 @@ class ExpertEngine:
                 self.left[b] -= int(res.num_executed[b])
             going = [b for b in going if len(chosen[b]) < budget[b] and not self.env.done[b] and self.left[b] > 0]
         return {b: [self.env.action_names(b)[a] for a in chosen[b]] for b in sessions}
+
+
+def expert_answer_text(answer: list | str, think: bool) -> str:
+    """The expert's answer as the model writes it after the rollout's prime ("<answer>", or
+    "<think>" in think mode): from move names (`answer` a list: "Down || Right</answer>"), or a
+    user game's expert answer text (a str, taken as the `<answer>` content). In think mode the
+    reasoning is a fixed template naming the moves: "Expert plan: Down, Right.</think>
+    <answer>Down || Right</answer>"."""
+    acts, plan = (answer, answer) if isinstance(answer, str) else (" || ".join(answer), ", ".join(answer))
+    if think:
+        return f"Expert plan: {plan}.</think> <answer>{acts}</answer>"
+    return f"{acts}</answer>"
 
 
 def no_expert_message(env_name: str) -> str:

@@ -1,9 +1,12 @@
-"""The `fastpo` command line: `fastpo train`, `fastpo sft` (on fastpo.sft) and `fastpo eval`.
+"""The `fastpo` command line: `fastpo train`, `fastpo sft` (on fastpo.sft), `fastpo dagger` (on
+fastpo.dagger) and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
                  [--out DIR [--overwrite]] [--resume DIR [--iterations N] [--trust-checkpoint]] [--nproc N]
                  [section.key=value ...]
     fastpo eval  --env frozenlake --model PATH_OR_NAME [--seeds N] [--k K] [--temperature T] [--nproc N]
+    fastpo dagger --env frozenlake [--model NAME] [--out DIR [--overwrite]] [--rounds N]
+                 [--resume DIR [--rounds N]] [section.key=value sft.key=value dagger.key=value ...]
 
 The configuration (defaults, presets, file, dotted overrides) is validated before any model
 loads; a bad key or value exits with status 2 and a message naming it. Other bad input (an
@@ -38,6 +41,7 @@ import argparse
 import os
 import sys
 
+from fastpo.cli.dagger import cmd_dagger
 from fastpo.cli.eval import cmd_eval
 from fastpo.cli.launch import check_processes, degrade_console, left_a_job
 from fastpo.cli.sft import cmd_sft
@@ -89,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
     sf.add_argument("--iterations", type=int, default=None, help="SFT steps (optimizer steps)")
     sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
     _add_trust(sf)
+    dg = sub.add_parser("dagger", help="DAgger: SFT, then rounds in which the game's expert labels the states the "
+                                       "model reaches (fastpo.dagger)")
+    _add_common(dg)
+    dg.add_argument("--out", default=None, help="output folder (default runs/dagger-<env>)")
+    dg.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
+    dg.add_argument("--rounds", type=int, default=None, metavar="N",
+                    help="DAgger rounds after the SFT round (dagger.rounds; on --resume: run more)")
+    dg.add_argument("--resume", default=None, metavar="OUT", help="continue the DAgger run in folder OUT")
+    _add_trust(dg)
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
     _add_common(ev)
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
@@ -115,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_train(args)
     if args.command == "sft":
         return cmd_sft(args)
+    if args.command == "dagger":
+        return cmd_dagger(args)
     return cmd_eval(args)
 
 

@@ -56,6 +56,8 @@ RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 LOCK_FILE = ".lock"
 #: The `sft.*` settings of a `fastpo sft` run: what marks its folder as SFT's.
 SFT_FILE = "sft.yaml"
+#: The `dagger.*` and `sft.*` settings of a `fastpo dagger` run: what marks its folder as DAgger's.
+DAGGER_FILE = "dagger.yaml"
 
 
 #: What a run writes into its folder before its first checkpoint (besides the markers): a folder

@@ -96,6 +96,10 @@ class RunTrainer:
                  **({} if p.schedule is None else {"rollout_schedule": p.schedule.state_dict()})}
         return p.checkpointer.save(it, state, rng=rng)
 
+    def resume_hint(self) -> str:
+        """The command that continues this run, named in the stop and error messages."""
+        return f"{self.resume_command} {self.out}"
+
     def finish(self, records: list[dict]) -> None:
         """After the loop and its report (rank 0): what this kind of run adds (nothing here)."""
 
@@ -157,7 +161,7 @@ class RunLoop:
     asked; the report at the end. The trainer answers `setup()`, `iteration(it)`,
     `evaluate(it)`, `save(it, rng, eval_pending)`, `finish(records)`, `warn(text)` and
     `release_lock()`, and holds `cfg`, `dist`, `console`, `out`, `stop` (StopControl),
-    `stop_after`, `resume_command` and, after set-up, `parts`.
+    `stop_after`, `resume_hint()` and, after set-up, `parts`.
 
     Signals: Ctrl-C finishes the iteration, saves and exits; SIGTERM drops an iteration whose
     update has not begun (a resume redoes it identically), finishes an update under way,
@@ -281,7 +285,7 @@ class RunLoop:
             self.tr.save(it, rng=rng_before_eval if eval_pending else None, eval_pending=eval_pending)
             run.last_saved = it
         if st.requested and (it < t.iterations or eval_pending):
-            self.console.print(f"stopped after iteration {it}; resume with `{self.tr.resume_command} {self.out}`")
+            self.console.print(f"stopped after iteration {it}; resume with `{self.tr.resume_hint()}`")
             return False
         st.interrupted = False  # a Ctrl-C in the last iteration still finished the run
         return True
@@ -304,7 +308,7 @@ class RunLoop:
             run.last_saved = run.updated
         hint = self.untrained_hint()
         self.console.print(f"stopped in iteration {it} before its update: " + (hint or
-                           f"dropped (a resume redoes it); resume with `{self.tr.resume_command} {self.out}`"),
+                           f"dropped (a resume redoes it); resume with `{self.tr.resume_hint()}`"),
                            soft_wrap=True)
         return False
 
@@ -388,7 +392,7 @@ class RunLoop:
             try:
                 self.tr.save(run.updated, rng=run.rng_at_start if run.updated < run.it else None)
                 self.console.print(f"[red]error after iteration {run.updated}[/]: emergency checkpoint saved; "
-                                   f"resume with `{self.tr.resume_command} {self.out}`")
+                                   f"resume with `{self.tr.resume_hint()}`")
             except Exception as e2:  # the original error matters more than the failed save
                 self.console.print(f"[red]emergency checkpoint failed[/]: {e2}", markup=False)
 
@@ -398,9 +402,9 @@ class RunLoop:
         resume (from iteration 1 with its config.yaml)."""
         if not self.dist.is_main or not untrained_start(self.out):
             return ""
-        cmd = self.tr.resume_command
         return (f"nothing was trained yet and {self.out} holds no checkpoint: run the same command again (it "
-                f"reuses the folder), or `{cmd} {self.out}` to start again from iteration 1 with its config.yaml")
+                f"reuses the folder), or `{self.tr.resume_hint()}` to start again from iteration 1 with its "
+                f"config.yaml")
 
     def report(self) -> None:
         """The end of a run (rank 0): final plots, the summary and before/after tables, the outputs."""

@@ -1,0 +1,168 @@
+"""`fastpo dagger`: SFT, then DAgger rounds (fastpo.dagger) into a run folder of its own."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _difference(out: str, cfg, sft, dag) -> str | None:
+    """None when the DAgger run in `out` has these settings (the number of rounds and the
+    folder's spelling apart), else the first one that differs, as "key: new (the run's: old)"."""
+    import dataclasses
+
+    import yaml
+
+    from fastpo.config.files import dump_yaml, parse_config_yaml
+    from fastpo.dagger import read_dagger_file
+
+    path = os.path.join(out, "config.yaml")
+    with open(path, encoding="utf-8") as f:
+        old = _flat(parse_config_yaml(f, path))
+    new = _flat(parse_config_yaml(dump_yaml(cfg), "config"))
+    old_sft, old_dag = read_dagger_file(out)
+    for a, b, prefix in ((dataclasses.asdict(old_sft), dataclasses.asdict(sft), "sft."),
+                         (dataclasses.asdict(old_dag), dataclasses.asdict(dag), "dagger.")):
+        old.update({prefix + k: v for k, v in a.items()})
+        new.update({prefix + k: v for k, v in b.items()})
+    for key in sorted(set(old) | set(new)):
+        if key in ("trainer.output_dir", "dagger.rounds"):
+            continue
+        if old.get(key) != new.get(key):
+            said = yaml.safe_dump(new.get(key), default_flow_style=True).removesuffix("\n...\n").strip()
+            return f"{key}={said} (the run's: {old.get(key)!r})"
+    return None
+
+
+def _choose_folder(args, cfg, sft, dag, console) -> tuple[str, bool]:
+    """(the run folder, whether it continues a stopped run there). --out OUT: OUT; a DAgger run
+    there with the same settings is continued (the same command again), one with others is
+    refused unless --overwrite (which deletes it). Without --out: runs/dagger-<env>, or the
+    first `-2`, `-3`, ... that is free or holds an unfinished DAgger run with these settings."""
+    from fastpo.config.fields import ConfigError
+    from fastpo.config.schema import default_run_folder
+    from fastpo.dagger import dagger_run_finished, is_dagger_run
+    from fastpo.run.folder import run_folder_in_use
+
+    if args.out:
+        if args.overwrite or not (is_dagger_run(args.out) or run_folder_in_use(args.out)):
+            return args.out, False
+        if not is_dagger_run(args.out):
+            raise ConfigError(f"--out {args.out} already holds a run that is not a `fastpo dagger` run; pick another "
+                              f"--out, or pass --overwrite to delete it")
+        diff = _difference(args.out, cfg, sft, dag)
+        if diff is not None:
+            raise ConfigError(f"--out {args.out} holds a DAgger run with other settings ({diff}); continue it with "
+                              f"--resume {args.out}, pick another --out, or pass --overwrite to delete it")
+        return args.out, True
+    base = default_run_folder(cfg.env.name, "dagger-")
+    i = 1
+    while True:
+        cand = base if i == 1 else f"{base}-{i}"
+        if is_dagger_run(cand):
+            if _difference(cand, cfg, sft, dag) is None and not dagger_run_finished(cand, dag.rounds):
+                return cand, True
+        elif not run_folder_in_use(cand):
+            return cand, False
+        i += 1
+
+
+def cmd_dagger(args) -> int:
+    """`fastpo dagger`: the exit status (`fastpo.cli.common.exit_status`: 0 done, 2 bad input in
+    one line, 1 a checkpoint not saved, the game failing or a full disk, 130 / 143 after Ctrl-C /
+    SIGTERM once what was done is saved)."""
+    from rich.console import Console
+
+    from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
+    from fastpo.config.fields import ConfigError
+    from fastpo.dagger import (DAGGER_CPU_GAME_DEFAULTS, DaggerRun, DaggerStopped, check_levels, clear_dagger_run,
+                               dagger_config, dagger_folder_of, dagger_run_finished, is_dagger_run,
+                               read_dagger_file)
+    from fastpo.run.folder import RunFolderBusy, RunLock, clear_run_folder
+    from fastpo.sft import SFT_CPU_GAME_DEFAULTS, SFT_DEFAULT_OVERRIDES, check_disjoint, check_expert, sft_config
+
+    console = Console()
+    key = lambda o: o.split("=", 1)[0].strip()  # noqa: E731
+    sft_ov = [o for o in args.overrides if key(o).startswith("sft.")]
+    dag_ov = [o for o in args.overrides if key(o).startswith("dagger.")]
+    args.overrides = [o for o in args.overrides if o not in sft_ov and o not in dag_ov]
+    args.iterations = None  # (round 0's steps: trainer.iterations)
+    continuing = False
+    try:
+        check_trust_flag(args)
+        if args.rounds is not None:
+            dag_ov.append(f"dagger.rounds={args.rounds}")
+        if args.resume is not None:
+            if not args.resume.strip():
+                raise ConfigError("--resume needs the DAgger run folder, e.g. --resume runs/dagger-frozenlake")
+            args.resume = dagger_folder_of(args.resume)
+            if not is_dagger_run(args.resume):
+                raise ConfigError(f"--resume {args.resume}: not a `fastpo dagger` run folder (no dagger.yaml)")
+            fixed = sft_ov + [o for o in dag_ov if key(o) != "dagger.rounds"]
+            cfg = resumed_run_config(args, fixed=fixed)
+            RunLock(args.resume).check()
+            sft, dag = read_dagger_file(args.resume)
+            dag = dagger_config([o for o in dag_ov if key(o) == "dagger.rounds"], dag)
+            out, continuing = args.resume, True
+        else:
+            from fastpo.config.presets import default_preset
+
+            cpu = (args.preset or default_preset()) == "cpu" and args.config is None
+            game, game_sft, game_dag = ([], [], [])
+            if cpu and args.env in DAGGER_CPU_GAME_DEFAULTS:
+                game, game_sft, game_dag = DAGGER_CPU_GAME_DEFAULTS[args.env]
+            elif cpu and args.env in SFT_CPU_GAME_DEFAULTS:
+                game, game_sft = SFT_CPU_GAME_DEFAULTS[args.env]
+            cfg = build_config(args, list(SFT_DEFAULT_OVERRIDES) + list(game),
+                               {"trainer.output_dir": args.out} if args.out else None)
+            if cfg.env.mixture:
+                raise ConfigError(f"env.mixture {cfg.env.mixture!r:.100}: fastpo dagger trains on one game "
+                                  f"(--env NAME)")
+            sft = sft_config(list(game_sft) + sft_ov)
+            if sft.data:
+                raise ConfigError(f"config key 'sft.data' = {sft.data!r}: fastpo dagger makes its data from the game's "
+                                  f"expert; to train on a file, use fastpo sft sft.data=FILE")
+            dag = dagger_config(list(game_dag) + dag_ov)
+            out, continuing = _choose_folder(args, cfg, sft, dag, console)
+            cfg.trainer.output_dir = out
+            RunLock(out).check()
+        check_expert(cfg.env.name)
+        if dag.sft_round:
+            check_disjoint(sft, cfg)
+        check_levels(dag, cfg)
+        from fastpo.models import check_kernel_impl, check_model_name, resolve_device
+
+        check_model_name(cfg.model.name)
+        check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
+        check_out_dir(out, "--resume" if args.resume is not None else "--out")
+    except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
+        print(f"fastpo dagger: error: {e}", file=sys.stderr)
+        return 2
+    if continuing and dagger_run_finished(out, dag.rounds):
+        console.print(f"{out} already ran its {dag.rounds} rounds: nothing to do; pass --rounds N with "
+                      f"N > {dag.rounds} to run more", style="yellow", markup=False)
+        return 0
+    if args.overwrite and os.path.isdir(out):
+        with RunLock(out):
+            clear_dagger_run(out)
+            clear_run_folder(out)
+    first = "SFT on the expert's trajectories (round 0), then " if dag.sft_round else ""
+    console.print(f"[bold]fastpo dagger[/] env={cfg.env.name} preset={cfg.preset}: {first}{dag.rounds} rounds of "
+                  f"{dag.levels} levels labelled by the expert, from {cfg.model.name} -> {out}"
+                  + (" (continuing the run there)" if continuing else ""), soft_wrap=True)
+
+    def run() -> None:
+        signum = DaggerRun(cfg, sft, dag, console, trust_checkpoint=args.trust_checkpoint).run()
+        if signum is not None:  # a round's training stopped, its checkpoint saved
+            raise DaggerStopped(signum)
+
+    return exit_status(run, lambda text: print(f"fastpo dagger: error: {text}", file=sys.stderr), "fastpo dagger", out)
