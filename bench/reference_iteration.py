@@ -34,6 +34,7 @@ import torch
 from fastpo import algorithms as alg
 from fastpo.envs_native import make_env as _batched_make_env
 from fastpo.kernels.hf import decoder_body, lm_head_weight
+from fastpo.registry import loss_aggregation
 from fastpo.seeds import mini_batch_generator_seed
 from fastpo.trainer import Trainer
 from fastpo.trainer.sampler import Sampler
@@ -335,7 +336,7 @@ class ReferenceUpdater(PolicyUpdater):
                                                   torch.where(f, A.reshape(-1), zero), None,
                                                   clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
                                                   entropy_coef=a.entropy_coef)
-                        w = aggregation_weights(f, a.loss_agg, seq.reshape(-1), denom)
+                        w = aggregation_weights(f, loss_aggregation(cfg.loss_agg).kernel_mode, seq.reshape(-1), denom)
                         loss = torch.where(f, terms["loss"] * w, zero).sum()
                         total = loss
                         if m.value_head is not None:

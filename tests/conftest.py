@@ -38,3 +38,14 @@ def embedded():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct; one per test file."""
     model, tok, _ = fastpo.models.load_model_and_tokenizer("smollm2-135m-instruct")
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def probe_model(tmp_path_factory):
+    """The run folder of the tiny random model taught the probe games' answer format
+    (tests/probe_helpers.py), made once per test session: under xdist in the folder above the
+    worker's, which every worker of the session shares."""
+    from probe_helpers import format_model
+
+    root = tmp_path_factory.getbasetemp()
+    return format_model(root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root)

@@ -3,7 +3,9 @@
 A name is, in this order:
 
 - a built-in game: "bandit", "sokoban", "frozenlake" (the Numba fast path);
-- "textarena:ID" or "gym:ID": a game of that suite through fastpo's adapter (these two
+- "probe:NAME": one of fastpo's probe games (fastpo.envs.probes: choice, constant, delayed,
+  recall, discount), each proving one property of the trainer;
+- "textarena:ID" or "gym:ID": a game of that suite through fastpo's adapter (these three
   prefixes are reserved: "textarena:X" never means class X of a module named textarena);
 - "module.path:Class": that class, imported (the module must be importable: installed, or
   on sys.path / PYTHONPATH);
@@ -32,7 +34,7 @@ BUILTIN = ("bandit", "sokoban", "frozenlake")
 BUILTIN_SETTINGS = {"bandit": {"max_turns": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1},
                     "sokoban": {}, "frozenlake": {}}
 ENTRY_POINT_GROUP = "fastpo.envs"
-ADAPTERS = ("textarena", "gym")
+ADAPTERS = ("textarena", "gym", "probe")
 
 
 @dataclasses.dataclass
@@ -61,7 +63,7 @@ def installed_envs() -> dict:
 def _choices() -> str:
     extra = sorted(installed_envs())
     return (f"a built-in game ({', '.join(BUILTIN)})" + (f", an installed one ({', '.join(extra)})" if extra else "")
-            + ", 'module.path:Class', 'textarena:GAME-ID' or 'gym:GAME-ID'")
+            + ", 'probe:NAME', 'module.path:Class', 'textarena:GAME-ID' or 'gym:GAME-ID'")
 
 
 @functools.lru_cache(maxsize=64)
@@ -76,10 +78,16 @@ def resolve_env(name: str) -> EnvSpec:
         return EnvSpec(name, "native", settings=dict(BUILTIN_SETTINGS[name]))
     prefix, sep, rest = name.partition(":")
     if sep and prefix in ADAPTERS:
+        examples = {"textarena": "textarena:GuessTheNumber-v0", "gym": "gym:FrozenLake-v1", "probe": "probe:choice"}
         if not rest.strip():
-            raise EnvError(f"env {name!r}: give the game id after '{prefix}:', e.g. "
-                           + ("textarena:GuessTheNumber-v0" if prefix == "textarena" else "gym:FrozenLake-v1"))
-        if prefix == "textarena":
+            raise EnvError(f"env {name!r}: give the game id after '{prefix}:', e.g. {examples[prefix]}")
+        if prefix == "probe":
+            from .probes import PROBES
+
+            if rest.strip() not in PROBES:
+                raise EnvError(f"unknown probe game {rest.strip()!r}; choose one of {', '.join(PROBES)}")
+            cls = factory = PROBES[rest.strip()]
+        elif prefix == "textarena":
             from .textarena_env import TextArenaEnv, check_game_id
 
             check_game_id(rest.strip())
