@@ -50,8 +50,9 @@ from fastpo.cli.train import cmd_train
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", default=None, metavar="NAME",
-                   help="environment: bandit, sokoban, frozenlake, module.path:Class, textarena:ID, gym:ID or an "
-                        "installed fastpo.envs entry point (default: frozenlake, or the config file's)")
+                   help="environment: bandit, sokoban, frozenlake, probe:NAME (a probe game), module.path:Class, "
+                        "textarena:ID, gym:ID or an installed fastpo.envs entry point (default: frozenlake, or "
+                        "the config file's)")
     p.add_argument("--preset", default=None,
                    help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
                         "(default: paper with a GPU, cpu without)")
