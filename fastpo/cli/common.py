@@ -61,6 +61,18 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {path}: {parent} is not writable")
 
 
+def used_out_message(out: str, used: list[str]) -> str:
+    """Why a new run refuses `--out out` that holds a run (markers `used`), and what to do:
+    resume it (only where a checkpoint is there to resume), another --out, or --overwrite."""
+    from fastpo.run.manifest import checkpoint_names
+
+    if checkpoint_names(os.path.join(out, "checkpoints")):
+        return (f"--out {out} already holds a run ({', '.join(used)}); resume it with --resume {out}, pick another "
+                f"--out, or pass --overwrite to delete it")
+    return (f"--out {out} already holds a run ({', '.join(used)}) with no checkpoint to resume, beside files a run "
+            f"does not write before its first checkpoint; pick another --out, or pass --overwrite to delete it")
+
+
 def resume_fixed(cfg) -> dict:
     """The settings a resumed run keeps from its config.yaml, by dotted name."""
     return {"env": copy.deepcopy(cfg.env), "model": copy.deepcopy(cfg.model), "preset": cfg.preset,

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
-from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
+from fastpo.cli.common import (build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config,
+                               used_out_message)
 
 
 def cmd_sft(args) -> int:
@@ -12,7 +13,8 @@ def cmd_sft(args) -> int:
     not saved, the game failing or a full disk, 130 / 143 after Ctrl-C / SIGTERM once the
     checkpoint is saved)."""
     from fastpo.run.checkpoint import plan_resume
-    from fastpo.run.folder import RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, untrained_start
+    from fastpo.run.folder import (RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, unsaved_note,
+                                   untrained_start)
     from fastpo.config.schema import default_run_folder
     from fastpo.config.fields import ConfigError
     from fastpo.run.folder import SFT_FILE
@@ -37,9 +39,9 @@ def cmd_sft(args) -> int:
                                   f"again: it reuses the folder")
             sft = read_sft_config(args.resume)
             if untrained:  # stopped before its first checkpoint: start it again
-                console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing "
-                              f"was trained): starting it again from step 1 with its config.yaml", markup=False,
-                              soft_wrap=True)
+                console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; "
+                              f"{unsaved_note(args.resume)}): starting it again from step 1 with its config.yaml",
+                              markup=False, soft_wrap=True)
                 args.resume, args.out = None, args.resume
             else:
                 plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)
@@ -62,8 +64,7 @@ def cmd_sft(args) -> int:
                 if run_folder_in_use(cfg.trainer.output_dir) and not args.overwrite:
                     cfg.trainer.output_dir = fresh_run_folder(cfg.trainer.output_dir)
             elif run_folder_in_use(args.out) and not args.overwrite:
-                raise ConfigError(f"--out {args.out} already holds a run; resume it with --resume {args.out}, "
-                                  f"pick another --out, or pass --overwrite to delete it")
+                raise ConfigError(used_out_message(args.out, run_folder_in_use(args.out)))
         if sft.data:
             sft.data = os.path.abspath(os.path.expanduser(sft.data))  # the run's, wherever it is resumed from
             if not os.path.isfile(sft.data):

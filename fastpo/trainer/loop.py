@@ -14,7 +14,7 @@ from fastpo.distributed.context import DistContext, SINGLE
 from fastpo.distributed.launch import check_trainer_support
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.run.checkpoint import CheckpointSaveError, nothing_to_train_note, rng_state
-from fastpo.run.folder import LOCK_FILE, RunLock, untrained_start
+from fastpo.run.folder import LOCK_FILE, RunLock, unsaved_note, untrained_start
 from fastpo.config.schema import TrainConfig
 from fastpo.config.presets import cpu_preset_note
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
@@ -393,13 +393,13 @@ class RunLoop:
                 self.console.print(f"[red]emergency checkpoint failed[/]: {e2}", markup=False)
 
     def untrained_hint(self) -> str:
-        """What to do with the run folder when nothing was trained there yet ("" when a
-        checkpoint or a trained iteration is there): the same command reuses it, and so does a
-        resume (from iteration 1 with its config.yaml)."""
+        """What to do with the run folder when no checkpoint was saved there yet ("" when one
+        is there): the same command reuses it, and so does a resume (from iteration 1 with its
+        config.yaml); iterations trained but not saved are said."""
         if not self.dist.is_main or not untrained_start(self.out):
             return ""
         cmd = self.tr.resume_command
-        return (f"nothing was trained yet and {self.out} holds no checkpoint: run the same command again (it "
+        return (f"{unsaved_note(self.out)} and {self.out} holds no checkpoint: run the same command again (it "
                 f"reuses the folder), or `{cmd} {self.out}` to start again from iteration 1 with its config.yaml")
 
     def report(self) -> None:

@@ -18,8 +18,8 @@ from fastpo.distributed.collectives import broadcast_modules, on_main
 from fastpo.distributed.context import DistContext
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.run.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
-from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, run_folder_in_use,
-                               untrained_start)
+from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, reuse_untrained_start,
+                               run_folder_in_use, unsaved_note, untrained_start)
 from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
 from fastpo.config.files import dump_yaml, run_settings
@@ -129,10 +129,12 @@ def prepare_folder(out: str, resume: bool, overwrite: bool, console) -> RunLock:
                                       f"choose another output folder or pass overwrite=True (--overwrite)")
             if used:
                 clear_run_folder(out)
-            elif untrained_start(out):  # stopped or failed before its first checkpoint: nothing to keep
+            elif untrained_start(out):  # stopped or failed before its first checkpoint: no weights to keep
+                note = unsaved_note(out)
+                kept = reuse_untrained_start(out)
                 console.print(f"{out}: reusing the folder of a run that stopped before its first "
-                              "checkpoint (nothing was trained there)", markup=False, soft_wrap=True)
-                clear_run_folder(out)
+                              f"checkpoint ({note}" + (f"; its metrics.jsonl is kept as {kept}" if kept else "")
+                              + ")", markup=False, soft_wrap=True)
         tidied = tidy_run_folder(out)
         if tidied:
             console.print(f"{out}: after an interrupted write: {'; '.join(tidied)}", markup=False, soft_wrap=True)
