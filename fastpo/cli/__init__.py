@@ -26,8 +26,11 @@ process builds the configuration, joins the process group (gloo on the CPU, NCCL
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
 refused with exit status 2 before any model loads (fastpo.distributed.launch.check_trainer_support).
 
-Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
-full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
+Exit status (docs/training.md, "What survives a crash"): 0 done; 2 bad input, refused before
+the run began (one line; the user's game, expert or reward function failing the set-up checks
+included); 1 the run failed after it began (one line: the user's code failing mid-run, naming
+the function, game and seed; a checkpoint that could not be saved or a full disk; every update
+skipped); 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
 Under `--nproc N` the job exits as one process would (rank 0's status, 130 / 143 after a
 signal once rank 0 has saved the checkpoint), without torchrun's exception report; torchrun
 run directly keeps its own statuses (1 when a process failed or after a signal).
@@ -39,7 +42,7 @@ import os
 import sys
 
 from fastpo.cli.eval import cmd_eval
-from fastpo.cli.launch import check_processes, degrade_console, left_a_job
+from fastpo.cli.launch import catch_ctrl_c, check_processes, degrade_console, left_a_job
 from fastpo.cli.sft import cmd_sft
 from fastpo.cli.train import cmd_train
 
@@ -108,14 +111,22 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides += extra
-    status = check_processes(args, argv)
-    if status is not None:
-        return status
-    if args.command == "train":
-        return cmd_train(args)
-    if args.command == "sft":
-        return cmd_sft(args)
-    return cmd_eval(args)
+    restore = catch_ctrl_c()  # a Ctrl-C raises CtrlC, told from a user's code raising KeyboardInterrupt
+    try:
+        status = check_processes(args, argv)
+        if status is not None:
+            return status
+        if args.command == "train":
+            return cmd_train(args)
+        if args.command == "sft":
+            return cmd_sft(args)
+        return cmd_eval(args)
+    except KeyboardInterrupt as e:  # a Ctrl-C before the run began (or during `fastpo eval`): one line
+        print(f"fastpo {args.command}: interrupted by Ctrl-C" + ("" if args.command == "eval" else
+              " before the run began; nothing was written or trained"), file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
+    finally:
+        restore()
 
 
 def entry(argv: list[str] | None = None) -> None:
