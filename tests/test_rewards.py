@@ -1,6 +1,7 @@
 """Reward functions (`reward.fn`, fastpo.rewards): by hand on a two-trajectory batch, the
 one-line errors, the config check before any model loads, and one training iteration."""
 import math
+import os
 import types
 
 import pytest
@@ -141,3 +142,19 @@ def test_a_function_that_exits_interrupts_or_overflows_stops_the_run_in_one_line
     seeds = iteration_seeds(0, 1, 1)
     assert len(err) == 1 and err[0].startswith("fastpo train: error: "), err
     assert any(said.format(seed=s) in err[0] for s in seeds), err[0]
+
+
+def near_float32_max(t):
+    return 3e38  # within float32, but the critic's squared error is not
+
+
+def test_a_run_whose_every_update_is_skipped_does_not_exit_0(tmp_path, capsys):
+    """Issue 58 item 2: a run whose every update was skipped (non-finite loss) printed its
+    summary and exited 0 as if it had trained."""
+    out = str(tmp_path / "run")
+    assert cli_main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
+                     "reward.fn=test_rewards:near_float32_max", "reward.mode=replace", "trainer.eval_every=0",
+                     "trainer.plots=false", "rollout.max_new_tokens=4"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fastpo train: error:")]
+    assert len(err) == 1 and "nothing was trained: every update of iterations 1-2 was skipped" in err[0], err
+    assert os.path.isdir(os.path.join(out, "checkpoints"))  # what ran is kept, as after any failure

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 
 def check_trust_flag(args) -> None:
@@ -117,10 +117,11 @@ def resumed_run_config(args, fixed: list[str] = ()):
     return validate(inline_rubric_file(cfg))
 
 
-def exit_status(run: Callable[[], None], error: Callable[[str], None], command: str, out: str) -> int:
-    """Run a command's job `run()` and map how it ended to the exit status every `fastpo`
-    command shares: 0 done; 128 + signal (130 Ctrl-C, 143 SIGTERM) after a stop, once the
-    checkpoint is saved; 2 bad input found at set-up (ConfigError, the user's game failing its
+def exit_status(run: Callable[[], Optional[list]], error: Callable[[str], None], command: str, out: str) -> int:
+    """Run a command's job `run()` (it returns the run's metric records) and map how it ended to
+    the exit status every `fastpo` command shares: 0 done; 1 when it ended but trained nothing
+    (every update skipped: `fastpo.report.summary.nothing_trained`); 128 + signal (130 Ctrl-C,
+    143 SIGTERM) after a stop, once the checkpoint is saved; 2 bad input found at set-up (ConfigError, the user's game failing its
     set-up checks included; a busy or used run folder); 1 a checkpoint not saved, the user's
     game or reward function failing during the run (EnvError) or a full disk. `error(text)`
     says the one line; `command` (e.g. "fastpo train") and `out` (the run folder) name the
@@ -129,9 +130,10 @@ def exit_status(run: Callable[[], None], error: Callable[[str], None], command: 
     from fastpo.run.folder import RunFolderBusy
     from fastpo.config.fields import ConfigError
     from fastpo.envs import EnvError
+    from fastpo.report.summary import nothing_trained
 
     try:
-        run()
+        records = run()
     except KeyboardInterrupt as e:  # stopped by a signal; the checkpoint is saved
         return 128 + getattr(e, "signum", 2)
     except (ConfigError, RunFolderBusy, FileExistsError) as e:  # bad input found late; not a bug
@@ -150,5 +152,9 @@ def exit_status(run: Callable[[], None], error: Callable[[str], None], command: 
             raise
         error(f"{e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
               f"`{command} --resume {out}`")
+        return 1
+    why = nothing_trained(records or [])
+    if why:  # it ran to the end, but did not train: not a success
+        error(why)
         return 1
     return 0

@@ -83,12 +83,13 @@ def cmd_sft(args) -> int:
     console.print(f"[bold]fastpo sft[/] env={cfg.env.name} preset={cfg.preset} {source}, {sft.batch_size} per step, {cfg.trainer.iterations} steps, lr {cfg.optim.actor_lr:g} "
                   f"-> {cfg.trainer.output_dir}")
 
-    def run() -> None:
+    def run() -> list:
         trainer = SFTTrainer(cfg, sft, resume=args.resume is not None, console=console, overwrite=args.overwrite,
                              trust_checkpoint=args.trust_checkpoint)
-        trainer.run()
+        records = trainer.run()
         if trainer.stop_state.interrupted:
             raise Stopped(trainer.stop_state.signum)
+        return records
 
     return exit_status(run, lambda text: print(f"fastpo sft: error: {text}", file=sys.stderr), "fastpo sft",
                        cfg.trainer.output_dir)

@@ -199,6 +199,22 @@ def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[
     return text
 
 
+def nothing_trained(records: list[dict]) -> Optional[str]:
+    """One line when a run's iterations trained nothing: none of its records past iteration 0
+    applied an update (`actor/updates`) and at least one skipped one for a non-finite loss or
+    gradient (`actor/skipped_updates`). None otherwise (an iteration with an update; a run
+    that only skipped for lack of data, which is no failure)."""
+    trained = [r for r in records if r.get("iteration", 0) >= 1]
+    skipped = sum(r.get("actor/skipped_updates") or 0 for r in trained if finite_number(r.get("actor/skipped_updates")))
+    if not trained or skipped == 0 or any((r.get("actor/updates") or 0) > 0 for r in trained
+                                          if finite_number(r.get("actor/updates"))):
+        return None
+    its = trained[0]["iteration"], trained[-1]["iteration"]
+    which = f"iteration {its[0]}" if its[0] == its[1] else f"iterations {its[0]}-{its[1]}"
+    return (f"nothing was trained: every update of {which} was skipped ({int(skipped)} for a non-finite loss or "
+            f"gradient, see the warnings above); look for rewards or settings so large that float32 overflows")
+
+
 def before_after_note(records: list[dict]) -> Optional[str]:
     """One line for a run that evaluated but not before training (no iteration-0 record:
     trainer.eval_before_training off, or that evaluation stopped by a signal), where
