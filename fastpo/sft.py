@@ -827,21 +827,30 @@ class SFTTrainer(RunTrainer):
         return loss
 
     def finish(self, records: list[dict]) -> None:
-        """The imitation and before/after lines, and the StarPO command that continues from
-        this model (rank 0, after the report)."""
+        """The imitation and expert lines of the last evaluation (labelled with its iteration), and
+        the StarPO command that continues from this model once every step has run; a run
+        stopped before its last step says how to resume instead (rank 0, after the report)."""
         ev = [r for r in records if "eval/success_rate" in r]
         if ev:
             for line in _result_lines(ev[-1]):
                 self.console.print(line, markup=False)
-        if any(r.get("iteration", 0) >= 1 for r in records):
+        done = max((r.get("iteration", 0) for r in records), default=0)
+        if done >= self.cfg.trainer.iterations:
             self.console.print("StarPO from this model: " + handoff_command(self.cfg), markup=False, soft_wrap=True)
+        elif done >= 1:  # stopped: the model is not the one the run was asked for
+            self.console.print(f"stopped after step {done} of {self.cfg.trainer.iterations}: finish it with "
+                               f"`{self.resume_command} {self.out}`, then StarPO from the finished model: "
+                               f"`{handoff_command(self.cfg)}`", markup=False, soft_wrap=True)
 
 
 def _result_lines(last: dict) -> list[str]:
-    """What an SFT run's last evaluation record `last` says of the imitation and the expert."""
+    """What an SFT run's last evaluation record `last` says of the imitation and the expert,
+    labelled with its iteration ("before training" for iteration 0)."""
+    it = int(last.get("iteration", 0))
+    when = "before training (iteration 0)" if it == 0 else f"at iteration {it}"
     lines = []
     if "eval/first_action_accuracy" in last:
-        lines.append(f"imitation: the model's most likely first answer token is the expert's action in "
+        lines.append(f"imitation {when}: the model's most likely first answer token is the expert's action in "
                      f"{last['eval/first_action_accuracy']:.3f} of {last['eval/first_action_turns']} expert "
                      f"turns on the eval seeds (teacher-forced)")
     if "eval/expert_success" in last:

@@ -682,3 +682,31 @@ def test_a_bad_data_file_is_refused_in_one_line_before_the_model_loads(capsys, n
     assert len(err) == 1 and said in err[0] and "Traceback" not in err[0], err
     assert time.perf_counter() - t0 < 30
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_stopped_sft_run_labels_its_last_evaluation_and_offers_to_finish_not_starpo(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Issue 58 item 11: after a SIGTERM at step 2 of 4, the closing lines printed the iteration-0
+    imitation figure with no label and offered "StarPO from this model" (the untrained one)."""
+    import signal
+
+    out = str(tmp_path / "run")
+    cmd = ["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, "--out", out, "--iterations", "4",
+           "trainer.plots=false", "sft.trajectories=4", "sft.batch_size=2", "trainer.eval_seeds=2"]
+    real = SFTTrainer.iteration
+
+    def term_in_2(self, it):
+        if it == 2:
+            self.stop.request_stop(signal.SIGTERM, None)  # an update under way finishes, then the stop
+        return real(self, it)
+
+    monkeypatch.setattr(SFTTrainer, "iteration", term_in_2)
+    assert main(cmd) == 143
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "imitation before training (iteration 0): " in said
+    assert "StarPO from this model" not in said
+    assert f"stopped after step 2 of 4: finish it with `fastpo sft --resume {out}`" in " ".join(said.split())
+    monkeypatch.setattr(SFTTrainer, "iteration", real)
+    assert main(["sft", "--resume", out]) == 0
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "imitation at iteration 4: " in said and "StarPO from this model: fastpo train" in said
