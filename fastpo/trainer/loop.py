@@ -378,7 +378,7 @@ class RunLoop:
         if not t.progress:
             self.console.print(f"iteration {it}/{t.iterations}: {stats}")
         if t.plots and self.dist.is_main and (("eval/success_rate" in metrics) or it == t.iterations):
-            plot_curves(p.logger.records, os.path.join(self.out, "plots"), model_label=p.models.info.label)
+            plot_curves(p.logger.records, os.path.join(self.out, "plots"), model_label=p.models.info.trained_label())
 
     def emergency_save(self, run: "_RunProgress", e: Exception) -> None:
         """After an error following an update (eval, logging, plots, disk) or before one began:
@@ -410,7 +410,7 @@ class RunLoop:
             self.console.print(f"no iteration was trained; {self.out}/ holds {', '.join(held) or 'nothing'}",
                                markup=False, soft_wrap=True)
             return
-        label = self.parts.models.info.label
+        label = self.parts.models.info.trained_label()  # the run's model, not the one it started from
         if self.cfg.trainer.plots and records:
             plot_curves(records, os.path.join(self.out, "plots"), model_label=label)
         self.console.print(summary_table(records, title=f"fastpo: {self.cfg.env.name}, {label}"))

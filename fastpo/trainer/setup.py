@@ -236,7 +236,8 @@ def start_logger(trainer, parts: Parts, ckpt: Optional[str]) -> None:
     parts.logger = MetricsLogger(out, cfg.trainer.ema_decay, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                  resume_from=parts.start_iteration - 1 if ckpt is not None else None,
                                  run_name=os.path.basename(os.path.abspath(out)), config=cfg.to_dict(),
-                                 model_label=parts.models.info.label, warn=trainer.warn)
+                                 model_label=parts.models.info.trained_label(), warn=trainer.warn,
+                                 start_label=parts.models.info.label)
     for rec in parts.logger.records:
         parts.echo.update(rec)
     path, text = os.path.join(out, "config.yaml"), dump_yaml(cfg)
