@@ -14,6 +14,7 @@ from rich.console import Console
 
 from fastpo.cli import main as cli_main
 from fastpo.config import ConfigError, load_config
+from fastpo.seeds import eval_sampling_seed
 from fastpo.config.schema import env_members, member_rollout_config
 from fastpo.envs import EnvError, EnvMember, MIXTURE, assign_members, parse_mixture
 from fastpo.envs.mixture import member_index, shares
@@ -231,6 +232,10 @@ def test_a_mixture_trains_evaluates_each_game_and_resumes_exactly(tmp_path):
     assert rep["env"] == MIXTURE and len(rep["env_mixture"]) == 2
     for g in ("bandit", "frozenlake"):
         assert f"{g}/success_rate" in rep["metrics"] and f"{g}/random_success" in rep["metrics"]
+    # the run's own evaluation repeated: its seeds and sampling seed, the same figures (issue 58 item 12)
+    assert rep["eval"]["seeds"] == 3 and rep["eval"]["sampling_seed"] == eval_sampling_seed(1)
+    for k in ("success_rate", "score_mean", "frozenlake/score_mean", "bandit/format_valid"):
+        assert rep["metrics"][k] == pytest.approx(last[f"eval/{k}"]), k
     # on one of its games: that game's settings in the mixture (frozenlake: 3 turns)
     assert cli_main(["eval", "--model", a, "--env", "frozenlake", "--json", js]) == 0
     rep = json.load(open(js))
