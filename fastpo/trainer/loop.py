@@ -20,7 +20,8 @@ from fastpo.config.presets import cpu_preset_note
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
 from fastpo.report.metrics import warn_user
 from fastpo.report.plots import plot_curves
-from fastpo.report.summary import before_after_note, before_after_table, result_line, summary_table
+from fastpo.report.summary import (before_after_note, before_after_table, game_result_lines, print_table,
+                                   result_line, summary_table)
 from fastpo.models import resolve_device
 from fastpo.trainer.iteration import StarPOIteration
 from fastpo.trainer.lifecycle import Dropped, StopControl, Stopped
@@ -413,16 +414,19 @@ class RunLoop:
         label = self.parts.models.info.trained_label()  # the run's model, not the one it started from
         if self.cfg.trainer.plots and records:
             plot_curves(records, os.path.join(self.out, "plots"), model_label=label)
-        self.console.print(summary_table(records, title=f"fastpo: {self.cfg.env.name}, {label}"))
+        print_table(self.console, summary_table(records, title=f"fastpo: {self.cfg.env.name}, {label}"))
         ba = before_after_table(records, run_dir=self.out)
         note = before_after_note(records) if ba is None else None
         if ba is not None:
-            self.console.print(ba)
+            print_table(self.console, ba)
         elif note:
             self.console.print(note, markup=False, soft_wrap=True)
         line = result_line(records, run_dir=self.out)
         if line:
             self.console.print(line, markup=False, soft_wrap=True)
+        if ba is None:  # a mixture's games: in the before/after table where there is one, else here
+            for line in game_result_lines(records):
+                self.console.print(line, markup=False, soft_wrap=True)
         held = [name for name in ("metrics.jsonl", "plots/", "eval/", "samples/", "checkpoints/")
                 if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
         self.console.print(f"outputs in {self.out}/: {', '.join(held)}")
