@@ -71,3 +71,23 @@ def test_overrides_on_both_sides_of_an_option_are_applied(no_model, tmp_path, mo
                          "trainer.seed=3", "--iterations", "2", "rollout.group_size=8"])
     cfg = seen["cfg"]
     assert (cfg.trainer.seed, cfg.rollout.group_size, cfg.trainer.iterations) == (3, 8, 2)  # in argv order
+
+
+def test_help_says_what_each_command_reads(capsys):
+    """Issue 58 item 15: `--env` did not mention `a,b` mixtures; `fastpo sft --help` listed no
+    sft.* key and gave algorithm.* examples SFT does not read."""
+    import dataclasses
+
+    from fastpo.cli import main
+    from fastpo.sft import SFTConfig
+
+    helps = {}
+    for cmd in ("train", "sft", "eval"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        helps[cmd] = " ".join(capsys.readouterr().out.split())
+    assert "a,b (e.g. bandit,frozenlake)" in helps["train"] and "a,b" in helps["eval"]
+    assert "with --model RUN" in helps["eval"]
+    keys = [f"sft.{f.name}" for f in dataclasses.fields(SFTConfig) if f.name != "data_sha256"]  # (set by the run)
+    assert all(k in helps["sft"] for k in keys), [k for k in keys if k not in helps["sft"]]
+    assert "algorithm.adv_estimator=grpo" not in helps["sft"] and "not read by SFT" in helps["sft"]

@@ -710,3 +710,14 @@ def test_a_stopped_sft_run_labels_its_last_evaluation_and_offers_to_finish_not_s
     assert main(["sft", "--resume", out]) == 0
     said = capsys.readouterr().out.replace("\n", " ")
     assert "imitation at iteration 4: " in said and "StarPO from this model: fastpo train" in said
+
+
+def test_the_tiny_preset_keeps_its_two_steps_in_sft(capsys, no_model, tmp_path):
+    """`--preset tiny` is a smoke run in every command: SFT's 32 steps (and checkpoints every 16)
+    gave way to it only in `fastpo train`; the README's tiny SFT commands took minutes."""
+    with pytest.raises(ModelLoadReached):
+        main(["sft", "--env", "bandit", "--preset", "cpu,tiny", "--model", MODEL, "--out", str(tmp_path / "r")])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "8 per step, 2 steps, lr 1e-05" in said, said
+    cfg = load_config(env="bandit", preset="cpu,tiny", overrides=fastpo.sft.sft_default_overrides(["cpu", "tiny"]))
+    assert (cfg.trainer.iterations, cfg.trainer.save_every, cfg.trainer.eval_before_training) == (2, 1, True)

@@ -47,10 +47,26 @@ from fastpo.cli.sft import cmd_sft
 from fastpo.cli.train import cmd_train
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+#: The `sft.*` keys `fastpo sft --help` lists (fastpo.sft.SFTConfig's fields; tests/test_cli.py
+#: holds the two together without importing fastpo.sft, and its torch, for every command).
+SFT_KEYS = ("sft.trajectories", "sft.batch_size", "sft.seed_offset", "sft.actions_per_turn", "sft.common_prefix",
+            "sft.data")
+
+_OVERRIDES_HELP = {
+    "train": "dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8",
+    "eval": "dotted overrides, e.g. rollout.max_new_tokens=32 env.options.observation=coords",
+    "sft": f"dotted overrides: the SFT data ({', '.join(SFT_KEYS)}: docs/sft.md) and the settings SFT reads, "
+           "e.g. sft.trajectories=256 sft.data=chats.jsonl optim.actor_lr=1e-4 rollout.max_new_tokens=32 (the "
+           "algorithm.* keys are StarPO's, not read by SFT)",
+}
+
+
+def _add_common(p: argparse.ArgumentParser, command: str) -> None:
+    mixture = "" if command == "sft" else "; several games in one run: a,b (e.g. bandit,frozenlake) or env.mixture"
     p.add_argument("--env", default=None, metavar="NAME",
                    help="environment: bandit, sokoban, frozenlake, module.path:Class, textarena:ID, gym:ID or an "
-                        "installed fastpo.envs entry point (default: frozenlake, or the config file's)")
+                        "installed fastpo.envs entry point (default: frozenlake, or the config file's)" + mixture
+                        + (" (a run's mixture entry by its label, with --model RUN)" if command == "eval" else ""))
     p.add_argument("--preset", default=None,
                    help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
                         "(default: paper with a GPU, cpu without)")
@@ -58,8 +74,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (embedded), an HF id or folder, random:<shape>")
     p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help=_OVERRIDES_HELP[command])
 
 
 def _add_trust(p: argparse.ArgumentParser) -> None:
@@ -75,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train with StarPO / StarPO-S")
-    _add_common(tr)
+    _add_common(tr, "train")
     tr.add_argument("--out", default=None, help="output folder (default runs/<env>)")
     tr.add_argument("--overwrite", action="store_true",
                     help="delete the run already in --out (without it such a folder is refused)")
@@ -86,14 +101,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="data-parallel processes, one per GPU (CPU processes with gloo under --device cpu), "
                          "run by torchrun; 1 (default): one process")
     sf = sub.add_parser("sft", help="supervised fine-tuning on the env's expert trajectories (fastpo.sft)")
-    _add_common(sf)
+    _add_common(sf, "sft")
     sf.add_argument("--out", default=None, help="output folder (default runs/sft-<env>)")
     sf.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
-    sf.add_argument("--iterations", type=int, default=None, help="SFT steps (optimizer steps)")
+    sf.add_argument("--iterations", type=int, default=None,
+                    help="SFT steps (optimizer steps; default 32, the tiny preset's 2)")
     sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
     _add_trust(sf)
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
-    _add_common(ev)
+    _add_common(ev, "eval")
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
     ev.add_argument("--k", type=int, default=None, help="samples per seed (pass@k)")
     ev.add_argument("--temperature", type=float, default=None)
