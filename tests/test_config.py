@@ -226,3 +226,18 @@ def test_values_that_overflow_float32_are_refused_before_any_model_loads(overrid
     assert main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", override]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"'{key}'" in err[0] and words in err[0], err
+
+
+def test_dynamic_max_draws_has_no_upper_bound_as_documented():
+    """Issue 58 item 16 (a note, decided): a huge cap is accepted, as verl's max_num_gen_batches
+    has none; docs/algorithms.md says what it costs. An int is needed (1e9 is YAML text, read as
+    a float, refused naming the type)."""
+    from pathlib import Path
+
+    cfg = load_config(env="bandit", preset="tiny", overrides=["algorithm.filter_mode=dynamic",
+                                                               "algorithm.dynamic_max_draws=1000000000"])
+    assert cfg.algorithm.dynamic_max_draws == 10**9
+    with pytest.raises(ConfigError, match="dynamic_max_draws': expected int"):
+        load_config(env="bandit", preset="tiny", overrides=["algorithm.dynamic_max_draws=1e9"])
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "algorithms.md").read_text().split())
+    assert "The cap has no upper bound (as verl's `max_num_gen_batches`" in doc
