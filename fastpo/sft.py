@@ -585,8 +585,8 @@ class SFTData:
         n_ans = int(sum(int(m.sum()) for m in masks))
         tokens = sum(x.numel() for x in ids)
         if self.expert is None:
-            return [f"[bold]data[/] {self.source}: {len(ids)} conversations, {tokens} tokens of which {n_ans} assistant "
-                    f"tokens ({self.seconds:.1f} s)"]
+            return [f"[bold]data[/] {self.source}: {len(ids)} conversations, {tokens} tokens of which {n_ans} "
+                    f"assistant tokens ({self.seconds:.1f} s)"]
         return [f"[bold]expert data[/] {len(ids)} trajectories of {self.env_name} (seeds {self.seeds[0]}.."
                 f"{self.seeds[1]}): success {float(self.expert.success.float().mean()):.3f}, "
                 f"{self.expert.metrics['num_turns']:.2f} turns, {tokens} tokens of which {n_ans} answer tokens "

@@ -121,9 +121,10 @@ def exit_status(run: Callable[[], Optional[list]], error: Callable[[str], None],
     """Run a command's job `run()` (it returns the run's metric records) and map how it ended to
     the exit status every `fastpo` command shares: 0 done; 1 when it ended but trained nothing
     (every update skipped: `fastpo.report.summary.nothing_trained`); 128 + signal (130 Ctrl-C,
-    143 SIGTERM) after a stop, once the checkpoint is saved; 2 bad input found at set-up (ConfigError, the user's game failing its
-    set-up checks included; a busy or used run folder); 1 a checkpoint not saved, the user's
-    game or reward function failing during the run (EnvError) or a full disk. `error(text)`
+    143 SIGTERM) after a stop, once the checkpoint is saved; 2 bad input found at set-up
+    (ConfigError, the user's game failing its set-up checks included; a busy or used run
+    folder); 1 a checkpoint not saved, the user's game or reward function failing during the
+    run (EnvError) or a full disk. `error(text)`
     says the one line; `command` (e.g. "fastpo train") and `out` (the run folder) name the
     resume. Other exceptions propagate (a bug: its traceback)."""
     from fastpo.run.checkpoint import CheckpointSaveError

@@ -30,7 +30,8 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 
 # The field machinery (fastpo.config.fields), the presets (fastpo.config.presets) and the YAML files
 # (fastpo.config.files) live in their own modules: import their names from there.
-from fastpo.config.fields import FLOAT32_MAX, ConfigError, Rule, nested_dict, apply_dict, check_fields, checked, parse_override
+from fastpo.config.fields import (FLOAT32_MAX, ConfigError, Rule, nested_dict, apply_dict, check_fields, checked,
+                                  parse_override)
 from fastpo.config.files import dig, parse_config_yaml, read_config_file
 from fastpo.config.presets import PRESETS, default_preset
 from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, POLICY_LOSS_NAMES, POLICY_LOSSES, estimator

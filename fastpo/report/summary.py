@@ -250,7 +250,8 @@ def game_result_lines(records: list[dict]) -> list[str]:
         refs = [f"{name} {float(last[k]):.3f}" for name, k in (("random", f"eval/{g}/random_success"),
                                                                ("optimal", f"eval/{g}/optimal_success"))
                 if finite_number(last.get(k))]
-        lines.append(f"  {g} (eval at iteration {last['iteration']}): success {float(last[f'eval/{g}/success_rate']):.3f}"
+        succ = float(last[f"eval/{g}/success_rate"])
+        lines.append(f"  {g} (eval at iteration {last['iteration']}): success {succ:.3f}"
                      + (f" +- {float(se):.3f}" if finite_number(se) else "")
                      + (f" ({', '.join(refs)} on the same seeds)" if refs else ""))
     return lines
