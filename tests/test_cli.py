@@ -91,3 +91,28 @@ def test_help_says_what_each_command_reads(capsys):
     keys = [f"sft.{f.name}" for f in dataclasses.fields(SFTConfig) if f.name != "data_sha256"]  # (set by the run)
     assert all(k in helps["sft"] for k in keys), [k for k in keys if k not in helps["sft"]]
     assert "algorithm.adv_estimator=grpo" not in helps["sft"] and "not read by SFT" in helps["sft"]
+
+
+_CTRL_C_AT_SET_UP = """
+import os, signal, sys
+import fastpo.sft
+def interrupted(*a, **k):  # a Ctrl-C while the expert's data is made (before any model loads)
+    os.kill(os.getpid(), signal.SIGINT)
+fastpo.sft.load_sft_data = interrupted
+from fastpo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_before_the_run_began_is_one_line_and_130(tmp_path):
+    """A real Ctrl-C during set-up printed a KeyboardInterrupt traceback; the command's own
+    SIGINT handler (which tells a Ctrl-C from a game raising KeyboardInterrupt, issue 58 item
+    9) ends it with one line and 130."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", _CTRL_C_AT_SET_UP, "sft", "--env", "bandit", "--preset", "cpu,tiny",
+                        "--model", "random:tiny-llama", "--out", str(out)], capture_output=True, text=True,
+                       encoding="utf-8", timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    err = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 130 and err == ["fastpo sft: interrupted by Ctrl-C before the run began; nothing was "
+                                           "written or trained"], (p.returncode, p.stderr[-2000:])
+    assert not out.exists()
