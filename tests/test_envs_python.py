@@ -565,3 +565,13 @@ def test_bad_reference_lines_are_named():
         env.random_success([0, 1], 4)
     with pytest.raises(EnvError, match=r"optimal_success\(seeds, 4\) raised ValueError: no solver for horizon 4"):
         env.optimal_success([0], 4)
+
+
+def test_fastpo_eval_of_a_game_failing_on_a_later_eval_seed_is_one_line(capsys):
+    """The game's reset raising on an eval seed past the set-up's check: a traceback before; one
+    line naming the call and the seed, exit 1 (a failure during the run, docs/training.md)."""
+    assert cli_main(["eval", "--env", "test_envs_python:FailsLater", "--model", "random:tiny-llama", "--seeds", "2",
+                     "env.options.bad_seed=1000001", "rollout.max_new_tokens=4"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert err == ["fastpo eval: error: environment 'test_envs_python:FailsLater', instance with seed 1000001: "
+                   "reset(1000001) raised RuntimeError: level file truncated"], err
