@@ -429,7 +429,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         d = parse_override(o).get("env")
         return d is not None and (not isinstance(d, dict) or "options" in d)
 
-    member = _mixture_entry(env, values.get("model.name"), warn)  # `--env LABEL` of a mixture run's entry
+    member = _mixture_entry(env, values.get("model.name"))  # `--env LABEL` of a mixture run's entry
     if member is not None:
         env = member.name
 
@@ -488,10 +488,11 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
                             member.label if member is not None and mismatch else None)
 
 
-def _mixture_entry(env: Optional[str], model: Optional[str], warn=None):
-    """The entry of a mixture run's `env.mixture` whose label is `env` (`fastpo eval --model RUN
-    --env LABEL`: a second entry of the same game is picked by its label), when `model` is such a
-    run's checkpoint and `env` names no game of its own; else None."""
+def _mixture_entry(env: Optional[str], model: Optional[str]):
+    """The entry of a mixture run's `env.mixture` whose label is `env`, when `model` is such a
+    run's checkpoint (`fastpo eval --model RUN --env LABEL`: a second entry of the same game is
+    picked by its label; a label, unique in its mixture, wins over a game of that name); else
+    None."""
     from fastpo.run.origin import find_checkpoint
     from fastpo.config.schema import env_members, read_run_config
     from fastpo.config.fields import ConfigError
