@@ -60,9 +60,10 @@ MIN_COMMON_PREFIX = 16
 _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
 
 # What `fastpo sft` sets over the presets, before your overrides (which win): the run's length
-# and checkpoints, one evaluation before and one after training, lr for SFT.
+# and checkpoints, one evaluation before and one after training, lr for SFT (1e-4: at 1e-5 a
+# small budget hardly moves the model; docs/sft.md, "The default learning rate").
 SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", "trainer.save_every=16",
-                         "optim.actor_lr=1e-5", "trainer.eval_before_training=true"]
+                         "optim.actor_lr=1e-4", "trainer.eval_before_training=true"]
 
 
 def sft_default_overrides(presets: list[str]) -> list[str]:

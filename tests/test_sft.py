@@ -572,7 +572,7 @@ def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, 
 
     monkeypatch.setattr(fastpo.sft, "load_sft_data", no_data)
     for argv, said in ((["--preset", "cpu"], "1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
-                       (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 1e-05"),
+                       (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 0.0001"),
                        (["--preset", "cpu", "sft.trajectories=64", "--iterations", "4"],
                         "64 expert trajectories, 8 per step, 4 steps, lr 0.0002")):
         with pytest.raises(ModelLoadReached):
@@ -718,6 +718,6 @@ def test_the_tiny_preset_keeps_its_two_steps_in_sft(capsys, no_model, tmp_path):
     with pytest.raises(ModelLoadReached):
         main(["sft", "--env", "bandit", "--preset", "cpu,tiny", "--model", MODEL, "--out", str(tmp_path / "r")])
     said = " ".join(capsys.readouterr().out.split())
-    assert "8 per step, 2 steps, lr 1e-05" in said, said
+    assert "8 per step, 2 steps, lr 0.0001" in said, said
     cfg = load_config(env="bandit", preset="cpu,tiny", overrides=fastpo.sft.sft_default_overrides(["cpu", "tiny"]))
     assert (cfg.trainer.iterations, cfg.trainer.save_every, cfg.trainer.eval_before_training) == (2, 1, True)

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     sf.add_argument("--out", default=None, help="output folder (default runs/sft-<env>)")
     sf.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
     sf.add_argument("--iterations", type=int, default=None,
-                    help="SFT steps (optimizer steps; default 32, the tiny preset's 2)")
+                    help="SFT steps (optimizer steps; default 32 at lr 1e-4, the tiny preset's 2)")
     sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
     _add_trust(sf)
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
