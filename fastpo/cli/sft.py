@@ -41,9 +41,8 @@ def cmd_sft(args) -> int:
                                   f"again: it reuses the folder")
             sft = read_sft_config(args.resume)
             if untrained:  # stopped before its first checkpoint: start it again
-                console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; "
-                              f"{unsaved_note(args.resume)}): starting it again from step 1 with its config.yaml",
-                              markup=False, soft_wrap=True)
+                console.print(f"{unsaved_note(args.resume)} (the run stopped before its first checkpoint): "
+                              f"starting it again from step 1 with its config.yaml", markup=False, soft_wrap=True)
                 args.resume, args.out = None, args.resume
             else:
                 plan_resume(args.resume, trust=args.trust_checkpoint).check_run_config(args.resume)

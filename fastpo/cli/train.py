@@ -31,9 +31,8 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
     if untrained_start(args.resume):  # stopped or failed before its first checkpoint
-        console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; "
-                      f"{unsaved_note(args.resume)}): starting it again from iteration 1 with its config.yaml",
-                      markup=False, soft_wrap=True)
+        console.print(f"{unsaved_note(args.resume)} (the run stopped before its first checkpoint): starting it "
+                      f"again from iteration 1 with its config.yaml", markup=False, soft_wrap=True)
         args.resume, args.out = None, args.resume  # a new run into the same folder (it is reused)
         return cfg
     plan = plan_resume(args.resume, trust=args.trust_checkpoint)

@@ -129,11 +129,14 @@ def run_folder_in_use(out_dir: str) -> list[str]:
 
 def clear_run_folder(out_dir: str, keep_unsaved: bool = False) -> None:
     """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, eval/ outcomes,
-    tensorboard files, the configs kept from earlier resumes, and UNSAVED_METRICS unless
-    `keep_unsaved`)."""
+    tensorboard files, the configs kept from earlier resumes, and UNSAVED_METRICS); with
+    `keep_unsaved` (a start reusing the folder) UNSAVED_METRICS and config.yaml stay (the new
+    start replaces config.yaml with its own once its model has loaded, and until then a
+    `--resume` that starts again still finds it)."""
     kept = [f for f in os.listdir(out_dir) if f.startswith("config.until_iter_")] if os.path.isdir(out_dir) else []
+    markers = tuple(m for m in RUN_MARKERS if not (keep_unsaved and m == "config.yaml"))
     unsaved = () if keep_unsaved else (UNSAVED_METRICS,)
-    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", "wandb", *unsaved, *kept):
+    for m in markers + ("plots", "samples", "eval", "tensorboard", "wandb", *unsaved, *kept):
         p = os.path.join(out_dir, m)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
@@ -156,16 +159,17 @@ def reuse_untrained_start(out_dir: str) -> Optional[str]:
 
 
 def unsaved_note(out_dir: str) -> str:
-    """What a folder without a checkpoint holds of trained iterations, for the stop and restart
-    lines: "nothing was trained yet" or "iterations 1-3 were trained but not saved, ..."."""
+    """What a folder without a checkpoint holds, for the stop and restart lines: "nothing was
+    trained yet and OUT holds no checkpoint", or "iterations 1-3 were trained, but OUT holds no
+    checkpoint" (a stop before the first one, or checkpoints deleted since)."""
     unsaved = unsaved_iterations(out_dir)
     if unsaved is None:
-        return "its metrics.jsonl cannot be read"
+        return f"{out_dir} holds no checkpoint, and its metrics.jsonl cannot be read"
     if not unsaved:
-        return "nothing was trained yet"
+        return f"nothing was trained yet and {out_dir} holds no checkpoint"
     lo, hi = min(unsaved), max(unsaved)
     its = f"iteration {lo} was" if lo == hi else f"iterations {lo}-{hi} were"
-    return f"{its} trained but not saved"
+    return f"{its} trained, but {out_dir} holds no checkpoint"
 
 
 def fresh_run_folder(out_dir: str) -> str:

@@ -400,7 +400,7 @@ class RunLoop:
         if not self.dist.is_main or not untrained_start(self.out):
             return ""
         cmd = self.tr.resume_command
-        return (f"{unsaved_note(self.out)} and {self.out} holds no checkpoint: run the same command again (it "
+        return (f"{unsaved_note(self.out)}: run the same command again (it "
                 f"reuses the folder), or `{cmd} {self.out}` to start again from iteration 1 with its config.yaml")
 
     def report(self) -> None:
