@@ -721,3 +721,17 @@ def test_the_tiny_preset_keeps_its_two_steps_in_sft(capsys, no_model, tmp_path):
     assert "8 per step, 2 steps, lr 0.0001" in said, said
     cfg = load_config(env="bandit", preset="cpu,tiny", overrides=fastpo.sft.sft_default_overrides(["cpu", "tiny"]))
     assert (cfg.trainer.iterations, cfg.trainer.save_every, cfg.trainer.eval_before_training) == (2, 1, True)
+
+
+def test_the_docs_state_fastpo_sfts_default_learning_rate():
+    """docs/sft.md (the plain defaults of `--preset paper`) and docs/fidelity.md's SFT row give
+    the lr `fastpo sft` sets (SFT_DEFAULT_OVERRIDES), not an older default."""
+    lr = next(o.split("=", 1)[1] for o in fastpo.sft.SFT_DEFAULT_OVERRIDES if o.startswith("optim.actor_lr="))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def read(name):
+        with open(os.path.join(root, "docs", name), encoding="utf-8") as f:
+            return " ".join(f.read().split())
+
+    assert f"128 levels, 32 steps at {lr} " in read("sft.md")
+    assert f"| 32 steps of 8 trajectories at lr {lr} |" in read("fidelity.md")
