@@ -283,6 +283,8 @@ class RunSettings:
     config). env: the env evaluated on. taken: dotted key -> the run's value, where it changed
     what this command would otherwise use. kept: dotted key -> (this command's value, the
     run's value) for keys the command line set explicitly. env_mismatch: env != trained_env.
+    member: the label of the mixture entry evaluated alone (its options and limits carried
+    over), None otherwise.
     """
 
     checkpoint: Any
@@ -291,6 +293,7 @@ class RunSettings:
     taken: dict
     kept: dict
     env_mismatch: bool
+    member: Optional[str] = None
 
     def describe(self) -> str:
         """One line: whose settings are used, and what they changed."""
@@ -310,9 +313,13 @@ class RunSettings:
         return line
 
     def mismatch_note(self) -> Optional[str]:
-        """A line saying the env differs from the trained one, or None."""
+        """A line saying the env differs from the trained one (or is one game of the trained
+        mixture), or None."""
         if not self.env_mismatch:
             return None
+        if self.member is not None:
+            return (f"note: this checkpoint was trained on a mixture; evaluating its game {self.member!r} alone, with "
+                    f"that entry's options and turn and action limits")
         return (f"note: this checkpoint was trained on {self.trained_env} and is evaluated on {self.env} as --env "
                 f"asks; the run's env options and {self.trained_env}'s turn and action limits are not carried over")
 
@@ -352,17 +359,26 @@ def _explicit_keys(preset: Optional[str], file: Optional[str], overrides: list[s
     return explicit
 
 
-def _trained_settings(run, eval_env: str) -> dict[str, Any]:
+#: The evaluation settings a checkpoint's run carries over to `fastpo eval --model RUN` (its own
+#: evaluation repeated: the same seeds, samples, temperature and sampling seed).
+EVAL_KEYS = ("trainer.eval_seeds", "trainer.eval_seed_offset", "trainer.eval_group_size", "trainer.eval_temperature",
+             "trainer.seed")
+
+
+def _trained_settings(run, eval_env: str, game=None) -> dict[str, Any]:
     """The settings a checkpoint's run config `run` carries over to an eval on `eval_env`, as
-    {dotted key: value}: its env.options (same env only) and every RolloutConfig setting but
-    `temperature`, less the turn and action limits the env presets fix when the env differs."""
+    {dotted key: value}: its evaluation settings (EVAL_KEYS), its env.options (same env only)
+    and every RolloutConfig setting but `temperature`, less the turn and action limits the env
+    presets fix when the env differs. `game`: the mixture entry (an EnvMember) evaluated alone,
+    else the first entry named `eval_env` of a mixture run."""
     from fastpo.config.schema import RolloutConfig, env_members, env_preset, member_rollout_config
     from fastpo.envs import MIXTURE
 
-    layer: dict[str, Any] = {}
+    layer: dict[str, Any] = {k: copy.deepcopy(_get(run, k)) for k in EVAL_KEYS}
     fixed_by_env: set[str] = set()
     rollout = run.rollout
-    game = next((m for m in env_members(run) if m.name == eval_env), None) if run.env.mixture else None
+    if game is None and run.env.mixture:
+        game = next((m for m in env_members(run) if m.name == eval_env), None)
     if game is not None:  # one game of a mixture run: its options and its own settings
         layer.update({f"env.options.{k}": v for k, v in game.options.items()})
         rollout = member_rollout_config(run, game)
@@ -384,12 +400,15 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     overrides, values)`, and when `model.name` is a fastpo checkpoint (its model folder, the
     checkpoint folder, or a run folder meaning its latest checkpoint) the settings it was
     trained with on top: the env (unless `--env`, `env.name=` or the file names one), its
-    `env.options` (same env only) and every RolloutConfig setting except `temperature`
-    (eval runs at `trainer.eval_temperature`). Keys set by `preset`, `file` or `overrides`
-    keep their command-line value. On another env than the trained one, the turn and
-    action limits the env presets fix (bandit: 1 turn, 1 action) are not carried over; on one
-    game of a mixture run (`--env frozenlake` of a run that mixed it), that game's options and
-    settings in the mixture are.
+    evaluation settings (`EVAL_KEYS`: eval seeds, their offset, samples per seed, eval
+    temperature and the run's seed, which seeds the eval sampling: the run's own evaluation
+    repeated), its `env.options` (same env only) and every RolloutConfig setting except
+    `temperature` (eval runs at `trainer.eval_temperature`). Keys set by `preset`, `file` or
+    `overrides` keep their command-line value. On another env than the trained one, the turn
+    and action limits the env presets fix (bandit: 1 turn, 1 action) are not carried over; on
+    one game of a mixture run (`--env frozenlake` of a run that mixed it: its first entry of
+    that game; `--env LABEL` picks an entry by its label), that game's options and settings in
+    the mixture are.
 
     A run folder whose newest checkpoints are damaged means its newest intact one; `warn`
     (a callable) gets the line naming the damage.
@@ -399,7 +418,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
     from fastpo.run.origin import find_checkpoint
-    from fastpo.config.schema import load_config, read_run_config, validate
+    from fastpo.config.schema import env_members, load_config, read_run_config, validate
     from fastpo.config.fields import ConfigError, nested_dict, apply_dict, parse_override
 
     overrides = list(overrides or [])
@@ -408,6 +427,10 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     def env_options(o: str) -> bool:  # an override of env.options, valid only for the env it is meant for
         d = parse_override(o).get("env")
         return d is not None and (not isinstance(d, dict) or "options" in d)
+
+    member = _mixture_entry(env, values.get("model.name"))  # `--env LABEL` of a mixture run's entry
+    if member is not None:
+        env = member.name
 
     # which model, before the env is known: env.options overrides wait for the checkpoint's env
     cfg = load_config(env=env, preset=preset, file=file, overrides=[o for o in overrides if not env_options(o)],
@@ -440,7 +463,7 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     eval_env = cfg.env.name
     mismatch = eval_env != run.env.name
 
-    layer = _trained_settings(run, eval_env)
+    layer = _trained_settings(run, eval_env, member)
 
     def is_explicit(key: str) -> bool:
         parts = key.split(".")
@@ -458,7 +481,30 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
         apply_dict(out, nested_dict(key, copy.deepcopy(value)))
         taken[key] = value
     validate(out)
-    return out, RunSettings(ref, run.env.name, eval_env, taken, kept, mismatch)
+    if member is None and run.env.mixture and mismatch:  # a game of the mixture named by its env name
+        member = next((m for m in env_members(run) if m.name == eval_env), None)
+    return out, RunSettings(ref, run.env.name, eval_env, taken, kept, mismatch,
+                            member.label if member is not None and mismatch else None)
+
+
+def _mixture_entry(env: Optional[str], model: Optional[str]):
+    """The entry of a mixture run's `env.mixture` whose label is `env`, when `model` is such a
+    run's checkpoint (`fastpo eval --model RUN --env LABEL`: a second entry of the same game is
+    picked by its label; a label, unique in its mixture, wins over a game of that name); else
+    None."""
+    from fastpo.run.origin import find_checkpoint
+    from fastpo.config.schema import env_members, read_run_config
+    from fastpo.config.fields import ConfigError
+
+    if not env or "," in env or not isinstance(model, str):
+        return None
+    try:
+        ref = find_checkpoint(model)
+        run = read_run_config(ref.config_path) if ref is not None and ref.config_path else None
+        members = env_members(run) if run is not None and run.env.mixture else []
+    except (ValueError, OSError, ConfigError):  # what is wrong with it is said where it is loaded
+        return None
+    return next((m for m in members if m.label == env.strip()), None)
 
 
 def eval_report(cfg, res: dict, settings: Optional[RunSettings] = None) -> dict:

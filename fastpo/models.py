@@ -112,6 +112,14 @@ class ModelInfo:
                 which = f"{base}, "
         return f"{self.name} ({which}trained from {self.trained_from}{init})"
 
+    def trained_label(self) -> str:
+        """The label of this model once a run has trained it (the run's records past iteration
+        0, its samples, plots and summary), worded as `fastpo eval` labels the run's checkpoints
+        with "the run's model" for the folder (so two runs of one command write the same
+        records): "the run's model (trained from smollm2-135m-instruct, pretrained init)";
+        "random init" for random weights, or a checkpoint trained from them."""
+        return f"the run's model (trained from {self.name}, {'random' if self.random else 'pretrained'} init)"
+
 
 def cache_root() -> str:
     """Folder holding fastpo's model caches: ``$FASTPO_CACHE/models`` or ``~/.cache/fastpo/models``."""

@@ -12,9 +12,10 @@ A float goes on the trajectory's last turn; a list gives each turn its own. With
 it is added to the game's turn rewards; with "replace" it replaces them (the format penalty
 stays). The trajectory score (the sum of its turn rewards) follows, so every estimator,
 filter and metric sees the result. Applied to the training rollouts; the evaluation reports
-the game's own success. A function that raises or returns something else than a finite
-float (or a list of one per turn) stops the run with one line naming the function, the env
-and the instance's seed (`fastpo.envs.EnvError`, as a failing game).
+the game's own success. A function that raises (or calls `sys.exit`) or returns something
+else than a finite float within float32's range (or a list of one per turn) stops the run with
+one line naming the function, the env and the instance's seed (`fastpo.envs.EnvError`, as a
+failing game; the `fastpo` command exits 1).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from fastpo.envs.errors import EnvError
+from fastpo.config.fields import FLOAT32_MAX
+from fastpo.envs.errors import EnvError, user_code_failure
 
 REWARD_MODES = ("add", "replace")
 
@@ -145,9 +147,11 @@ class RewardFunction:
         where = f"reward function {self.spec!r} on env {traj.env!r}, seed {traj.seed}"
         try:
             out = self.fn(traj)
-        except Exception as e:
-            first = (str(e).strip().splitlines() or ["(no message)"])[0][:300]
-            raise EnvError(f"{where} raised {type(e).__name__}: {first}") from None
+        except BaseException as e:  # sys.exit in it must not end the run silently
+            said = user_code_failure(e)
+            if said is None:  # a Ctrl-C: the trainer's to handle
+                raise
+            raise EnvError(f"{where} {said}") from None
         if isinstance(out, (list, tuple)):
             if len(out) != n:
                 raise EnvError(f"{where} returned {len(out)} values for {n} turns; return one float, or one per turn")
@@ -157,4 +161,7 @@ class RewardFunction:
         for v in values:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise EnvError(f"{where} returned {out!r}; return a finite float, or a list of one per turn")
+            if abs(v) > FLOAT32_MAX:  # rewards are float32 tensors: it would be inf there, every update skipped
+                raise EnvError(f"{where} returned {v!r}, beyond float32's range (+-{FLOAT32_MAX:.4g}) in which "
+                               f"rewards are kept; scale it down")
         return [float(v) for v in values]

@@ -39,7 +39,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.loop import RunTrainer
 from fastpo.trainer.models import hidden_states
 from fastpo.trainer.plan import SUPERVISED
-from fastpo.trainer.setup import open_run
+from fastpo.trainer.setup import check_prompts_fit, open_run
 from fastpo.trainer.update import MetricMeans
 
 # sft.common_prefix: the shortest shared lead worth a segment of its own (a chat header alone is
@@ -59,10 +59,23 @@ from fastpo.trainer.update import MetricMeans
 MIN_COMMON_PREFIX = 16
 _SALT_SFT_ORDER = 5_000_011  # (seed, epoch, salt) -> the order of the expert trajectories in that epoch
 
-# What `fastpo sft` sets before the preset's and the user's overrides apply (user overrides win):
-# one evaluation after training (and the one before it from the CPU preset), lr for SFT.
+# What `fastpo sft` sets over the presets, before your overrides (which win): the run's length
+# and checkpoints, one evaluation before and one after training, lr for SFT (1e-4: at 1e-5 a
+# small budget hardly moves the model; docs/sft.md, "The default learning rate").
 SFT_DEFAULT_OVERRIDES = ["trainer.iterations=32", "trainer.eval_every=1000000", "trainer.save_every=16",
-                         "optim.actor_lr=1e-5", "trainer.eval_before_training=true"]
+                         "optim.actor_lr=1e-4", "trainer.eval_before_training=true"]
+
+
+def sft_default_overrides(presets: list[str]) -> list[str]:
+    """SFT_DEFAULT_OVERRIDES for a run on `presets` (their names): the `tiny` preset, a smoke run
+    in every command, keeps its own run length and checkpoints (trainer.iterations, eval_every,
+    save_every: 2 steps) instead of SFT's 32."""
+    from fastpo.config.presets import PRESETS
+
+    if "tiny" not in presets:
+        return list(SFT_DEFAULT_OVERRIDES)
+    kept = {f"trainer.{k}" for k in PRESETS["tiny"]["trainer"]}
+    return [o for o in SFT_DEFAULT_OVERRIDES if o.split("=", 1)[0] not in kept]
 #: What `fastpo sft --env GAME` adds on the CPU preset alone (this machine's default; `--preset paper`
 #: keeps the paper's turns and answers), before your overrides: the best measured setting
 #: (docs/sft.md, "1,536 levels"): one move per answer, closed loop, 10 turns of it, the prompt
@@ -210,6 +223,13 @@ def chat_ids_and_mask(tokenizer, messages: list) -> tuple[torch.Tensor, torch.Te
     return ids, mask
 
 
+def longest_token(tokenizer) -> int:
+    """The most characters of text one token of `tokenizer` stands for, bounded from above by
+    the longest string in its vocabulary (a byte-level BPE token string holds one character per
+    byte; special tokens count as written). A text of n characters takes at least n / it tokens."""
+    return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
+
+
 def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
     """The conversations of a JSONL file, tokenized: (input_ids, loss_mask), one per line.
 
@@ -217,11 +237,14 @@ def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
     "user" | "assistant", "content": str} holding at least one assistant message (TRL's
     conversational format; other keys are ignored), an assistant message optionally with
     "weight": 0 or 1 (OpenAI's fine-tuning format; 0: in the context, not trained on). Raises
-    ConfigError naming the file, the line number and what is wrong (not JSON, no messages
-    list, a bad role, content or weight, no assistant message of weight 1, more tokens than
-    max_context), or a file with no conversation.
+    ConfigError naming the file, the line number and what is wrong (not UTF-8, not JSON, no
+    messages list, a bad role, content or weight, content that is not text (a lone
+    surrogate), no assistant message of weight 1, more tokens than max_context: refused before
+    tokenizing when its text alone is too long for them, `longest_token`), or a file with no
+    conversation.
     """
     ids, masks = [], []
+    longest = longest_token(tokenizer)
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -252,6 +275,19 @@ def read_chat_file(path: str, tokenizer, max_context: int) -> tuple[list, list]:
                                       f"assistant message takes one, 0 or 1")
             if not any(m["role"] == "assistant" and m.get("weight", 1) == 1 for m in msgs):
                 raise ConfigError(f"{where}: has no assistant message of weight 1 (nothing to train on)")
+            for k, m in enumerate(msgs):  # valid JSON may hold a lone surrogate ("\ud800"): no tokenizer reads it
+                try:
+                    m["content"].encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ConfigError(f"{where}: message {k}'s content is not text: a lone surrogate "
+                                      f"{m['content'][e.start]!r} at character {e.start + 1} (a JSON \\uD800-"
+                                      f"\\uDFFF escape must be half of a pair)") from None
+            # no conversation of more text than max_context tokens can hold is worth tokenizing
+            # (a 10 MB line took minutes): its tokens are at least its text / the longest token
+            text = sum(len(m["content"].strip()) for m in msgs)
+            if text > max_context * longest:
+                raise ConfigError(f"{where}: {text} characters of messages, more than rollout.max_context "
+                                  f"({max_context}) tokens can hold (a token is at most {longest} characters)")
             try:
                 x, m = chat_ids_and_mask(tokenizer, msgs)  # it renders role and content alone
             except ValueError as e:
@@ -304,9 +340,10 @@ class ExpertEngine:
     (`TurnOutput`, log-probs 0, stop reason "stop_string" when rollout.stop_at_answer_close,
     else the template's end-of-turn id is appended and the reason is "eot"). A built-in
     solver's answer that would pass rollout.max_new_tokens keeps fewer actions (ConfigError
-    when not even one fits); a user game's `expert()` answer is played as written
-    (ConfigError when it does not fit); one that would pass rollout.max_context ends the
-    session ("context", no tokens), as a sampling engine would.
+    when not even one fits); a user game's `expert()` answer is played as written (the
+    longest one past the cap is kept in `too_long`: (tokens, seed, answer), for
+    `expert_rollout` to refuse); one that would pass rollout.max_context ends the session
+    ("context", no tokens), as a sampling engine would.
     """
 
     device = torch.device("cpu")
@@ -322,6 +359,7 @@ class ExpertEngine:
             raise ConfigError(no_expert_message(rollout.env_name))
         per_turn = actions_per_turn or (1 if rollout.env_name == "frozenlake" else self.cfg.max_actions_per_turn)
         self.per_turn = min(per_turn, self.cfg.max_actions_per_turn)
+        self.too_long: Optional[tuple] = None  # (tokens, seed, answer) of the longest answer past max_new_tokens
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -360,8 +398,10 @@ class ExpertEngine:
         while k > 0 and len(self._ids([longest] * k)) > params.max_new_tokens:
             k -= 1
         if k == 0:
+            need = len(self._ids([longest]))
             raise ConfigError(f"config key 'rollout.max_new_tokens' = {params.max_new_tokens}: the expert's answer "
-                             f"with one action ({self._text([longest])!r}) takes {len(self._ids([longest]))} tokens")
+                              f"with one action ({self._text([longest])!r}) takes {need} tokens; raise "
+                              f"rollout.max_new_tokens to at least {need}")
         return k
 
     def generate(self, sessions: list, append: list | None, params, generator=None) -> list:
@@ -389,11 +429,10 @@ class ExpertEngine:
         B = len(self.seeds)
         going = [b for b in sessions if not self.env.done[b] and self.left[b] > 0]
         texts = dict(zip(going, self.env.expert_answers(going)))
-        for b, text in texts.items():
-            if len(self._ids(text)) > params.max_new_tokens:
-                raise ConfigError(f"config key 'rollout.max_new_tokens' = {params.max_new_tokens}: the expert's answer "
-                                  f"{self._text(text)!r:.120} of {self.ro.env_name!r} takes {len(self._ids(text))} "
-                                  f"tokens")
+        for b, text in texts.items():  # the longest one past the cap is said once all are known
+            n = len(self._ids(text))
+            if n > params.max_new_tokens and (self.too_long is None or n > self.too_long[0]):
+                self.too_long = (n, self.seeds[b], text)
         active = np.zeros(B, dtype=bool)
         active[going] = True
         if self.env.free_text:
@@ -469,13 +508,22 @@ def expert_rollout(tokenizer, env_name: str, env_options: dict, rollout_cfg, see
     rollout_cfg: a RolloutConfig (the prompt, format, turn and action limits of the run).
     Returns a TrajectoryBatch (input_ids, loss_mask True on the answer tokens, rewards,
     success, ...). Raises ValueError for bad seeds, ConfigError (a ValueError) for a
-    max_new_tokens too small for one action, RuntimeError when an expert answer is not read back as well formed (a bug).
+    max_new_tokens too small for one action or for a user expert's longest answer (naming
+    it, its seed and the value needed), EnvError for a user game or expert() that fails
+    (naming the call and the seed) or answers what the game refuses, RuntimeError when a
+    built-in expert's answer is not read back as well formed (a bug).
     """
     from fastpo.rollout import MultiTurnRollout
 
     ro = MultiTurnRollout(None, tokenizer, env_name, dict(env_options), rollout_cfg)
     ro.engine = ExpertEngine(ro, seeds, actions_per_turn)
     batch = ro.generate(list(seeds), 1)
+    if ro.engine.too_long is not None:
+        n, seed, text = ro.engine.too_long
+        raise ConfigError(f"config key 'rollout.max_new_tokens' = {rollout_cfg.max_new_tokens}: the longest answer "
+                          f"the expert() of {env_name!r} gives, {ro.engine._text(text)!r:.120} (seed {seed}), takes "
+                          f"{n} tokens; raise rollout.max_new_tokens to at least {n} (the model must be able to "
+                          f"write what it imitates)")
     bad = torch.nonzero(batch.penalised_turns).flatten().tolist()
     if bad:
         from fastpo.envs import EnvError
@@ -515,6 +563,118 @@ def first_action_accuracy(model, batch, max_trajectories: int = 64) -> tuple[flo
     finally:
         model.train(was_training)
     return (hits / turns if turns else float("nan")), turns
+
+
+# ----------------------------------------------------------------------------------------- the data of a run
+
+@dataclasses.dataclass
+class SFTData:
+    """An SFT run's data, read before any model loads (`load_sft_data`).
+
+    batch: a TrainBatch of the trajectories or conversations (token 0 unscored: packed as the
+    update packs it); expert: the expert's TrajectoryBatch (None for a data file); digest: the
+    data file's SHA-256 ("" for the expert); tokenizer: what tokenized it; seconds: the time it
+    took; source: what `describe` names ("the expert" or the file's path); env_name: the game;
+    seeds: the expert's seed range (first, last), None for a file; max_context: the run's
+    rollout.max_context."""
+
+    batch: TrainBatch
+    expert: Optional[object]
+    digest: str
+    tokenizer: object
+    seconds: float
+    source: str
+    env_name: str = ""
+    seeds: Optional[tuple] = None
+    max_context: int = 0
+
+    def describe(self) -> list[str]:
+        """The console lines saying what was read."""
+        ids, masks = self.batch.input_ids, self.batch.loss_mask
+        n_ans = int(sum(int(m.sum()) for m in masks))
+        tokens = sum(x.numel() for x in ids)
+        if self.expert is None:
+            return [f"[bold]data[/] {self.source}: {len(ids)} conversations, {tokens} tokens of which {n_ans} "
+                    f"assistant tokens ({self.seconds:.1f} s)"]
+        return [f"[bold]expert data[/] {len(ids)} trajectories of {self.env_name} (seeds {self.seeds[0]}.."
+                f"{self.seeds[1]}): success {float(self.expert.success.float().mean()):.3f}, "
+                f"{self.expert.metrics['num_turns']:.2f} turns, {tokens} tokens of which {n_ans} answer tokens "
+                f"({self.seconds:.1f} s)"]
+
+    def warning(self) -> Optional[str]:
+        """A warning about the data (expert trajectories cut by rollout.max_context), or None."""
+        cut = int(self.expert.truncated.sum()) if self.expert is not None else 0
+        if not cut:
+            return None
+        # e.g. a longer observation format with 10 turns on the CPU preset's 1,536 tokens
+        return (f"{cut} of {len(self.batch.input_ids)} expert trajectories reached rollout.max_context "
+                f"({self.max_context} tokens) before the game ended: their later turns are not in the data, and "
+                f"evaluations stop there too; raise rollout.max_context")
+
+
+def check_chat_path(path: str) -> None:
+    """ConfigError naming `sft.data` and `path` unless it is a regular file: no such file, a
+    folder, or something else (a device or a pipe: the file is read twice, and again on
+    resume)."""
+    import stat
+
+    key = f"config key 'sft.data' = {path!r}"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{key}: is a folder; give the JSONL file of conversations in it")
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a character device" if stat.S_ISCHR(st.st_mode) else "a pipe" if stat.S_ISFIFO(st.st_mode) else \
+            "a socket" if stat.S_ISSOCK(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode) else "not a file"
+        raise ConfigError(f"{key}: is {kind}, not a regular file (the file is read twice at the start and again on "
+                          f"--resume); copy the conversations into a file")
+
+
+def check_chat_file(path: str, digest: str = "") -> str:
+    """The SHA-256 of data file `path` (`sft.data`), after `check_chat_path` and, when `digest`
+    (the run's) is given, checking that the file is unchanged. Raises ConfigError naming the
+    key and the path (also for an unreadable or changed file)."""
+    check_chat_path(path)
+    key = f"config key 'sft.data' = {path!r}"
+    got = file_sha256(path)
+    if digest and got != digest:
+        raise ConfigError(f"{key}: the file changed since this run began (SHA-256 {got[:12]}..., was "
+                          f"{digest[:12]}...); put the run's data back, or start a new run")
+    return got
+
+
+def load_sft_data(cfg: TrainConfig, sft: SFTConfig, tokenizer=None) -> SFTData:
+    """The data of SFT run (`cfg`, `sft`) from what needs no model: the file, the tokenizer
+    (`tokenizer`, else loaded for `cfg.model.name`) and the game: the conversations of
+    `sft.data` (`read_chat_file`; its batch size checked against them) or the expert's
+    trajectories (`expert_rollout` on `sft.seeds()`). So every problem of the data is found
+    before the model loads.
+
+    Raises ConfigError (a bad or changed file naming the line, a batch larger than the data,
+    an expert answer too long for rollout.max_new_tokens), EnvError (the user's game or its
+    expert() failing, naming the call and the seed), ModelLoadError (a model name whose
+    tokenizer cannot load)."""
+    from fastpo.models import load_model_checked
+
+    t0 = time.perf_counter()
+    tok = tokenizer if tokenizer is not None else load_model_checked(cfg.model.name, tokenizer_only=True)
+    r = cfg.rollout
+    if sft.data:
+        digest = check_chat_file(sft.data, sft.data_sha256)
+        ids, masks = read_chat_file(sft.data, tok, r.max_context)
+        check_batch_size(sft.batch_size, len(ids), f"conversations of {sft.data}")
+        for m in masks:
+            m[0] = False  # token 0 has no predecessor
+        batch = TrainBatch(ids, masks, [torch.zeros(len(x)) for x in ids], [0] * len(ids))
+        return SFTData(batch, None, digest, tok, time.perf_counter() - t0, sft.data, cfg.env.name,
+                       max_context=r.max_context)
+    expert = expert_rollout(tok, cfg.env.name, cfg.env.options, r.rollout_config(), sft.seeds(), sft.actions_per_turn)
+    return SFTData(TrainBatch.from_rollout(expert, 0), expert, "", tok, time.perf_counter() - t0, "the expert",
+                   cfg.env.name, (sft.seed_offset, sft.seed_offset + sft.trajectories - 1), r.max_context)
 
 
 # ----------------------------------------------------------------------------------------- training
@@ -557,67 +717,51 @@ class SFTTrainer(RunTrainer):
     # an SFT run resumed by `fastpo train` would continue as StarPO
     resume_command = "fastpo sft --resume"
 
-    def __init__(self, cfg: TrainConfig, sft: SFTConfig, **kw):
+    def __init__(self, cfg: TrainConfig, sft: SFTConfig, data: Optional["SFTData"] = None, **kw):
         super().__init__(cfg, **kw)
         self.sft = sft
+        self.prepared = data  # `load_sft_data`'s, when the caller read it before any model loaded
         self.data = self.batch = self.ids = self.masks = None
         self._expert_eval: Optional[dict] = None
         self._expert_on_eval = None
 
+    def check_prompts_fit(self) -> Any:
+        """As the StarPO trainer's, with the tokenizer the prepared data was read with."""
+        return check_prompts_fit(self.cfg, self.prepared.tokenizer if self.prepared is not None else None)
+
     def setup(self) -> None:
-        """The run opened on the supervised plan, then its data: the expert's trajectories (a
-        rollout of `expert_rollout`) or the conversations of `sft.data`, as one batch record."""
+        """The run opened on the supervised plan, then its data: the prepared `SFTData`, else
+        `load_sft_data` now (the expert's trajectories or the conversations of `sft.data`), as
+        one batch record."""
+        open_run(self, SUPERVISED)
+        if self.sft.common_prefix:
+            self.parts.scorer.min_common_prefix = MIN_COMMON_PREFIX
+        data = self.prepared
+        if data is None:
+            if self.sft.data:  # the file's digest first: a folder whose data failed to build is still an SFT run's
+                self.sft.data_sha256 = check_chat_file(self.sft.data, self.sft.data_sha256)
+            if self.dist.is_main:
+                self._write_sft_file()
+            data = load_sft_data(self.cfg, self.sft, self.tokenizer)
+            for line in data.describe():
+                self.console.print(line, soft_wrap=True)
+            if data.warning():
+                self.warn(data.warning())
+        else:
+            self.sft.data_sha256 = data.digest or self.sft.data_sha256
+            if self.dist.is_main:
+                self._write_sft_file()
+        self.data = data.expert
+        self.batch = data.batch
+        self.ids, self.masks = self.batch.input_ids, self.batch.loss_mask
+
+    def _write_sft_file(self) -> None:
         import yaml
 
         from fastpo.run.folder import atomic_write_text
 
-        open_run(self, SUPERVISED)
-        if self.sft.common_prefix:
-            self.parts.scorer.min_common_prefix = MIN_COMMON_PREFIX
-        if self.sft.data:
-            digest = file_sha256(self.sft.data)
-            if self.sft.data_sha256 and digest != self.sft.data_sha256:
-                raise ConfigError(f"config key 'sft.data' = {self.sft.data!r}: the file changed since this run began "
-                                  f"(SHA-256 {digest[:12]}..., was {self.sft.data_sha256[:12]}...); put the run's "
-                                  f"data back, or start a new run")
-            self.sft.data_sha256 = digest
-        if self.dist.is_main:  # first: a folder whose data failed to build is still an SFT run's
-            atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
-                                                                              sort_keys=False))
-        self._load_data()
-
-    def _load_data(self) -> None:
-        """`batch` (a TrainBatch, token 0 unscored: packed as the update packs it), `ids`,
-        `masks`, and `data` (the expert's TrajectoryBatch; None for a data file)."""
-        t0 = time.perf_counter()
-        tok = self.tokenizer
-        if self.sft.data:
-            ids, masks = read_chat_file(self.sft.data, tok, self.cfg.rollout.max_context)
-            check_batch_size(self.sft.batch_size, len(ids), f"conversations of {self.sft.data}")
-            for m in masks:
-                m[0] = False  # token 0 has no predecessor
-            self.batch = TrainBatch(ids, masks, [torch.zeros(len(x)) for x in ids], [0] * len(ids))
-        else:
-            self.data = expert_rollout(tok, self.cfg.env.name, self.cfg.env.options, self.cfg.rollout.rollout_config(),
-                                       self.sft.seeds(), self.sft.actions_per_turn)
-            self.batch = TrainBatch.from_rollout(self.data, 0)
-        self.ids, self.masks = self.batch.input_ids, self.batch.loss_mask
-        n_ans = int(sum(int(m.sum()) for m in self.masks))
-        tokens = sum(x.numel() for x in self.ids)
-        if self.data is None:
-            self.console.print(f"[bold]data[/] {self.sft.data}: {len(self.ids)} conversations, {tokens} tokens of which "
-                               f"{n_ans} assistant tokens ({time.perf_counter() - t0:.1f} s)", soft_wrap=True)
-        else:
-            self.console.print(
-                f"[bold]expert data[/] {len(self.ids)} trajectories of {self.cfg.env.name} (seeds "
-                f"{self.sft.seed_offset}..{self.sft.seed_offset + self.sft.trajectories - 1}): success "
-                f"{float(self.data.success.float().mean()):.3f}, {self.data.metrics['num_turns']:.2f} turns, {tokens} "
-                f"tokens of which {n_ans} answer tokens ({time.perf_counter() - t0:.1f} s)")
-            cut = int(self.data.truncated.sum())
-            if cut:  # e.g. a longer observation format with 10 turns on the CPU preset's 1,536 tokens
-                self.warn(f"{cut} of {len(self.ids)} expert trajectories reached rollout.max_context "
-                          f"({self.cfg.rollout.max_context} tokens) before the game ended: their later turns are "
-                          f"not in the data, and evaluations stop there too; raise rollout.max_context")
+        atomic_write_text(os.path.join(self.out, SFT_FILE), yaml.safe_dump(dataclasses.asdict(self.sft),
+                                                                          sort_keys=False))
 
     def expert_eval(self) -> dict:
         """{"eval/expert_success", "eval/expert_success_se"}: the expert's success on the eval
@@ -692,21 +836,30 @@ class SFTTrainer(RunTrainer):
         return loss
 
     def finish(self, records: list[dict]) -> None:
-        """The imitation and before/after lines, and the StarPO command that continues from
-        this model (rank 0, after the report)."""
+        """The imitation and expert lines of the last evaluation (labelled with its iteration), and
+        the StarPO command that continues from this model once every step has run; a run
+        stopped before its last step says how to resume instead (rank 0, after the report)."""
         ev = [r for r in records if "eval/success_rate" in r]
         if ev:
             for line in _result_lines(ev[-1]):
                 self.console.print(line, markup=False)
-        if any(r.get("iteration", 0) >= 1 for r in records):
+        done = max((r.get("iteration", 0) for r in records), default=0)
+        if done >= self.cfg.trainer.iterations:
             self.console.print("StarPO from this model: " + handoff_command(self.cfg), markup=False, soft_wrap=True)
+        elif done >= 1:  # stopped: the model is not the one the run was asked for
+            self.console.print(f"stopped after step {done} of {self.cfg.trainer.iterations}: finish it with "
+                               f"`{self.resume_command} {self.out}`, then StarPO from the finished model: "
+                               f"`{handoff_command(self.cfg)}`", markup=False, soft_wrap=True)
 
 
 def _result_lines(last: dict) -> list[str]:
-    """What an SFT run's last evaluation record `last` says of the imitation and the expert."""
+    """What an SFT run's last evaluation record `last` says of the imitation and the expert,
+    labelled with its iteration ("before training" for iteration 0)."""
+    it = int(last.get("iteration", 0))
+    when = "before training (iteration 0)" if it == 0 else f"at iteration {it}"
     lines = []
     if "eval/first_action_accuracy" in last:
-        lines.append(f"imitation: the model's most likely first answer token is the expert's action in "
+        lines.append(f"imitation {when}: the model's most likely first answer token is the expert's action in "
                      f"{last['eval/first_action_accuracy']:.3f} of {last['eval/first_action_turns']} expert "
                      f"turns on the eval seeds (teacher-forced)")
     if "eval/expert_success" in last:

@@ -71,3 +71,48 @@ def test_overrides_on_both_sides_of_an_option_are_applied(no_model, tmp_path, mo
                          "trainer.seed=3", "--iterations", "2", "rollout.group_size=8"])
     cfg = seen["cfg"]
     assert (cfg.trainer.seed, cfg.rollout.group_size, cfg.trainer.iterations) == (3, 8, 2)  # in argv order
+
+
+def test_help_says_what_each_command_reads(capsys):
+    """Issue 58 item 15: `--env` did not mention `a,b` mixtures; `fastpo sft --help` listed no
+    sft.* key and gave algorithm.* examples SFT does not read."""
+    import dataclasses
+
+    from fastpo.cli import main
+    from fastpo.sft import SFTConfig
+
+    helps = {}
+    for cmd in ("train", "sft", "eval"):
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        helps[cmd] = " ".join(capsys.readouterr().out.split())
+    assert "a,b (e.g. bandit,frozenlake)" in helps["train"] and "a,b" in helps["eval"]
+    assert "with --model RUN" in helps["eval"]
+    keys = [f"sft.{f.name}" for f in dataclasses.fields(SFTConfig) if f.name != "data_sha256"]  # (set by the run)
+    assert all(k in helps["sft"] for k in keys), [k for k in keys if k not in helps["sft"]]
+    assert "algorithm.adv_estimator=grpo" not in helps["sft"] and "not read by SFT" in helps["sft"]
+
+
+_CTRL_C_AT_SET_UP = """
+import os, signal, sys
+import fastpo.sft
+def interrupted(*a, **k):  # a Ctrl-C while the expert's data is made (before any model loads)
+    os.kill(os.getpid(), signal.SIGINT)
+fastpo.sft.load_sft_data = interrupted
+from fastpo.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_ctrl_c_before_the_run_began_is_one_line_and_130(tmp_path):
+    """A real Ctrl-C during set-up printed a KeyboardInterrupt traceback; the command's own
+    SIGINT handler (which tells a Ctrl-C from a game raising KeyboardInterrupt, issue 58 item
+    9) ends it with one line and 130."""
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-c", _CTRL_C_AT_SET_UP, "sft", "--env", "bandit", "--preset", "cpu,tiny",
+                        "--model", "random:tiny-llama", "--out", str(out)], capture_output=True, text=True,
+                       encoding="utf-8", timeout=300, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    err = [x for x in p.stderr.splitlines() if x.strip()]
+    assert p.returncode == 130 and err == ["fastpo sft: interrupted by Ctrl-C before the run began; nothing was "
+                                           "written or trained"], (p.returncode, p.stderr[-2000:])
+    assert not out.exists()

@@ -209,3 +209,35 @@ def test_the_trainer_passes_the_dual_clip_only_to_a_loss_that_has_one():
                                                                   "algorithm.dual_clip=3.0"])
         s = policy_loss_settings(cfg)
         assert (s.loss, s.dual_clip) == (loss, dual)
+
+
+@pytest.mark.parametrize("override,words", [
+    ("reward.judge_fallback=1e39", "must be a finite number within float32's range"),
+    ("rollout.format_penalty=-1e39", "must be a finite number within float32's range"),
+    ("algorithm.sapo_tau_pos=1e-45", "SAPO's gate scale 4 / tau must be finite in float32"),
+    ("algorithm.sapo_tau_neg=1e-40", "SAPO's gate scale 4 / tau must be finite in float32"),
+])
+def test_values_that_overflow_float32_are_refused_before_any_model_loads(override, words, no_model, capsys):
+    """Issue 58 item 2: finite Python floats that are inf in float32 (or make SAPO's gate inf)
+    passed every check; the run then skipped every update and exited 0."""
+    from fastpo.cli import main
+
+    key = override.split("=")[0]
+    assert main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", override]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"'{key}'" in err[0] and words in err[0], err
+
+
+def test_dynamic_max_draws_has_no_upper_bound_as_documented():
+    """Issue 58 item 16 (a note, decided): a huge cap is accepted, as verl's max_num_gen_batches
+    has none; docs/algorithms.md says what it costs. An int is needed (1e9 is YAML text, read as
+    a float, refused naming the type)."""
+    from pathlib import Path
+
+    cfg = load_config(env="bandit", preset="tiny", overrides=["algorithm.filter_mode=dynamic",
+                                                               "algorithm.dynamic_max_draws=1000000000"])
+    assert cfg.algorithm.dynamic_max_draws == 10**9
+    with pytest.raises(ConfigError, match="dynamic_max_draws': expected int"):
+        load_config(env="bandit", preset="tiny", overrides=["algorithm.dynamic_max_draws=1e9"])
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "algorithms.md").read_text().split())
+    assert "The cap has no upper bound (as verl's `max_num_gen_batches`" in doc

@@ -94,6 +94,20 @@ class FailsLater(Walk):
         return super().reset(seed)
 
 
+class InterruptsInStep(Walk):
+    """Raises KeyboardInterrupt itself (no Ctrl-C): a failure of the game, not a stop."""
+
+    def step(self, move):
+        raise KeyboardInterrupt
+
+
+class InterruptsLater(FailsLater):
+    def reset(self, seed):
+        if seed == self.bad_seed:
+            raise KeyboardInterrupt
+        return super().reset(seed)
+
+
 class BadReward(Walk):
     def step(self, move):
         return "x", "1.0", False, {"success": False}
@@ -342,13 +356,52 @@ def test_error_in_the_game_stops_the_run_naming_env_and_seed_keeping_checkpoint(
     assert [r["iteration"] for r in _records(out)] == [1]
     assert os.path.isdir(os.path.join(out, "checkpoints", "iter_000001", "model"))
     assert "its last checkpoint and metrics are kept" in err[0]
-    # failing in the first iteration: nothing is said to be kept
-    first = iteration_seeds(0, 1, 1)[0]
-    argv[argv.index(f"env.options.bad_seed={bad}")] = f"env.options.bad_seed={first}"
+    # failing in the evaluation before training, on its second seed (the set-up resets the first
+    # iteration's games and the first eval seed only): nothing is said to be kept
+    argv[argv.index(f"env.options.bad_seed={bad}")] = "env.options.bad_seed=1000001"
+    argv[argv.index("trainer.eval_every=0")] = "trainer.eval_before_training=true"
     argv[argv.index(out)] = out + "2"
     assert cli_main(argv) == 1
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fastpo train: error:")]
     assert "nothing had been trained or written yet" in err[0] and "kept" not in err[0], err
+
+
+@pytest.mark.parametrize("which", ["first iteration", "eval"])
+def test_a_reset_failing_at_set_up_is_bad_input_exit_2_like_seed_0s(tmp_path, capsys, which):
+    """Issue 58 item 10: the game's reset raising on a seed the set-up resets (the first
+    iteration's env groups, the first eval seed) is found before any model loads and exits 2,
+    as a reset failing on seed 0 in the config check does; it exited 1."""
+    from fastpo.seeds import iteration_seeds
+
+    bad = iteration_seeds(0, 1, 1)[0] if which == "first iteration" else 1_000_000  # trainer.eval_seed_offset
+    out = str(tmp_path / "run")
+    for seed in (bad, 0):
+        assert cli_main(["train", "--env", "test_envs_python:FailsLater", "--out", out, "--preset", "tiny",
+                         "--model", "random:tiny-llama", f"env.options.bad_seed={seed}", "trainer.seed=0"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"instance with seed {seed}: reset({seed}) raised RuntimeError: level file " \
+            "truncated" in err[0], err
+        assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_game_raising_keyboardinterrupt_is_one_line_not_a_stop(tmp_path, capsys, workers):
+    """Issue 58 item 9: a game whose step raises KeyboardInterrupt (no Ctrl-C) printed a
+    traceback at the set-up check and exited 130; it is the game's failure, in one line: exit 2
+    at set-up, 1 when it happens mid-run (in a worker process here)."""
+    from fastpo.seeds import iteration_seeds
+
+    base = ["--preset", "tiny", "--model", "random:tiny-llama", f"env.workers={workers}", "trainer.plots=false",
+            "rollout.max_new_tokens=4"]
+    assert cli_main(["train", "--env", "test_envs_python:InterruptsInStep", "--out", str(tmp_path / "a"), *base]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'test_envs_python:InterruptsInStep', instance with seed 0: step('Left') raised " \
+        "KeyboardInterrupt (not a Ctrl-C" in err[0], err
+    bad = iteration_seeds(0, 2, 1)[0]  # the second iteration's game: no set-up check resets it
+    assert cli_main(["train", "--env", "test_envs_python:InterruptsLater", "--out", str(tmp_path / "b"), *base,
+                     f"env.options.bad_seed={bad}", "trainer.iterations=2", "trainer.eval_every=0"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if "error" in x or "Traceback" in x]
+    assert len(err) == 1 and f"instance with seed {bad}: reset({bad}) raised KeyboardInterrupt" in err[0], err
 
 
 class Counter(Walk):
@@ -512,3 +565,13 @@ def test_bad_reference_lines_are_named():
         env.random_success([0, 1], 4)
     with pytest.raises(EnvError, match=r"optimal_success\(seeds, 4\) raised ValueError: no solver for horizon 4"):
         env.optimal_success([0], 4)
+
+
+def test_fastpo_eval_of_a_game_failing_on_a_later_eval_seed_is_one_line(capsys):
+    """The game's reset raising on an eval seed past the set-up's check: a traceback before; one
+    line naming the call and the seed, exit 1 (a failure during the run, docs/training.md)."""
+    assert cli_main(["eval", "--env", "test_envs_python:FailsLater", "--model", "random:tiny-llama", "--seeds", "2",
+                     "env.options.bad_seed=1000001", "rollout.max_new_tokens=4"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert err == ["fastpo eval: error: environment 'test_envs_python:FailsLater', instance with seed 1000001: "
+                   "reset(1000001) raised RuntimeError: level file truncated"], err

@@ -27,6 +27,7 @@ from fastpo.config import load_config
 from fastpo.config.fields import ConfigError
 from fastpo.evaluate import eval_config
 from fastpo.models import load_model_and_tokenizer
+from run_helpers import ModelLoadReached
 
 ORIGIN = "trained from random:tiny-llama, random init"
 
@@ -179,3 +180,54 @@ def test_fastpo_eval_of_a_checkpoint(run, tmp_path, capsys):
     # --json naming a folder is refused before any model loads
     assert main(["eval", "--model", model_dir, "--json", str(tmp_path)]) == 2
     assert "--json" in capsys.readouterr().err
+
+
+def _fake_run(folder, cfg):
+    """A run's checkpoint folder as `fastpo eval` reads it for its settings (the run's config.yaml;
+    the checkpoint's files are there, unread: no model loads in these tests)."""
+    from fastpo.config.files import dump_yaml
+
+    ckpt = folder / "checkpoints" / "iter_000001"
+    (ckpt / "model").mkdir(parents=True)
+    (ckpt / "model" / "config.json").write_text("{}")
+    (ckpt / "state.pt").write_bytes(b"")
+    (folder / "config.yaml").write_text(dump_yaml(cfg), encoding="utf-8")
+    return str(ckpt)
+
+
+def test_eval_of_a_run_repeats_its_evaluation_settings(tmp_path):
+    """Issue 58 item 12: without --seeds, `fastpo eval --model RUN` took the preset's 64 seeds, not
+    the run's 32 (and the run's eval temperature, samples per seed and sampling seed)."""
+    run = _fake_run(tmp_path / "run", load_config(env="frozenlake", preset="cpu", overrides=[
+        "trainer.eval_seeds=32", "trainer.eval_temperature=0.7", "trainer.eval_group_size=2", "trainer.seed=3",
+        "trainer.eval_seed_offset=5000"]))
+    cfg, rs = eval_config(values={"model.name": run})
+    t = cfg.trainer
+    assert (t.eval_seeds, t.eval_temperature, t.eval_group_size, t.seed, t.eval_seed_offset) == (32, 0.7, 2, 3, 5000)
+    assert "trainer.eval_seeds=32" in rs.describe()
+    # the command line still wins, and is named
+    cfg, rs = eval_config(overrides=["trainer.eval_seeds=8", "trainer.seed=1"], values={"model.name": run})
+    assert (cfg.trainer.eval_seeds, cfg.trainer.seed) == (8, 1) and rs.kept["trainer.eval_seeds"] == (8, 32)
+
+
+def test_eval_of_one_game_of_a_mixture_says_what_it_carried_and_takes_a_label(tmp_path, no_model, capsys):
+    """Issue 58 item 8: evaluating one game of a mixture printed that the run's options and limits
+    were not carried over, while they were; item 16: a second entry of the same game can be named
+    by its label (`--env LABEL`)."""
+    from fastpo.cli import main
+
+    mix = ["env.mixture=[{name: frozenlake, label: slippery}, {name: frozenlake, label: dry, options: "
+           "{is_slippery: false}, settings: {max_turns: 4}}, {name: bandit}]"]
+    run = _fake_run(tmp_path / "run", load_config(preset="cpu", overrides=mix))
+    cfg, rs = eval_config(env="frozenlake", values={"model.name": run})
+    assert cfg.env.options.get("is_slippery", True) is True and rs.member == "slippery"
+    assert "not carried over" not in rs.mismatch_note() and "its game 'slippery' alone" in rs.mismatch_note()
+    cfg, rs = eval_config(env="dry", values={"model.name": run})
+    assert cfg.env.name == "frozenlake" and cfg.env.options["is_slippery"] is False and cfg.rollout.max_turns == 4
+    assert "its game 'dry' alone, with that entry's options and turn and action limits" in rs.mismatch_note()
+    with pytest.raises(ModelLoadReached):
+        main(["eval", "--model", run, "--env", "dry"])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "env frozenlake" in said and "is_slippery" in said and "not carried over" not in said
+    # a label of no entry is still an unknown env
+    assert main(["eval", "--model", run, "--env", "nosuchlabel"]) == 2

@@ -14,6 +14,7 @@ from rich.console import Console
 
 from fastpo.cli import main as cli_main
 from fastpo.config import ConfigError, load_config
+from fastpo.seeds import eval_sampling_seed
 from fastpo.config.schema import env_members, member_rollout_config
 from fastpo.envs import EnvError, EnvMember, MIXTURE, assign_members, parse_mixture
 from fastpo.envs.mixture import member_index, shares
@@ -231,6 +232,10 @@ def test_a_mixture_trains_evaluates_each_game_and_resumes_exactly(tmp_path):
     assert rep["env"] == MIXTURE and len(rep["env_mixture"]) == 2
     for g in ("bandit", "frozenlake"):
         assert f"{g}/success_rate" in rep["metrics"] and f"{g}/random_success" in rep["metrics"]
+    # the run's own evaluation repeated: its seeds and sampling seed, the same figures (issue 58 item 12)
+    assert rep["eval"]["seeds"] == 3 and rep["eval"]["sampling_seed"] == eval_sampling_seed(1)
+    for k in ("success_rate", "score_mean", "frozenlake/score_mean", "bandit/format_valid"):
+        assert rep["metrics"][k] == pytest.approx(last[f"eval/{k}"]), k
     # on one of its games: that game's settings in the mixture (frozenlake: 3 turns)
     assert cli_main(["eval", "--model", a, "--env", "frozenlake", "--json", js]) == 0
     rep = json.load(open(js))
@@ -275,3 +280,29 @@ def test_the_example_mixture_config_loads():
     cfg = load_config(file=os.path.join(root, "examples", "mixture.yaml"), preset="tiny")
     assert [m.label for m in env_members(cfg)] == ["sokoban", "frozenlake", "bandit"]
     assert member_rollout_config(cfg, env_members(cfg)[1]).max_turns == 6
+
+
+def test_per_game_results_reach_the_console_whole_without_an_evaluation_before_training(tmp_path, capsys):
+    """Issue 58 item 14: with no evaluation before training (the tiny preset) only the whole
+    mixture's success was printed, and a long label was cut ("heldback_nim…") in a log."""
+    import io
+
+    label = "heldback_frozenlake_game"
+    out = str(tmp_path / "run")
+    assert cli_main(["train", f"env.mixture=[{{name: bandit}}, {{name: frozenlake, label: {label}}}]",
+                     "--preset", "tiny", "--model", "random:tiny-llama", "--out", out, "--iterations", "1",
+                     "trainer.plots=false", "rollout.max_new_tokens=4"]) == 0
+    said = capsys.readouterr().out
+    last = _records(out)[-1]
+    for g in ("bandit", label):
+        line = next((x for x in said.splitlines() if x.startswith(f"  {g} (eval at iteration 1): success ")), None)
+        assert line is not None, said[-2000:]
+        assert f"success {last[f'eval/{g}/success_rate']:.3f}" in line and "random" in line and "optimal" in line
+    # the before/after table in a log (80 columns by default): every label whole, a row per line
+    from fastpo.report.summary import before_after_table, print_table
+
+    rec0 = {**last, "iteration": 0}
+    console = Console(file=io.StringIO(), width=80)
+    print_table(console, before_after_table([rec0, last]))
+    text = console.file.getvalue()
+    assert f" optimal policy ({label}) " in text and "…" not in text and console.width == 80

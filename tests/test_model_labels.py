@@ -57,3 +57,26 @@ def test_eval_of_a_random_model_is_labelled(tmp_path):
     assert res["model"] == LABEL and res["model_random_weights"] is True
     text = open(tmp_path / "samples" / "iter_000000.txt").read()
     assert text.startswith(f"model: {LABEL}\n")
+
+
+def test_a_runs_trained_model_is_labelled_as_trained_not_as_its_start(tmp_path, capsys):
+    """Issue 58 item 13: an SFT run's samples header, summary title and metrics records past
+    iteration 0 named the starting model ("... (pretrained weights)"); they name the run's
+    trained model, as `fastpo eval` labels its checkpoints. The evaluation before training
+    keeps the starting model's label."""
+    import os
+
+    from fastpo.cli import main
+
+    out = str(tmp_path / "sft")
+    assert main(["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", "random:tiny-llama", "--out", out,
+                 "sft.trajectories=4", "sft.batch_size=2", "trainer.eval_seeds=2"]) == 0
+    trained = "the run's model (trained from random:tiny-llama, random init)"
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"fastpo: sokoban, {trained}" in said
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    assert [(r["iteration"], r["model"]) for r in recs] == [(0, LABEL), (1, trained), (2, trained)]
+    for it, label in ((0, LABEL), (2, trained)):
+        with open(os.path.join(out, "samples", f"iter_{it:06d}.txt")) as f:
+            assert f.readline() == f"model: {label}\n"

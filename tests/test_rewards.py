@@ -1,6 +1,7 @@
 """Reward functions (`reward.fn`, fastpo.rewards): by hand on a two-trajectory batch, the
 one-line errors, the config check before any model loads, and one training iteration."""
 import math
+import os
 import types
 
 import pytest
@@ -105,3 +106,55 @@ def test_replace_mode_trains_on_the_functions_reward(tmp_path):
     assert rec["train/reward_fn_mean"] == 2.0
     # every score is 2 plus its format penalty (the game's own reward is gone)
     assert rec["train/score_mean"] <= 2.0
+
+
+def exits(t):
+    import sys
+
+    sys.exit(4)
+
+
+def interrupts(t):
+    raise KeyboardInterrupt
+
+
+def too_large(t):
+    return 1e39  # a finite Python float, inf in float32
+
+
+@pytest.mark.parametrize("fn,said", [
+    ("exits", "reward function 'test_rewards:exits' on env 'bandit', seed {seed} called sys.exit(4)"),
+    ("interrupts", "reward function 'test_rewards:interrupts' on env 'bandit', seed {seed} raised "
+                   "KeyboardInterrupt (not a Ctrl-C: no signal arrived)"),
+    ("too_large", "reward function 'test_rewards:too_large' on env 'bandit', seed {seed} returned 1e+39, beyond "
+                  "float32's range"),
+])
+def test_a_function_that_exits_interrupts_or_overflows_stops_the_run_in_one_line(tmp_path, capsys, fn, said):
+    """Issue 58 items 1 and 2: sys.exit inside a reward function ended the run silently (exit 4);
+    1e39 passed every check and every update was skipped, exit 0."""
+    from fastpo.seeds import iteration_seeds
+
+    out = str(tmp_path / "run")
+    assert cli_main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
+                     "--iterations", "1", f"reward.fn=test_rewards:{fn}", "trainer.eval_every=0",
+                     "trainer.plots=false", "rollout.max_new_tokens=4"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    seeds = iteration_seeds(0, 1, 1)
+    assert len(err) == 1 and err[0].startswith("fastpo train: error: "), err
+    assert any(said.format(seed=s) in err[0] for s in seeds), err[0]
+
+
+def near_float32_max(t):
+    return 3e38  # within float32, but the critic's squared error is not
+
+
+def test_a_run_whose_every_update_is_skipped_does_not_exit_0(tmp_path, capsys):
+    """Issue 58 item 2: a run whose every update was skipped (non-finite loss) printed its
+    summary and exited 0 as if it had trained."""
+    out = str(tmp_path / "run")
+    assert cli_main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
+                     "reward.fn=test_rewards:near_float32_max", "reward.mode=replace", "trainer.eval_every=0",
+                     "trainer.plots=false", "rollout.max_new_tokens=4"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("fastpo train: error:")]
+    assert len(err) == 1 and "nothing was trained: every update of iterations 1-2 was skipped" in err[0], err
+    assert os.path.isdir(os.path.join(out, "checkpoints"))  # what ran is kept, as after any failure

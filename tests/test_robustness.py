@@ -198,7 +198,16 @@ def test_resume_bad_input(tmp_path, no_model, capsys):
     import shutil
     shutil.rmtree(os.path.join(out2, "checkpoints"))
     with open(os.path.join(out2, "metrics.jsonl"), "w", encoding="utf-8") as f:
-        f.write('{"iteration": 2}\n')  # trained, and its checkpoints lost (without it: a reusable start)
+        f.write('{"iteration": 2}\n')  # trained, and its checkpoints lost: no weights left to resume
+    with pytest.raises(_ModelLoad):  # started again from iteration 1 (issue 58 item 7), not refused
+        main(["train", "--resume", out2])
+    said = " ".join(capsys.readouterr().out.split())
+    assert f"iteration 2 was trained, but {out2} holds no checkpoint" in said and "starting it again" in said
+    with open(os.path.join(out2, "metrics.unsaved.jsonl"), encoding="utf-8") as f:
+        assert f.read() == '{"iteration": 2}\n'  # its record kept beside the new start
+    assert os.path.isfile(os.path.join(out2, "config.yaml"))  # kept until the new start writes its own
+    os.remove(os.path.join(out2, "metrics.unsaved.jsonl"))
+    os.makedirs(os.path.join(out2, "checkpoints", "iter_000002"))  # a checkpoint folder, damaged: not a start
     assert main(["train", "--resume", out2]) == 2
     assert "no checkpoint found" in capsys.readouterr().err
 

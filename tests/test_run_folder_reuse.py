@@ -1,10 +1,12 @@
 """A run stopped or failed before its first checkpoint leaves a folder the next run reuses
-(issue 25 items 4, 5 and 8's LoRA targets), and what the end of such a run says (item 9).
+(issue 25 items 4, 5 and 8's LoRA targets; issue 58 item 7), and what the end of such a run
+says (item 9).
 
-The folder then holds config.yaml (and maybe the evaluation before training) but nothing
-trained: the same command reuses it without --overwrite, and `--resume` starts it again from
-iteration 1 with its config.yaml. A folder holding a checkpoint, a trained iteration or a
-file that is not fastpo's is still refused. Small real runs on random:tiny-llama.
+The folder then holds config.yaml (and maybe the evaluation before training, or records of
+iterations trained but never saved) but no trained weights: the same command reuses it without
+--overwrite, and `--resume` starts it again from iteration 1 with its config.yaml. A folder
+holding a checkpoint or a file that is not fastpo's is still refused. Small real runs on
+random:tiny-llama.
 """
 from __future__ import annotations
 
@@ -51,17 +53,19 @@ def _holds_no_run(out):
     return not os.path.exists(os.path.join(out, "metrics.jsonl")) or {r["iteration"] for r in records(out)} <= {0}
 
 
-def test_untrained_start_is_only_a_folder_where_nothing_was_trained(tmp_path):
-    from fastpo.run.folder import untrained_start
+def test_untrained_start_is_only_a_folder_without_a_checkpoint_or_foreign_files(tmp_path):
+    from fastpo.run.folder import unsaved_iterations, untrained_start
 
     ok = [({}, ()), ({"metrics": [{"iteration": 0, "eval/success_rate": 0.5}]}, ("eval/iter_000000.json",
                                                                                  "samples/iter_000000.txt")),
-          ({}, ("checkpoints/.tmp-iter_000001/model.safetensors",))]
+          ({}, ("checkpoints/.tmp-iter_000001/model.safetensors",)),
+          # iterations trained but never saved (a second Ctrl-C, kill -9): no weights kept (issue 58 item 7)
+          ({"metrics": [{"iteration": 0}, {"iteration": 1}]}, ("metrics.unsaved.jsonl",))]
     for i, (kw, extra) in enumerate(ok):
         _stranded(str(tmp_path / f"ok{i}"), extra=extra, **kw)
         assert untrained_start(str(tmp_path / f"ok{i}")) and run_folder_in_use(str(tmp_path / f"ok{i}")) == []
+    assert unsaved_iterations(str(tmp_path / "ok1")) == [] and unsaved_iterations(str(tmp_path / "ok3")) == [1]
     kept = [({}, ("checkpoints/iter_000001/model.safetensors",)),   # a checkpoint
-            ({"metrics": [{"iteration": 0}, {"iteration": 1}]}, ()),  # a trained iteration
             ({"metrics": None}, ("notes.txt",)),                      # a file that is not fastpo's
             ({}, ("config.until_iter_000003.yaml",))]                # a resumed run's
     for i, (kw, extra) in enumerate(kept):
@@ -71,7 +75,7 @@ def test_untrained_start_is_only_a_folder_where_nothing_was_trained(tmp_path):
         f.write('{"iteration": 0}\n{"iter')
     _stranded(str(tmp_path / "torn"))
     os.replace(tmp_path / "torn.jsonl", tmp_path / "torn" / "metrics.jsonl")
-    assert not untrained_start(str(tmp_path / "torn"))  # unreadable: assume something was trained
+    assert untrained_start(str(tmp_path / "torn")) and unsaved_iterations(str(tmp_path / "torn")) is None
     assert not untrained_start(str(tmp_path / "absent"))
 
 
@@ -243,3 +247,48 @@ def test_without_an_evaluation_before_training_there_is_no_before_after_table_bu
         "this evaluation)"  # the last evaluation, nothing to compare it with
     with_before = [{"iteration": 0, **ev}] + recs
     assert before_after(with_before)["before"] == 0 and before_after_note(with_before) is None
+
+
+def test_a_second_ctrl_c_before_the_first_checkpoint_leaves_both_ways_back(tmp_path, monkeypatch, capsys):
+    """Issue 58 item 7: iteration 1 trained, no checkpoint yet (save_every 10), Ctrl-C twice in
+    iteration 2. The abort line names no checkpoint that does not exist; the same command and
+    `--resume` both start again from iteration 1; the unsaved iteration's record is kept aside."""
+    import shutil
+
+    out = str(tmp_path / "run")
+    cmd = ["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
+           "--iterations", "2", *QUIET, "trainer.save_every=10"]
+    real = fastpo.trainer.Trainer.iteration
+
+    def abort_in_2(self, it):
+        if it == 2:  # Ctrl-C twice: abort without saving
+            self.stop.request_stop(None, None)
+            self.stop.request_stop(None, None)
+        return real(self, it)
+
+    monkeypatch.setattr(fastpo.trainer.Trainer, "iteration", abort_in_2)
+    assert main(cmd) == 130
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "last checkpoint is iteration 0" not in said
+    assert f"aborted; iteration 1 was trained, but {out} holds no checkpoint: run the same command again" in said
+    assert f"fastpo train --resume {out}" in said
+    assert [r["iteration"] for r in records(out)] == [1] and not os.path.exists(os.path.join(out, "checkpoints"))
+    shutil.copytree(out, out + "-copy")
+    monkeypatch.setattr(fastpo.trainer.Trainer, "iteration", real)
+    # --resume: from iteration 1 with its config.yaml
+    assert main(["train", "--resume", out]) == 0
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "starting it again from iteration 1" in said and "iteration 1 was trained, but" in said
+    assert [r["iteration"] for r in records(out)] == [1, 2] and latest_checkpoint(out).endswith("iter_000002")
+    from fastpo.run.folder import UNSAVED_METRICS
+
+    with open(os.path.join(out, UNSAVED_METRICS)) as f:
+        assert [json.loads(x)["iteration"] for x in f] == [1]
+    # the same command, on the copy: reused without --overwrite, the same records
+    copy = out + "-copy"
+    assert main([copy if a == out else a for a in cmd]) == 0
+    assert "reusing the folder of a run that stopped before its first checkpoint" in capsys.readouterr().out
+    assert [r["iteration"] for r in records(copy)] == [1, 2] and os.path.exists(os.path.join(copy, UNSAVED_METRICS))
+    # --overwrite clears the kept records with the rest
+    assert main([copy if a == out else a for a in cmd] + ["--overwrite"]) == 0
+    assert not os.path.exists(os.path.join(copy, UNSAVED_METRICS))

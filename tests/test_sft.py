@@ -471,12 +471,10 @@ def test_sft_from_a_chat_file_trains_and_a_bad_file_exits_2(tmp_path, capsys):
     assert main(["sft", "--env", "test_sft:NoExpert", "--preset", "cpu,tiny", "--model", MODEL, f"sft.data={good}",
                  "sft.batch_size=7", "--out", str(tmp_path / "r1")]) == 2
     assert "'sft.batch_size' = 7: more than the 6 conversations" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "r1")  # refused before anything was written (issue 58 item 5)
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [r["iteration"] for r in recs] == [1, 2] and recs[0]["sft/answer_tokens"] > 0
     assert "train/success_rate" not in recs[0] and "eval/expert_success" not in recs[-1]
-    # a folder whose data failed is still an SFT run's: train --resume refuses it
-    assert main(["train", "--resume", str(tmp_path / "r1")]) == 2
-    assert "is a `fastpo sft` run" in capsys.readouterr().err
     # the data file is the run's: a resume from elsewhere finds it; a changed one is refused
     here = os.getcwd()
     try:
@@ -565,12 +563,16 @@ def test_chat_file_encodings(tok, tmp_path):
         fastpo.sft.read_chat_file(str(latin), tok, 1024)
 
 
-def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, no_model, tmp_path):
+def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, no_model, tmp_path, monkeypatch):
     """`fastpo sft --env sokoban` on the CPU preset: one move per answer (and a prompt saying so)
     over 10 turns, 1,536 levels, 192 steps at 2e-4 (docs/sft.md); --preset paper and a config file
     keep the plain defaults."""
+    def no_data(*a, **k):  # the banner is what is checked: no expert levels solved for it
+        raise ModelLoadReached("data")
+
+    monkeypatch.setattr(fastpo.sft, "load_sft_data", no_data)
     for argv, said in ((["--preset", "cpu"], "1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
-                       (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 1e-05"),
+                       (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 0.0001"),
                        (["--preset", "cpu", "sft.trajectories=64", "--iterations", "4"],
                         "64 expert trajectories, 8 per step, 4 steps, lr 0.0002")):
         with pytest.raises(ModelLoadReached):
@@ -580,3 +582,156 @@ def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, 
     cfg = load_config(env="sokoban", preset="cpu", overrides=fastpo.sft.SFT_CPU_GAME_DEFAULTS["sokoban"][0])
     assert (cfg.rollout.max_turns, cfg.rollout.max_actions_per_traj, cfg.rollout.max_actions_per_turn) == (10, 10, 1)
     assert cfg.env.options.get("observation", "grid") == "grid"  # the paper's rendering: no format measured better
+
+
+class ExpertRaises(Corridor):
+    def expert(self):
+        raise RuntimeError("solver crashed")
+
+
+class ExpertNone(Corridor):
+    def expert(self):
+        return None
+
+
+class ExpertIllegal(Corridor):
+    def expert(self):
+        return "Jump"
+
+
+def _wordy():
+    from examples.guess_number import GuessNumber
+
+    class ExpertWordy(GuessNumber):
+        """A valid answer the game reads (leading zeros), longer than 16 tokens."""
+
+        def expert(self):
+            return "0" * 24 + super().expert()
+
+    return ExpertWordy
+
+
+ExpertWordy = _wordy()
+
+
+@pytest.mark.parametrize("env,said", [
+    ("ExpertRaises", "'test_sft:ExpertRaises', instance with seed 0: expert() raised RuntimeError: solver crashed"),
+    ("ExpertNone", "'test_sft:ExpertNone', instance with seed 0: expert() must return the answer as str, got NoneType"),
+    ("ExpertIllegal", "'test_sft:ExpertIllegal': its expert() gave answers that are penalised as malformed or invalid"),
+    ("ExpertWordy", "the longest answer the expert() of 'test_sft:ExpertWordy' gives"),
+])
+def test_a_bad_expert_is_refused_before_the_model_loads(capsys, no_model, tmp_path, env, said):
+    """Issue 58 item 5: every bad expert() (raises, returns None, an illegal move, too long) was
+    found only after the model loaded; it needs only the tokenizer and the game."""
+    assert main(["sft", "--env", f"test_sft:{env}", "--preset", "cpu,tiny", "--model", MODEL,
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert not os.path.exists(tmp_path / "run")
+    if env == "ExpertWordy":  # the value it needs, and the key to raise (the README's own command hit it)
+        need = int(err[0].split("takes ")[1].split(" tokens")[0])
+        assert need > 16 and f"raise rollout.max_new_tokens to at least {need}" in err[0]
+        with pytest.raises(ModelLoadReached):  # with that value it passes
+            main(["sft", "--env", "test_sft:ExpertWordy", "--preset", "cpu,tiny", "--model", MODEL,
+                  "--out", str(tmp_path / "run2"), f"rollout.max_new_tokens={need}"])
+
+
+def _bad_data(tmp_path, kind):
+    """A path for sft.data that is bad in one way (`kind`), and the words the refusal says."""
+    ok = json.dumps(CHAT[0])
+    lines = {"not json": ([ok, "{oops"], "line 2: not JSON"),
+             "wrong role": ([ok, '{"messages": [{"role": "bot", "content": "hi"}]}'], "line 2: message 0 must be"),
+             "no assistant": ([ok, '{"messages": [{"role": "user", "content": "hi"}]}'],
+                              "line 2: has no assistant message"),
+             "empty": ([], "holds no conversation"),
+             "lone surrogate": ([ok, '{"messages": [{"role": "user", "content": "a\\ud800b"}, '
+                                     '{"role": "assistant", "content": "ok"}]}'],
+                                "line 2: message 0's content is not text: a lone surrogate '\\ud800' at character 2"),
+             "10 MB line": ([ok, json.dumps({"messages": [{"role": "user", "content": "word " * 2_000_000},
+                                                          {"role": "assistant", "content": "ok"}]})],
+                            "line 2: 10000001 characters of messages, more than rollout.max_context (1024) tokens")}
+    if kind in lines:
+        rows, said = lines[kind]
+        return _jsonl(tmp_path / "d.jsonl", rows), said
+    if kind == "not UTF-8":
+        p = tmp_path / "latin.jsonl"
+        p.write_bytes(ok.encode() + b"\n" + '{"messages": "caf\xe9"}'.encode("latin-1") + b"\n")
+        return str(p), "line 2: not UTF-8 text"
+    if kind == "a folder":
+        return str(tmp_path), "is a folder"
+    if kind == "a device":
+        return "/dev/null", "is a character device, not a regular file"
+    if kind == "batch above the data":
+        return _jsonl(tmp_path / "d.jsonl", CHAT * 2), "'sft.batch_size' = 8: more than the 4 conversations"
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["not json", "wrong role", "no assistant", "empty", "not UTF-8", "lone surrogate",
+                                  "10 MB line", "a folder", "a device", "batch above the data"])
+def test_a_bad_data_file_is_refused_in_one_line_before_the_model_loads(capsys, no_model, tmp_path, kind):
+    """Issue 58 items 3, 5 and 6: each was found only after the model loaded (a 10 MB line after
+    about 100 s of tokenizing), a lone surrogate gave a traceback, a folder or a device was
+    "no such file"."""
+    import time
+
+    path, said = _bad_data(tmp_path, kind)
+    t0 = time.perf_counter()
+    assert main(["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, f"sft.data={path}",
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0] and "Traceback" not in err[0], err
+    assert time.perf_counter() - t0 < 30
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_stopped_sft_run_labels_its_last_evaluation_and_offers_to_finish_not_starpo(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """Issue 58 item 11: after a SIGTERM at step 2 of 4, the closing lines printed the iteration-0
+    imitation figure with no label and offered "StarPO from this model" (the untrained one)."""
+    import signal
+
+    out = str(tmp_path / "run")
+    cmd = ["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, "--out", out, "--iterations", "4",
+           "trainer.plots=false", "sft.trajectories=4", "sft.batch_size=2", "trainer.eval_seeds=2"]
+    real = SFTTrainer.iteration
+
+    def term_in_2(self, it):
+        if it == 2:
+            self.stop.request_stop(signal.SIGTERM, None)  # an update under way finishes, then the stop
+        return real(self, it)
+
+    monkeypatch.setattr(SFTTrainer, "iteration", term_in_2)
+    assert main(cmd) == 143
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "imitation before training (iteration 0): " in said
+    assert "StarPO from this model" not in said
+    assert f"stopped after step 2 of 4: finish it with `fastpo sft --resume {out}`" in " ".join(said.split())
+    monkeypatch.setattr(SFTTrainer, "iteration", real)
+    assert main(["sft", "--resume", out]) == 0
+    said = capsys.readouterr().out.replace("\n", " ")
+    assert "imitation at iteration 4: " in said and "StarPO from this model: fastpo train" in said
+
+
+def test_the_tiny_preset_keeps_its_two_steps_in_sft(capsys, no_model, tmp_path):
+    """`--preset tiny` is a smoke run in every command: SFT's 32 steps (and checkpoints every 16)
+    gave way to it only in `fastpo train`; the README's tiny SFT commands took minutes."""
+    with pytest.raises(ModelLoadReached):
+        main(["sft", "--env", "bandit", "--preset", "cpu,tiny", "--model", MODEL, "--out", str(tmp_path / "r")])
+    said = " ".join(capsys.readouterr().out.split())
+    assert "8 per step, 2 steps, lr 0.0001" in said, said
+    cfg = load_config(env="bandit", preset="cpu,tiny", overrides=fastpo.sft.sft_default_overrides(["cpu", "tiny"]))
+    assert (cfg.trainer.iterations, cfg.trainer.save_every, cfg.trainer.eval_before_training) == (2, 1, True)
+
+
+def test_the_docs_state_fastpo_sfts_default_learning_rate():
+    """docs/sft.md (the plain defaults of `--preset paper`) and docs/fidelity.md's SFT row give
+    the lr `fastpo sft` sets (SFT_DEFAULT_OVERRIDES), not an older default."""
+    lr = next(o.split("=", 1)[1] for o in fastpo.sft.SFT_DEFAULT_OVERRIDES if o.startswith("optim.actor_lr="))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def read(name):
+        with open(os.path.join(root, "docs", name), encoding="utf-8") as f:
+            return " ".join(f.read().split())
+
+    assert f"128 levels, 32 steps at {lr} " in read("sft.md")
+    assert f"| 32 steps of 8 trajectories at lr {lr} |" in read("fidelity.md")

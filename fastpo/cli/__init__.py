@@ -29,8 +29,11 @@ process builds the configuration, joins the process group (gloo on the CPU, NCCL
 is the only one that writes it. A setting the data-parallel trainer does not support yet is
 refused with exit status 2 before any model loads (fastpo.distributed.launch.check_trainer_support).
 
-Exit status: 0 done, 2 bad input (one line), 1 a checkpoint that could not be saved or a
-full disk (one line), 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
+Exit status (docs/training.md, "What survives a crash"): 0 done; 2 bad input, refused before
+the run began (one line; the user's game, expert or reward function failing the set-up checks
+included); 1 the run failed after it began (one line: the user's code failing mid-run, naming
+the function, game and seed; a checkpoint that could not be saved or a full disk; every update
+skipped); 130 after Ctrl-C and 143 after SIGTERM (both once the checkpoint is saved).
 Under `--nproc N` the job exits as one process would (rank 0's status, 130 / 143 after a
 signal once rank 0 has saved the checkpoint), without torchrun's exception report; torchrun
 run directly keeps its own statuses (1 when a process failed or after a signal).
@@ -43,16 +46,36 @@ import sys
 
 from fastpo.cli.dagger import cmd_dagger
 from fastpo.cli.eval import cmd_eval
-from fastpo.cli.launch import check_processes, degrade_console, left_a_job
+from fastpo.cli.launch import catch_ctrl_c, check_processes, degrade_console, left_a_job
 from fastpo.cli.sft import cmd_sft
 from fastpo.cli.train import cmd_train
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+#: The `sft.*` keys `fastpo sft --help` lists (fastpo.sft.SFTConfig's fields; tests/test_cli.py
+#: holds the two together without importing fastpo.sft, and its torch, for every command).
+SFT_KEYS = ("sft.trajectories", "sft.batch_size", "sft.seed_offset", "sft.actions_per_turn", "sft.common_prefix",
+            "sft.data")
+
+_OVERRIDES_HELP = {
+    "train": "dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8",
+    "eval": "dotted overrides, e.g. rollout.max_new_tokens=32 env.options.observation=coords",
+    "sft": f"dotted overrides: the SFT data ({', '.join(SFT_KEYS)}: docs/sft.md) and the settings SFT reads, "
+           "e.g. sft.trajectories=256 sft.data=chats.jsonl optim.actor_lr=1e-4 rollout.max_new_tokens=32 (the "
+           "algorithm.* keys are StarPO's, not read by SFT)",
+    "dagger": "dotted overrides: the rounds (dagger.rounds, dagger.levels, dagger.lr, dagger.history, "
+              "dagger.aggregate, dagger.*: docs/sft.md), the SFT round's data (sft.*) and the settings SFT reads, e.g. "
+              "dagger.rounds=2 sft.trajectories=256 optim.actor_lr=2e-4",
+}
+
+
+def _add_common(p: argparse.ArgumentParser, command: str) -> None:
+    mixture = ("" if command in ("sft", "dagger")
+               else "; several games in one run: a,b (e.g. bandit,frozenlake) or env.mixture")
     p.add_argument("--env", default=None, metavar="NAME",
                    help="environment: bandit, sokoban, frozenlake, probe:NAME (a probe game), module.path:Class, "
-                        "textarena:ID, gym:ID or an installed fastpo.envs entry point (default: frozenlake, or "
-                        "the config file's)")
+                        "textarena:ID, gym:ID or an installed fastpo.envs entry point (default: frozenlake, or the "
+                        "config file's)" + mixture
+                        + (" (a run's mixture entry by its label, with --model RUN)" if command == "eval" else ""))
     p.add_argument("--preset", default=None,
                    help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
                         "(default: paper with a GPU, cpu without)")
@@ -60,8 +83,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (embedded), an HF id or folder, random:<shape>")
     p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("overrides", nargs="*", metavar="section.key=value",
-                   help="dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help=_OVERRIDES_HELP[command])
 
 
 def _add_trust(p: argparse.ArgumentParser) -> None:
@@ -77,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="fastpo", description="Multi-turn RL for LLM agents (StarPO / StarPO-S)")
     sub = ap.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="train with StarPO / StarPO-S")
-    _add_common(tr)
+    _add_common(tr, "train")
     tr.add_argument("--out", default=None, help="output folder (default runs/<env>)")
     tr.add_argument("--overwrite", action="store_true",
                     help="delete the run already in --out (without it such a folder is refused)")
@@ -88,15 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="data-parallel processes, one per GPU (CPU processes with gloo under --device cpu), "
                          "run by torchrun; 1 (default): one process")
     sf = sub.add_parser("sft", help="supervised fine-tuning on the env's expert trajectories (fastpo.sft)")
-    _add_common(sf)
+    _add_common(sf, "sft")
     sf.add_argument("--out", default=None, help="output folder (default runs/sft-<env>)")
     sf.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
-    sf.add_argument("--iterations", type=int, default=None, help="SFT steps (optimizer steps)")
+    sf.add_argument("--iterations", type=int, default=None,
+                    help="SFT steps (optimizer steps; default 32 at lr 1e-4, the tiny preset's 2)")
     sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
     _add_trust(sf)
     dg = sub.add_parser("dagger", help="DAgger: SFT, then rounds in which the game's expert labels the states the "
                                        "model reaches (fastpo.dagger)")
-    _add_common(dg)
+    _add_common(dg, "dagger")
     dg.add_argument("--out", default=None, help="output folder (default runs/dagger-<env>)")
     dg.add_argument("--overwrite", action="store_true", help="delete the run already in --out")
     dg.add_argument("--rounds", type=int, default=None, metavar="N",
@@ -104,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     dg.add_argument("--resume", default=None, metavar="OUT", help="continue the DAgger run in folder OUT")
     _add_trust(dg)
     ev = sub.add_parser("eval", help="evaluate a model: success rate and pass@k on fixed seeds")
-    _add_common(ev)
+    _add_common(ev, "eval")
     ev.add_argument("--seeds", type=int, default=None, help="number of fixed eval seeds")
     ev.add_argument("--k", type=int, default=None, help="samples per seed (pass@k)")
     ev.add_argument("--temperature", type=float, default=None)
@@ -122,16 +145,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides += extra
-    status = check_processes(args, argv)
-    if status is not None:
-        return status
-    if args.command == "train":
-        return cmd_train(args)
-    if args.command == "sft":
-        return cmd_sft(args)
-    if args.command == "dagger":
-        return cmd_dagger(args)
-    return cmd_eval(args)
+    restore = catch_ctrl_c()  # a Ctrl-C raises CtrlC, told from a user's code raising KeyboardInterrupt
+    try:
+        status = check_processes(args, argv)
+        if status is not None:
+            return status
+        if args.command == "train":
+            return cmd_train(args)
+        if args.command == "sft":
+            return cmd_sft(args)
+        if args.command == "dagger":
+            return cmd_dagger(args)
+        return cmd_eval(args)
+    except KeyboardInterrupt as e:  # a Ctrl-C before the run began (or during `fastpo eval`): one line
+        print(f"fastpo {args.command}: interrupted by Ctrl-C" + ("" if args.command == "eval" else
+              " before the run began; nothing was written or trained"), file=sys.stderr)
+        return 128 + getattr(e, "signum", 2)
+    finally:
+        restore()
 
 
 def entry(argv: list[str] | None = None) -> None:

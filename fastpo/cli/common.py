@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import errno
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 
 def check_trust_flag(args) -> None:
@@ -61,6 +61,18 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
         raise ConfigError(f"{flag} {path}: {parent} is not writable")
 
 
+def used_out_message(out: str, used: list[str]) -> str:
+    """Why a new run refuses `--out out` that holds a run (markers `used`), and what to do:
+    resume it (only where a checkpoint is there to resume), another --out, or --overwrite."""
+    from fastpo.run.manifest import checkpoint_names
+
+    if checkpoint_names(os.path.join(out, "checkpoints")):
+        return (f"--out {out} already holds a run ({', '.join(used)}); resume it with --resume {out}, pick another "
+                f"--out, or pass --overwrite to delete it")
+    return (f"--out {out} already holds a run ({', '.join(used)}) with no checkpoint to resume, beside files a run "
+            f"does not write before its first checkpoint; pick another --out, or pass --overwrite to delete it")
+
+
 def resume_fixed(cfg) -> dict:
     """The settings a resumed run keeps from its config.yaml, by dotted name."""
     return {"env": copy.deepcopy(cfg.env), "model": copy.deepcopy(cfg.model), "preset": cfg.preset,
@@ -105,20 +117,24 @@ def resumed_run_config(args, fixed: list[str] = ()):
     return validate(inline_rubric_file(cfg))
 
 
-def exit_status(run: Callable[[], None], error: Callable[[str], None], command: str, out: str) -> int:
-    """Run a command's job `run()` and map how it ended to the exit status every `fastpo`
-    command shares: 0 done; 128 + signal (130 Ctrl-C, 143 SIGTERM) after a stop, once the
-    checkpoint is saved; 2 bad input found late (ConfigError, a busy or used run folder);
-    1 a checkpoint not saved, the user's game failing (EnvError) or a full disk. `error(text)`
+def exit_status(run: Callable[[], Optional[list]], error: Callable[[str], None], command: str, out: str) -> int:
+    """Run a command's job `run()` (it returns the run's metric records) and map how it ended to
+    the exit status every `fastpo` command shares: 0 done; 1 when it ended but trained nothing
+    (every update skipped: `fastpo.report.summary.nothing_trained`); 128 + signal (130 Ctrl-C,
+    143 SIGTERM) after a stop, once the checkpoint is saved; 2 bad input found at set-up
+    (ConfigError, the user's game failing its set-up checks included; a busy or used run
+    folder); 1 a checkpoint not saved, the user's game or reward function failing during the
+    run (EnvError) or a full disk. `error(text)`
     says the one line; `command` (e.g. "fastpo train") and `out` (the run folder) name the
     resume. Other exceptions propagate (a bug: its traceback)."""
     from fastpo.run.checkpoint import CheckpointSaveError
     from fastpo.run.folder import RunFolderBusy
     from fastpo.config.fields import ConfigError
     from fastpo.envs import EnvError
+    from fastpo.report.summary import nothing_trained
 
     try:
-        run()
+        records = run()
     except KeyboardInterrupt as e:  # stopped by a signal; the checkpoint is saved
         return 128 + getattr(e, "signum", 2)
     except (ConfigError, RunFolderBusy, FileExistsError) as e:  # bad input found late; not a bug
@@ -137,5 +153,9 @@ def exit_status(run: Callable[[], None], error: Callable[[str], None], command: 
             raise
         error(f"{e.strerror} writing {e.filename or 'the run folder'}; free some space, then "
               f"`{command} --resume {out}`")
+        return 1
+    why = nothing_trained(records or [])
+    if why:  # it ran to the end, but did not train: not a success
+        error(why)
         return 1
     return 0

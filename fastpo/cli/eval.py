@@ -10,14 +10,17 @@ from fastpo.cli.launch import quiet_progress_bars
 
 def cmd_eval(args) -> int:
     """`fastpo eval`. A fastpo checkpoint (`runs/x`, `runs/x/checkpoints/iter_N` or its `model/`)
-    is evaluated with the env and rollout settings its run trained with, except what the
+    is evaluated with the env, rollout and eval settings its run used, except what the
     command line sets (fastpo.evaluate.eval_config); one line says whose settings are used.
-    `--json PATH` writes the metrics, model label and settings as JSON."""
+    `--json PATH` writes the metrics, model label and settings as JSON. Exit status 0, 2 bad
+    input (one line), 1 the user's game failing during the evaluation (one line naming the
+    call and the seed)."""
     from rich.console import Console
     from rich.table import Table
 
     from fastpo.distributed.context import DistributedError, SINGLE, init_from_env, shutdown, torchrun_env
     from fastpo.config.fields import ConfigError
+    from fastpo.envs import EnvError
 
     where = torchrun_env()  # under torchrun each process evaluates its share of the seeds
     main_rank = where is None or where[0] == 0
@@ -67,6 +70,10 @@ def cmd_eval(args) -> int:
         if main_rank:
             print(f"fastpo eval: error: {e}", file=sys.stderr)
         return 2
+    except EnvError as e:  # the user's game failing on an eval seed the set-up check did not play: one line
+        if main_rank:
+            print(f"fastpo eval: error: {e}", file=sys.stderr)
+        return 1
     if not main_rank:
         return 0
     console.print(f"model: {res['model']}", markup=False)

@@ -117,3 +117,30 @@ def degrade_console() -> None:
                 stream.reconfigure(errors="backslashreplace")
             except (ValueError, OSError):
                 pass
+
+
+class CtrlC(KeyboardInterrupt):
+    """A Ctrl-C the `fastpo` command received (its SIGINT handler, `catch_ctrl_c`, raises it
+    where no run loop handles the signal: set-up, evaluation). A subclass, so that a plain
+    KeyboardInterrupt raised by a user's game or reward function is told from a real Ctrl-C
+    (fastpo.envs.errors.user_code_failure)."""
+
+    signum = 2  # signal.SIGINT
+
+
+def catch_ctrl_c():
+    """Install the command's SIGINT handler (raise CtrlC) in place of Python's default one;
+    returns the function that puts the earlier handler back. Does nothing outside the main
+    thread or under another program's own handler (an application embedding `main`)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None
+
+    def interrupt(signum, frame):
+        raise CtrlC()
+
+    signal.signal(signal.SIGINT, interrupt)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
-from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
+from fastpo.cli.common import (build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config,
+                               used_out_message)
 from fastpo.cli.launch import quiet_progress_bars
 
 
@@ -17,7 +18,7 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     support, RunFolderBusy when another process holds OUT."""
     from fastpo.distributed.launch import check_trainer_support
     from fastpo.run.checkpoint import nothing_to_train_note, plan_resume, tidy_run_folder
-    from fastpo.run.folder import RunLock, untrained_start
+    from fastpo.run.folder import RunLock, unsaved_note, untrained_start
     from fastpo.config.fields import ConfigError
     from fastpo.report.metrics import warn_user
     from fastpo.run.folder import DAGGER_FILE, SFT_FILE
@@ -34,9 +35,8 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     check_trainer_support(cfg, world, torchrun=torchrun)
     RunLock(args.resume).check()
     if untrained_start(args.resume):  # stopped or failed before its first checkpoint
-        console.print(f"{args.resume} holds no checkpoint (the run stopped before its first one; nothing was "
-                      f"trained): starting it again from iteration 1 with its config.yaml", markup=False,
-                      soft_wrap=True)
+        console.print(f"{unsaved_note(args.resume)} (the run stopped before its first checkpoint): starting it "
+                      f"again from iteration 1 with its config.yaml", markup=False, soft_wrap=True)
         args.resume, args.out = None, args.resume  # a new run into the same folder (it is reused)
         return cfg
     plan = plan_resume(args.resume, trust=args.trust_checkpoint)
@@ -73,8 +73,7 @@ def _new_run_config(args, world: int, torchrun: bool, console):
         RunLock(args.out).check()
     used = run_folder_in_use(cfg.trainer.output_dir)
     if used and args.out and not args.overwrite:
-        raise ConfigError(f"--out {args.out} already holds a run ({', '.join(used)}); resume it with "
-                          f"--resume {args.out}, pick another --out, or pass --overwrite to delete it")
+        raise ConfigError(used_out_message(args.out, used))
     if used and not args.out and not args.overwrite:
         fresh = fresh_run_folder(cfg.trainer.output_dir)
         console.print(f"[yellow]{cfg.trainer.output_dir} already holds a run; writing this one to {fresh}[/]")

@@ -17,6 +17,11 @@ class ConfigError(ValueError):
     """A configuration key is unknown, has the wrong type or an impossible value."""
 
 
+#: The largest finite float32: rewards, losses and the settings that enter them are float32
+#: tensors on every device, so a larger (still finite) Python float would be inf there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """A constraint on one config field: `ok(value)` must hold for a value of the field's

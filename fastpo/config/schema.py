@@ -30,10 +30,15 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 
 # The field machinery (fastpo.config.fields), the presets (fastpo.config.presets) and the YAML files
 # (fastpo.config.files) live in their own modules: import their names from there.
-from fastpo.config.fields import ConfigError, Rule, nested_dict, apply_dict, check_fields, checked, parse_override
+from fastpo.config.fields import (FLOAT32_MAX, ConfigError, Rule, nested_dict, apply_dict, check_fields, checked,
+                                  parse_override)
 from fastpo.config.files import dig, parse_config_yaml, read_config_file
 from fastpo.config.presets import PRESETS, default_preset
 from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, POLICY_LOSS_NAMES, POLICY_LOSSES, estimator
+
+#: SAPO's gate is (4 / tau) sigmoid(tau (r - 1)): a smaller tau overflows float32 (inf loss).
+SAPO_TAU_MIN = 4 / FLOAT32_MAX
+SAPO_TAU_WHY = f"must be >= {SAPO_TAU_MIN:.3g} (SAPO's gate scale 4 / tau must be finite in float32)"
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
 MAX_ACTIONS_PER_TURN = 64
@@ -414,8 +419,8 @@ class AlgorithmConfig:
     overlong_penalty_factor: float = checked(1.0, at_least(0), "must be >= 0")
     overlong_filter: bool = False
     policy_loss: Literal[POLICY_LOSS_NAMES] = "ppo"  # fastpo.registry.POLICY_LOSSES
-    sapo_tau_pos: float = checked(1.0, lambda v: v > 0, "must be > 0")
-    sapo_tau_neg: float = checked(1.05, lambda v: v > 0, "must be > 0")
+    sapo_tau_pos: float = checked(1.0, lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_WHY)
+    sapo_tau_neg: float = checked(1.05, lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_WHY)
     cov_ratio: float = checked(0.0002, lambda v: 0 < v <= 1, "must be in (0, 1]")
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -640,10 +645,12 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
         for f in dataclasses.fields(section):
             v = getattr(section, f.name)
             vals = v if isinstance(v, list) else [v]
-            if any(isinstance(x, float) and not math.isfinite(x) for x in vals):
+            # beyond float32's range a finite float is inf in the tensors it enters (every update skipped)
+            if any(isinstance(x, float) and not (math.isfinite(x) and abs(x) <= FLOAT32_MAX) for x in vals):
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
                         id(o): "optim", id(t): "trainer", id(cfg.reward): "reward"}[id(section)]
-                raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number")
+                raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number within float32's "
+                                  f"range (+-{FLOAT32_MAX:.4g}), in which fastpo computes")
     # single-field rules live on the fields (`checked`); what follows relates fields
     for section, name in ((cfg.model, "model"), (cfg.env, "env"), (r, "rollout"), (a, "algorithm"), (o, "optim"),
                           (t, "trainer"), (cfg.reward, "reward")):

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .errors import EnvError
+from .errors import EnvError, user_code_failure
 
 
 class _Shard:
@@ -45,9 +45,11 @@ class _Shard:
                 self.envs.append(factory(**options))
             except EnvError:
                 raise
-            except Exception as e:
-                raise EnvError(f"environment {name!r}: building it with options {options!r} raised "
-                               f"{type(e).__name__}: {_one_line(e)}") from None
+            except BaseException as e:
+                said = user_code_failure(e)
+                if said is None:
+                    raise
+                raise EnvError(f"environment {name!r}: building it with options {options!r} {said}") from None
         self.seeds = [0] * n
         self.states = [None] * n
 
@@ -60,12 +62,12 @@ class _Shard:
         random.setstate(self.states[i])
         try:
             return fn(*args)
-        except SystemExit as e:  # a game must not end the trainer: its process holds the user's run
-            raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[i]}: {what} called "
-                           f"sys.exit({e.code!r})") from None
-        except Exception as e:
-            raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[i]}: {what} raised "
-                           f"{type(e).__name__}: {_one_line(e)}") from e
+        except BaseException as e:  # a game must not end the trainer: its process holds the user's run
+            said = user_code_failure(e)
+            if said is None:  # a Ctrl-C: the trainer's to handle
+                raise
+            raise EnvError(f"environment {self.name!r}, instance with seed {self.seeds[i]}: {what} {said}") \
+                from (e if isinstance(e, Exception) else None)
         finally:
             if keep_draws:
                 self.states[i] = random.getstate()
@@ -116,11 +118,6 @@ class _Shard:
                     break
             out.append(res)
         return out
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:300] if text else "(no message)"
 
 
 def _check_text(text: str, field: str, name: str, seed: int) -> None:
@@ -484,9 +481,11 @@ class PythonBatchedEnv:
             raise AttributeError(f"environment {self.name!r} has no {which}")
         try:
             v = np.asarray(fn(list(seeds), horizon), dtype=np.float64).reshape(-1)
-        except Exception as e:
-            raise EnvError(f"environment {self.name!r}: {which}(seeds, {horizon}) raised {type(e).__name__}: "
-                           f"{_one_line(e)}") from None
+        except BaseException as e:
+            said = user_code_failure(e)
+            if said is None:
+                raise
+            raise EnvError(f"environment {self.name!r}: {which}(seeds, {horizon}) {said}") from None
         if v.size != len(seeds) or not np.all((v >= 0) & (v <= 1)):
             raise EnvError(f"environment {self.name!r}: {which} must return one probability in [0, 1] per seed "
                            f"({len(seeds)} seeds, horizon {horizon}), got {v.tolist()!r:.80}")

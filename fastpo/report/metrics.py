@@ -55,15 +55,18 @@ class MetricsLogger:
 
     def __init__(self, out_dir: str, ema_decay: float = 0.9, tensorboard: bool = False, wandb: bool = False,
                  resume_from: Optional[int] = None, run_name: str = "fastpo", config: Optional[dict] = None,
-                 model_label: Optional[str] = None, warn: Optional[Callable[[str], None]] = None):
+                 model_label: Optional[str] = None, warn: Optional[Callable[[str], None]] = None,
+                 start_label: Optional[str] = None):
         if not 0 < ema_decay < 1:
             raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir = out_dir
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.decay = ema_decay
-        # e.g. "random:qwen2.5-0.5b (random weights)": written into every record as "model"
+        # e.g. "random:qwen2.5-0.5b (random weights)": written into every record as "model"; the
+        # records of iteration 0 (the evaluation before training) get `start_label` where given
         self.model_label = model_label
+        self.start_label = start_label
         self.ema: dict[str, float] = {}
         self.records: list[dict] = []
         if resume_from is not None and os.path.exists(self.path):
@@ -131,8 +134,9 @@ class MetricsLogger:
     def log(self, iteration: int, metrics: dict) -> dict:
         """Record one iteration's scalars (non-finite values are kept as null); returns the record with EMA copies."""
         rec: dict[str, Any] = {"iteration": int(iteration)}
-        if self.model_label is not None:
-            rec["model"] = self.model_label
+        label = self.start_label if iteration == 0 and self.start_label is not None else self.model_label
+        if label is not None:
+            rec["model"] = label
         rec.update(self.log_values(metrics))
         self._update_ema(rec)
         for k in list(rec):

@@ -26,6 +26,24 @@ SUMMARY_KEYS = [
 ]
 
 
+def print_table(console, table) -> None:
+    """Print rich Table `table` on `console`: at the terminal's width on a terminal, and at the
+    table's own width elsewhere (a log file or a pipe, which rich renders 80 columns wide), so
+    that a log holds each row on one line."""
+    from rich.measure import Measurement
+
+    if console.is_terminal:
+        console.print(table)
+        return
+    was = console.width
+    wide = Measurement.get(console, console.options.update(width=1000), table).maximum
+    console.width = max(was, min(wide, 1000))  # (print's own width cannot pass the console's)
+    try:
+        console.print(table)
+    finally:
+        console.width = was
+
+
 def summary_table(records: list[dict], title: str = "fastpo run summary"):
     """A rich Table: first, last and best value of the main metrics over the run."""
     from rich.table import Table
@@ -199,6 +217,46 @@ def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[
     return text
 
 
+def nothing_trained(records: list[dict]) -> Optional[str]:
+    """One line when a run's iterations trained nothing: none of its records past iteration 0
+    applied an update (`actor/updates`) and at least one skipped one for a non-finite loss or
+    gradient (`actor/skipped_updates`). None otherwise (an iteration with an update; a run
+    that only skipped for lack of data, which is no failure)."""
+    trained = [r for r in records if r.get("iteration", 0) >= 1]
+    skipped = sum(r.get("actor/skipped_updates") or 0 for r in trained if finite_number(r.get("actor/skipped_updates")))
+    if not trained or skipped == 0 or any((r.get("actor/updates") or 0) > 0 for r in trained
+                                          if finite_number(r.get("actor/updates"))):
+        return None
+    its = trained[0]["iteration"], trained[-1]["iteration"]
+    which = f"iteration {its[0]}" if its[0] == its[1] else f"iterations {its[0]}-{its[1]}"
+    return (f"nothing was trained: every update of {which} was skipped ({int(skipped)} for a non-finite loss or "
+            f"gradient, see the warnings above); look for rewards or settings so large that float32 overflows")
+
+
+def game_result_lines(records: list[dict]) -> list[str]:
+    """One line per game of a mixture run's last evaluation (its `eval/<label>/...` figures):
+    success +- SE against that game's random and optimal lines on the same seeds, for the
+    console where no before/after table lists them (no evaluation before training). [] for a
+    run of one game or without an evaluation."""
+    evals = _evaluations(records)
+    if not evals:
+        return []
+    last = evals[-1]
+    labels = [k.split("/")[1] for k in last if k.count("/") == 2 and k.startswith("eval/")
+              and k.endswith("/success_rate") and finite_number(last[k])]
+    lines = []
+    for g in labels:
+        se = last.get(f"eval/{g}/success_rate_se")
+        refs = [f"{name} {float(last[k]):.3f}" for name, k in (("random", f"eval/{g}/random_success"),
+                                                               ("optimal", f"eval/{g}/optimal_success"))
+                if finite_number(last.get(k))]
+        succ = float(last[f"eval/{g}/success_rate"])
+        lines.append(f"  {g} (eval at iteration {last['iteration']}): success {succ:.3f}"
+                     + (f" +- {float(se):.3f}" if finite_number(se) else "")
+                     + (f" ({', '.join(refs)} on the same seeds)" if refs else ""))
+    return lines
+
+
 def before_after_note(records: list[dict]) -> Optional[str]:
     """One line for a run that evaluated but not before training (no iteration-0 record:
     trainer.eval_before_training off, or that evaluation stopped by a signal), where
@@ -227,24 +285,28 @@ def before_after_table(records: list[dict], title: Optional[str] = None,
     caption = ("z: the change over sqrt(SE_before^2 + SE_after^2); paired z: over the standard error of the "
                "per-seed differences; above 2: higher by more than two standard errors. Random and optimal "
                "policy: their success on the same seeds and action horizon")
-    table = Table(title=title, caption=caption)
-    for col in ("eval", f"iter {ba['before']}", f"iter {ba['after']}", "change", "z", "paired z"):
-        table.add_column(col)
-
     def fmt(v, se):
         return f"{v:.3f}" + (f" +- {se:.3f}" if se is not None else "")
 
     def z(v):
         return f"{v:+.1f}" if v is not None else ""
 
-    shown = {row["key"] for row in ba["rows"]}
+    shown, lines = {row["key"] for row in ba["rows"]}, []
     for row in ba["rows"]:
-        table.add_row(row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
-                      f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"]))
+        lines.append((row["label"], fmt(row["before"], row["before_se"]), fmt(row["after"], row["after_se"]),
+                      f"{row['change']:+.3f}", z(row["z"]), z(row["z_paired"])))
         if row["key"].endswith("success_rate"):  # an env without reference lines: say so, invent none
             for key, label, _ in BEFORE_AFTER_KEYS[1:3]:
                 key, label = row["key"].replace("success_rate", key.split("/")[-1]), \
                     label + row["label"][len("success"):]
                 if key not in shown:
-                    table.add_row(label, "not known", "not known", "", "", "")
+                    lines.append((label, "not known", "not known", "", "", ""))
+    table = Table(title=title, caption=caption)
+    # a game's long label is shown whole, never cut to "heldback_nim…" (a narrow or non-terminal
+    # console is 80 columns wide): the figures' columns wrap instead
+    table.add_column("eval", no_wrap=True, min_width=max(len(line[0]) for line in lines))
+    for col in (f"iter {ba['before']}", f"iter {ba['after']}", "change", "z", "paired z"):
+        table.add_column(col)
+    for line in lines:
+        table.add_row(*line)
     return table

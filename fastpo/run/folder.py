@@ -3,7 +3,7 @@
 `atomic_write_text` replaces a file so that a crash at any moment leaves the old contents
 or the new ones (every file of a run folder that is rewritten goes through it). A folder
 holds a run when it has one of `RUN_MARKERS`, unless that run stopped or failed before its first
-checkpoint (`untrained_start`: nothing trained, nothing but fastpo's files; the next run reuses
+checkpoint (`untrained_start`: no checkpoint, nothing but fastpo's files; the next run reuses
 such a folder); `fresh_run_folder` picks a free one;
 `RunLock` holds a run folder for one process (an OS lock, released when the process dies).
 What interrupted writes leave behind is cleared by `fastpo.run.checkpoint.tidy_run_folder`.
@@ -60,34 +60,48 @@ SFT_FILE = "sft.yaml"
 DAGGER_FILE = "dagger.yaml"
 
 
+#: Where a folder reused after a stop before the first checkpoint keeps the records of iterations
+#: that were trained but never saved (a second Ctrl-C, kill -9): their weights are gone, and the
+#: new start trains them again, but what they measured is not deleted.
+UNSAVED_METRICS = "metrics.unsaved.jsonl"
 #: What a run writes into its folder before its first checkpoint (besides the markers): a folder
 #: holding anything else is never taken for an untrained start.
-_START_FILES = ("plots", "samples", "eval", "tensorboard", "wandb", SFT_FILE, LOCK_FILE)
+_START_FILES = ("plots", "samples", "eval", "tensorboard", "wandb", SFT_FILE, LOCK_FILE, UNSAVED_METRICS)
 #: What an interrupted write leaves (cleared by fastpo.run.checkpoint.tidy_run_folder).
 _TEMPORARIES = ("metrics.jsonl.tmp", "config.yaml.tmp", "sft.yaml.tmp")
 
 
-def _trained_iterations(metrics_path: str) -> bool:
-    """Whether metrics.jsonl records an iteration >= 1 (or cannot be read: assume so)."""
+def unsaved_iterations(out_dir: str) -> Optional[list]:
+    """The iterations >= 1 that `out_dir`'s metrics.jsonl records ([] when none or no file;
+    None when it cannot be read). In a folder without a checkpoint these were trained but
+    never saved."""
     import json
 
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.lexists(path):
+        return []
+    found = []
     try:
-        with open(metrics_path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             for line in f:
-                if line.strip() and json.loads(line).get("iteration", 1) != 0:
-                    return True
+                if line.strip():
+                    it = json.loads(line).get("iteration", 1)
+                    if it != 0:
+                        found.append(it)
     except (OSError, ValueError, AttributeError):
-        return True
-    return False
+        return None
+    return found
 
 
 def untrained_start(out_dir: str) -> bool:
     """True when `out_dir` holds only what a run stopped or failed before its first checkpoint
-    leaves: config.yaml, a metrics.jsonl with no record past iteration 0 (the evaluation before
-    training), that evaluation's eval/, samples/, plots/, tensorboard or wandb files, the lock,
-    and no checkpoint (checkpoints/ absent, or holding only interrupted temporaries). Nothing
-    was trained there, so the next run may reuse it; a folder holding a checkpoint, a trained
-    iteration or any file that is not fastpo's is not one (False)."""
+    leaves: config.yaml, a metrics.jsonl, the evaluation before training's eval/, samples/,
+    plots/, tensorboard or wandb files, the lock, the records kept from an earlier such start
+    (UNSAVED_METRICS), and no checkpoint (checkpoints/ absent, or holding only interrupted
+    temporaries). No trained weights are kept there (iterations the metrics record past 0 were
+    trained but never saved: `unsaved_iterations`), so the next run may reuse it, the same
+    command or `--resume` starting again from iteration 1; a folder holding a checkpoint or any
+    file that is not fastpo's is not one (False)."""
     found = run_markers(out_dir)
     if not found:
         return False
@@ -101,8 +115,7 @@ def untrained_start(out_dir: str) -> bool:
             return False
         if any(not n.startswith((".tmp-iter_", ".trash-", "latest.tmp")) for n in os.listdir(ckpts)):
             return False
-    metrics = os.path.join(out_dir, "metrics.jsonl")
-    return not (os.path.lexists(metrics) and _trained_iterations(metrics))
+    return True
 
 
 def run_markers(out_dir: str) -> list[str]:
@@ -116,16 +129,49 @@ def run_folder_in_use(out_dir: str) -> list[str]:
     return [] if untrained_start(out_dir) else run_markers(out_dir)
 
 
-def clear_run_folder(out_dir: str) -> None:
+def clear_run_folder(out_dir: str, keep_unsaved: bool = False) -> None:
     """Delete a previous run's outputs in `out_dir` (markers, plots/, samples/, eval/ outcomes,
-    tensorboard files, the configs kept from earlier resumes)."""
+    tensorboard files, the configs kept from earlier resumes, and UNSAVED_METRICS); with
+    `keep_unsaved` (a start reusing the folder) UNSAVED_METRICS and config.yaml stay (the new
+    start replaces config.yaml with its own once its model has loaded, and until then a
+    `--resume` that starts again still finds it)."""
     kept = [f for f in os.listdir(out_dir) if f.startswith("config.until_iter_")] if os.path.isdir(out_dir) else []
-    for m in RUN_MARKERS + ("plots", "samples", "eval", "tensorboard", "wandb", *kept):
+    markers = tuple(m for m in RUN_MARKERS if not (keep_unsaved and m == "config.yaml"))
+    unsaved = () if keep_unsaved else (UNSAVED_METRICS,)
+    for m in markers + ("plots", "samples", "eval", "tensorboard", "wandb", *unsaved, *kept):
         p = os.path.join(out_dir, m)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
         elif os.path.lexists(p):
             os.remove(p)
+
+
+def reuse_untrained_start(out_dir: str) -> Optional[str]:
+    """Clear an `untrained_start` folder for the run starting again there, keeping the records
+    of iterations trained but never saved as UNSAVED_METRICS (replacing an older such file).
+    Returns the file name when records were kept, else None."""
+    unsaved = unsaved_iterations(out_dir)
+    kept = None
+    if unsaved is None or unsaved:
+        os.replace(os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, UNSAVED_METRICS))
+        fsync_dir(out_dir)
+        kept = UNSAVED_METRICS
+    clear_run_folder(out_dir, keep_unsaved=True)
+    return kept
+
+
+def unsaved_note(out_dir: str) -> str:
+    """What a folder without a checkpoint holds, for the stop and restart lines: "nothing was
+    trained yet and OUT holds no checkpoint", or "iterations 1-3 were trained, but OUT holds no
+    checkpoint" (a stop before the first one, or checkpoints deleted since)."""
+    unsaved = unsaved_iterations(out_dir)
+    if unsaved is None:
+        return f"{out_dir} holds no checkpoint, and its metrics.jsonl cannot be read"
+    if not unsaved:
+        return f"nothing was trained yet and {out_dir} holds no checkpoint"
+    lo, hi = min(unsaved), max(unsaved)
+    its = f"iteration {lo} was" if lo == hi else f"iterations {lo}-{hi} were"
+    return f"{its} trained, but {out_dir} holds no checkpoint"
 
 
 def fresh_run_folder(out_dir: str) -> str:

@@ -14,13 +14,14 @@ from fastpo.distributed.context import DistContext, SINGLE
 from fastpo.distributed.launch import check_trainer_support
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.run.checkpoint import CheckpointSaveError, nothing_to_train_note, rng_state
-from fastpo.run.folder import LOCK_FILE, RunLock, untrained_start
+from fastpo.run.folder import LOCK_FILE, RunLock, unsaved_note, untrained_start
 from fastpo.config.schema import TrainConfig
 from fastpo.config.presets import cpu_preset_note
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
 from fastpo.report.metrics import warn_user
 from fastpo.report.plots import plot_curves
-from fastpo.report.summary import before_after_note, before_after_table, result_line, summary_table
+from fastpo.report.summary import (before_after_note, before_after_table, game_result_lines, print_table,
+                                   result_line, summary_table)
 from fastpo.models import resolve_device
 from fastpo.trainer.iteration import StarPOIteration
 from fastpo.trainer.lifecycle import Dropped, StopControl, Stopped
@@ -382,7 +383,7 @@ class RunLoop:
         if not t.progress:
             self.console.print(f"iteration {it}/{t.iterations}: {stats}")
         if t.plots and self.dist.is_main and (("eval/success_rate" in metrics) or it == t.iterations):
-            plot_curves(p.logger.records, os.path.join(self.out, "plots"), model_label=p.models.info.label)
+            plot_curves(p.logger.records, os.path.join(self.out, "plots"), model_label=p.models.info.trained_label())
 
     def emergency_save(self, run: "_RunProgress", e: Exception) -> None:
         """After an error following an update (eval, logging, plots, disk) or before one began:
@@ -397,14 +398,13 @@ class RunLoop:
                 self.console.print(f"[red]emergency checkpoint failed[/]: {e2}", markup=False)
 
     def untrained_hint(self) -> str:
-        """What to do with the run folder when nothing was trained there yet ("" when a
-        checkpoint or a trained iteration is there): the same command reuses it, and so does a
-        resume (from iteration 1 with its config.yaml)."""
+        """What to do with the run folder when no checkpoint was saved there yet ("" when one
+        is there): the same command reuses it, and so does a resume (from iteration 1 with its
+        config.yaml); iterations trained but not saved are said."""
         if not self.dist.is_main or not untrained_start(self.out):
             return ""
-        return (f"nothing was trained yet and {self.out} holds no checkpoint: run the same command again (it "
-                f"reuses the folder), or `{self.tr.resume_hint()}` to start again from iteration 1 with its "
-                f"config.yaml")
+        return (f"{unsaved_note(self.out)}: run the same command again (it reuses the folder), or "
+                f"`{self.tr.resume_hint()}` to start again from iteration 1 with its config.yaml")
 
     def report(self) -> None:
         """The end of a run (rank 0): final plots, the summary and before/after tables, the outputs."""
@@ -414,19 +414,22 @@ class RunLoop:
             self.console.print(f"no iteration was trained; {self.out}/ holds {', '.join(held) or 'nothing'}",
                                markup=False, soft_wrap=True)
             return
-        label = self.parts.models.info.label
+        label = self.parts.models.info.trained_label()  # the run's model, not the one it started from
         if self.cfg.trainer.plots and records:
             plot_curves(records, os.path.join(self.out, "plots"), model_label=label)
-        self.console.print(summary_table(records, title=f"fastpo: {self.cfg.env.name}, {label}"))
+        print_table(self.console, summary_table(records, title=f"fastpo: {self.cfg.env.name}, {label}"))
         ba = before_after_table(records, run_dir=self.out)
         note = before_after_note(records) if ba is None else None
         if ba is not None:
-            self.console.print(ba)
+            print_table(self.console, ba)
         elif note:
             self.console.print(note, markup=False, soft_wrap=True)
         line = result_line(records, run_dir=self.out)
         if line:
             self.console.print(line, markup=False, soft_wrap=True)
+        if ba is None:  # a mixture's games: in the before/after table where there is one, else here
+            for line in game_result_lines(records):
+                self.console.print(line, markup=False, soft_wrap=True)
         held = [name for name in ("metrics.jsonl", "plots/", "eval/", "samples/", "checkpoints/")
                 if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
         self.console.print(f"outputs in {self.out}/: {', '.join(held)}")

@@ -141,7 +141,7 @@ class Sampler:
             write_samples(os.path.join(self.out, "samples"), it, batch.texts()[: max(1, t.num_samples)],
                           header=f"eval at iteration {it}: success rate {res['eval/success_rate']:.3f} "
                                  f"(temperature {t.eval_temperature}, {t.eval_seeds} seeds)",
-                          model_label=self.models.info.label)
+                          model_label=self.models.info.label if it == 0 else self.models.info.trained_label())
             if self.dist.initialized:
                 for r, info in enumerate(ranks):
                     res[f"dist/rank{r}/eval_seeds"] = info["seeds"]

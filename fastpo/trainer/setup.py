@@ -18,8 +18,8 @@ from fastpo.distributed.collectives import broadcast_modules, on_main
 from fastpo.distributed.context import DistContext
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.run.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
-from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, run_folder_in_use,
-                               untrained_start)
+from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, reuse_untrained_start,
+                               run_folder_in_use, unsaved_note, untrained_start)
 from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
 from fastpo.config.files import dump_yaml, run_settings
@@ -87,25 +87,37 @@ class Parts:
     eval_pending: bool = False
 
 
-def check_prompts_fit(cfg: TrainConfig) -> Any:
+class SetupEnvError(ConfigError):
+    """The user's game failed while the run was set up, before any model loaded (e.g. its reset
+    on the first eval seed raised): bad input, as the game check of `load_config` finds it."""
+
+
+def check_prompts_fit(cfg: TrainConfig, tokenizer: Any = None) -> Any:
     """Refuse, before any model loads, prompts that leave no room for one response turn: the
     first prompt of the first iteration's env groups and of the first eval seed (with the
-    model's chat template and tokenizer) plus rollout.max_new_tokens must fit in
-    rollout.max_context. Returns the tokenizer; raises NothingToTrain (a ConfigError) naming
-    both numbers."""
+    model's chat template and tokenizer: `tokenizer`, else loaded) plus rollout.max_new_tokens
+    must fit in rollout.max_context. Returns the tokenizer; raises NothingToTrain (a
+    ConfigError) naming both numbers, SetupEnvError (a ConfigError) when the game fails
+    resetting those seeds."""
     from fastpo import rollout as ro
+    from fastpo.envs import EnvError
 
     r = cfg.rollout
-    tok = load_model_checked(cfg.model.name, tokenizer_only=True)
+    tok = load_model_checked(cfg.model.name, tokenizer_only=True) if tokenizer is None else tokenizer
     try:
         probe = ro.MultiTurnRollout.from_config(cfg, None, tok)
+    except EnvError as e:
+        raise SetupEnvError(f"{e} (at set-up, before any model loaded)") from None
     except ValueError as e:  # e.g. a tokenizer without a chat template
         raise ModelLoadError(f"model.name={cfg.model.name!r}: {e}") from None
     seeds = iteration_seeds(cfg.trainer.seed, 1, r.env_groups) + [cfg.trainer.eval_seed_offset]
     # every game of a mixture is evaluated on the first eval seed
     games = [(probe, seeds)] if not probe.mixed else \
         [(probe, seeds[:-1])] + [(probe.only(m.label), seeds[-1:]) for m, _ in probe.members]
-    longest, name = max((max(ro_.prompt_lengths(s)), ro_.env_name) for ro_, s in games)
+    try:
+        longest, name = max((max(ro_.prompt_lengths(s)), ro_.env_name) for ro_, s in games)
+    except EnvError as e:  # the user's game failing here is bad input found at set-up, as in load_config's check
+        raise SetupEnvError(f"{e} (at set-up, before any model loaded)") from None
     if longest + r.max_new_tokens > r.max_context:
         raise NothingToTrain(
             f"config key 'rollout.max_context' = {r.max_context}: the first prompt of {name} takes "
@@ -129,10 +141,12 @@ def prepare_folder(out: str, resume: bool, overwrite: bool, console) -> RunLock:
                                       f"choose another output folder or pass overwrite=True (--overwrite)")
             if used:
                 clear_run_folder(out)
-            elif untrained_start(out):  # stopped or failed before its first checkpoint: nothing to keep
+            elif untrained_start(out):  # stopped or failed before its first checkpoint: no weights to keep
+                note = unsaved_note(out)
+                kept = reuse_untrained_start(out)
                 console.print(f"{out}: reusing the folder of a run that stopped before its first "
-                              "checkpoint (nothing was trained there)", markup=False, soft_wrap=True)
-                clear_run_folder(out)
+                              f"checkpoint ({note}" + (f"; its metrics.jsonl is kept as {kept}" if kept else "")
+                              + ")", markup=False, soft_wrap=True)
         tidied = tidy_run_folder(out)
         if tidied:
             console.print(f"{out}: after an interrupted write: {'; '.join(tidied)}", markup=False, soft_wrap=True)
@@ -222,7 +236,8 @@ def start_logger(trainer, parts: Parts, ckpt: Optional[str]) -> None:
     parts.logger = MetricsLogger(out, cfg.trainer.ema_decay, cfg.trainer.tensorboard, cfg.trainer.wandb,
                                  resume_from=parts.start_iteration - 1 if ckpt is not None else None,
                                  run_name=os.path.basename(os.path.abspath(out)), config=cfg.to_dict(),
-                                 model_label=parts.models.info.label, warn=trainer.warn)
+                                 model_label=parts.models.info.trained_label(), warn=trainer.warn,
+                                 start_label=parts.models.info.label)
     for rec in parts.logger.records:
         parts.echo.update(rec)
     path, text = os.path.join(out, "config.yaml"), dump_yaml(cfg)
