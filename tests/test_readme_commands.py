@@ -27,6 +27,8 @@ LONG = {
                    "cores", "about 9 minutes on 2 cores"),
     "make test": ("the whole suite, 2 workers: 36 min 9 s wall, 1,681 s user + 126 s system CPU, on the 2-core "
                   "development machine at load average 4-5 from other jobs (issue 58)", "36 min on 2 cores"),
+    "fastpo dagger --env frozenlake": ("its parts on 2 threads: SFT 1 h 36 min, then per round a 7-minute rollout and 25 "
+                                       "to 31 min of training (docs/sft.md)", "about 3 h 20 min on 2 threads"),
     "fastpo sft --env sokoban": ("55 min on 2 quiet cores, 1 h 53 min on a host twice as slow per step",
                                  "about 55 minutes on 2"),
 }
