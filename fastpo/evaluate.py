@@ -172,7 +172,7 @@ def evaluate_config(rollout, cfg, autocast=contextlib.nullcontext,
 
 #: Evaluation figures of a mixture's games that add up (the engine's costs) or take the max.
 _SUMMED = ("seconds", "engine_seconds", "prefilled_tokens", "generated_tokens")
-_MAXED = ("peak_kv_bytes",)
+_MAXED = ("peak_kv_bytes", "peak_kv_token_bytes")
 
 
 def evaluate_mixture(rollout, cfg, autocast=contextlib.nullcontext, model: Optional[torch.nn.Module] = None,

@@ -18,7 +18,7 @@ adjustment off): requests under it come from the heaps and are reused within a p
 without new page faults; `release_free_memory` (malloc_trim) hands back what the heaps hold free at
 the end of each phase (rollout, evaluation, each mini-batch's forward and backward, update),
 so that one phase's freed memory does not stay resident through the next. The rollout
-engine's KV buffers, which grow turn by turn, and the evaluation, whose heap would fragment
+engine's KV pools, which grow as tokens arrive, and the evaluation, whose heap would fragment
 most, keep their own mappings (`mapped_allocations`). The price is fragmentation: the
 update's peak is about 0.7 GiB higher than with every tensor mapped (docs/performance.md,
 memory of the main job). None of this changes any computed value. All of it is a no-op (returning False) where the C library is not glibc.
@@ -80,8 +80,8 @@ def mapped_allocations():
     """Within the block, allocations of at least `MAPPED_THRESHOLD` bytes get their own
     mapping, which goes back to the system the moment it is freed, whenever that is; the
     threshold in force before is restored after (blocks nest). For buffers that outlive a
-    phase and are replaced by larger ones (the rollout engine's KV buffers, reallocated with
-    more columns each turn: in the heaps each larger set would leave the previous one's
+    phase and are replaced by larger ones (the rollout engine's KV pools, reallocated with
+    more blocks as tokens arrive: in the heaps each larger set would leave the previous one's
     memory behind as holes until the phase's end), and for the evaluation, whose 64-row
     batches fragment the heaps by about 0.9 GiB at the CPU preset (its peak is the main
     job's). A no-op unless `fix_mmap_threshold` set a threshold in this process (glibc's

@@ -364,7 +364,7 @@ class ExpertEngine:
 
     def reset_stats(self) -> None:
         self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0,
-                      "peak_kv_bytes": 0}
+                      "peak_kv_bytes": 0, "peak_kv_token_bytes": 0}
 
     def start(self, prompts: list, group_size: int = 1) -> None:
         if group_size != 1 or len(prompts) != len(self.seeds):

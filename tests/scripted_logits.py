@@ -13,8 +13,9 @@ import torch
 
 
 class ScriptedLogits:
-    """Forward hook on `model` (remove with `close()`); `fed` lists, per forward, the real
-    (position, token) pairs of each row: attention-masked padding is dropped."""
+    """Forward hook on `model` (remove with `close()`); `fed` lists, per forward, the
+    (position, token) pairs of each row (the engine packs a forward's rows into one; the
+    forward's `fastpo_kv` step says where each row's tokens are)."""
 
     def __init__(self, model, table: dict | None, default: int | None = None):
         """table None: record only, the model's own logits are kept."""
@@ -27,17 +28,16 @@ class ScriptedLogits:
         self._handle.remove()
 
     def _hook(self, module, args, kwargs, out):
-        ids = kwargs["input_ids"]
-        n = ids.shape[1]
-        real = kwargs["attention_mask"][:, -n:].bool()
-        pos = kwargs["position_ids"]
-        self.fed.append([[(int(p), int(t)) for p, t, m in zip(pos[r].tolist(), ids[r].tolist(), real[r].tolist()) if m]
-                         for r in range(ids.shape[0])])
+        # the engine packs each forward's rows into one: row i is tokens [offsets[i], offsets[i + 1])
+        ids, pos = kwargs["input_ids"][0].tolist(), kwargs["position_ids"][0].tolist()
+        offsets = kwargs["fastpo_kv"][1].offsets
+        rows = [range(a, b) for a, b in zip(offsets, offsets[1:])]
+        self.fed.append([[(int(pos[i]), int(ids[i])) for i in row] for row in rows])
         if self.table is None:
             return out
-        logits = out.logits
+        logits = out.logits  # [1, rows, V]: each row's last token
         logits.fill_(-1e4)
-        for r, last in enumerate(ids[:, -1].tolist()):
-            nxt = self.table.get(last, self.default)
-            logits[r, -1, list(nxt) if isinstance(nxt, tuple) else [nxt]] = 0.0
+        for r, row in enumerate(rows):
+            nxt = self.table.get(ids[row[-1]], self.default)
+            logits[0, r, list(nxt) if isinstance(nxt, tuple) else [nxt]] = 0.0
         return out

@@ -412,7 +412,7 @@ def test_group_streams_sample_a_group_alike_in_any_batch():
 #: Eval metrics that measure the engine's work, not the policy: they depend on how the seeds
 #: are batched (each batch prefills its shared prompt prefix once, and so on).
 EVAL_COST = ("eval/seconds", "eval/engine_seconds", "eval/tokens_per_s", "eval/prefilled_tokens",
-             "eval/peak_kv_bytes")
+             "eval/peak_kv_bytes", "eval/peak_kv_token_bytes")
 
 
 def test_eval_seed_samples_alike_in_any_chunk():
@@ -524,7 +524,7 @@ def _weights(run, it):
 
 def _same_metrics(a: dict, b: dict):
     keys = [k for k in a if k in b and not k.startswith(NOT_COMPARED) and "seconds" not in k and "per_s" not in k
-            and "peak_kv_bytes" not in k and k != "model"
+            and "peak_kv_" not in k and k != "model"
             # work counts, not results: each rank's engine prefills once the prompt prefix its groups share
             and "prefilled_tokens" not in k]
     assert len(keys) > 40

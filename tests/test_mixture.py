@@ -264,7 +264,7 @@ def test_two_processes_play_the_same_games(tmp_path):
               "trainer.eval_seeds=4", "trainer.progress=false", "trainer.plots=false", "algorithm.adv_estimator=grpo",
               "trainer.iterations=1", "trainer.eval_every=1", "rollout.sampling_streams=group",
               "reward.fn=run_helpers:response_parity", "trainer.seed=1"])  # seed 1: both games in iteration 1
-    cost = ("seconds", "tokens_per_s", "prefilled_tokens", "peak_kv_bytes")
+    cost = ("seconds", "tokens_per_s", "prefilled_tokens", "peak_kv_bytes", "peak_kv_token_bytes")
     compared = 0
     for ra, rb in zip(one, two):
         for k, v in ra.items():

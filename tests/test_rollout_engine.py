@@ -131,9 +131,11 @@ def test_finished_rows_leave_the_batch(tiny):
         hook.remove()
     lens = [len(o.token_ids) for o in outs]
     assert len(set(lens)) > 1
-    assert sizes[0][0] == 1  # the shared prompt, prefilled once
-    # decode forward k feeds exactly the rows that sampled k+1 tokens without stopping
-    decode_rows = [s[0] for s in sizes[1:]]
+    assert sizes[0] == (1, 20)  # the shared prompt, prefilled once
+    # decode forward k feeds exactly the rows that sampled k+1 tokens without stopping, one
+    # token each, packed into one row
+    assert all(s[0] == 1 for s in sizes)
+    decode_rows = [s[1] for s in sizes[1:]]
     assert decode_rows == [sum(1 for n in lens if n > k + 1) for k in range(max(lens) - 1)]
     # stats' decode counters (bench/limits.py divides by them): one step per one-token forward,
     # its live rows, the KV columns they read (20 prompt columns + the k + 1 tokens sampled since)
@@ -304,4 +306,60 @@ def test_greedy_matches_hf_generate_and_logprobs_on_embedded_model(smol):
         ids = prompts[s // 2] + o1.token_ids + (follow[1:] if o1.stop_reason == "eot" else follow) + o2.token_ids
         ref = _full_logprobs(model, ids, 1.0)[-len(o2.token_ids):]
         torch.testing.assert_close(torch.tensor(o2.logprobs), ref, atol=1e-4, rtol=0)
+    eng.finish()
+
+
+def _token_bytes(model) -> int:
+    """Bytes of one token's keys and values in every layer (fp32)."""
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+
+
+def test_kv_memory_follows_the_tokens_held(tiny):
+    """8 env groups x 4 sessions that share a 200-token system prompt, 3 turns of 120 appended
+    tokens and responses that mostly stop well before max_new_tokens: the KV memory held is
+    at most 1.2x the bytes of the distinct tokens held at the fullest moment (the shared prompt
+    counted once), not rows x the longest row + max_new_tokens."""
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    head = list(range(1000, 1200))
+    prompts = [head + list(range(2000 + 100 * g, 2100 + 100 * g)) for g in range(8)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=tuple(range(0, 49152, 8)),
+                            max_context=2048)
+    gen = torch.Generator().manual_seed(0)
+    eng.start(prompts, 4)
+    sessions, app = list(range(32)), None
+    for turn in range(3):
+        eng.generate(sessions, app, params, gen)
+        app = [list(range(3000 + s, 3120 + s)) for s in sessions]
+    ends = [eng.session_length(s) for s in sessions]
+    eng.finish()
+    per_token = _token_bytes(model)
+    # the fullest moment is the last turn's end: every session's own tokens, the groups' 100
+    # and the head once (a copied partly filled block per session at most)
+    distinct = sum(n - 300 for n in ends) + 8 * 100 + 200
+    st = eng.stats
+    assert st["peak_kv_bytes"] <= 1.2 * (distinct + 32 * 16) * per_token
+    assert distinct * per_token <= st["peak_kv_token_bytes"] <= (distinct + 32 * 16) * per_token
+    assert st["peak_kv_bytes"] <= 1.2 * st["peak_kv_token_bytes"]
+    # what a buffer of 32 rows x (the longest row + max_new_tokens) would hold
+    assert 32 * (max(ends) + 32) * per_token > 1.5 * st["peak_kv_bytes"]
+
+
+def test_a_finished_sessions_memory_serves_the_next_turn(tiny):
+    """32 sessions take a turn; then 8 of them go on, one with a long append: the other 24
+    sessions' blocks serve it, the KV memory does not grow (nor does it pad the 8 rows to the
+    long one)."""
+    model, tok = tiny
+    eng = NativeEngine(model, tok)
+    prompts = [list(range(100 + 300 * g, 400 + 300 * g)) for g in range(32)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, max_context=4096)
+    gen = torch.Generator().manual_seed(1)
+    eng.start(prompts, 1)
+    eng.generate(list(range(32)), None, params, gen)
+    after_one = eng.stats["peak_kv_bytes"]
+    outs = eng.generate(list(range(8)), [list(range(5000, 7000))] + [[7]] * 7, params, gen)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert eng.stats["peak_kv_bytes"] == after_one
+    assert [eng.session_length(s) for s in range(8)] == [300 + 8 + 2000 + 8] + [300 + 8 + 1 + 8] * 7
     eng.finish()

@@ -50,8 +50,12 @@ def wheel(tmp_path_factory):
 
 def test_wheel_holds_every_package(wheel):
     with zipfile.ZipFile(wheel) as z:
-        inits = {n[: -len("/__init__.py")].replace("/", ".") for n in z.namelist() if n.endswith("/__init__.py")}
+        names = z.namelist()
+    inits = {n[: -len("/__init__.py")].replace("/", ".") for n in names if n.endswith("/__init__.py")}
     assert inits == _source_packages()
+    # the C routines' sources, compiled on first use (without them the slower PyTorch paths run)
+    sources = {f"fastpo/kernels/{n}" for n in os.listdir(os.path.join(ROOT, "fastpo", "kernels")) if n.endswith(".c")}
+    assert len(sources) == 2 and sources <= set(names)
 
 
 @pytest.mark.slow

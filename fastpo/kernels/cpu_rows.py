@@ -8,12 +8,9 @@ one for the gradient (from the stored exp: no exp again; a logf only with an ent
 row by row (the row stays in the core's cache), the rows split over `torch.get_num_threads()`
 OpenMP threads.
 
-The C file is compiled on first use with the system's C compiler (`$CC`, else `cc` or `gcc`;
-`-O3 -march=native -ffast-math -fno-finite-math-only -fopenmp`, glibc's vector expf/logf where
-they link; linked without -ffast-math, so loading it leaves the process's floating-point mode
-alone) into `$FASTPO_CACHE` or `~/.cache/fastpo` (a file per source, flags, compiler and CPU)
-and loaded with ctypes; later processes load the built file. Without a compiler, or when the
-build fails, the eager ops run instead (warned once). `FASTPO_CPU_ROWS=0` (or false, off, no)
+The C file is compiled on first use with the system's C compiler and loaded with ctypes
+(`compiled.py`: flags, cache folder); later processes load the built file. Without a
+compiler, or when the build fails, the eager ops run instead (warned once). `FASTPO_CPU_ROWS=0` (or false, off, no)
 turns it off.
 
 Numerics: the same equations as the eager stages (`chunked._softmax_stats`, `chunked._dz_`),
@@ -24,111 +21,18 @@ Each row is summed by one thread in one order: the results do not depend on the 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import torch
 
+from . import compiled
+
 _SOURCE = Path(__file__).with_name("_cpu_rows.c")
-# Compiled to an object with these, then linked without -ffast-math: linking a shared library
-# with it adds crtfastmath.o, whose constructor would turn on flush-to-zero for the whole process.
-_CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fno-finite-math-only", "-fopenmp",
-           "-fPIC"]
-_LDFLAGS = ["-shared", "-fopenmp"]
-# the vector expf/logf first; a libc without libmvec gets the scalar ones
-_VARIANTS = (["-DFASTPO_VECTOR_EXP"], ["-lmvec"]), ([], [])
-_OFF = ("0", "false", "off", "no")
 
 _lib = None
 _state: str | None = None  # None: not tried; "ok"; else why it is off
 _lock = threading.Lock()
-
-
-def _cpu_key() -> str:
-    """What -march=native depends on: the machine and its CPU's feature flags."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return f"{platform.machine()}|{platform.processor()}|{flags}"
-
-
-def _compiler() -> list[str] | None:
-    """The compiler command: $CC (split as a shell would: "ccache gcc"), else cc or gcc."""
-    if os.environ.get("CC", "").strip():
-        cmd = shlex.split(os.environ["CC"])
-        return cmd if shutil.which(cmd[0]) else None
-    found = shutil.which("cc") or shutil.which("gcc")
-    return [found] if found else None
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FASTPO_CACHE") or Path.home() / ".cache" / "fastpo")
-
-
-def _run(cmd: list[str]) -> str | None:
-    """None when `cmd` succeeds, else its first line of error output (or its exit status)."""
-    r = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=300)
-    if r.returncode == 0:
-        return None
-    lines = (r.stderr or r.stdout).strip().splitlines()
-    return (lines[0] if lines else f"{cmd[0]} exited with status {r.returncode}")[:200]
-
-
-def _build(cc: list[str]) -> Path:
-    """The shared library for this source, compiler and CPU: loaded from the cache, or built
-    (into a temporary file, loaded once to check it, then renamed into place: concurrent
-    processes each build and one file wins; a cached file that does not load is rebuilt).
-    RuntimeError with the compiler's first line when no variant builds and loads."""
-    version = subprocess.run([*cc, "--version"], capture_output=True, text=True, encoding="utf-8", errors="replace",
-                             timeout=60).stdout.split("\n")[0]
-    src = _SOURCE.read_bytes()
-    errors = []
-    for defines, libs in _VARIANTS:
-        key = hashlib.sha256(b"|".join([src, " ".join(cc + _CFLAGS + _LDFLAGS + defines + libs).encode(),
-                                        version.encode(), _cpu_key().encode()])).hexdigest()[:16]
-        out = _cache_dir() / f"cpu_rows-{key}.so"
-        if out.exists():
-            try:
-                ctypes.CDLL(str(out))
-                return out
-            except OSError:  # truncated or foreign: build it again
-                pass
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        obj = tmp[:-3] + ".o"
-        try:
-            err = _run([*cc, *_CFLAGS, *defines, "-c", "-o", obj, str(_SOURCE)]) \
-                or _run([*cc, *_LDFLAGS, "-o", tmp, obj, *libs, "-lm"])
-            if err is None:
-                try:
-                    ctypes.CDLL(tmp)
-                except OSError as e:  # e.g. built against libmvec, which cannot be loaded
-                    err = str(e)[:200]
-            if err is not None:
-                errors.append(err)
-                continue
-            os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep others sharing the cache out
-            os.replace(tmp, out)
-            return out
-        finally:
-            for leftover in (tmp, obj):
-                if os.path.exists(leftover):
-                    os.unlink(leftover)
-    raise RuntimeError("; ".join(errors))
 
 
 def _load():
@@ -136,19 +40,10 @@ def _load():
     with _lock:
         if _state is not None:
             return _lib
-        if os.environ.get("FASTPO_CPU_ROWS", "1").strip().lower() in _OFF:
-            _state = f"off (FASTPO_CPU_ROWS={os.environ['FASTPO_CPU_ROWS']})"
-            return None
-        cc = _compiler()
-        try:
-            if cc is None:
-                raise RuntimeError("no C compiler found ($CC, cc, gcc)")
-            lib = ctypes.CDLL(str(_build(cc)))
-        except Exception as e:  # any build or load failure: the eager ops are the fallback
-            _state = f"off ({type(e).__name__}: {e})"
-            warnings.warn(f"fastpo.kernels: the CPU row kernels could not be built, the chunked path's elementwise "
-                          f"stages run as PyTorch ops (slower, same results to rounding): {e}", RuntimeWarning,
-                          stacklevel=3)
+        lib, _state = compiled.load(_SOURCE, "cpu_rows", "FASTPO_CPU_ROWS",
+                                    "fastpo.kernels: the CPU row kernels could not be built, the chunked path's "
+                                    "elementwise stages run as PyTorch ops (slower, same results to rounding)")
+        if lib is None:
             return None
         P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         lib.fastpo_row_stats.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, INT, INT]
@@ -157,7 +52,7 @@ def _load():
         lib.fastpo_row_dz.restype = None
         lib.fastpo_row_dz_exp.argtypes = [P, I64, I64, I64, P, P, P, P, P, F, INT]
         lib.fastpo_row_dz_exp.restype = None
-        _lib, _state = lib, "ok"
+        _lib = lib
         return lib
 
 

@@ -207,7 +207,7 @@ def count_rates(batch: TrajectoryBatch) -> dict:
 #: Batch metrics that add up over batches rolled out side by side (counts of tokens, bytes).
 SUMMED_METRICS = ("prefilled_tokens", "generated_tokens")
 #: Batch metrics of wall-clock time or peak size: the largest batch's (they ran side by side).
-MAX_METRICS = ("seconds", "engine_seconds", "peak_kv_bytes")
+MAX_METRICS = ("seconds", "engine_seconds", "peak_kv_bytes", "peak_kv_token_bytes")
 
 
 def combine_metrics(metrics: list, sizes: list) -> dict:

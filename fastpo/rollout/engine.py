@@ -3,35 +3,40 @@
 What it does that ``model.generate`` in a per-turn loop does not:
 
 - Sessions. ``start(prompts, group_size)`` opens ``P * group_size`` sessions; session ``s``
-  belongs to env group ``s // group_size``. Each group's prompt is prefilled once and its KV
-  cache is copied to the group's sessions (group prefix sharing); the prefix that all the
-  groups' prompts share (system prompt, game rules) is prefilled once for all of them.
-- KV cache kept across turns. ``generate(sessions, append, params)`` feeds only the tokens
-  appended since the session's last forward (the end of the previous response and the
-  between-turn template tokens), then decodes. Nothing is re-prefilled.
+  belongs to env group ``s // group_size``. The prefix that all the groups' prompts share
+  (system prompt, game rules) is prefilled once for all of them, then each group's own rest
+  of its prompt once for the group's sessions.
+- KV cache kept across turns, and memory that follows the tokens held (`PagedKVCache`,
+  fastpo/rollout/kv_cache.py): each session's keys and values are blocks of 16 tokens taken
+  as its tokens arrive; the shared prefix and each group's prompt are held once, their blocks
+  shared by every session that starts with them; the blocks of a session that ends (not
+  listed in the next ``generate``) go back to the free list before that call feeds anything.
+  ``generate(sessions, append, params)`` feeds only the tokens appended since the session's
+  last forward (the end of the previous response and the between-turn template tokens),
+  then decodes. Nothing is re-prefilled.
 - Batched decoding with per-sequence stop: a row that samples a stop token, completes a
   stop string, hits ``max_new_tokens`` or the context limit leaves the batch at once, so
   later steps do not compute for it.
 
-KV layout. Per layer one buffer ``[R, H_kv, capacity, D]`` with a validity mask
-``[R, capacity]``. Rows are left-padded, and holes (masked columns) appear where rows of one
-chunk had different lengths; every position id is the token's true position, so attention
-over the masked buffer equals attention over the unpadded sequence. At the start of each
-``generate`` call the rows of the continuing sessions are compacted (holes removed,
-right-aligned) into a fresh buffer sized for the turn, so buffers never grow mid-turn.
-Within the decode loop the live rows are kept as a prefix ``[:live]`` of the buffer: a row
-that stops is swapped with the last live row (two row copies), never a whole-batch copy.
+Forwards. Each forward packs the new tokens of its sessions into one row, back to back with
+their true position ids (no padding), and the model attends through the cache
+(`kv_cache.paged_attention`): a decode step's one token per session reads that session's
+blocks (on the CPU with the compiled `fastpo.kernels.cpu_attention.paged_decode`), a prefill
+attends session by session. The decode batch keeps its rows in the order the sampler's random
+draws assign them: a row that stops is swapped with the last live row, as the engine's
+earlier dense buffer did, so a seed draws the same tokens.
 
 Eviction (bounded context windows, rollout.context_window = K). ``evict(session, lo, hi)``
-drops the KV entries of the session's tokens at positions [lo, hi) (masked out, removed at the
-next compaction), and tokens in that range not fed yet (the pending last token of a response,
-the head of the next append) are skipped, never fed. Kept tokens keep their positions (RoPE
-positions are never shifted), so the trainer reproduces the sampler's context with the
-trajectory's own position ids and a per-turn attention mask (fastpo/rollout/window.py).
-``rewind(session, length)`` drops everything from position `length` on and feeds the next
-append from that position (re-prefilling a window with fresh positions; the benchmark's
-baseline). Per column the buffer also keeps each entry's position and token id
-(``session_context``), and ``stats["peak_kv_bytes"]`` records the largest KV buffer held.
+drops the KV entries of the session's tokens at positions [lo, hi) (the later entries move
+down within the session's blocks), and tokens in that range not fed yet (the pending last
+token of a response, the head of the next append) are skipped, never fed. Kept tokens keep
+their positions (RoPE positions are never shifted), so the trainer reproduces the sampler's
+context with the trajectory's own position ids and a per-turn attention mask
+(fastpo/rollout/window.py). ``rewind(session, length)`` drops everything from position
+`length` on and feeds the next append from that position (re-prefilling a window with fresh
+positions; the benchmark's baseline). ``session_context`` gives each entry's position and
+token id; ``stats["peak_kv_bytes"]`` records the most KV memory held and
+``stats["peak_kv_token_bytes"]`` the most bytes of the tokens held at one moment.
 
 Weights are the caller's module (no copy): a trainer that updates the model in place
 is immediately sampled from. Generation runs under ``torch.no_grad()`` in eval mode and
@@ -51,17 +56,14 @@ cache keeps every position, so such models would silently compute something else
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import time
 
 import torch
-from transformers import DynamicCache
 
-from fastpo.memory import mapped_allocations
-
-# The KV buffer layer and the model checks live in kv_cache.py; the names stay importable here.
-from .kv_cache import BufferLayer, cache_kwarg, shared_prefix_length, unsupported_attention
+from .kv_cache import BLOCK, PagedKVCache, attention_switched, shared_prefix_length, unsupported_attention
 from .sampling import SamplingParams, sample_tokens, sample_tokens_by_stream
 
 STOP_EOT = "eot"
@@ -97,7 +99,7 @@ class NativeEngine:
 
     Args:
         model: a transformers ``*ForCausalLM`` (or a peft wrapper of one), shared, not copied.
-        tokenizer: its tokenizer (used for the pad id and for stop-string checks).
+        tokenizer: its tokenizer (for stop-string checks).
     Raises ValueError for a model whose layers are not all full attention (sliding window,
     chunked or linear attention; see `unsupported_attention`).
 
@@ -108,9 +110,11 @@ class NativeEngine:
     forwards), ``stats["decode_seconds"]`` (the decode loops: sampling, stop checks and the
     one-token forwards), ``stats["decode_steps"]`` (one-token forwards),
     ``stats["decode_rows"]`` (rows summed over those forwards) and
-    ``stats["decode_kv_columns"]`` (KV buffer columns each forward reads, summed over its
-    rows: rows x buffer length; a layer's K and V of one column are 2 x KV heads x head dim
-    values).
+    ``stats["decode_kv_columns"]`` (KV entries each forward reads, summed over its rows: each
+    row's tokens held; a layer's K and V of one entry are 2 x KV heads x head dim values).
+    Memory (bytes): ``stats["peak_kv_bytes"]``, the most KV memory the cache held (its pools);
+    ``stats["peak_kv_token_bytes"]``, the most bytes of distinct tokens it held at one moment
+    (a shared prompt counted once): what a cache without any slack would need.
 
     ``readout``: None, or a callable mapping the final hidden states [R, H] (the LM head's
     input) to a float tensor [R]; while set, every sampled token also records the readout of
@@ -127,10 +131,12 @@ class NativeEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-        self._cache_kw = cache_kwarg(model)
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.num_layers = int(cfg.num_hidden_layers)
+        heads = int(cfg.num_attention_heads)
+        head_dim = getattr(cfg, "head_dim", None) or int(cfg.hidden_size) // heads
+        self.cache = PagedKVCache(self.num_layers, int(getattr(cfg, "num_key_value_heads", None) or heads),
+                                  int(head_dim))
         self._stop_char_masks: dict = {}
         self.readout = None
         self._hidden = None  # the LM head's input of the last forward, while a readout is set
@@ -140,10 +146,16 @@ class NativeEngine:
 
     # -- bookkeeping -----------------------------------------------------------------------
     def reset_stats(self) -> None:
-        """Zero the token and time counters."""
+        """Zero the token, time and memory counters."""
+        self.cache.reset_stats()
         self.stats = {"prefilled_tokens": 0, "generated_tokens": 0, "forward_passes": 0, "seconds": 0.0,
-                      "peak_kv_bytes": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0, "decode_steps": 0,
-                      "decode_rows": 0, "decode_kv_columns": 0}
+                      "peak_kv_bytes": 0, "peak_kv_token_bytes": 0, "prefill_seconds": 0.0, "decode_seconds": 0.0,
+                      "decode_steps": 0, "decode_rows": 0, "decode_kv_columns": 0}
+        self._note_kv()
+
+    def _note_kv(self) -> None:
+        for key in ("peak_kv_bytes", "peak_kv_token_bytes"):
+            self.stats[key] = max(self.stats[key], self.cache.stats[key])
 
     def _clock(self) -> float:
         """perf_counter after the device's queued work (CUDA runs asynchronously)."""
@@ -152,20 +164,15 @@ class NativeEngine:
         return time.perf_counter()
 
     def _clear(self) -> None:
-        self._layers = [BufferLayer() for _ in range(self.num_layers)]
-        self._mask = None  # bool [R, capacity]
-        self._pos = None  # int64 [R, capacity]: position of each column's token
-        self._tok = None  # int64 [R, capacity]: token id of each column
-        self._L = 0
-        self._rows = 0
-        self._row_of: dict = {}
+        self.cache.reset()
+        self._seq: dict = {}  # session -> its sequence in the cache
+        self._ctx_tok: dict = {}  # session -> token ids of its KV entries, in order
+        self._ctx_pos: dict = {}  # session -> their positions (ascending)
         self._cached: dict = {}  # session -> next position (tokens fed or skipped so far)
-        self._kept: dict = {}  # session -> tokens in the KV cache (fewer than _cached after evictions)
         self._floor: dict = {}  # session -> positions below this are evicted: not fed when pending
         self._pending: dict = {}  # session -> tokens not yet fed (the last sampled token)
         self._start_logits: dict = {}  # session -> logits [V] after the shared prompt prefill
         self._start_values: dict = {}  # session -> readout after the shared prompt prefill (readout set)
-        self._num_sessions = 0
 
     def finish(self) -> None:
         """Release every session and its KV cache."""
@@ -182,28 +189,26 @@ class NativeEngine:
     def session_context(self, session: int) -> tuple:
         """(token ids, positions) of the KV entries `session` holds now, in order (int lists);
         the pending last sampled token, not fed yet, is not among them."""
-        row = self._row_of[session]
-        keep = self._mask[row, :self._L]
-        return self._tok[row, :self._L][keep].tolist(), self._pos[row, :self._L][keep].tolist()
+        return list(self._ctx_tok[session]), list(self._ctx_pos[session])
 
     def evict(self, session: int, lo: int, hi: int) -> None:
         """Drop `session`'s tokens at positions [lo, hi) from its context (see module docstring).
 
-        Entries already in the KV cache are masked out; tokens in the range that are not fed
+        Entries already in the KV cache are removed; tokens in the range that are not fed
         yet (pending, or the head of the next append) will be skipped. Positions of the other
         tokens do not change. Raises ValueError for an unknown session or lo > hi.
         """
         if session not in self._cached:
             raise ValueError(f"session {session!r} is not open")
-        if session in self._start_logits:  # its KV row is still the group's shared prompt row
+        if session in self._start_logits:  # it holds only its group's shared prompt
             raise ValueError(f"session {session!r} has not generated yet; nothing of its own to drop")
         if not 0 <= lo <= hi:
             raise ValueError(f"evict needs 0 <= lo <= hi, got lo={lo!r}, hi={hi!r}")
-        row = self._row_of[session]
-        pos = self._pos[row, :self._L]
-        drop = self._mask[row, :self._L] & (pos >= lo) & (pos < hi)
-        self._kept[session] -= int(drop.sum())
-        self._mask[row, :self._L] &= ~drop
+        pos = self._ctx_pos[session]
+        i, j = bisect.bisect_left(pos, lo), bisect.bisect_left(pos, hi)
+        if i < j:
+            self.cache.remove(self._seq[session], i, j)
+            del self._ctx_tok[session][i:j], pos[i:j]
         self._floor[session] = max(self._floor.get(session, 0), hi)
 
     def rewind(self, session: int, length: int) -> None:
@@ -212,24 +217,19 @@ class NativeEngine:
         unknown session or a length outside [1, session_length]."""
         if session not in self._cached:
             raise ValueError(f"session {session!r} is not open")
-        if session in self._start_logits:  # its KV row is still the group's shared prompt row
+        if session in self._start_logits:  # it holds only its group's shared prompt
             raise ValueError(f"session {session!r} has not generated yet; nothing of its own to drop")
         if not 1 <= length <= self.session_length(session):
             raise ValueError(f"rewind length must be in [1, {self.session_length(session)}], got {length!r}")
-        row = self._row_of[session]
-        drop = self._mask[row, :self._L] & (self._pos[row, :self._L] >= length)
-        self._kept[session] -= int(drop.sum())
-        self._mask[row, :self._L] &= ~drop
+        pos = self._ctx_pos[session]
+        i = bisect.bisect_left(pos, length)
+        self.cache.truncate(self._seq[session], i)
+        del self._ctx_tok[session][i:], pos[i:]
         self._cached[session] = length
         self._pending[session] = []
         self._floor.pop(session, None)
         self._start_logits.pop(session, None)
         self._start_values.pop(session, None)
-
-    def _note_kv(self) -> None:
-        size = sum(x.numel() * x.element_size() for layer in self._layers for x in (layer.kbuf, layer.vbuf)
-                   if x is not None)
-        self.stats["peak_kv_bytes"] = max(self.stats["peak_kv_bytes"], size)
 
     @contextlib.contextmanager
     def _inference(self):
@@ -237,44 +237,40 @@ class NativeEngine:
         self.model.eval()
         t0 = time.perf_counter()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), attention_switched(self.model):
                 yield
         finally:
             self.model.train(was_training)
             self.stats["seconds"] += time.perf_counter() - t0
 
-    def _forward(self, ids, attn, pos, rows: int, length: int):
-        """One forward of `rows` rows; writes K/V at columns [length, length + n). Returns logits [rows, V]
-        (and sets ``self._values`` [rows] fp32 from the readout, or None)."""
-        for layer in self._layers:
-            layer.bind(layer.kbuf, layer.vbuf, rows, length, layer.capacity)
-        cache = DynamicCache()
-        cache.layers = self._layers
+    def _forward(self, seqs: list, ids: torch.Tensor, pos: torch.Tensor, counts: list, spare: int = 0):
+        """One forward of the new tokens of cache sequences `seqs`: counts[i] tokens each, packed
+        in `ids` / `pos` (int64 [N], sequence by sequence; positions are the tokens' true
+        ones). `spare`: blocks to keep free for the decoding that follows (`PagedKVCache.plan`).
+        Returns the fp32 logits [R, V] at each sequence's last new token (and sets
+        ``self._values`` [R] fp32 from the readout, or None)."""
+        dev = self.device
+        step = self.cache.plan(seqs, counts, spare, dev)
+        keep = 0 if step.decode else torch.tensor(step.offsets[1:], device=dev) - 1  # 0: every token's logits
         hook = None
         if self.readout is not None:
-            def keep(_module, args):
-                self._hidden = args[0][:, -1, :]
+            def grab(_module, args):
+                self._hidden = args[0][0]
 
-            hook = self.model.get_output_embeddings().register_forward_pre_hook(keep)
+            hook = self.model.get_output_embeddings().register_forward_pre_hook(grab)
         try:
-            out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
-                             **{self._cache_kw: cache})
+            out = self.model(input_ids=ids.to(dev)[None], position_ids=pos.to(dev)[None], use_cache=False,
+                             logits_to_keep=keep, fastpo_kv=(self.cache, step))
         finally:
             if hook is not None:
                 hook.remove()
         self._values = None
         if hook is not None:
-            self._values = self.readout(self._hidden).float().reshape(rows)
+            self._values = self.readout(self._hidden).float().reshape(len(seqs))
             self._hidden = None
         self.stats["forward_passes"] += 1
-        return out.logits[:, -1, :]
-
-    def _alloc(self, rows: int, capacity: int, like=None) -> None:
-        for layer in self._layers:
-            if like is None:
-                layer.kbuf = layer.vbuf = None
-            layer.capacity = capacity
-            layer.rows = rows
+        self._note_kv()  # (the first forward allocates the pools)
+        return out.logits[0].float()
 
     # -- public API ------------------------------------------------------------------------
     def start(self, prompts: list, group_size: int = 1) -> None:
@@ -291,89 +287,34 @@ class NativeEngine:
         self._clear()
         P = len(prompts)
         S = shared_prefix_length(prompts)
-        Lp = max(len(p) for p in prompts)
-        W = Lp - S  # the rows' own tokens, left-padded after the shared prefix
-        dev = self.device
-        ids = torch.full((P, W), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((P, Lp), dtype=torch.bool)
-        pos = torch.zeros((P, Lp), dtype=torch.long)
-        tok = torch.full((P, Lp), self.pad_id, dtype=torch.long)
-        mask[:, :S] = True
-        pos[:, :S] = torch.arange(S)
-        if S:
-            tok[:, :S] = torch.tensor(prompts[0][:S], dtype=torch.long)
-        for g, p in enumerate(prompts):
-            n = len(p)
-            ids[g, W - (n - S):] = torch.tensor(p[S:], dtype=torch.long)
-            mask[g, Lp - (n - S):] = True
-            pos[g, Lp - (n - S):] = torch.arange(S, n)
-        tok[:, S:] = ids
         with self._inference():
             t0 = self._clock()
-            self._alloc(P, Lp)
-            self._mask = mask.to(dev)
-            self._pos, self._tok = pos.to(dev), tok.to(dev)
             if S:
                 # The prefix every prompt shares (the system prompt and the game's rules) is
-                # prefilled once, in one row, and its KV copied to every row.
-                self._forward(self._tok[:1, :S], self._mask[:1, :S].long(), self._pos[:1, :S], 1, 0)
-                with mapped_allocations():
-                    for layer in self._layers:
-                        layer.kbuf = layer.kbuf.expand(P, -1, -1, -1).contiguous()
-                        layer.vbuf = layer.vbuf.expand(P, -1, -1, -1).contiguous()
-            logits = self._forward(ids.to(dev), self._mask.long(), self._pos[:, S:], P, S)
+                # prefilled once, and its blocks are shared by every group.
+                root = self.cache.new()
+                self._forward([root], torch.tensor(prompts[0][:S]), torch.arange(S), [S])
+                groups = [self.cache.fork(root) for _ in range(P)]
+                self.cache.free(root)
+            else:
+                groups = [self.cache.new() for _ in range(P)]
+            ids = torch.tensor([t for p in prompts for t in p[S:]], dtype=torch.long)
+            pos = torch.cat([torch.arange(S, len(p)) for p in prompts])
+            logits = self._forward(groups, ids, pos, [len(p) - S for p in prompts])
             self.stats["prefill_seconds"] += self._clock() - t0
-        self._note_kv()
-        self._L, self._rows = Lp, P
         self.stats["prefilled_tokens"] += S + sum(len(p) - S for p in prompts)
-        self._num_sessions = P * group_size
-        for s in range(self._num_sessions):
+        for s in range(P * group_size):
             g = s // group_size
-            self._row_of[s] = g
+            self._seq[s] = self.cache.fork(groups[g])
+            self._ctx_tok[s] = list(prompts[g])
+            self._ctx_pos[s] = list(range(len(prompts[g])))
             self._cached[s] = len(prompts[g])
-            self._kept[s] = len(prompts[g])
             self._pending[s] = []
             self._start_logits[s] = logits[g]
             if self._values is not None:
                 self._start_values[s] = self._values[g]
-
-    def _compact(self, sessions: list, capacity: int) -> int:
-        """Move the sessions' KV rows, holes removed and right-aligned, into fresh buffers of
-        `capacity` columns (row i = sessions[i]). Returns the aligned length T."""
-        dev = self.device
-        R = len(sessions)
-        src = torch.tensor([self._row_of[s] for s in sessions], dtype=torch.long, device=dev)
-        L = self._L
-        m = self._mask[src, :L]
-        t = m.sum(1)
-        T = int(t.max()) if R else 0
-        rank = m.long().cumsum(1) - 1
-        target = torch.where(m, (T - t)[:, None] + rank, torch.full_like(rank, T))
-        col = torch.zeros((R, T + 1), dtype=torch.long, device=dev)
-        col.scatter_(1, target, torch.arange(L, device=dev).expand(R, L).contiguous())
-        col = col[:, :T]
-        new_mask = torch.zeros((R, capacity), dtype=torch.bool, device=dev)
-        new_mask[:, :T] = torch.arange(T, device=dev)[None, :] >= (T - t)[:, None]
-        new_pos = torch.zeros((R, capacity), dtype=torch.long, device=dev)
-        new_tok = torch.zeros((R, capacity), dtype=torch.long, device=dev)
-        if T:
-            new_pos[:, :T] = self._pos[src[:, None], col]
-            new_tok[:, :T] = self._tok[src[:, None], col]
-        for layer in self._layers:
-            kb, vb = layer.kbuf, layer.vbuf
-            H, D = kb.shape[1], kb.shape[3]
-            with mapped_allocations():  # each turn's larger buffers: no holes left in the heap
-                nk = kb.new_zeros((R, H, capacity, D))
-                nv = vb.new_zeros((R, H, capacity, D))
-            if T:
-                hi = torch.arange(H, device=dev)[None, :, None]
-                nk[:, :, :T] = kb[src[:, None, None], hi, col[:, None, :]]
-                nv[:, :, :T] = vb[src[:, None, None], hi, col[:, None, :]]
-            layer.kbuf, layer.vbuf, layer.capacity = nk, nv, capacity
-        self._mask, self._pos, self._tok = new_mask, new_pos, new_tok
-        self._rows = R
-        self._note_kv()
-        return T
+        for seq in groups:  # the sessions hold the groups' blocks now
+            self.cache.free(seq)
 
     def _stop_char_mask(self, chars: str):
         """bool [V]: tokens whose text contains one of `chars` (cheap pre-check for stop strings)."""
@@ -387,13 +328,13 @@ class NativeEngine:
         """Continue `sessions`: append tokens, then sample one response each, batched.
 
         sessions: distinct open session ids. Sessions not listed are released (their KV
-        cache is freed and they cannot be continued). append: one token-id list per session
-        (the between-turn template tokens and next observation; may be empty), or None.
-        params: SamplingParams. generator: torch.Generator on the model's device (seeded
-        for reproducible sampling), or None for the global RNG, or a dict {session id:
-        torch.Generator} giving each session its stream (the sessions of one env group share
-        one; `sampling.sample_tokens_by_stream`): a session's tokens then do not depend on
-        which other sessions share the batch.
+        cache is freed before anything is fed, and they cannot be continued). append: one
+        token-id list per session (the between-turn template tokens and next observation;
+        may be empty), or None. params: SamplingParams. generator: torch.Generator on the
+        model's device (seeded for reproducible sampling), or None for the global RNG, or a
+        dict {session id: torch.Generator} giving each session its stream (the sessions of one
+        env group share one; `sampling.sample_tokens_by_stream`): a session's tokens then do
+        not depend on which other sessions share the batch.
 
         Returns one TurnOutput per session, in order. A session whose length would pass
         params.max_context gets stop_reason "context" and no tokens, and is closed (its
@@ -412,24 +353,20 @@ class NativeEngine:
                 raise ValueError(f"append for session {s} holds token ids outside [0, {self.vocab_size}): {bad[:5]}")
         outputs = [TurnOutput([], [], STOP_CONTEXT) for _ in sessions]
         # Sessions that cannot take one more token are answered without computing.
-        run = []
-        for i, s in enumerate(sessions):
-            if self.session_length(s) + len(append[i]) + 1 > params.max_context:
-                pass  # the append is refused; the session is unchanged
-            else:
-                run.append(i)
-        keep = [sessions[i] for i in run]
+        run = [i for i, s in enumerate(sessions) if self.session_length(s) + len(append[i]) + 1 <= params.max_context]
+        # Sessions not listed, and refused ones, are closed now: their blocks serve this turn.
+        self._keep_only([sessions[i] for i in run])
         if run:
             with self._inference():
                 self._generate(run, sessions, append, params, generator, outputs)
-        # Sessions not listed, and refused ones, are closed; their KV rows are gone.
-        self._keep_only(keep)
         return outputs
 
     def _keep_only(self, sessions) -> None:
         keep = set(sessions)
-        for d in (self._cached, self._kept, self._floor, self._pending, self._start_logits, self._start_values,
-                  self._row_of):
+        for s in [s for s in self._seq if s not in keep]:
+            self.cache.free(self._seq.pop(s))
+        for d in (self._ctx_tok, self._ctx_pos, self._cached, self._floor, self._pending, self._start_logits,
+                  self._start_values):
             for s in [s for s in d if s not in keep]:
                 del d[s]
 
@@ -437,31 +374,29 @@ class NativeEngine:
         """One turn of the sessions `run` indexes: feed their pending and appended tokens
         (`_feed`), decode until every row stops (`_decode`), record where each session ends."""
         sess = [sessions[i] for i in run]
-        cached, T, n_max, logits, values = self._feed(sess, [append[i] for i in run], params)
+        cached, logits, values = self._feed(sess, [append[i] for i in run], params)
         R = len(sess)
-        row_out = list(range(R))  # buffer row -> output row
-        pos_t = torch.tensor(cached, dtype=torch.long, device=self.device)  # next position per buffer row
-        resp, lps, ents, vals, L = self._decode(sess, run, cached, T + n_max, logits, values, params, generator,
-                                                outputs, row_out, pos_t)
+        row_out = list(range(R))  # decode batch row -> output row
+        pos_t = torch.tensor(cached, dtype=torch.long)  # next position per batch row
+        resp, lps, ents, vals = self._decode(sess, run, cached, logits, values, params, generator, outputs, row_out,
+                                             pos_t)
         for r in range(R):
             o = row_out[r]
             s = sess[o]
-            self._row_of[s] = r
-            self._kept[s] += int(pos_t[r]) - cached[o]  # fed while decoding (all but the pending token)
+            fed = resp[o][:-1]  # every sampled token but the pending last one went through a forward
+            self._ctx_tok[s].extend(fed)
+            self._ctx_pos[s].extend(range(cached[o], cached[o] + len(fed)))
             self._cached[s] = int(pos_t[r])
             outputs[run[o]].token_ids = resp[o]
             outputs[run[o]].logprobs = lps[o]
             outputs[run[o]].entropies = ents[o]
             outputs[run[o]].values = vals[o]
-        self._L = L
-        self._rows = R
 
     def _feed(self, sess, append, params):
-        """Prefill the sessions' pending and appended tokens (skipping evicted ones) into a
-        buffer compacted and sized for the turn. Returns (cached lengths, aligned length T,
-        longest chunk n_max, the next-token logits [R, V] fp32, the readout values or None);
-        a session with nothing to feed starts from the logits kept when it was opened."""
-        dev = self.device
+        """Prefill the sessions' pending and appended tokens (skipping evicted ones) in one
+        forward. Returns (each session's next position, the next-token logits [R, V] fp32,
+        the readout values [R] or None); a session with nothing to feed starts from the
+        logits kept when it was opened."""
         chunks = []
         for a, s in zip(append, sess):
             c = self._pending[s] + list(a)
@@ -469,56 +404,51 @@ class NativeEngine:
             self._cached[s] += skip
             chunks.append(c[skip:])
         R = len(sess)
-        n = [len(c) for c in chunks]
-        n_max = max(n)
-        # The turn's longest possible row, so the buffer never grows inside the turn.
-        T = max(self._kept[s] for s in sess)  # >= the aligned length (holes removed)
-        capacity = T + n_max + params.max_new_tokens
-        T = self._compact(sess, capacity)
-        cached = [self._cached[s] for s in sess]
-        if any(nb == 0 for nb in n) and any(s not in self._start_logits for s, nb in zip(sess, n) if nb == 0):
+        fed = [r for r in range(R) if chunks[r]]
+        if len(fed) < R and any(sess[r] not in self._start_logits for r in range(R) if not chunks[r]):
             raise RuntimeError("a session with nothing to feed has no logits (fastpo engine bug)")
         logits = values = None
-        if n_max > 0:
-            ids = torch.full((R, n_max), self.pad_id, dtype=torch.long)
-            pos = torch.zeros((R, n_max), dtype=torch.long)
-            for r, c in enumerate(chunks):
-                if c:
-                    ids[r, n_max - len(c):] = torch.tensor(c, dtype=torch.long)
-                    pos[r, n_max - len(c):] = torch.arange(cached[r], cached[r] + len(c))
-            cm = torch.arange(n_max)[None, :] >= (n_max - torch.tensor(n))[:, None]
-            self._mask[:, T:T + n_max] = cm.to(dev)
-            self._pos[:, T:T + n_max] = pos.to(dev)
-            self._tok[:, T:T + n_max] = ids.to(dev)
+        if fed:
+            # blocks kept free for this turn's decoding (up to 4 blocks a row), so that its
+            # steps do not each grow the pools
+            spare = R * (min(-(-params.max_new_tokens // BLOCK), 4) + 1)
+            ids = torch.tensor([t for r in fed for t in chunks[r]], dtype=torch.long)
+            pos = torch.cat([torch.arange(self._cached[sess[r]], self._cached[sess[r]] + len(chunks[r])) for r in fed])
             t0 = self._clock()
-            logits = self._forward(ids.to(dev), self._mask[:, :T + n_max].long(), pos.to(dev), R, T).float()
+            out = self._forward([self._seq[sess[r]] for r in fed], ids, pos, [len(chunks[r]) for r in fed], spare)
             self.stats["prefill_seconds"] += self._clock() - t0
-            values = self._values
-            self.stats["prefilled_tokens"] += sum(n)
+            self.stats["prefilled_tokens"] += int(ids.numel())
+            logits = out.new_empty((R, out.shape[1]))
+            logits[fed] = out
+            if self._values is not None:
+                values = self._values.new_empty(R)
+                values[fed] = self._values
         readout = self.readout is not None
         for r, s in enumerate(sess):
-            if n[r] == 0:
-                row = self._start_logits[s].float()[None]
+            if not chunks[r]:
+                row = self._start_logits[s].float()
                 logits = row.expand(R, -1).clone() if logits is None else logits
-                logits[r] = row[0]
+                logits[r] = row
                 if readout:
                     v0 = self._start_values.get(s)
                     if v0 is None:
                         raise RuntimeError("readout set after the session started (fastpo engine bug)")
                     values = v0.expand(R).clone() if values is None else values
                     values[r] = v0
-            cached[r] += n[r]
-            self._kept[s] += n[r]
+            else:
+                self._ctx_tok[s].extend(chunks[r])
+                self._ctx_pos[s].extend(range(self._cached[s], self._cached[s] + len(chunks[r])))
+            self._cached[s] += len(chunks[r])
             self._pending[s] = []
             self._start_logits.pop(s, None)
             self._start_values.pop(s, None)
-        return cached, T, n_max, logits, values
+        return [self._cached[s] for s in sess], logits, values
 
-    def _decode(self, sess, run, cached, L, logits, values, params, generator, outputs, row_out, pos_t):
+    def _decode(self, sess, run, cached, logits, values, params, generator, outputs, row_out, pos_t):
         """Sample token by token from `logits` until every row stops (a stop token, a stop
-        string, max_new_tokens or the context); a stopped row leaves the live prefix at once
-        (`_evict`). `row_out` and `pos_t` are updated in place. Returns the per-row (tokens,
-        log-probs, entropies, values) and the buffer length L after the last step."""
+        string, max_new_tokens or the context); a stopped row leaves the live prefix of the
+        batch at once (`_evict`). `row_out` and `pos_t` are updated in place. Returns the
+        per-row (tokens, log-probs, entropies, values)."""
         R = len(sess)
         readout = self.readout is not None
         # Per output row limits: max_new_tokens and the context.
@@ -565,25 +495,26 @@ class NativeEngine:
                     self._pending[sess[o]] = [t]
                     stopped.append(r)
             self.stats["generated_tokens"] += live
+            tok = tok.cpu()
             if stopped:
-                live, tok = self._evict(stopped, live, L, row_out, pos_t, tok)
+                live, tok = self._evict(stopped, live, row_out, pos_t, tok)
             if live == 0:
                 break
-            self._mask[:live, L] = True
-            self._pos[:live, L] = pos_t[:live]
-            self._tok[:live, L] = tok[:live]
-            logits = self._forward(tok[:live, None], self._mask[:live, :L + 1].long(), pos_t[:live, None], live, L).float()
+            seqs = [self._seq[sess[row_out[r]]] for r in range(live)]
+            logits = self._forward(seqs, tok[:live], pos_t[:live], [1] * live)
             self.stats["decode_steps"] += 1
             self.stats["decode_rows"] += live
-            self.stats["decode_kv_columns"] += live * (L + 1)
+            self.stats["decode_kv_columns"] += sum(self.cache.length(q) for q in seqs)
             values = self._values
             pos_t[:live] += 1
-            L += 1
         self.stats["decode_seconds"] += self._clock() - t0
-        return resp, lps, ents, vals, L
+        return resp, lps, ents, vals
 
-    def _evict(self, stopped, live, L, row_out, pos_t, tok):
-        """Swap stopped rows behind the live prefix; returns (new live count, reordered tok)."""
+    @staticmethod
+    def _evict(stopped, live, row_out, pos_t, tok):
+        """Swap stopped rows behind the live prefix; returns (new live count, reordered tok).
+        (Rows keep the order the sampler's draws are assigned in: a stopped row is swapped with
+        the last live one.)"""
         st = set(stopped)
         new_live = live - len(stopped)
         holes = [r for r in stopped if r < new_live]
@@ -591,14 +522,8 @@ class NativeEngine:
         if holes:
             a = holes + movers
             b = movers + holes
-            ia = torch.tensor(a, dtype=torch.long, device=pos_t.device)
-            ib = torch.tensor(b, dtype=torch.long, device=pos_t.device)
-            for layer in self._layers:
-                layer.kbuf[ia, :, :L] = layer.kbuf[ib, :, :L]
-                layer.vbuf[ia, :, :L] = layer.vbuf[ib, :, :L]
-            self._mask[ia, :L] = self._mask[ib, :L]
-            self._pos[ia, :L] = self._pos[ib, :L]
-            self._tok[ia, :L] = self._tok[ib, :L]
+            ia = torch.tensor(a, dtype=torch.long)
+            ib = torch.tensor(b, dtype=torch.long)
             pos_t[ia] = pos_t[ib]
             tok = tok.clone()
             tok[ia] = tok[ib]

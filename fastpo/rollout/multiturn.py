@@ -477,7 +477,9 @@ class MultiTurnRollout:
         response_length (mean tokens per turn), num_turns, success_rate, score,
         valid_action_rate (recognised / all answer pieces), effective_action_rate (actions
         that changed the state / executed), format_penalty_rate (penalised / all turns),
-        truncated_rate. Per trajectory the batch also holds each turn's engine stop reason
+        truncated_rate, and the engine's KV memory: peak_kv_bytes (the most it held, bytes)
+        and peak_kv_token_bytes (the most bytes of tokens it held at one moment, a shared
+        prompt counted once). Per trajectory the batch also holds each turn's engine stop reason
         and its valid / invalid / effective action and penalised-turn counts.
         Raises ValueError for bad seeds (not a non-empty sequence of non-negative integers:
         floats, bools and strings are refused, not truncated), a bad `seed` or group_size;
@@ -692,6 +694,7 @@ class MultiTurnRollout:
             "truncated_rate": float(st.truncated.mean()),
             "num_actions": float((st.max_actions - st.actions_left).mean()),
             "peak_kv_bytes": float(stats.get("peak_kv_bytes", 0)),
+            "peak_kv_token_bytes": float(stats.get("peak_kv_token_bytes", 0)),
         }
         window = {}
         if K is not None:
