@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -128,3 +129,35 @@ def load(source: Path, stem: str, switch: str, failure: str) -> tuple[ctypes.CDL
     except Exception as e:  # any build or load failure: the caller's PyTorch ops are the fallback
         warnings.warn(f"{failure}: {e}", RuntimeWarning, stacklevel=4)
         return None, f"off ({type(e).__name__}: {e})"
+
+
+#: ctypes' argument types, for `Routines` signatures.
+P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+class Routines:
+    """The C routines of one source file, built and loaded on first use, once per process
+    (thread-safe): `get()` is the library with `signatures` ({function name: (argtypes,
+    restype)}) set, or None when it is off (`load`'s reasons); `status()` says which. Never
+    raises; the caller runs its PyTorch ops when `get()` is None."""
+
+    def __init__(self, source: Path, stem: str, switch: str, failure: str, signatures: dict):
+        self.source, self.stem, self.switch, self.failure, self.signatures = source, stem, switch, failure, signatures
+        self.lib: ctypes.CDLL | None = None
+        self.state: str | None = None  # None: not tried; "ok"; else why it is off
+        self._lock = threading.Lock()
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if self.state is None:
+                lib, self.state = load(self.source, self.stem, self.switch, self.failure)
+                if lib is not None:
+                    for name, (argtypes, restype) in self.signatures.items():
+                        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, restype
+                self.lib = lib
+            return self.lib
+
+    def status(self) -> str:
+        """"ok" when the routines are in use, else why not (builds them on first call)."""
+        self.get()
+        return self.state or "off"

@@ -23,8 +23,6 @@ relative), not bit for bit.
 """
 from __future__ import annotations
 
-import ctypes
-import threading
 from pathlib import Path
 
 import torch
@@ -34,33 +32,17 @@ from . import compiled
 #: Tokens per block of a paged KV cache (the C routine's compile-time block size).
 BLOCK = 16
 
-_SOURCE = Path(__file__).with_name("_cpu_attention.c")
-_lib = None
-_state: str | None = None  # None: not tried; "ok"; else why it is off
-_lock = threading.Lock()
-
-
-def _load():
-    global _lib, _state
-    with _lock:
-        if _state is not None:
-            return _lib
-        lib, _state = compiled.load(_SOURCE, "cpu_attention", "FASTPO_CPU_ATTENTION",
-                                    "fastpo.kernels: the CPU decode attention could not be built, decoding runs "
-                                    "PyTorch's attention on gathered blocks (slower, same results to rounding)")
-        if lib is None:
-            return None
-        P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.fastpo_paged_decode.argtypes = [P, P, P, P, P, I64, P, I64, I64, I64, I64, F, INT]
-        lib.fastpo_paged_decode.restype = INT
-        _lib = lib
-        return lib
+_ROUTINES = compiled.Routines(
+    Path(__file__).with_name("_cpu_attention.c"), "cpu_attention", "FASTPO_CPU_ATTENTION",
+    "fastpo.kernels: the CPU decode attention could not be built, decoding runs PyTorch's attention on gathered "
+    "blocks (slower, same results to rounding)",
+    {"fastpo_paged_decode": ([compiled.P] * 5 + [compiled.I64, compiled.P] + [compiled.I64] * 4
+                             + [compiled.F, compiled.INT], compiled.INT)})
 
 
 def status() -> str:
     """"ok" when the compiled routine is in use, else why not (builds it on first call)."""
-    _load()
-    return _state or "off"
+    return _ROUTINES.status()
 
 
 def _shapes(q, kpool, vpool, table, lens) -> str | None:
@@ -83,7 +65,7 @@ def usable(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor) -> bool:
         return False
     if not (kpool.is_contiguous() and vpool.is_contiguous()):
         return False
-    return _load() is not None
+    return _ROUTINES.get() is not None
 
 
 def paged_decode(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, table: torch.Tensor,
@@ -117,9 +99,9 @@ def paged_decode(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, tabl
                          f"[{int(lens.min())}, {int(lens.max())}]")
     q = q.contiguous()
     out = torch.empty_like(q)
-    failed = _lib.fastpo_paged_decode(q.data_ptr(), out.data_ptr(), kpool.data_ptr(), vpool.data_ptr(),
-                                      table.data_ptr(), table.shape[1], lens.data_ptr(), R, Hq, kpool.shape[1], D,
-                                      float(scale), torch.get_num_threads())
+    failed = _ROUTINES.lib.fastpo_paged_decode(q.data_ptr(), out.data_ptr(), kpool.data_ptr(), vpool.data_ptr(),
+                                               table.data_ptr(), table.shape[1], lens.data_ptr(), R, Hq,
+                                               kpool.shape[1], D, float(scale), torch.get_num_threads())
     if failed:
         raise MemoryError(f"paged_decode: no memory for the scores of a row of up to {int(lens.max())} tokens")
     return out

@@ -20,46 +20,27 @@ Each row is summed by one thread in one order: the results do not depend on the 
 """
 from __future__ import annotations
 
-import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
 from . import compiled
 
-_SOURCE = Path(__file__).with_name("_cpu_rows.c")
-
-_lib = None
-_state: str | None = None  # None: not tried; "ok"; else why it is off
-_lock = threading.Lock()
-
-
-def _load():
-    global _lib, _state
-    with _lock:
-        if _state is not None:
-            return _lib
-        lib, _state = compiled.load(_SOURCE, "cpu_rows", "FASTPO_CPU_ROWS",
-                                    "fastpo.kernels: the CPU row kernels could not be built, the chunked path's "
-                                    "elementwise stages run as PyTorch ops (slower, same results to rounding)")
-        if lib is None:
-            return None
-        P, I64, F, INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-        lib.fastpo_row_stats.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, INT, INT]
-        lib.fastpo_row_stats.restype = None
-        lib.fastpo_row_dz.argtypes = [P, I64, I64, I64, P, P, P, P, P, P, F, INT]
-        lib.fastpo_row_dz.restype = None
-        lib.fastpo_row_dz_exp.argtypes = [P, I64, I64, I64, P, P, P, P, P, F, INT]
-        lib.fastpo_row_dz_exp.restype = None
-        _lib = lib
-        return lib
+_ROUTINES = compiled.Routines(
+    Path(__file__).with_name("_cpu_rows.c"), "cpu_rows", "FASTPO_CPU_ROWS",
+    "fastpo.kernels: the CPU row kernels could not be built, the chunked path's elementwise stages run as PyTorch "
+    "ops (slower, same results to rounding)",
+    {"fastpo_row_stats": ([compiled.P, compiled.I64, compiled.I64, compiled.I64] + [compiled.P] * 6
+                          + [compiled.INT, compiled.INT], None),
+     "fastpo_row_dz": ([compiled.P, compiled.I64, compiled.I64, compiled.I64] + [compiled.P] * 6
+                       + [compiled.F, compiled.INT], None),
+     "fastpo_row_dz_exp": ([compiled.P, compiled.I64, compiled.I64, compiled.I64] + [compiled.P] * 5
+                           + [compiled.F, compiled.INT], None)})
 
 
 def status() -> str:
     """"ok" when the compiled routines are in use, else why not (builds them on first call)."""
-    _load()
-    return _state or "off"
+    return _ROUTINES.status()
 
 
 def usable(z: torch.Tensor, targets: torch.Tensor) -> bool:
@@ -70,7 +51,7 @@ def usable(z: torch.Tensor, targets: torch.Tensor) -> bool:
         return False
     if targets.dtype not in (torch.int32, torch.int64) or targets.shape != z.shape[:1]:
         return False
-    if _load() is None:
+    if _ROUTINES.get() is None:
         return False
     return bool(((targets >= 0) & (targets < z.shape[1])).all())
 
@@ -106,8 +87,8 @@ def row_stats(z: torch.Tensor, targets: torch.Tensor, store_exp: bool = False) -
     c, v = z.shape
     t = _checked(z, targets)
     out = torch.empty(5, c, dtype=torch.float32)  # max, log sum, lse, entropy, logprob
-    _lib.fastpo_row_stats(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), *(out[i].data_ptr() for i in range(5)),
-                          int(store_exp), torch.get_num_threads())
+    _ROUTINES.lib.fastpo_row_stats(z.data_ptr(), c, v, z.stride(0), t.data_ptr(),
+                                   *(out[i].data_ptr() for i in range(5)), int(store_exp), torch.get_num_threads())
     stats = RowStats((out[2], out[3], out[4]))
     stats.shift, stats.log_norm, stats.exp_stored = out[0], out[1], bool(store_exp)
     return stats
@@ -129,10 +110,11 @@ def row_dz_(z: torch.Tensor, targets: torch.Tensor, stats, entropy: torch.Tensor
     else:
         shift, log_norm = _rows(stats, c, "lse"), torch.zeros(c, dtype=torch.float32)
     if isinstance(stats, RowStats) and stats.exp_stored:
-        _lib.fastpo_row_dz_exp(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), log_norm.data_ptr(),
-                               entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
-                               torch.get_num_threads())
+        _ROUTINES.lib.fastpo_row_dz_exp(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), log_norm.data_ptr(),
+                                        entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
+                                        torch.get_num_threads())
         return z
-    _lib.fastpo_row_dz(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), shift.data_ptr(), log_norm.data_ptr(),
-                       entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t), torch.get_num_threads())
+    _ROUTINES.lib.fastpo_row_dz(z.data_ptr(), c, v, z.stride(0), t.data_ptr(), shift.data_ptr(), log_norm.data_ptr(),
+                                entropy.data_ptr(), g_lp.data_ptr(), g_ent.data_ptr(), float(inv_t),
+                                torch.get_num_threads())
     return z
