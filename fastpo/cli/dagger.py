@@ -5,16 +5,6 @@ import os
 import sys
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _difference(out: str, cfg, sft, dag) -> str | None:
     """None when the DAgger run in `out` has these settings (the number of rounds and the
     folder's spelling apart), else the first one that differs, as "key: new (the run's: old)"."""
@@ -22,13 +12,13 @@ def _difference(out: str, cfg, sft, dag) -> str | None:
 
     import yaml
 
-    from fastpo.config.files import dump_yaml, parse_config_yaml
+    from fastpo.config.files import dump_yaml, flatten, parse_config_yaml
     from fastpo.dagger import read_dagger_file
 
     path = os.path.join(out, "config.yaml")
     with open(path, encoding="utf-8") as f:
-        old = _flat(parse_config_yaml(f, path))
-    new = _flat(parse_config_yaml(dump_yaml(cfg), "config"))
+        old = flatten(parse_config_yaml(f, path))
+    new = flatten(parse_config_yaml(dump_yaml(cfg), "config"))
     old_sft, old_dag = read_dagger_file(out)
     for a, b, prefix in ((dataclasses.asdict(old_sft), dataclasses.asdict(sft), "sft."),
                          (dataclasses.asdict(old_dag), dataclasses.asdict(dag), "dagger.")):

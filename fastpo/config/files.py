@@ -60,6 +60,17 @@ def run_settings(config_yaml: str) -> dict:
     return d
 
 
+def flatten(d: dict, prefix: str = "") -> dict:
+    """A nested mapping as {dotted key: leaf value} (an empty mapping is a leaf)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def dig(dicts: list[dict], path: tuple[str, ...]) -> Any:
     found = None
     for d in dicts:

@@ -290,15 +290,15 @@ class ResumePlan:
         Raises ConfigError (one line naming the file, the checkpoint and the first keys).
         """
         from fastpo.config.fields import ConfigError
-        from fastpo.config.files import parse_config_yaml
+        from fastpo.config.files import flatten, parse_config_yaml
 
         ran_path, run_path = os.path.join(self.checkpoint, "config.yaml"), os.path.join(out_dir, "config.yaml")
         if not os.path.isfile(ran_path):
             return
         with open(ran_path, encoding="utf-8") as f:
-            ran = _flat(parse_config_yaml(f, ran_path))
+            ran = flatten(parse_config_yaml(f, ran_path))
         with open(run_path, encoding="utf-8") as f:
-            run = _flat(parse_config_yaml(f, run_path))
+            run = flatten(parse_config_yaml(f, run_path))
         missing = [k for k in ran if k not in run]
         changed = [f"{k} = {run[k]!r} (checkpoint: {ran[k]!r})" for k in ran if k in run and run[k] != ran[k]
                    and (k.startswith(("model.", "env.")) or k == "trainer.seed")]
@@ -311,17 +311,6 @@ class ResumePlan:
     def nothing_to_do(self, iterations: int) -> bool:
         """Whether a resume with `iterations` in all has nothing to train or evaluate."""
         return self.iteration >= iterations and not self.eval_pending()
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    """A nested mapping as {dotted key: leaf value}."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def plan_resume(out_dir: str, trust: bool = False) -> ResumePlan:
