@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LONG = {
     "make train": ("16.7 min at one thread beside three other runs (README results row); about 9 min on 2 quiet "
                    "cores", "about 9 minutes on 2 cores"),
-    "make test": ("the whole suite, 2 workers: 28 min 28 s wall on the 2-core development machine beside a "
-                  "make-train run and the golden runs (load average 4-5), 2026-12-06", "28 min on 2 cores"),
+    "make test": ("the whole suite, 2 workers: 19 min 22 s on the quiet 2-core development machine (28 min 28 s "
+                  "beside a make-train run and the golden runs), 2026-12-06", "about 19 minutes on 2 cores"),
     "fastpo dagger --env frozenlake": ("its parts on 2 threads: SFT 1 h 36 min, then per round a 7-minute rollout and 25 "
                                        "to 31 min of training (docs/sft.md)", "about 3 h 20 min on 2 threads"),
     "fastpo sft --env sokoban": ("55 min on 2 quiet cores, 1 h 53 min on a host twice as slow per step",
