@@ -34,7 +34,8 @@ BUILTIN = ("bandit", "sokoban", "frozenlake")
 BUILTIN_SETTINGS = {"bandit": {"max_turns": 1, "max_actions_per_turn": 1, "max_actions_per_traj": 1},
                     "sokoban": {}, "frozenlake": {}}
 ENTRY_POINT_GROUP = "fastpo.envs"
-ADAPTERS = ("textarena", "gym", "probe")
+#: The reserved prefixes ("PREFIX:ID"), each with an example id for its error.
+ADAPTERS = {"textarena": "textarena:GuessTheNumber-v0", "gym": "gym:FrozenLake-v1", "probe": "probe:choice"}
 
 
 @dataclasses.dataclass
@@ -78,25 +79,25 @@ def resolve_env(name: str) -> EnvSpec:
         return EnvSpec(name, "native", settings=dict(BUILTIN_SETTINGS[name]))
     prefix, sep, rest = name.partition(":")
     if sep and prefix in ADAPTERS:
-        examples = {"textarena": "textarena:GuessTheNumber-v0", "gym": "gym:FrozenLake-v1", "probe": "probe:choice"}
-        if not rest.strip():
-            raise EnvError(f"env {name!r}: give the game id after '{prefix}:', e.g. {examples[prefix]}")
+        game = rest.strip()
+        if not game:
+            raise EnvError(f"env {name!r}: give the game id after '{prefix}:', e.g. {ADAPTERS[prefix]}")
         if prefix == "probe":
             from .probes import PROBES
 
-            if rest.strip() not in PROBES:
-                raise EnvError(f"unknown probe game {rest.strip()!r}; choose one of {', '.join(PROBES)}")
-            cls = factory = PROBES[rest.strip()]
+            if game not in PROBES:
+                raise EnvError(f"unknown probe game {game!r}; choose one of {', '.join(PROBES)}")
+            cls = factory = PROBES[game]
         elif prefix == "textarena":
             from .textarena_env import TextArenaEnv, check_game_id
 
-            check_game_id(rest.strip())
-            cls, factory = TextArenaEnv, functools.partial(TextArenaEnv, rest.strip())
+            check_game_id(game)
+            cls, factory = TextArenaEnv, functools.partial(TextArenaEnv, game)
         else:
             from .gym_env import GymTextEnv, check_gym_id
 
-            check_gym_id(rest.strip())
-            cls, factory = GymTextEnv, functools.partial(GymTextEnv, rest.strip())
+            check_gym_id(game)
+            cls, factory = GymTextEnv, functools.partial(GymTextEnv, game)
         return EnvSpec(name, "python", factory, _settings(cls, name))
     if sep:
         cls = _import_class(name, prefix, rest)
