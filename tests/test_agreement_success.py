@@ -1,4 +1,4 @@
-"""tools/agreement_success.py: the success of an imitator that agrees with FrozenLake's expert with
+"""experiments/agreement_success.py: the success of an imitator that agrees with FrozenLake's expert with
 probability p is exact: p = 1 gives the env's optimal_success and p = 1/4 its random_success on
 every map, with and without slip; it rises with p; bad arguments get one line (exit 2)."""
 import json
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "agreement_success.py")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
+TOOL = os.path.join(ROOT, "experiments", "agreement_success.py")
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from agreement_success import imitator_success  # noqa: E402
 from fastpo.envs_native.frozenlake import FrozenLakeEnv  # noqa: E402

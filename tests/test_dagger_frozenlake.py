@@ -1,4 +1,4 @@
-"""tools/dagger_frozenlake.py, a thin wrapper of fastpo.dagger (its labels and conversations are
+"""experiments/dagger_frozenlake.py, a thin wrapper of fastpo.dagger (its labels and conversations are
 tested in tests/test_dagger.py): a bad argument gets one line."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "dagger_frozenlake.py")
+TOOL = os.path.join(ROOT, "experiments", "dagger_frozenlake.py")
 
 
 @pytest.mark.parametrize("args, msg", [

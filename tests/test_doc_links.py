@@ -12,7 +12,7 @@ _LINK = re.compile(r"\]\(([^)\s]*)\)")
 
 
 def _markdown_files():
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # the experiment log too
 
 
 def _slug(heading):

@@ -15,8 +15,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-#: The shipped code: the package, its mapped subpackages, and the scripts users run.
-FOLDERS = ("fastpo", "envs_native", "tools", "bench", "examples")
+#: The shipped code: the package, its mapped subpackages, the scripts users run and the experiment log's.
+FOLDERS = ("fastpo", "envs_native", "tools", "experiments", "bench", "examples")
 _SUBPROCESS = {"run", "Popen", "check_output", "check_call", "call"}
 _TEMPFILES = {"NamedTemporaryFile", "TemporaryFile", "SpooledTemporaryFile"}
 

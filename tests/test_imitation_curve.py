@@ -1,4 +1,4 @@
-"""tools/imitation_curve.py: the cheap imitation learning curve (issue 33) runs on the embedded
+"""experiments/imitation_curve.py: the cheap imitation learning curve (issue 33) runs on the embedded
 model, scores every expert turn it builds, and refuses bad sizes in one line."""
 import json
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = os.path.join(ROOT, "tools", "imitation_curve.py")
+TOOL = os.path.join(ROOT, "experiments", "imitation_curve.py")
 
 
 def test_one_step_curve(tmp_path):

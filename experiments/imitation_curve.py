@@ -1,6 +1,6 @@
 """How fast the model learns the expert's move from one state: a cheap learning curve (issue 33).
 
-    python tools/imitation_curve.py [--env sokoban] [--lr 5e-5] [--steps 120] [--batch 16]
+    python experiments/imitation_curve.py [--env sokoban] [--lr 5e-5] [--steps 120] [--batch 16]
                                     [--levels 384] [--every 30] [--observation grid] [--json FILE]
                                     [KEY=VALUE ...]
 

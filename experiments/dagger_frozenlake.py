@@ -11,7 +11,7 @@ own` one conversation per labelled turn whose earlier answers are the model's ow
 `--expert N` the expert's own trajectories on the first N of those seeds are appended (one
 aggregated data set, as in DAgger, Ross et al. 2011, arXiv 1011.0686).
 
-    python tools/dagger_frozenlake.py --model RUN --seeds 384 --temperature 0.5 --expert 128 --out data.jsonl
+    python experiments/dagger_frozenlake.py --model RUN --seeds 384 --temperature 0.5 --expert 128 --out data.jsonl
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """How often must an imitator agree with FrozenLake's expert to clear the random policy? (issue 33)
 
-    python tools/agreement_success.py [--seeds 128] [--horizon 10] [--no-slip]
+    python experiments/agreement_success.py [--seeds 128] [--horizon 10] [--no-slip]
                                       [--agreement 0.25,0.5,0.587,0.75,1] [--json FILE]
 
 The imitator's policy with k actions left in cell s: the expert's move (the closed-loop
