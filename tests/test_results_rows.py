@@ -1,7 +1,7 @@
-"""The README's results rows that come from recorded runs (tools/results_row.py): each still
-matches the configuration its command resolves to and the evaluation code, and the README
-shows the record's own row. A change to the preset or the evaluation code fails here until
-the run is made again and re-recorded."""
+"""The results rows that come from recorded runs (tools/results_row.py): each still matches the
+configuration its command resolves to and the evaluation code, and the README and docs/results.md
+show the record's own rows (the README's short one, docs/results.md's full one). A change to the
+preset or the evaluation code fails here until the run is made again and re-recorded."""
 import copy
 import json
 import os
@@ -29,6 +29,7 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(results_row, "EVAL_SOURCES", (str(src),))
     monkeypatch.setattr(results_row, "RECORDS", str(tmp_path / "runs"))
     monkeypatch.setattr(results_row, "README", str(tmp_path / "README.md"))
+    monkeypatch.setattr(results_row, "PAGE", str(tmp_path / "results.md"))
     argv = ["--env", "frozenlake", "--preset", "cpu"]
     row = {"before": 0.2, "after": 0.3, "before_se": 0.05, "after_se": 0.05, "change": 0.1, "z": 1.4,
            "z_paired": 2.0}
@@ -40,6 +41,7 @@ def fake(tmp_path, monkeypatch):
     with open(os.path.join(results_row.RECORDS, "t.json"), "w") as f:
         json.dump(rec, f)
     (tmp_path / "README.md").write_text("# x\n" + results_row.render(rec) + "\n")
+    (tmp_path / "results.md").write_text("# x\n" + results_row.render_full(rec) + "\n")
     return src
 
 
@@ -54,6 +56,7 @@ def test_a_moved_preset_eval_code_or_readme_row_is_named(fake, monkeypatch, tmp_
     monkeypatch.setattr(results_row, "EVAL_SOURCES", (str(fake),))
     monkeypatch.setattr(results_row, "RECORDS", str(tmp_path / "runs"))
     monkeypatch.setattr(results_row, "README", str(tmp_path / "README.md"))
+    monkeypatch.setattr(results_row, "PAGE", str(tmp_path / "results.md"))
     fake.write_text("x = 2\n")
     said = results_row.problems()
     assert len(said) == 1 and "the evaluation code" in said[0] and "changed since 0000000" in said[0]
@@ -61,6 +64,9 @@ def test_a_moved_preset_eval_code_or_readme_row_is_named(fake, monkeypatch, tmp_
     (tmp_path / "README.md").write_text("# x\n| `make train` | success 0.2 -> 0.9 |\n")
     said = results_row.problems()
     assert len(said) == 1 and "README.md's row is not the record's" in said[0]
+    (tmp_path / "results.md").write_text("# x\n| `make train` | success 0.2 -> 0.9 |\n")
+    said = results_row.problems()
+    assert len(said) == 2 and "docs/results.md's row is not the record's" in said[1]
 
 
 def test_a_docstring_or_comment_keeps_a_record_current_and_code_does_not(fake):

@@ -1,8 +1,9 @@
-"""Results rows from recorded runs: the README's figures of a run come from its run folder,
-with the code version, and a test fails once the preset or the evaluation code moved on.
+"""Results rows from recorded runs: the figures of a run in the README and docs/results.md come
+from its run folder, with the code version, and a test fails once the preset or the evaluation
+code moved on.
 
-    python tools/results_row.py record NAME RUN_DIR --argv "--env frozenlake" [--title TEXT] [--wall S]
-    python tools/results_row.py row NAME           # the README row the record gives
+    python tools/results_row.py record NAME RUN_DIR --argv "--env frozenlake" [--title TEXT] [--short TEXT] [--wall S]
+    python tools/results_row.py row NAME           # the README row and the docs/results.md row the record gives
     python tools/results_row.py check              # every record against the code; exit 1 if stale
 
 `record` reads RUN_DIR (its config.yaml, metrics.jsonl and eval/ outcomes, as the run's own
@@ -12,8 +13,10 @@ of the configuration that `fastpo train ARGV` resolves to today (its config.yaml
 output folder; the run's own config.yaml must match it) and of the evaluation's code
 (`EVAL_SOURCES` plus the game's module and the games' shared rendering, envs_native/_core.py;
 docstrings and comments left out). `check` recomputes both fingerprints for every record
-and compares the README's row (the line holding `<!-- results-row:NAME -->`) with the one
-the record gives; it names what moved and the commands that renew the row.
+and compares the rows (the line holding `<!-- results-row:NAME -->`) with the ones the record
+gives: the README's short one (`render`: the record's `short` title, the headline figures) and
+docs/results.md's full one (`render_full`: every figure, the wall time and the commit); it names
+what moved and the commands that renew the rows.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORDS = os.path.join(ROOT, "bench", "results", "recorded")
 README = os.path.join(ROOT, "README.md")
+PAGE = os.path.join(ROOT, "docs", "results.md")  # the full rows
 # what decides an evaluation's figures besides the configuration: the episodes' seeds and
 # sampling streams, the evaluation loop (the game's own module is added per record)
 EVAL_SOURCES = ("fastpo/evaluate.py", "fastpo/seeds.py")
@@ -108,7 +112,22 @@ def _fmt(v: float) -> str:
 
 
 def render(rec: dict) -> str:
-    """The README row of a record (ends with its marker)."""
+    """The README's short row of a record (ends with its marker): format-valid and success, the
+    random and optimal lines; the full row is `render_full`'s, in docs/results.md."""
+    f = rec["figures"]
+    s, fv = f["eval/success_rate"], f.get("eval/format_valid")
+    parts = [f"format-valid {_fmt(fv['before'])} -> {_fmt(fv['after'])}"] if fv else []
+    line = (f"success {_fmt(s['before'])} -> {_fmt(s['after'])} +- {_fmt(s['after_se'])}"
+            + (f" (paired z {s['z_paired']:+.1f})" if s.get("z_paired") is not None else ""))
+    ref = [f"{'random' if k == 'eval/random_success' else 'optimal'} {_fmt(f[k]['after'])}"
+           for k in ("eval/random_success", "eval/optimal_success") if k in f]
+    parts.append(", ".join([line] + ref))
+    return (f"| {rec.get('short') or rec['title']} | {'; '.join(parts)} | [results](docs/results.md) "
+            f"<!-- results-row:{rec['name']} --> |")
+
+
+def render_full(rec: dict) -> str:
+    """docs/results.md's row of a record (ends with its marker): every figure, the wall time, the commit."""
     f = rec["figures"]
     s, fv, sc = f["eval/success_rate"], f.get("eval/format_valid"), f.get("eval/score_mean")
     parts = []
@@ -125,11 +144,12 @@ def render(rec: dict) -> str:
         line += " against " + ", ".join(ref)
     parts.append(line)
     wall = f"; {rec['wall_s'] / 60:.1f} min wall" if rec.get("wall_s") else ""
+    study = f"[study]({rec['study']}) " if rec.get("study") else ""  # relative to docs/
     return (f"| {rec['title']} | {'; '.join(parts)}{wall}; recorded at {rec['commit'][:7]} "
-            f"(`tools/results_row.py`) | [results](docs/results.md) <!-- results-row:{rec['name']} --> |")
+            f"(`tools/results_row.py`) | {study}<!-- results-row:{rec['name']} --> |")
 
 
-def record(name: str, run_dir: str, argv: list, title: str, wall: float | None) -> dict:
+def record(name: str, run_dir: str, argv: list, title: str, wall: float | None, short: str | None = None) -> dict:
     from fastpo.report.summary import before_after
 
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -146,7 +166,7 @@ def record(name: str, run_dir: str, argv: list, title: str, wall: float | None) 
 
     env = yaml.safe_load(now)["env"]["name"]
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, encoding="utf-8").stdout.strip()
-    rec = {"name": name, "title": title, "argv": argv, "commit": commit,
+    rec = {"name": name, "title": title, "short": short, "argv": argv, "commit": commit,
            "recorded": datetime.date.today().isoformat(), "wall_s": wall,
            "config_sha256": _sha(now), "eval_code_sha256": _eval_fingerprint(env),
            "figures": {row["key"]: {k: row[k] for k in ("before", "after", "before_se", "after_se", "change", "z",
@@ -165,19 +185,21 @@ def load(name: str) -> dict:
 
 def problems() -> list[str]:
     """What is stale: one line per record whose configuration or evaluation code moved since it
-    was recorded, or whose README row differs from the record's."""
+    was recorded, or whose README or docs/results.md row differs from the record's."""
     import yaml
 
     out = []
     with open(README, encoding="utf-8") as f:
         readme = f.read().splitlines()
+    with open(PAGE, encoding="utf-8") as f:
+        page = f.read().splitlines()
     for fn in sorted(os.listdir(RECORDS)) if os.path.isdir(RECORDS) else []:
         if not fn.endswith(".json"):
             continue
         rec = load(fn[:-5])
         renew = (f"rerun `fastpo train {' '.join(rec['argv'])}` (a fresh folder) and `python tools/results_row.py "
-                 f"record {rec['name']} RUN --argv {shlex.quote(' '.join(rec['argv']))}`, then put `python "
-                 f"tools/results_row.py row {rec['name']}` in the README")
+                 f"record {rec['name']} RUN --argv {shlex.quote(' '.join(rec['argv']))}`, then put the two rows of "
+                 f"`python tools/results_row.py row {rec['name']}` in the README and docs/results.md")
         now = _config_text(rec["argv"])
         if _sha(now) != rec["config_sha256"]:
             out.append(f"{rec['name']}: the configuration of `fastpo train {' '.join(rec['argv'])}` changed since "
@@ -189,8 +211,12 @@ def problems() -> list[str]:
         marker = f"<!-- results-row:{rec['name']} -->"
         rows = [line for line in readme if marker in line]
         if rows != [render(rec)]:
-            out.append(f"{rec['name']}: README.md's row is not the record's: put `python tools/results_row.py row "
-                       f"{rec['name']}` there")
+            out.append(f"{rec['name']}: README.md's row is not the record's: put the first line of `python "
+                       f"tools/results_row.py row {rec['name']}` there")
+        rows = [line for line in page if marker in line]
+        if rows != [render_full(rec)]:
+            out.append(f"{rec['name']}: docs/results.md's row is not the record's: put the second line of `python "
+                       f"tools/results_row.py row {rec['name']}` there")
     return out
 
 
@@ -201,17 +227,21 @@ def main(argv=None) -> int:
     r.add_argument("name")
     r.add_argument("run_dir")
     r.add_argument("--argv", required=True, help="the `fastpo train` arguments of the run, e.g. '--env frozenlake'")
-    r.add_argument("--title", default=None)
+    r.add_argument("--title", default=None, help="the full row's title (docs/results.md)")
+    r.add_argument("--short", default=None, help="the README row's title (default: --title)")
     r.add_argument("--wall", type=float, default=None, help="the run's wall time, seconds")
     w = sub.add_parser("row")
     w.add_argument("name")
     sub.add_parser("check")
     a = p.parse_args(argv)
     if a.cmd == "record":
-        rec = record(a.name, a.run_dir, shlex.split(a.argv), a.title or f"`fastpo train {a.argv}`", a.wall)
+        rec = record(a.name, a.run_dir, shlex.split(a.argv), a.title or f"`fastpo train {a.argv}`", a.wall, a.short)
         print(render(rec))
+        print(render_full(rec))
     elif a.cmd == "row":
-        print(render(load(a.name)))
+        rec = load(a.name)
+        print(render(rec))
+        print(render_full(rec))
     else:
         bad = problems()
         for line in bad:
