@@ -1,12 +1,13 @@
 """tools/dagger_frozenlake.py, a thin wrapper of fastpo.dagger (its labels and conversations are
 tested in tests/test_dagger.py): a bad argument gets one line."""
+import pathlib
 import os
 import subprocess
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 TOOL = os.path.join(ROOT, "tools", "dagger_frozenlake.py")
 
 

@@ -7,7 +7,7 @@ import os
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 _LINK = re.compile(r"\]\(([^)\s]*)\)")
 
 

@@ -3,7 +3,7 @@ nothing imported."""
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _imports(path: pathlib.Path) -> set[str]:

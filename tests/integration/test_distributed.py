@@ -4,6 +4,7 @@ The 2-process checks run tests/dist_worker.py under torchrun with the gloo backe
 CPU (a few seconds each) and compare every rank's result with the one-process computation
 on the concatenated batch.
 """
+import pathlib
 import json
 import os
 import re
@@ -27,7 +28,7 @@ from fastpo.cli import main
 from fastpo.seeds import iteration_seeds
 from run_helpers import ModelLoadReached
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(pathlib.Path(__file__).resolve().parents[1])  # tests/: the scripts torchrun starts
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import dist_worker  # noqa: E402

@@ -2,6 +2,7 @@
 matches the configuration its command resolves to and the evaluation code, and the README
 shows the record's own row. A change to the preset or the evaluation code fails here until
 the run is made again and re-recorded."""
+import pathlib
 import copy
 import json
 import os
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+sys.path.insert(0, os.path.join(str(pathlib.Path(__file__).resolve().parents[3]), "tools"))
 import results_row  # noqa: E402
 
 import fastpo.config.presets  # noqa: E402

@@ -1,9 +1,10 @@
 """bench/report.py picks which committed runs docs/performance.md shows (synthetic results, no timing)."""
+import pathlib
 import importlib.util
 import json
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 
 
 def _report():

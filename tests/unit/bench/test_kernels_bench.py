@@ -1,5 +1,6 @@
 """bench/part_kernels.py: a method that fails, or a Liger that does not import, shows up in
 the records (and so in the JSON and the table) instead of only on stderr."""
+import pathlib
 import json
 import math
 import os
@@ -7,7 +8,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+sys.path.insert(0, os.path.join(str(pathlib.Path(__file__).resolve().parents[3]), "bench"))
 import part_kernels  # noqa: E402
 
 

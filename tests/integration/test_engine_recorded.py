@@ -16,7 +16,7 @@ import torch
 
 from engine_scenarios import embedded_scenarios, tiny_scenarios
 
-RECORDED = json.loads((Path(__file__).parent / "data" / "engine_recorded.json").read_text())
+RECORDED = json.loads((Path(__file__).resolve().parents[1] / "data" / "engine_recorded.json").read_text())
 
 
 def _same_outputs(got: dict, want: dict, where: str) -> None:

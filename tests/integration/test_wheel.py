@@ -10,6 +10,7 @@ listed fastpo, fastpo.kernels and fastpo.envs_native only, so `import fastpo.tra
 found no fastpo.algorithms.
 """
 from __future__ import annotations
+import pathlib
 
 import os
 import shutil
@@ -20,7 +21,7 @@ import zipfile
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 SKIP = shutil.ignore_patterns(".venv", ".git", "runs", "build", "dist", "*.egg-info", "__pycache__",
                               ".pytest_cache", ".hypothesis", "out", ".whl")
 

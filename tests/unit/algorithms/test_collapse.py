@@ -2,6 +2,7 @@
 scoring, the estimators against their definitions written out by hand, the reasoning cut,
 and the Echo-Trap warning naming the collapse."""
 from __future__ import annotations
+import pathlib
 
 import math
 
@@ -213,7 +214,7 @@ def test_bench_part_runs_quick():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(str(pathlib.Path(__file__).resolve().parents[3]), "bench"))
     import part_collapse
     from _common import BenchContext
 

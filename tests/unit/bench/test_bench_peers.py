@@ -2,6 +2,7 @@
 loudly when the two sides' counts differ), the work counts it compares, the numerics check
 of the Liger comparison, and the part's one-line skip where the bench extra is missing.
 Where the extra is installed, a tiny real TRL step's counts must equal fastpo's."""
+import pathlib
 import importlib.util
 import json
 import os
@@ -11,7 +12,7 @@ import types
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[3])
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import part_peers  # noqa: E402
 from _common import BenchContext, PartSkipped  # noqa: E402

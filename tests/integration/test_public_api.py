@@ -59,3 +59,16 @@ def test_bad_config_is_a_config_error():
 
     with pytest.raises(fastpo.ConfigError, match="rollout.group_size"):
         fastpo.load_config(env="bandit", overrides=["rollout.group_size=0"])
+
+
+def test_kernels_import_is_light():
+    """`import fastpo.kernels` pulls in torch only: no transformers, no triton, nothing else of fastpo."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fastpo.kernels; "
+            "print(sorted(m for m in ('transformers', 'triton', 'fastpo.trainer', 'fastpo.envs_native') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -10,6 +10,7 @@ be reported as spilling: the proof that the check sees a spill. Results are cach
 kernels' source hash (a cold run compiles ~52 configs: about a minute on 2 idle cores).
 Skipped only where Triton, its NVIDIA backend or ptxas is missing.
 """
+import pathlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 SCRIPT = os.path.join(ROOT, "bench", "kernel_compile.py")
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import kernel_compile  # noqa: E402  (helpers only: nothing compiled in this process)

@@ -1,6 +1,7 @@
 """tools/agreement_success.py: the success of an imitator that agrees with FrozenLake's expert with
 probability p is exact: p = 1 gives the env's optimal_success and p = 1/4 its random_success on
 every map, with and without slip; it rises with p; bad arguments get one line (exit 2)."""
+import pathlib
 import json
 import os
 import subprocess
@@ -9,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 TOOL = os.path.join(ROOT, "tools", "agreement_success.py")
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 

@@ -2,6 +2,7 @@
 draw of each env group's game, one engine batch over games with different limits, the
 per-game metrics and evaluation, exact resume, `fastpo eval` of a mixture, two processes."""
 from __future__ import annotations
+import pathlib
 
 import json
 import math
@@ -96,7 +97,7 @@ def test_each_game_keeps_its_own_settings_over_the_runs():
     # `--env a,b` is the same mixture at weight 1; `--env a` wins over a file's mixture
     assert [e["name"] for e in load_config(env="bandit,frozenlake", preset="tiny").env.mixture] == ["bandit",
                                                                                                  "frozenlake"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     one = load_config(env="frozenlake", file=os.path.join(root, "examples", "mixture.yaml"), preset="tiny")
     assert (one.env.name, one.env.mixture) == ("frozenlake", [])
 
@@ -276,7 +277,7 @@ def test_two_processes_play_the_same_games(tmp_path):
 
 
 def test_the_example_mixture_config_loads():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     cfg = load_config(file=os.path.join(root, "examples", "mixture.yaml"), preset="tiny")
     assert [m.label for m in env_members(cfg)] == ["sokoban", "frozenlake", "bandit"]
     assert member_rollout_config(cfg, env_members(cfg)[1]).max_turns == 6

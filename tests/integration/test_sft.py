@@ -2,6 +2,7 @@
 one SFT step, exact resume and the hand-off to `fastpo train --model RUN`.
 
 Small real runs: random:tiny-llama (with the embedded SmolLM2 tokenizer), the tiny preset."""
+import pathlib
 import glob
 import io
 import json
@@ -727,7 +728,7 @@ def test_the_docs_state_fastpo_sfts_default_learning_rate():
     """docs/sft.md (the plain defaults of `--preset paper`) and docs/fidelity.md's SFT row give
     the lr `fastpo sft` sets (SFT_DEFAULT_OVERRIDES), not an older default."""
     lr = next(o.split("=", 1)[1] for o in fastpo.sft.SFT_DEFAULT_OVERRIDES if o.startswith("optim.actor_lr="))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(pathlib.Path(__file__).resolve().parents[2])
 
     def read(name):
         with open(os.path.join(root, "docs", name), encoding="utf-8") as f:

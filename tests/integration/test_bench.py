@@ -1,5 +1,6 @@
 """`bench/throughput.py --quick --json` end to end: every part runs, the JSON has the documented
 schema, and `bench/report.py` renders it. Figures are not checked (CI machines are noisy)."""
+import pathlib
 import importlib.util
 import json
 import os
@@ -8,7 +9,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 BENCH = os.path.join(ROOT, "bench")
 PARTS = ("envs", "kernels", "rollout", "train", "e2e", "peers")
 MACHINE_KEYS = {"date": str, "cpu": str, "cores": int, "python": str, "device": str, "model": str,

@@ -2,6 +2,7 @@
 parsing by hand, the judge on the embedded model and on a random one (batched equals one by
 one; unparsed replies take the fallback and are counted), its score on the training batch, the
 one-line errors before any model loads, and one training iteration judged by the embedded model."""
+import pathlib
 import os
 import types
 
@@ -245,7 +246,7 @@ def test_the_judged_free_text_example_trains(tmp_path, monkeypatch):
     score replacing it; one iteration end to end (the random tiny model judging)."""
     from fastpo.trainer import Trainer
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(pathlib.Path(__file__).resolve().parents[2])
     monkeypatch.chdir(root)  # the example names its game and rubric from the repository root
     cfg = load_config(file="examples/polite_reply.yaml", preset="tiny",
                       overrides=[f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama",

@@ -1,11 +1,12 @@
 """tools/imitation_curve.py: the cheap imitation learning curve (issue 33) runs on the embedded
 model, scores every expert turn it builds, and refuses bad sizes in one line."""
+import pathlib
 import json
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 TOOL = os.path.join(ROOT, "tools", "imitation_curve.py")
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from fastpo.config import TrainConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _tool():

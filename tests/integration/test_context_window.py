@@ -2,6 +2,7 @@
 entries before turn j, keeping positions, and the trainer scores each turn with the context the
 sampler saw (fastpo/rollout/window.py). Tiny random model, Sokoban / FrozenLake, 5 turns."""
 from __future__ import annotations
+import pathlib
 
 import pytest
 import torch
@@ -245,7 +246,7 @@ def test_bench_part_runs_quick():
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    sys.path.insert(0, os.path.join(str(pathlib.Path(__file__).resolve().parents[2]), "bench"))
     import part_window
     from _common import BenchContext
 

@@ -6,6 +6,7 @@ its encoding, and the console degrades instead of crashing. A static check (ever
 `text=True` in the shipped code says `encoding=`) and a whole tiny FrozenLake run plus
 `fastpo eval` under `LC_ALL=C` with Python's UTF-8 mode and locale coercion off.
 """
+import pathlib
 import ast
 import json
 import os
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 #: The shipped code: the package, its mapped subpackages, and the scripts users run.
 FOLDERS = ("fastpo", "envs_native", "tools", "bench", "examples")
 _SUBPROCESS = {"run", "Popen", "check_output", "check_call", "call"}
