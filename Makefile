@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.fastpo-bench-installed
 TORCH_SPEC ?= torch==2.13.0
 CPU_INDEX := https://download.pytorch.org/whl/cpu
 
-.PHONY: setup train test bench clean
+.PHONY: setup train test test-unit bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ train: setup
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# The developer's fast loop: the tests that neither train nor start processes (docs/development.md).
+test-unit: setup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
 
 # The peers benchmark's libraries (TRL, Liger-Kernel: the `bench` extra), on top of setup's
 # environment only here, so that `make setup` / `make test` (CI) stay without them; torch,

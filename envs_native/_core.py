@@ -177,7 +177,7 @@ class StepResult:
 # Parsing: "Up || left||RIGHT" -> action ids, case-insensitive (ASCII), cut to max_actions.
 # ---------------------------------------------------------------------------------------
 # Every code point for which Python's str.isspace() is True (what str.strip() removes);
-# tests/test_envs_parse.py checks this list against Python.
+# tests/unit/envs/test_envs_parse.py checks this list against Python.
 WHITESPACE = tuple([9, 10, 11, 12, 13, 28, 29, 30, 31, 32, 0x85, 0xA0, 0x1680] + list(range(0x2000, 0x200B))
                    + [0x2028, 0x2029, 0x202F, 0x205F, 0x3000])
 

@@ -119,7 +119,7 @@ class PolicyLoss:
 
 
 #: The policy losses by name (`algorithm.policy_loss`), in the config's order; the same names
-#: as fastpo.kernels.POLICY_LOSSES (tests/test_structure.py).
+#: as fastpo.kernels.POLICY_LOSSES (tests/integration/test_structure.py).
 POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
     PolicyLoss("ppo", clipped=True, dual_clip=True, sequence_ratio=True, whole_micro_batch=False,
                paper="PPO's clipped surrogate with clip-higher (arXiv 1707.06347, DAPO arXiv 2503.14476)"),

@@ -1,4 +1,4 @@
-"""`fastpo train` for tests/test_distributed.py, in one process or under torchrun (not a test
+"""`fastpo train` for tests/integration/test_distributed.py, in one process or under torchrun (not a test
 module itself):
 
     python tests/dist_train.py train ARGS...                                  # one process

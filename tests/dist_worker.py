@@ -1,4 +1,4 @@
-"""A worker run by torchrun in tests/test_distributed.py (not a test module itself).
+"""A worker run by torchrun in tests/integration/test_distributed.py (not a test module itself).
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/dist_worker.py CASE OUTDIR
 

@@ -3,7 +3,7 @@
 Each scenario drives `fastpo.rollout.NativeEngine` (or a `MultiTurnRollout` over it) through
 its public interface only, with fixed prompts, appends and sampler seeds, and returns what
 came out as plain JSON data (token ids, log-probs, entropies, values, stop reasons, session
-lengths and contexts). `tests/test_engine_recorded.py` compares the engine of the checkout
+lengths and contexts). `tests/integration/test_engine_recorded.py` compares the engine of the checkout
 with `tests/data/engine_recorded.json`, which this module wrote from an earlier engine:
 
     python tests/engine_scenarios.py record tests/data/engine_recorded.json

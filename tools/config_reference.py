@@ -7,7 +7,7 @@
 Each key's meaning is its entry in the `Attributes:` section of its dataclass's docstring
 (fastpo/config/schema.py; Google style: `name: text`, continuation lines indented further); its
 default, allowed values and rule come from the field itself (`Literal` values, the `checked`
-rule). `tests/test_config_reference.py` runs `--check` and fails on a field without an entry.
+rule). `tests/unit/config/test_config_reference.py` runs `--check` and fails on a field without an entry.
 """
 from __future__ import annotations
 

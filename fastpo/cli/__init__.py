@@ -51,7 +51,7 @@ from fastpo.cli.sft import cmd_sft
 from fastpo.cli.train import cmd_train
 
 
-#: The `sft.*` keys `fastpo sft --help` lists (fastpo.sft.SFTConfig's fields; tests/test_cli.py
+#: The `sft.*` keys `fastpo sft --help` lists (fastpo.sft.SFTConfig's fields; tests/integration/test_cli.py
 #: holds the two together without importing fastpo.sft, and its torch, for every command).
 SFT_KEYS = ("sft.trajectories", "sft.batch_size", "sft.seed_offset", "sft.actions_per_turn", "sft.common_prefix",
             "sft.data")

@@ -36,7 +36,7 @@ two engines' records comparable, `SGLangEngine.generate` warns once when it is u
 top_p < 1, or with T != 1 while SGLANG_RETURN_ORIGINAL_LOGPROB is set.
 
 Verified: nowhere yet (no machine with SGLang and CUDA was available while this was
-written); tests/test_rollout_sglang.py runs wherever both are importable.
+written); tests/unit/rollout/test_rollout_sglang.py runs wherever both are importable.
 """
 from __future__ import annotations
 

@@ -1,0 +1,55 @@
+"""docs/configuration.md's key table is generated from the config's field documentation
+(tools/config_reference.py): every field is documented, and a stale page fails here."""
+import dataclasses
+import importlib.util
+import pathlib
+
+import pytest
+
+from fastpo.config import TrainConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("config_reference", ROOT / "tools" / "config_reference.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_config_field_has_its_documentation():
+    """Each section's `Attributes:` entries name exactly its fields (none missing, none left over)."""
+    tool = _tool()
+    cfg = TrainConfig()
+    for section in ("root", *tool.SECTIONS):
+        cls = TrainConfig if section == "root" else type(getattr(cfg, section))
+        docs = tool.attribute_docs(cls)
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}, (section, set(docs) ^ {f.name for f in dataclasses.fields(cls)})
+        assert all(len(text) > 10 for text in docs.values()), section
+
+
+def test_configuration_page_is_not_stale():
+    assert _tool().main(["--check"]) == 0, "docs/configuration.md is stale: run python tools/config_reference.py"
+
+
+def test_a_stale_page_is_caught_and_regenerated(tmp_path, capsys):
+    tool = _tool()
+    page = tmp_path / "configuration.md"
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| `rollout.group_size`"))
+    page.write_text(text.replace(row, row.replace("| `16` |", "| `8` |")))
+    assert tool.main(["--page", str(page), "--check"]) == 1
+    assert "stale" in capsys.readouterr().err
+    assert tool.main(["--page", str(page)]) == 0
+    assert page.read_text() == text
+    page.write_text("# no markers\n")
+    with pytest.raises(SystemExit, match="markers not found"):
+        tool.main(["--page", str(page), "--check"])
+
+
+def test_the_table_shows_defaults_allowed_values_and_rules():
+    table = _tool().table()
+    assert "| `algorithm.adv_estimator` | `gae` | `gae` \\| `grpo` \\|" in table
+    assert "| `rollout.group_size` | `16` | int; must be >= 1 |" in table
+    assert "| `algorithm.kl_in_reward` | `null` | bool or null |" in table
