@@ -24,7 +24,7 @@ from fastpo.rewards import RewardFunction
 from fastpo.registry import estimator
 from fastpo.seeds import rollout_sampling_seed
 from fastpo.trainer.batch import TrainBatch
-from fastpo.trainer.lifecycle import Dropped, StopControl
+from fastpo.trainer.lifecycle import StopControl
 from fastpo.trainer.setup import NothingToTrain, Parts
 
 
@@ -158,11 +158,12 @@ class StarPOIteration:
             self.reward_fn = RewardFunction(cfg.reward.fn, cfg.reward.mode, cfg.env.name, judge=judge)
         self.reward_fn_totals: dict = {}  # this iteration's sums of RewardFunction.apply's figures
 
-    def run(self, it: int) -> dict:
-        """One StarPO iteration as named steps on one batch record; returns its metrics. Until
-        its update begins, a SIGTERM drops it (raises Dropped; nothing has changed). Raises
-        NothingToTrain when no trajectory had room for a response. One process and N run the
-        same steps (fastpo.distributed: one process is a world of one)."""
+    def run(self, it: int) -> Optional[dict]:
+        """One StarPO iteration as named steps on one batch record; returns its metrics, or None
+        when a SIGTERM dropped it before its update (nothing has changed: the rollout ends
+        between turns, `StopControl`). Raises NothingToTrain when no trajectory had room for a
+        response. One process and N run the same steps (fastpo.distributed: one process is a
+        world of one)."""
         if self.schedule is not None and not self.schedule.needs_rollout(it):
             return self.reuse_iteration(it)
         tm: dict[str, float] = {}
@@ -172,8 +173,11 @@ class StarPOIteration:
         items = None
         # FSDP2: whole parameters on every rank from the rollout to the advantages (generation,
         # old log-probs and collapse metrics run different forward counts on each rank)
-        with self.stop.droppable(), ffsdp.gathered(self.models.fsdp_root):
-            full, metrics, generated = self.rollout_step(it, tm)
+        with ffsdp.gathered(self.models.fsdp_root):
+            rolled = self.rollout_step(it, tm)
+            if rolled is None:  # a SIGTERM ended the rollout
+                return None
+            full, metrics, generated = rolled
             rollout, filt = self.filter_step(full, metrics)
             t1 = time.perf_counter()
             batch = TrainBatch.from_rollout(rollout, it)
@@ -181,24 +185,25 @@ class StarPOIteration:
             tm["time/old_logprob_s"] = time.perf_counter() - t1
             metrics["train/old_logprob_from_sampler"] = float(batch.old_logprobs is batch.sample_logprobs)
             metrics.update(self.token_metrics(batch, recomputed))
-            if not filt.kept_groups:
-                a = self.cfg.algorithm
-                which = "dynamic sampling" if self.plan.filter_mode == "dynamic" else f"the {a.filter_strategy} filter"
-                self.warn(f"iteration {it}: {which} kept no env group "
-                          f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
-                metrics.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
-                return metrics
-            t2 = time.perf_counter()
-            self.advantage_step(rollout, batch, metrics)
-            tm["time/advantage_s"] = time.perf_counter() - t2
-            if self.schedule is not None or self.cfg.algorithm.is_correction != "none":
-                rollout_m = dict(metrics)  # what the iterations reusing this batch log again
-                if self.schedule is not None:
-                    items = batch.rows()
-                batch = self.off_policy(it, metrics, batch, fresh=True)
-            if self.stop.sync() and self.stop.state.term:
-                raise Dropped  # every rank drops this iteration before its update (see StopControl)
-        if items is not None:  # past the droppable part: a dropped iteration leaves the schedule as it was
+            if filt.kept_groups:
+                t2 = time.perf_counter()
+                self.advantage_step(rollout, batch, metrics)
+                tm["time/advantage_s"] = time.perf_counter() - t2
+                if self.schedule is not None or self.cfg.algorithm.is_correction != "none":
+                    rollout_m = dict(metrics)  # what the iterations reusing this batch log again
+                    if self.schedule is not None:
+                        items = batch.rows()
+                    batch = self.off_policy(it, metrics, batch, fresh=True)
+        if self.stop.drop_before_update():  # every rank drops this iteration before its update
+            return None
+        if not filt.kept_groups:
+            a = self.cfg.algorithm
+            which = "dynamic sampling" if self.plan.filter_mode == "dynamic" else f"the {a.filter_strategy} filter"
+            self.warn(f"iteration {it}: {which} kept no env group "
+                      f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
+            metrics.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
+            return metrics
+        if items is not None:  # past the drop point: a dropped iteration leaves the schedule as it was
             self.schedule.start(it, items, rollout_m)
         self.update_step(it, metrics, tm, batch)
         if self.dist.initialized:  # each rank's own figures (a data-parallel job's report)
@@ -209,7 +214,8 @@ class StarPOIteration:
 
     def rollout_step(self, it: int, tm: dict):
         """Step 1: roll out this process's env groups; (the TrajectoryBatch, the rollout metrics
-        of the whole batch, generated tokens). Times into `tm`."""
+        of the whole batch, generated tokens), or None when a SIGTERM ended the rollout. Times
+        into `tm`."""
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.perf_counter()
         ctx = self.dist
@@ -217,12 +223,16 @@ class StarPOIteration:
         group_ids, seeds = rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
         # each group its own sampling stream, else one stream for the whole batch (RunPlan)
         extra = {"group_ids": group_ids} if self.plan.per_group_streams else {}
-        full = self.rescored(self.parts.sampler.generate(seeds, r.group_size, r.temperature,
-                                                         seed=rollout_sampling_seed(cfg.trainer.seed, it), **extra))
+        full = self.parts.sampler.generate(seeds, r.group_size, r.temperature,
+                                           seed=rollout_sampling_seed(cfg.trainer.seed, it), **extra)
         release_free_memory()  # the engine's freed KV buffers and temporaries, back to the system
-        draws = {}
+        if self.stop.dropping():
+            return None
+        full, draws = self.rescored(full), {}
         if self.plan.filter_mode == "dynamic":
             full, draws = self.dynamic_draws(it, full)
+            if full is None:
+                return None
         sync_s = self.parts.sampler.take_weight_sync_seconds()
         tm["time/rollout_s"] = time.perf_counter() - t0 - sync_s
         tm["time/weight_sync_s"] = sync_s
@@ -308,7 +318,8 @@ class StarPOIteration:
         iteration's own groups) while fewer than `rollout.env_groups` groups of the whole
         batch have rewards that vary, at most `algorithm.dynamic_max_draws` rollouts in all.
         Returns (every trajectory this process drew, in one batch; train/dynamic_draws and
-        train/dynamic_varying_groups: the rollouts made and the varying groups found, global)."""
+        train/dynamic_varying_groups: the rollouts made and the varying groups found, global),
+        or (None, None) when a SIGTERM ended a draw."""
         from fastpo.algorithms.filtering import group_reward_std, varying_groups
         from fastpo.distributed.data_parallel import gather_group_stds, split_groups
         from fastpo.rollout.batch import TrajectoryBatch
@@ -330,8 +341,10 @@ class StarPOIteration:
             seeds = [seeds[g] for g in mine]
             ids = [draw * r.env_groups + g for g in mine]
             extra = {"group_ids": ids} if self.plan.per_group_streams else {}
-            b = self.rescored(self.parts.sampler.generate(seeds, r.group_size, r.temperature, seed=sampling_seed,
-                                                          **extra))
+            b = self.parts.sampler.generate(seeds, r.group_size, r.temperature, seed=sampling_seed, **extra)
+            if self.stop.dropping():
+                return None, None
+            b = self.rescored(b)
             if not self.plan.per_group_streams:  # one stream: the rollout numbered its groups from 0
                 b = dataclasses.replace(b, group_ids=b.group_ids + draw * r.env_groups)
             batches.append(b)
@@ -489,19 +502,21 @@ class StarPOIteration:
                 out[f"dist/rank{r}/{name}"] = v
         return out
 
-    def reuse_iteration(self, it: int) -> dict:
+    def reuse_iteration(self, it: int) -> Optional[dict]:
         """An iteration inside a reuse cycle (rollout.reuse = K > 1): no rollout; the batch the
         cycle's first iteration sampled is trained on again with its old log-probs (those of
         the policy that sampled it), advantages and rollout metrics (logged again, with
-        `rollout/reuse_index` 1..K-1), plus this iteration's replayed trajectories."""
+        `rollout/reuse_index` 1..K-1), plus this iteration's replayed trajectories. None when
+        a SIGTERM dropped it before its update."""
         tm: dict[str, float] = {"time/rollout_s": 0.0, "time/weight_sync_s": 0.0}
         self.parts.sampler.take_weight_sync_seconds()
         self.stop.iteration_begins()
-        with self.stop.droppable():
-            t1 = time.perf_counter()
-            metrics = dict(self.schedule.metrics)
-            batch = self.off_policy(it, metrics, TrainBatch.from_rows(self.schedule.current))
-            tm["time/old_logprob_s"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        metrics = dict(self.schedule.metrics)
+        batch = self.off_policy(it, metrics, TrainBatch.from_rows(self.schedule.current))
+        tm["time/old_logprob_s"] = time.perf_counter() - t1
+        if self.stop.drop_before_update():
+            return None
         self.update_step(it, metrics, tm, batch)
         metrics.update(tm)
         return metrics
@@ -509,7 +524,7 @@ class StarPOIteration:
     def off_policy(self, it: int, metrics: dict, batch: TrainBatch, fresh: bool = False) -> TrainBatch:
         """Mix this iteration's replayed trajectories into `batch` and apply the importance-
         sampling correction (algorithm.is_correction); `fresh`: the batch was just rolled out
-        (the schedule takes it after the droppable part). Returns the batch to train on
+        (the schedule takes it after the last drop point). Returns the batch to train on
         (replayed trajectories appended, `is_weights` set with a correction; with "mis",
         trajectories left with no token dropped); metrics into `metrics`.
 

@@ -48,12 +48,14 @@ class Sampler:
     fixed eval seeds), the engine kept in step with the trained weights (`weights_changed`).
 
     `rollout`: a `fastpo.rollout.MultiTurnRollout` over `engine`; `out`: the run folder (eval
-    outcomes and samples are written there); `warn(text)`: the run's user warnings."""
+    outcomes and samples are written there); `warn(text)`: the run's user warnings;
+    `stopping()`: whether a stop asks the work under way to end (the rollout's `stop_check`,
+    asked between turns; the caller then drops the work)."""
 
     def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, engine, rollout, plan: RunPlan,
-                 out: str, warn: Callable[[str], None]):
+                 out: str, warn: Callable[[str], None], stopping: Callable[[], bool] = lambda: False):
         self.cfg, self.dist, self.models, self.engine, self.rollout = cfg, dist, models, engine, rollout
-        self.plan, self.out, self.warn = plan, out, warn
+        self.plan, self.out, self.warn, self.stopping = plan, out, warn, stopping
         self._released = self._stale = False
         self.weight_sync_seconds = 0.0  # since the last `take_weight_sync_seconds`
         self._success_bounds: Optional[dict] = None  # eval/optimal_success, eval/random_success (fixed seeds)
@@ -123,12 +125,14 @@ class Sampler:
         per-trajectory outcomes. Several processes: collective, every rank evaluates its share
         of the seeds (`evaluate_config`), rank 0 writes the files, each rank's seed count and
         rollout seconds are `dist/rank<R>/eval_seeds` and `eval_rollout_s`, and every rank
-        gets the metrics."""
+        gets the metrics. Returns {} when `stopping()` ended it (nothing written)."""
         t = self.cfg.trainer
         t0 = time.perf_counter()
         with self.awake():
             res, batch = evaluate_config(self.rollout, self.cfg, autocast=self.models.autocast,
                                          model=self.models.policy, dist=self.dist)
+        if self.stopping():  # ended early: the caller drops it, nothing is written
+            return {}
         ranks = res.pop("_ranks")
         per_traj = res.pop("_per_trajectory")
 

@@ -188,13 +188,14 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
             else:
                 trainer.console.print(line)
         rollout = ro.MultiTurnRollout.from_config(cfg, engine, models.tokenizer)
+        rollout.stop_check = trainer.stop.dropping  # a SIGTERM ends a rollout between turns
     except BaseException:
         if hasattr(engine, "shutdown"):  # a started SGLang server must not outlive the failed start
             engine.shutdown()
         raise
     scorer = Scorer(cfg, models, plan)
     updater = PolicyUpdater(cfg, dist, models, scorer, plan, trainer.warn)
-    sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn)
+    sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn, trainer.stop.dropping)
     checkpointer = Checkpointer(cfg, dist, models, updater.optimizers(), trainer.out, trainer.console)
     schedule = None  # rollout reuse (Online-K) and replay (fastpo.trainer.replay)
     if cfg.rollout.reuse > 1 or cfg.rollout.replay > 0:
