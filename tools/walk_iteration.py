@@ -8,11 +8,12 @@ How it counts (the same way before and after a change, so the figures compare):
 * It runs `fastpo train --env sokoban --model random:tiny-llama --preset tiny --device cpu
   --iterations 2` in this process (evaluation off, no checkpoint before the end, no plots, no
   progress bar; arguments after `--` are added) under `sys.setprofile`.
-* Iteration 1 is one call of the loop's per-iteration function, found without naming it: the
-  outermost frame that differs between the stacks at the first and the second call of the
-  multi-turn rollout's `generate` (fastpo/rollout/multiturn.py). Its span runs from that
-  frame's entry to its return; "up to the optimizer step" ends at the first call of a `step`
-  in torch.optim (the first AdamW step of iteration 1).
+* Iteration 1 is found without naming the loop's functions: the loop is the innermost frame
+  on the stack at both the first and the second call of the multi-turn rollout's `generate`
+  (fastpo/rollout/multiturn.py); one iteration is one period of the calls that frame makes
+  (between the calls holding the two rollouts), taken from where iteration 1's period begins
+  (its stop check) to its end (its record and checkpoint). "Up to the optimizer step" ends at
+  the first call of a `step` in torch.optim (the first AdamW step of iteration 1).
 * A function is a distinct (file, qualified name) whose Python frame was entered, in a file of
   the fastpo package (fastpo/, envs_native/); the frames on the stack when the span begins
   (the command, `train`, the loop) count too. Not counted, and said so: the games
@@ -43,15 +44,15 @@ EXCLUDED = ("fastpo/envs/", "envs_native/", "fastpo/kernels/")
 
 
 class Trace:
-    """The profile hook: every fastpo call (its index, function and nearest fastpo caller),
-    a shadow stack of fastpo frames, and the moments the counts need."""
+    """The profile hook: every fastpo call (its function and the index of its caller's call:
+    the nearest fastpo frame above it), a shadow stack of fastpo frames, and the moments the
+    counts need."""
 
     def __init__(self, root: str):
         self.root = root + os.sep
-        self.calls: list = []  # (function, caller function or None)
+        self.calls: list = []  # (function, index of the caller's call or -1)
         self.stack: list = []  # [(frame, index of its call)]
         self.generate: list = []  # the shadow stack at each rollout `generate`
-        self.returns: dict = {}  # id(frame) -> index, for the frames held in `generate`
         self.step_at = None  # index of the first optimizer step
         self.stack_at_step: list = []
 
@@ -66,8 +67,6 @@ class Trace:
         if event == "return":
             if self.stack and self.stack[-1][0] is frame:
                 self.stack.pop()
-                if self.generate and any(frame is f for f, _ in self.generate[0]):
-                    self.returns[id(frame)] = len(self.calls)
             return
         if event != "call" or len(self.generate) > 1:
             return
@@ -80,22 +79,26 @@ class Trace:
         rel = self.rel(code)
         if rel is None:
             return
-        fn = (rel, code.co_qualname)
-        caller = self.calls[self.stack[-1][1]][0] if self.stack else None
-        self.stack.append((frame, len(self.calls)))
-        self.calls.append((fn, caller))
+        self.calls.append(((rel, code.co_qualname), self.stack[-1][1] if self.stack else -1))
+        self.stack.append((frame, len(self.calls) - 1))
         if code.co_name == "generate" and rel == "fastpo/rollout/multiturn.py":
             self.generate.append(list(self.stack))
 
     def iteration_span(self) -> tuple:
-        """(index of iteration 1's first call, index after its last, its frames on the stack at
-        its start: the command down to the per-iteration function)."""
+        """(index of iteration 1's first call, index after its last, the frames on the stack at
+        its start: the command down to the loop)."""
         first, second = self.generate
         d = 0
         while d < min(len(first), len(second)) and first[d][0] is second[d][0]:
             d += 1
-        frame, start = first[d]
-        return start, self.returns.get(id(frame), len(self.calls)), [self.calls[i][0] for _, i in first[:d]]
+        loop = first[d - 1][1]
+        kids = [i for i, (_, parent) in enumerate(self.calls) if parent == loop]  # the loop's own calls
+        a, b = kids.index(first[d][1]), kids.index(second[d][1])
+        period = [self.calls[i][0] for i in kids[a:b]]
+        start = a  # back to where iteration 1's period begins (the calls before its rollout's)
+        while start > 0 and a - start < len(period) and self.calls[kids[start - 1]][0] == period[start - a - 1]:
+            start -= 1
+        return kids[start], kids[start + len(period)], [self.calls[i][0] for _, i in first[:d]]
 
 
 def counted(funcs) -> set:
@@ -146,17 +149,18 @@ def main(argv=None) -> int:
     to_step = set(outer) | {fn for fn, _ in trace.calls[start:trace.step_at]}
     whole = set(outer) | {fn for fn, _ in trace.calls[start:end]}
     spine = set(trace.stack_at_step)
-    edges = set(zip(outer, outer[1:])) | {(c, fn) for fn, c in trace.calls[start:trace.step_at]}
+    edges = set(zip(outer, outer[1:])) | {(trace.calls[c][0], fn) for fn, c in trace.calls[start:trace.step_at]
+                                          if c >= 0}
     read = counted(spine) | {b for a, b in edges if a in spine and b in counted(to_step)}
     frames = from_train(trace.stack_at_step)
     res = {"command": "fastpo " + " ".join(cmd), "excluded": [*EXCLUDED, "<genexpr>, <listcomp>, <lambda>, ..."],
-           "iteration_function": "{}:{}".format(*trace.calls[start][0]),
+           "iteration": "calls of {}:{} from {}:{} on".format(*outer[-1], *trace.calls[start][0]),
            "to_optimizer_step": summary(to_step), "whole_iteration": summary(whole),
            "walk_to_step": {"files": len({f for f, _ in read}), "functions": len(read),
                             "list": sorted(f"{f}:{q}" for f, q in read)},
            "stack_depth_train_to_step": len(frames), "stack_at_step": [f"{f}:{q}" for f, q in frames]}
     print(res["command"])
-    print(f"iteration 1 = one call of {res['iteration_function']}")
+    print(f"iteration 1 = the {res['iteration']} (one period of the loop)")
     for name in ("to_optimizer_step", "whole_iteration"):
         s = res[name]
         print(f"{name}: {s['files']} files, {s['functions']} functions called "
