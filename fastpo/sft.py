@@ -716,6 +716,9 @@ class SFTTrainer(RunTrainer):
 
     # an SFT run resumed by `fastpo train` would continue as StarPO
     resume_command = "fastpo sft --resume"
+    # (from a data file: no success or score)
+    progress_fields = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
+                       ("loss", "sft/loss", ".3f"))
 
     def __init__(self, cfg: TrainConfig, sft: SFTConfig, data: Optional["SFTData"] = None, **kw):
         super().__init__(cfg, **kw)

@@ -156,7 +156,7 @@ class StopControl:
 
 class StopPaths:
     """Every path off the run loop's plain one, in one place: what the loop saves and says when
-    a stop comes before an iteration (`stop_before`), a SIGTERM drops one (`dropped`) or
+    a stop comes before an iteration (`begin`), a SIGTERM drops one (`dropped`) or
     postpones an evaluation (`evaluation`, `due_evaluation`, `pending_evaluation`), a stop
     comes after one (`after`), a second signal aborts (`aborted`) or an error ends the run
     (`failed`).
@@ -180,25 +180,23 @@ class StopPaths:
         self.tr.save(it, rng=self.rng_before_eval if eval_pending else rng, eval_pending=eval_pending)
         self.last_saved = it
 
-    def stop_before(self, it: int) -> bool:
-        """Whether a stop came before iteration `it` began (the ranks agree: `sync`): then save
-        what is not saved yet and say so."""
+    def begin(self, it: int) -> bool:
+        """Whether iteration `it` begins: False when a stop came before it (the ranks agree:
+        `sync`), after saving what is not saved yet and saying so; else its RNG states are kept
+        (what a resume restores if it is dropped) and its weights count as touched until the
+        trainer says its update has not begun."""
         self.it = it
         if not self.stop.sync():
-            return False
+            self.rng_at_start = rng_state()
+            self.stop.update_begins()
+            return True
         if self.updated > self.last_saved:
             self.save(self.updated)
         hint = self.untrained_hint()
         self.console.print(f"stopped before iteration {it}" + (f"; {hint}" if hint else
                            "" if self.updated > self.parts.start_iteration - 1 else "; nothing new to save"),
                            soft_wrap=True)
-        return True
-
-    def begin(self, it: int) -> None:
-        """Iteration `it` begins: its RNG states kept (what a resume restores if it is dropped);
-        its weights count as touched until the trainer says its update has not begun."""
-        self.rng_at_start = rng_state()
-        self.stop.update_begins()
+        return False
 
     def dropped(self, it: int) -> None:
         """Iteration `it` dropped by a SIGTERM before its update: save the last complete one."""

@@ -1,4 +1,4 @@
-"""The run loop shared by the StarPO trainer (`Trainer`, `train`) and SFT (fastpo.sft.SFTTrainer):
+"""The run loop shared by the StarPO trainer (fastpo.trainer.step) and SFT (fastpo.sft.SFTTrainer):
 `RunLoop` sets up, evaluates before training, then per iteration iterates, evaluates when due,
 logs and saves when due, and stops when asked; `RunTrainer` is what both trainers share. What
 a stop, a dropped iteration, a postponed evaluation or an error saves and says is
@@ -11,10 +11,8 @@ import os
 import time
 from typing import Any, Optional
 
-from fastpo.config.presets import cpu_preset_note
 from fastpo.config.schema import TrainConfig
 from fastpo.distributed.context import DistContext, SINGLE
-from fastpo.distributed.launch import check_trainer_support
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
 from fastpo.models import resolve_device
 from fastpo.report.metrics import warn_user
@@ -24,10 +22,8 @@ from fastpo.report.summary import (before_after_note, before_after_table, game_r
 from fastpo.run.checkpoint import nothing_to_train_note
 from fastpo.run.folder import LOCK_FILE, RunLock
 import fastpo.trainer.fsdp as ffsdp
-from fastpo.trainer.iteration import StarPOIteration
-from fastpo.trainer.lifecycle import StopControl, StopPaths, Stopped
-from fastpo.trainer.plan import rl_plan
-from fastpo.trainer.setup import Parts, check_prompts_fit, open_run
+from fastpo.trainer.lifecycle import StopControl, StopPaths
+from fastpo.trainer.setup import Parts, check_prompts_fit
 
 
 class RunTrainer:
@@ -35,7 +31,8 @@ class RunTrainer:
     its settings, stop control, run-folder lock and parts, and the answers `RunLoop` asks of
     it except the ones a trainer defines: `setup()` (build `parts`), `iteration(it)` (its
     metrics, or None when a SIGTERM dropped it before its update), `evaluate(it)` (the
-    evaluation's metrics; here `Sampler.evaluate`).
+    evaluation's metrics; here `Sampler.evaluate`) and `progress_fields` (the progress line's
+    figures).
 
     `resume=True` continues the run found in the output folder from its latest checkpoint
     (`trust_checkpoint`: whose files may need full unpickling). `console` is a rich Console
@@ -45,6 +42,11 @@ class RunTrainer:
 
     #: The command that continues this kind of run, named in the stop and error messages.
     resume_command = "fastpo train --resume"
+    #: The figures of the progress line before the iteration's seconds: (label, metric key,
+    #: format), each shown when the iteration's metrics have it.
+    progress_fields: tuple = ()
+    #: The evaluation's figure, shown after the seconds when an evaluation ran.
+    eval_field = ("eval", "eval/success_rate", ".2f")
 
     def __init__(self, cfg: TrainConfig, resume: bool = False, console: Any = None,
                  stop_after: Optional[int] = None, overwrite: bool = False, dist: DistContext = SINGLE,
@@ -156,10 +158,9 @@ class RunLoop:
                     return p.logger.records
                 with self.progress() as show:
                     for it in range(p.start_iteration, t.iterations + 1):
-                        if stops.stop_before(it):  # e.g. a signal during the evaluation before training
-                            break
                         t0 = time.perf_counter()
-                        stops.begin(it)
+                        if not stops.begin(it):  # a stop came before it (e.g. in the evaluation before training)
+                            break
                         metrics = self.tr.iteration(it)  # None: a SIGTERM dropped it before its update
                         if metrics is None:
                             stops.dropped(it)
@@ -218,17 +219,18 @@ class RunLoop:
         if self.tr.stop_after is not None and it >= self.tr.stop_after:
             self.stop.state.requested = True
         self.stop.sync()  # every rank takes the same evaluate/save/stop decisions
-        pending = False
+        evaluated = pending = False
         if t.eval_every and (it % t.eval_every == 0 or it == t.iterations):
             try:
-                pending = not stops.due_evaluation(it, metrics)
+                evaluated = stops.due_evaluation(it, metrics)
             except Exception:
                 # the record before the emergency checkpoint of this update, or a resume (which starts
                 # after it) would leave the iteration out of metrics.jsonl for good
                 metrics["eval/failed"] = 1
-                self.log(it, metrics, t0, show)
+                self.log(it, metrics, t0, show, evaluated)
                 raise
-        self.log(it, metrics, t0, show)
+            pending = not evaluated
+        self.log(it, metrics, t0, show, evaluated)
         if (t.save_every and it % t.save_every == 0) or it == t.iterations or self.stop.state.requested:
             stops.save(it, eval_pending=pending)
         return stops.after(it, pending)
@@ -244,7 +246,7 @@ class RunLoop:
         finally:
             release_free_memory()  # what it freed in the heaps, back to the system
 
-    def log(self, it: int, metrics: dict, t0: float, show) -> None:
+    def log(self, it: int, metrics: dict, t0: float, show, evaluated: bool) -> None:
         """Iteration `it`'s record (metrics.jsonl) with its seconds since `t0`, the Echo-Trap
         warning, the progress line, plots (after an evaluation and at the end)."""
         t, p = self.cfg.trainer, self.tr.parts
@@ -257,17 +259,15 @@ class RunLoop:
             if not self.echo_on:  # printed when it starts firing; the flag is in every record
                 self.tr.warn(f"iteration {it}: {warn} (flagged as echo_trap_warning in metrics.jsonl while it lasts)")
         self.echo_on = bool(warn)
-        # what the trainer reports (SFT has no rollout entropy; from a data file, no success or score)
-        shown = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
-                 ("entropy", "train/rollout_entropy", ".2f"), ("loss", "sft/loss", ".3f"))
-        stats = " | ".join([f"{name} {metrics[k]:{fmt}}" for name, k, fmt in shown if k in metrics]
+        stats = " | ".join([f"{name} {metrics[k]:{fmt}}" for name, k, fmt in self.tr.progress_fields if k in metrics]
                            + [f"{metrics['time/iteration_s']:.0f} s/it"])
-        if "eval/success_rate" in metrics:
-            stats += f" | eval {metrics['eval/success_rate']:.2f}"
+        name, key, fmt = self.tr.eval_field
+        if key in metrics:
+            stats += f" | {name} {metrics[key]:{fmt}}"
         show(it, stats)
         if not t.progress:
             self.console.print(f"iteration {it}/{t.iterations}: {stats}")
-        if t.plots and self.dist.is_main and (("eval/success_rate" in metrics) or it == t.iterations):
+        if t.plots and self.dist.is_main and (evaluated or it == t.iterations):
             plot_curves(p.logger.records, os.path.join(self.out, "plots"), model_label=p.models.info.trained_label())
 
     def report(self) -> None:
@@ -299,54 +299,3 @@ class RunLoop:
                 if os.path.exists(os.path.join(self.out, name))]  # plots off or no eval: not there
         self.console.print(f"outputs in {self.out}/: {', '.join(held)}")
 
-
-class Trainer(RunTrainer):
-    """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`
-    (arguments: `RunTrainer`). After `setup()` its parts are `parts` (fastpo.trainer.setup.Parts:
-    models, scorer, updater, sampler, checkpointer, ...) and `iteration(it)` runs one StarPO
-    iteration (`StarPOIteration`, `step`)."""
-
-    def setup(self) -> None:
-        """Load the model(s), build the critic, optimizers, engine, rollout and logger; restore a
-        checkpoint (`fastpo.trainer.setup.open_run`). A start that fails leaves no empty output
-        folder behind."""
-        cfg = self.cfg
-        if cfg.rollout.group_size == 1 and cfg.algorithm.filter_mode != "none":
-            self.warn(f"algorithm.filter_mode={cfg.algorithm.filter_mode} with rollout.group_size=1: "
-                      "the in-group reward std is undefined with one trajectory per env group, so StarPO-S "
-                      "filtering is skipped (every group is trained on)")
-        parts = open_run(self, rl_plan(cfg, self.dist.initialized))
-        self.step = StarPOIteration(cfg, self.dist, parts, self.stop, self.warn)
-
-    def iteration(self, it: int) -> Optional[dict]:
-        """One StarPO iteration (`StarPOIteration.run`); its metrics, or None when a SIGTERM
-        dropped it before its update."""
-        return self.step.run(it)
-
-
-def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False,
-          dist: DistContext = SINGLE, trust_checkpoint: bool = False) -> list[dict]:
-    """Build a Trainer and run it; prints what the CPU preset scaled down.
-
-    A new run (resume=False) refuses an output folder that already holds a run
-    (FileExistsError) unless `overwrite` is true, which clears that run first. Raises
-    Stopped (a KeyboardInterrupt) after a Ctrl-C or SIGTERM stop, once the checkpoint is saved.
-    `dist`: this process's place in a data-parallel job (`fastpo.distributed.context.init_from_env`);
-    the default is one process. Raises fastpo.distributed.context.DistributedError for a setting the
-    data-parallel trainer does not support (`check_trainer_support`). `trust_checkpoint`
-    (`--trust-checkpoint`): a resume may load checkpoint files that need full unpickling
-    (an older fastpo's), with a warning; without it they raise
-    fastpo.run.checkpoint.UntrustedCheckpoint (a ConfigError naming the file).
-    """
-    from rich.console import Console
-
-    check_trainer_support(cfg, dist.world_size, torchrun=dist.initialized)
-    console = console or Console(quiet=not dist.is_main)
-    if "cpu" in cfg.preset.split(",") and dist.is_main:
-        console.print(f"[cyan]{cpu_preset_note(cfg)}[/]")
-    trainer = Trainer(cfg, resume=resume, console=console, overwrite=overwrite, dist=dist,
-                      trust_checkpoint=trust_checkpoint)
-    records = trainer.run()
-    if trainer.stop_state.interrupted:
-        raise Stopped(trainer.stop_state.signum)  # after the checkpoint: the CLI exits 130 (SIGINT) or 143 (SIGTERM)
-    return records

@@ -29,7 +29,8 @@ from fastpo.seeds import iteration_seeds
 from fastpo.trainer.lifecycle import Checkpointer
 from fastpo.trainer.models import Models, load_models
 from fastpo.trainer.plan import RunPlan
-from fastpo.trainer.sampler import Sampler, make_engine
+from fastpo.trainer.replay import RolloutSchedule
+from fastpo.trainer.sampler import NothingToTrain, Sampler, make_engine
 from fastpo.trainer.scoring import Scorer
 from fastpo.trainer.update import PolicyUpdater
 
@@ -37,10 +38,6 @@ from fastpo.trainer.update import PolicyUpdater
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
-
-
-class NothingToTrain(ConfigError):
-    """The prompts leave no room for a response: the run would train on nothing."""
 
 
 class RankRecords:
@@ -199,8 +196,6 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     checkpointer = Checkpointer(cfg, dist, models, updater.optimizers(), trainer.out, trainer.console)
     schedule = None  # rollout reuse (Online-K) and replay (fastpo.trainer.replay)
     if cfg.rollout.reuse > 1 or cfg.rollout.replay > 0:
-        from fastpo.trainer.replay import RolloutSchedule
-
         schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                    cfg.train_batch_size, cfg.trainer.seed)
     echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
