@@ -35,7 +35,7 @@ from _common import BenchContext, PartSkipped, Record, _status_kib as _kib  # no
 PART = "memory"
 #: The methods wrapped as phases: phase (the name the JSON gives it) -> (the object holding the method, from the trainer: "" itself, else a dotted path into
 #: it once it is set up, the method's name)
-PHASE_METHODS = {"setup": ("", "setup"), "evaluate": ("", "evaluate"), "rollout": ("step", "rollout_step"),
+PHASE_METHODS = {"setup": ("", "setup"), "evaluate": ("", "evaluate"), "rollout": ("parts.sampler", "roll_out"),
                  "old_logprob": ("parts.scorer", "old_logprobs"), "update": ("parts.updater", "update"),
                  "optimizer_step": ("parts.updater", "optimizer_step"), "checkpoint": ("", "save")}
 TARGET = 1.5  # peak RSS at most 1.5 x (parameters + gradients + optimizer state + largest KV buffer)

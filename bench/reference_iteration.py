@@ -176,7 +176,6 @@ class ReferenceTrainer(Trainer):
 
     def setup(self) -> None:
         from fastpo.rollout.reference import ReferenceRollout
-        from fastpo.trainer.iteration import StarPOIteration
 
         super().setup()
         p, cfg = self.parts, self.cfg
@@ -187,13 +186,14 @@ class ReferenceTrainer(Trainer):
         padded = _Padded(self.micro_batch_size, pad_id, self.device)
         ref_rollout = ReferenceRollout(self.model, tok, cfg.env.name, dict(cfg.env.options),
                                        cfg.rollout.rollout_config())
+        rewards = p.sampler.rewards
         p.sampler = ReferenceSampler(cfg, self.dist, p.models, p.sampler.engine, p.sampler.rollout, p.plan, self.out,
-                                     self.warn, ref_rollout=ref_rollout)
+                                     self.warn, p.sampler.stopping, ref_rollout=ref_rollout)
+        p.sampler.rewards = rewards
         p.scorer = ReferenceScorer(cfg, p.models, p.plan, padded)
         updater = ReferenceUpdater(cfg, self.dist, p.models, p.scorer, p.plan, self.warn, padded)
         updater.actor_opt, updater.critic_opt = p.updater.actor_opt, p.updater.critic_opt  # the same optimizers
         p.updater = updater
-        self.step = StarPOIteration(cfg, self.dist, p, self.stop, self.warn)
 
 
 class ReferenceSampler(Sampler):

@@ -716,6 +716,9 @@ class SFTTrainer(RunTrainer):
 
     # an SFT run resumed by `fastpo train` would continue as StarPO
     resume_command = "fastpo sft --resume"
+    # (from a data file: no success or score)
+    progress_fields = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
+                       ("loss", "sft/loss", ".3f"))
 
     def __init__(self, cfg: TrainConfig, sft: SFTConfig, data: Optional["SFTData"] = None, **kw):
         super().__init__(cfg, **kw)
@@ -783,7 +786,7 @@ class SFTTrainer(RunTrainer):
         """The policy's evaluation (`Sampler.evaluate`), with the expert's success on the same
         seeds and, in answer-only mode, the first-action accuracy (`first_action_accuracy`)."""
         res = super().evaluate(it)
-        if not has_expert(self.cfg.env.name):  # trained from a data file, on a game without an expert
+        if not res or not has_expert(self.cfg.env.name):  # stopped (dropped), or a game without an expert
             return res
         res.update(self.expert_eval())
         if not self.cfg.rollout.think:  # in think mode an answer opens with reasoning, not an action

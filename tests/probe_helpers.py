@@ -77,16 +77,16 @@ def eval_success(records: list[dict]) -> float:
 
 def last_turn_only(monkeypatch):
     """Credit for the last turn only: every earlier turn's advantages set to 0."""
-    from fastpo.trainer import iteration
+    from fastpo.trainer.advantages import Advantages
 
-    compute = iteration.Advantages.compute
+    compute = Advantages.compute
 
     def broken(self, batch, masks, vals, old_lp=None, ref=None):
         adv, ret, m = compute(self, batch, masks, vals, old_lp, ref)
         turns = [torch.as_tensor(t)[: a.numel()] for t, a in zip(batch.turn_index, adv)]
         return [torch.where(t == t.max(), a, torch.zeros_like(a)) for t, a in zip(turns, adv)], ret, m
 
-    monkeypatch.setattr(iteration.Advantages, "compute", broken)
+    monkeypatch.setattr(Advantages, "compute", broken)
 
 
 def shifted_loss_mask(monkeypatch):

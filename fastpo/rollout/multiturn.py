@@ -319,6 +319,10 @@ class MultiTurnRollout:
             and action limits and format penalty; every live trajectory of every game still
             samples in one engine batch per turn.
     Raises ValueError (fastpo.envs.EnvError) for a bad config or environment name.
+
+    `stop_check`: None, or a callable asked before each turn (the trainer's SIGTERM flag,
+    `fastpo.trainer.lifecycle.StopControl.dropping`); True ends the rollout there, and the
+    batch `generate` returns is cut short (its caller drops it).
     """
 
     def __init__(self, engine, tokenizer, env_name: str, env_config: dict | None = None, cfg: RolloutConfig | None = None,
@@ -348,6 +352,7 @@ class MultiTurnRollout:
             raise ValueError(f"rollout.context_window={self.cfg.context_window!r} needs an engine that evicts KV "
                              f"entries (the native engine); {type(engine).__name__} does not")
         self.refill_window = False  # benchmark baseline: re-prefill the window each turn (not trainable)
+        self.stop_check = None
 
     @classmethod
     def from_config(cls, cfg, engine, tokenizer) -> "MultiTurnRollout":
@@ -373,7 +378,7 @@ class MultiTurnRollout:
             if m.label == label:
                 ro = MultiTurnRollout(self.engine, self.tokenizer, m.name, m.options, c, self.env_workers,
                                       members=[(m, c)])
-                ro.refill_window = self.refill_window
+                ro.refill_window, ro.stop_check = self.refill_window, self.stop_check
                 return ro
         raise KeyError(f"no env {label!r} in this rollout; it plays {[m.label for m, _ in self.members]}")
 
@@ -564,7 +569,7 @@ class MultiTurnRollout:
             engine.start(st.group_prompts, N)
         append = None
         for turn in range(st.turns):
-            if not active:
+            if not active or (self.stop_check is not None and self.stop_check()):
                 break
             j = turn + 1
             if K is not None and j > K:

@@ -4,7 +4,7 @@
 `rollout.replay_fraction` x (fresh batch size) of them, drawn uniformly, into its batch.
 They were sampled by older policies, so the trainer recomputes their old log-probs with
 the current one and corrects the sampler gap with `fastpo.algorithms.rollout_correction`
-(their sampler log-probs are stored with them).
+(their sampler log-probs are stored with them): `off_policy_batch`.
 
 The buffer only stores and draws; what a trajectory holds (token ids, loss mask, sampler
 log-probs, advantages, the iteration that sampled it, ...) is up to the caller: each item
@@ -14,10 +14,15 @@ checkpoints (plain containers, tensors and numbers: loadable with torch.load(wei
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
+
+from fastpo import algorithms as alg
+from fastpo.trainer.batch import TrainBatch
 
 
 def _cpu_copy(item: dict) -> dict:
@@ -197,3 +202,56 @@ class RolloutSchedule:
         self.started = int(state.get("started", 0))
         self.metrics = dict(state.get("metrics") or {})
         self.buffer.load_state_dict(state["buffer"])
+
+
+def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-trajectory 1-D tensors -> [B, T] right-padded with zeros (False)."""
+    out = torch.zeros(len(rows), max((int(x.numel()) for x in rows), default=0), dtype=dtype)
+    for i, x in enumerate(rows):
+        out[i, : x.numel()] = x.to(dtype)
+    return out
+
+
+def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, metrics: dict, batch: TrainBatch,
+                     fresh: bool = False) -> TrainBatch:
+    """The batch iteration `it` trains on: `batch` with this iteration's replayed trajectories
+    from `schedule` (None: no reuse or replay) appended, and the importance-sampling correction
+    of TrainConfig `cfg` (algorithm.is_correction: `is_weights` set; with "mis", trajectories
+    left with no token dropped); its metrics into `metrics`. `fresh`: `batch` was just rolled
+    out (`schedule.start` takes it after the iteration's last drop point).
+
+    Replayed trajectories keep their sampler log-probs, advantages and returns; their old
+    log-probs (the ratio's anchor), values and reference log-probs are the current models'
+    (`scorer.compute_old`), so the weights pi_old / pi_sampler correct the policy lag
+    (decoupled PPO)."""
+    a = cfg.algorithm
+    rep = schedule.replayed(it, len(batch), fresh) if schedule is not None else []
+    if schedule is not None:
+        metrics["rollout/reuse_index"] = schedule.reuse_index(it, fresh)
+        metrics["replay/size"] = len(schedule.pool(fresh))
+        metrics["replay/trajectories"] = len(rep)
+        if rep:
+            metrics["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
+    if rep:
+        old = TrainBatch.from_rows(rep)
+        old.old_logprobs, _, r_vals, r_ref = scorer.compute_old(old)
+        old.values = None if batch.values is None else r_vals
+        old.ref_logprobs = None if batch.ref_logprobs is None else r_ref
+        old.returns = None if batch.returns is None else old.returns
+        # (entropies are the rollout's metric, not trained on)
+        batch = TrainBatch.concat([dataclasses.replace(batch, entropies=None), old])
+    corr = alg.rollout_correction(_pad(batch.old_logprobs), _pad(batch.sample_logprobs),
+                                  _pad(batch.loss_mask, torch.bool), a.is_correction, a.is_level, a.is_cap)
+    for k in ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "is_weight_mean", "is_truncated_frac"):
+        metrics[f"actor/{k}"] = corr.metrics[k]
+    metrics["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
+    if a.is_correction == "none":
+        return batch
+    n = [int(x.numel()) for x in batch.input_ids]
+    batch.is_weights = [corr.weights[i, : n[i]] for i in range(len(batch))]
+    if a.is_correction == "mis":  # dropped tokens leave the loss (and the loss's normalisation)
+        batch.loss_mask = [corr.keep[i, : n[i]] for i in range(len(batch))]
+        kept = [i for i in range(len(batch)) if bool(batch.loss_mask[i].any())]
+        if len(kept) < len(batch):
+            batch = batch.select(kept)
+    return batch

@@ -1,9 +1,11 @@
-"""The rollout runner: the generation engine and the multi-turn rollout over it, used for the
-training batches (`generate`) and for the evaluation on the fixed eval seeds (`evaluate`).
+"""The rollout runner: the generation engine and the multi-turn rollout over it, for an
+iteration's training batch (`Sampler.roll_out`: its env groups, rewards and metrics), for plain
+batches (`generate`) and for the evaluation on the fixed eval seeds (`evaluate`).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import time
@@ -11,14 +13,24 @@ from typing import Callable, Optional
 
 import torch
 
-from fastpo.distributed.collectives import on_main
-
-from fastpo.distributed.context import DistContext
+from fastpo import algorithms as alg
+from fastpo.algorithms.filtering import group_reward_std, varying_groups
+from fastpo.config.fields import ConfigError
 from fastpo.config.schema import TrainConfig
+from fastpo.distributed.collectives import all_reduce, gather_to_main, on_main
+from fastpo.distributed.context import DistContext
+from fastpo.distributed.data_parallel import gather_group_stds, rank_seeds, split_groups
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
-from fastpo.report.metrics import write_samples
+from fastpo.memory import release_free_memory
+from fastpo.report.metrics import rollout_metrics, write_samples
+from fastpo.rollout.batch import TrajectoryBatch
+from fastpo.seeds import dynamic_draw_seeds, rollout_sampling_seed
 from fastpo.trainer.models import Models
 from fastpo.trainer.plan import RunPlan
+
+
+class NothingToTrain(ConfigError):
+    """The prompts leave no room for a response: the run would train on nothing."""
 
 
 def make_engine(cfg: TrainConfig, models: Models):
@@ -44,16 +56,22 @@ def make_engine(cfg: TrainConfig, models: Models):
 
 
 class Sampler:
-    """Trajectories from the current policy: `generate` (training batches) and `evaluate` (the
-    fixed eval seeds), the engine kept in step with the trained weights (`weights_changed`).
+    """Trajectories from the current policy: an iteration's training batch (`roll_out`), a plain
+    batch (`generate`) and the evaluation on the fixed eval seeds (`evaluate`), the engine kept
+    in step with the trained weights (`weights_changed`).
 
     `rollout`: a `fastpo.rollout.MultiTurnRollout` over `engine`; `out`: the run folder (eval
-    outcomes and samples are written there); `warn(text)`: the run's user warnings."""
+    outcomes and samples are written there); `warn(text)`: the run's user warnings;
+    `stopping()`: whether a stop asks the work under way to end (the rollout's `stop_check`,
+    asked between turns; the caller then drops the work). `rewards`: reward.fn and the LLM
+    judge (`fastpo.rewards.RewardFunction`) rescoring the training batches, or None."""
 
     def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, engine, rollout, plan: RunPlan,
-                 out: str, warn: Callable[[str], None]):
+                 out: str, warn: Callable[[str], None], stopping: Callable[[], bool] = lambda: False):
         self.cfg, self.dist, self.models, self.engine, self.rollout = cfg, dist, models, engine, rollout
-        self.plan, self.out, self.warn = plan, out, warn
+        self.plan, self.out, self.warn, self.stopping = plan, out, warn, stopping
+        self.rewards = None
+        self.reward_totals: dict = {}  # this iteration's sums of RewardFunction.apply's figures
         self._released = self._stale = False
         self.weight_sync_seconds = 0.0  # since the last `take_weight_sync_seconds`
         self._success_bounds: Optional[dict] = None  # eval/optimal_success, eval/random_success (fixed seeds)
@@ -93,6 +111,138 @@ class Sampler:
             self.engine.release_memory()
             self._released = True
 
+    def roll_out(self, it: int) -> Optional[tuple]:
+        """Step 1 of a StarPO iteration: this process's env groups of iteration `it` rolled out
+        (their seeds and ids as in one process; DAPO's extra draws with algorithm.filter_mode
+        dynamic), rescored by `rewards`; the rollout metrics of the whole batch (the collapse
+        metrics at iteration 1 and every trainer.collapse_every), then DAPO's overlong shaping.
+        Returns (the TrajectoryBatch, its metrics, {"time/rollout_s", "time/weight_sync_s"
+        (, "time/collapse_s")}, generated tokens), or None when `stopping()` ended it (the
+        caller drops the iteration). Raises NothingToTrain when no trajectory had room for a
+        response."""
+        cfg, r, ctx = self.cfg, self.cfg.rollout, self.dist
+        self.take_weight_sync_seconds()  # (an evaluation's since the last rollout is not this rollout's)
+        t0 = time.perf_counter()
+        self.reward_totals = {}
+        group_ids, seeds = rank_seeds(cfg.trainer.seed, it, r.env_groups, ctx.world_size, ctx.rank)
+        # each group its own sampling stream, else one stream for the whole batch (RunPlan)
+        extra = {"group_ids": group_ids} if self.plan.per_group_streams else {}
+        full = self.generate(seeds, r.group_size, r.temperature, seed=rollout_sampling_seed(cfg.trainer.seed, it),
+                             **extra)
+        release_free_memory()  # the engine's freed KV buffers and temporaries, back to the system
+        if self.stopping():
+            return None
+        full, draws = self.rescored(full), {}
+        if self.plan.filter_mode == "dynamic":
+            full, draws = self.dynamic_draws(it, full)
+            if full is None:
+                return None
+        sync_s = self.take_weight_sync_seconds()
+        tm = {"time/rollout_s": time.perf_counter() - t0 - sync_s, "time/weight_sync_s": sync_s}
+        turns = int(all_reduce(ctx, [int(full.num_turns.sum())])[0])
+        longest = int(all_reduce(ctx, [max(int(x.numel()) for x in full.input_ids)], "max")[0])
+        if not turns:
+            raise NothingToTrain(
+                f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
+                f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
+                f"{longest + r.max_new_tokens}")
+        every = cfg.trainer.collapse_every
+        collapse = bool(every and (it == 1 or it % every == 0))
+        metrics, generated, collapse_s = self.batch_metrics(full, collapse)
+        metrics.update(draws)
+        metrics.update(overlong_shaping(cfg, ctx, full))
+        if self.rewards is not None:
+            metrics.update(self.reward_metrics())
+        if collapse:
+            tm["time/collapse_s"] = collapse_s
+        return full, metrics, tm, generated
+
+    def rescored(self, batch):
+        """`batch` with reward.fn's value and the judge's score on its turn rewards and scores (in
+        place; fastpo.rewards), counted into this iteration's `reward_totals`; unchanged
+        without either."""
+        if self.rewards is not None and len(batch.scores):
+            for k, v in self.rewards.apply(batch).items():
+                self.reward_totals[k] = self.reward_totals.get(k, 0.0) + v
+        return batch
+
+    def reward_metrics(self) -> dict:
+        """This iteration's reward.fn and judge figures over every process: train/reward_fn_mean
+        (per trajectory; with reward.fn), train/judge_score_mean and train/judge_unparsed_rate
+        (per judged trajectory), train/judge_too_long and time/judge_s (with a judge)."""
+        keys = ["reward_fn_sum", "count"]
+        if self.rewards.judge is not None:
+            keys += ["judged", "judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds"]
+        tot = dict(zip(keys, all_reduce(self.dist, [self.reward_totals.get(k, 0.0) for k in keys])))
+        out = {}
+        if self.rewards.fn is not None:
+            out["train/reward_fn_mean"] = tot["reward_fn_sum"] / max(tot["count"], 1.0)
+        if self.rewards.judge is not None:
+            n = max(tot["judged"], 1.0)
+            out.update({"train/judge_score_mean": tot["judge_score_sum"] / n,
+                        "train/judge_unparsed_rate": tot["judge_unparsed"] / n,
+                        "train/judge_too_long": tot["judge_too_long"],
+                        "time/judge_s": tot["judge_seconds"] / max(self.dist.world_size, 1)})
+        return out
+
+    def dynamic_draws(self, it: int, first) -> tuple:
+        """DAPO's dynamic sampling, the drawing half: more rollouts of `rollout.env_groups`
+        fresh env groups (`fastpo.seeds.dynamic_draw_seeds`; group ids continuing after the
+        earlier draws'; with several processes each rolls out its share of them, as of the
+        iteration's own groups) while fewer than `rollout.env_groups` groups of the whole
+        batch have rewards that vary, at most `algorithm.dynamic_max_draws` rollouts in all.
+        Returns (every trajectory this process drew, in one batch; train/dynamic_draws and
+        train/dynamic_varying_groups: the rollouts made and the varying groups found, global),
+        or (None, None) when `stopping()` ended a draw."""
+        cfg, r, ctx = self.cfg, self.cfg.rollout, self.dist
+        batches = [first]
+        mine = list(split_groups(r.env_groups, ctx.world_size, ctx.rank))  # every group in one process
+
+        def varying() -> int:  # over every process's groups (collective)
+            stds = group_reward_std(torch.cat([b.scores.float() for b in batches]),
+                                    torch.cat([b.group_ids for b in batches]))
+            return len(varying_groups(gather_group_stds(ctx, stds)))
+
+        found = varying()
+        while len(batches) < cfg.algorithm.dynamic_max_draws and found < r.env_groups:
+            draw = len(batches)
+            seeds, sampling_seed = dynamic_draw_seeds(cfg.trainer.seed, it, draw, r.env_groups)
+            seeds = [seeds[g] for g in mine]
+            ids = [draw * r.env_groups + g for g in mine]
+            extra = {"group_ids": ids} if self.plan.per_group_streams else {}
+            b = self.generate(seeds, r.group_size, r.temperature, seed=sampling_seed, **extra)
+            if self.stopping():
+                return None, None
+            b = self.rescored(b)
+            if not self.plan.per_group_streams:  # one stream: the rollout numbered its groups from 0
+                b = dataclasses.replace(b, group_ids=b.group_ids + draw * r.env_groups)
+            batches.append(b)
+            release_free_memory()
+            found = varying()
+        return TrajectoryBatch.concat(batches), {"train/dynamic_draws": float(len(batches)),
+                                                 "train/dynamic_varying_groups": float(found)}
+
+    def batch_metrics(self, full, collapse: bool) -> tuple[dict, float, float]:
+        """(rollout metrics, generated tokens, collapse seconds) of the global batch: every
+        rank's trajectories are gathered to rank 0, which computes `rollout_metrics` (and the
+        collapse metrics when `collapse`) on their concatenation, as one process would; the
+        result is shared with every rank."""
+        pieces = gather_to_main(self.dist, dataclasses.replace(full, tokenizer=None))
+
+        def compute():
+            whole = pieces[0] if len(pieces) == 1 else TrajectoryBatch.concat(pieces)
+            whole.tokenizer = self.models.tokenizer
+            m = rollout_metrics(whole, prefix="train")
+            t_c, secs = time.perf_counter(), 0.0
+            if collapse:
+                m.update(self.collapse_metrics(whole))
+                secs = time.perf_counter() - t_c
+            gen = float(whole.metrics.get("generated_tokens",
+                                          sum(int(torch.as_tensor(x).sum()) for x in whole.loss_mask)))
+            return m, gen, secs
+
+        return on_main(self.dist, compute)
+
     def generate(self, seeds: list[int], group_size: int, temperature: float, seed: int,
                  group_ids: Optional[list[int]] = None):
         """Roll out env groups `seeds` x group_size (a TrajectoryBatch); `group_ids` (global
@@ -123,12 +273,14 @@ class Sampler:
         per-trajectory outcomes. Several processes: collective, every rank evaluates its share
         of the seeds (`evaluate_config`), rank 0 writes the files, each rank's seed count and
         rollout seconds are `dist/rank<R>/eval_seeds` and `eval_rollout_s`, and every rank
-        gets the metrics."""
+        gets the metrics. Returns {} when `stopping()` ended it (nothing written)."""
         t = self.cfg.trainer
         t0 = time.perf_counter()
         with self.awake():
             res, batch = evaluate_config(self.rollout, self.cfg, autocast=self.models.autocast,
                                          model=self.models.policy, dist=self.dist)
+        if self.stopping():  # ended early: the caller drops it, nothing is written
+            return {}
         ranks = res.pop("_ranks")
         per_traj = res.pop("_per_trajectory")
 
@@ -161,3 +313,34 @@ class Sampler:
                                       temperature=r.temperature, token_budget=self.cfg.optim.micro_token_budget,
                                       share_prompt=self.cfg.optim.share_prefix, impl=self.cfg.trainer.kernel_impl,
                                       autocast=self.models.autocast)
+
+
+def overlong_shaping(cfg: TrainConfig, dist: DistContext, full) -> dict:
+    """DAPO's overlong shaping on this process's trajectories `full` (a TrajectoryBatch), in
+    place, after the rollout metrics (which stay the game's): each turn's penalty
+    (`fastpo.algorithms.overlong_penalty`) added to its turn reward and the trajectory's score.
+    The filtering half (algorithm.overlong_filter: the turns cut at rollout.max_new_tokens out
+    of the loss) is `fastpo.trainer.advantages.overlong_filtered`, after the advantages, so
+    that a cut turn's reward, its penalty included, still reaches the earlier turns' credit.
+    Returns train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns
+    (both over every process)."""
+    a, r = cfg.algorithm, cfg.rollout
+    if not a.overlong_buffer and not a.overlong_filter:
+        return {}
+    total, cut = 0.0, 0
+    for i, turns in enumerate(full.responses):
+        if a.overlong_buffer and turns:
+            pen = alg.overlong_penalty(torch.tensor([len(x) for x in turns]), r.max_new_tokens, a.overlong_buffer,
+                                       a.overlong_penalty_factor)
+            full.turn_rewards[i, : len(turns)] += pen.to(full.turn_rewards.dtype)
+            full.scores[i] += pen.sum().to(full.scores.dtype)
+            total += float(pen.sum())
+        if a.overlong_filter and full.turn_stop_reasons:
+            cut += sum(1 for why in full.turn_stop_reasons[i] if why == "length")
+    n, total, cut = all_reduce(dist, [len(full.responses), total, cut])
+    out = {}
+    if a.overlong_buffer:
+        out["train/overlong_penalty_mean"] = total / n if n else 0.0
+    if a.overlong_filter:
+        out["train/overlong_filtered_turns"] = cut
+    return out

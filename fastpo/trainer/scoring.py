@@ -1,12 +1,15 @@
 """Scoring a batch with the current models on packed micro-batches: old log-probs and entropies,
-values, reference log-probs (or the sampler's own, where they are the same quantity).
+values, reference log-probs (or the sampler's own, where they are the same quantity), and their
+batch metrics (`token_metrics`).
 """
 from __future__ import annotations
 
 import torch
 
-from fastpo.kernels import linear_logprob_entropy
 from fastpo.config.schema import TrainConfig
+from fastpo.distributed.collectives import all_reduce
+from fastpo.distributed.context import DistContext
+from fastpo.kernels import linear_logprob_entropy
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.packing import (pack_micro_batch, packing_attention, packing_mask_dtype, plan_micro_batches,
                             shared_prefixes)
@@ -126,3 +129,24 @@ class Scorer:
         lp2, ent2, vals2, ref = self.compute_old(batch, logprobs=ent is None,
                                                  values=m.value_head is not None and vals is None)
         return batch.sample_logprobs, ent if ent is not None else ent2, vals if vals is not None else vals2, ref, lp2
+
+
+def token_metrics(dist: DistContext, batch: TrainBatch, recomputed) -> dict:
+    """train/logprob_gap_mean|max (the trainer's log-probs `recomputed`, or None, against the
+    sampler's, nats) and train/rollout_entropy (nats) over every rank's scored tokens of
+    `batch` (sums in float64)."""
+    masks, samp, ent = batch.loss_mask, batch.sample_logprobs, batch.entropies
+    allm = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
+    e = torch.cat(ent)[allm].double() if masks else torch.zeros(0, dtype=torch.float64)
+    out = {}
+    # (a rank without trajectories may not know whether the others recomputed log-probs)
+    if all_reduce(dist, [float(recomputed is not None)], "max")[0]:
+        gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks and recomputed is not None
+               else torch.zeros(0, dtype=torch.float64))
+        n, total = all_reduce(dist, [gap.numel(), float(gap.sum())])
+        top = all_reduce(dist, [float(gap.max()) if gap.numel() else 0.0], "max")[0]
+        out["train/logprob_gap_mean"] = total / n if n else 0.0
+        out["train/logprob_gap_max"] = top if n else 0.0
+    n, total = all_reduce(dist, [e.numel(), float(e.sum())])
+    out["train/rollout_entropy"] = total / n if n else 0.0
+    return out

@@ -29,7 +29,8 @@ from fastpo.seeds import iteration_seeds
 from fastpo.trainer.lifecycle import Checkpointer
 from fastpo.trainer.models import Models, load_models
 from fastpo.trainer.plan import RunPlan
-from fastpo.trainer.sampler import Sampler, make_engine
+from fastpo.trainer.replay import RolloutSchedule
+from fastpo.trainer.sampler import NothingToTrain, Sampler, make_engine
 from fastpo.trainer.scoring import Scorer
 from fastpo.trainer.update import PolicyUpdater
 
@@ -37,10 +38,6 @@ from fastpo.trainer.update import PolicyUpdater
 def _read(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         return f.read()
-
-
-class NothingToTrain(ConfigError):
-    """The prompts leave no room for a response: the run would train on nothing."""
 
 
 class RankRecords:
@@ -188,18 +185,17 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
             else:
                 trainer.console.print(line)
         rollout = ro.MultiTurnRollout.from_config(cfg, engine, models.tokenizer)
+        rollout.stop_check = trainer.stop.dropping  # a SIGTERM ends a rollout between turns
     except BaseException:
         if hasattr(engine, "shutdown"):  # a started SGLang server must not outlive the failed start
             engine.shutdown()
         raise
     scorer = Scorer(cfg, models, plan)
     updater = PolicyUpdater(cfg, dist, models, scorer, plan, trainer.warn)
-    sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn)
+    sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn, trainer.stop.dropping)
     checkpointer = Checkpointer(cfg, dist, models, updater.optimizers(), trainer.out, trainer.console)
     schedule = None  # rollout reuse (Online-K) and replay (fastpo.trainer.replay)
     if cfg.rollout.reuse > 1 or cfg.rollout.replay > 0:
-        from fastpo.trainer.replay import RolloutSchedule
-
         schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                    cfg.train_batch_size, cfg.trainer.seed)
     echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)

@@ -79,6 +79,7 @@ def test_trainer_run_sets_the_heap_up_before_loading_anything(tmp_path, monkeypa
 
     import fastpo.trainer.loop as loop
     from fastpo.config import load_config
+    from fastpo.trainer import Trainer
 
     calls = []
 
@@ -90,11 +91,11 @@ def test_trainer_run_sets_the_heap_up_before_loading_anything(tmp_path, monkeypa
         raise Stop
 
     monkeypatch.setattr(loop, "fix_mmap_threshold", lambda: calls.append("fix_mmap_threshold") or True)
-    monkeypatch.setattr(loop.Trainer, "setup", setup)
+    monkeypatch.setattr(Trainer, "setup", setup)
     cfg = load_config(env="frozenlake", preset="tiny",
                       overrides=[f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama"])
     with pytest.raises(Stop):
-        loop.Trainer(cfg, console=Console(quiet=True)).run()
+        Trainer(cfg, console=Console(quiet=True)).run()
     assert calls == ["fix_mmap_threshold", "setup"]
 
 
@@ -120,7 +121,7 @@ def test_gradient_checkpointing_update_is_bit_identical(tmp_path):
     rollout = tr.parts.sampler.generate([3], 2, 1.0, seed=0)
     record = TrainBatch.from_rollout(rollout, 1)
     old_lp, _, vals, _ = tr.parts.scorer.compute_old(record)
-    adv, returns, _ = tr.step.compute_advantages(rollout, record.loss_mask, vals)
+    adv, returns, _ = tr.advantages.compute(rollout, record.loss_mask, vals)
     record = dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns)
     start = {k: v.clone() for k, v in tr.model.state_dict().items()}
     grads, step = {}, tr.parts.updater.optimizer_step

@@ -94,22 +94,20 @@ def _two_turn_group():
 def _advantages_after_overlong(tmp_path, estimator, overlong_filter):
     """The trainer's overlong step, then its advantage step, on `_two_turn_group` (no model)."""
     from fastpo.distributed.context import SINGLE
+    from fastpo.trainer.advantages import Advantages
     from fastpo.trainer.batch import TrainBatch
-    from fastpo.trainer.iteration import Advantages, StarPOIteration
     from fastpo.trainer.plan import rl_plan
+    from fastpo.trainer.sampler import overlong_shaping
 
     cfg = load_config(env="frozenlake", preset="tiny", overrides=[
         f"trainer.output_dir={tmp_path}", f"algorithm.adv_estimator={estimator}", "algorithm.reward_position=turn",
         "algorithm.whiten_advantages=false", "rollout.max_new_tokens=2", "algorithm.overlong_buffer=1",
         f"algorithm.overlong_filter={str(overlong_filter).lower()}"])
-    step = StarPOIteration.__new__(StarPOIteration)  # the steps that need no model
-    step.cfg, step.dist, step.plan = cfg, SINGLE, rl_plan(cfg, False)
-    step.advantages = Advantages(cfg, SINGLE, step.plan)
     rollout = _two_turn_group()
-    metrics = step.overlong_step(rollout)
+    metrics = overlong_shaping(cfg, SINGLE, rollout)
     batch = TrainBatch.from_rollout(rollout, 0)
     batch.values = [torch.zeros(6)] * 2
-    step.advantage_step(rollout, batch, metrics)
+    metrics.update(Advantages(cfg, SINGLE, rl_plan(cfg, False)).estimate(rollout, batch))
     return batch, metrics
 
 

@@ -99,9 +99,12 @@ def test_error_during_eval_saves_the_trained_iteration(tmp_path):
     saved = []
 
     class Loop(Trainer):
-        def setup(self):  # the loop's parts only: a logger, an Echo-Trap detector, where it starts
+        def setup(self):  # the loop's parts only: a logger, an Echo-Trap detector, where it starts,
+            # no model (nothing to gather for the evaluation) and no engine (nothing to shut down)
             self.parts = types.SimpleNamespace(logger=MetricsLogger(self.out), echo=EchoTrapDetector(0.5, 1),
-                                               start_iteration=1, last_eval={}, eval_pending=False)
+                                               start_iteration=1, last_eval={}, eval_pending=False,
+                                               models=types.SimpleNamespace(fsdp_root=None),
+                                               sampler=types.SimpleNamespace(shutdown=lambda: None))
 
         def iteration(self, it):
             return {"train/success_rate": 0.0, "train/score_mean": 0.0, "train/rollout_entropy": 1.0}

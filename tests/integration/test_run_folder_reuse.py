@@ -126,20 +126,22 @@ def test_a_failure_after_set_up_leaves_a_folder_the_same_command_and_resume_reus
 
 _SLOW_ROLLOUT = """
 import sys, time
-import fastpo.trainer.sampler
-def slow(self, *a, **k):
+import fastpo.rollout.multiturn as mt
+score = mt.MultiTurnRollout._score_turn
+def slow(self, *a, **k):  # each turn of the rollout takes 5 s: the signal comes during the first
     print("ROLLOUT STARTED", flush=True)
-    time.sleep(300)
-fastpo.trainer.sampler.Sampler.generate = slow
+    time.sleep(5)
+    return score(self, *a, **k)
+mt.MultiTurnRollout._score_turn = slow
 from fastpo.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
 def test_sigterm_in_the_first_iteration_says_how_to_reuse_the_folder(tmp_path):
-    """SIGTERM during the first rollout (a real process): exit 143, the message and the end of
-    the run say that nothing was trained and how to reuse the folder, and the same command
-    then trains in it without --overwrite."""
+    """SIGTERM during the first rollout (a real process; the rollout ends after the turn under
+    way): exit 143, the message and the end of the run say that nothing was trained and how to
+    reuse the folder, and the same command then trains in it without --overwrite."""
     out = str(tmp_path / "run")
     cmd = ["train", "--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
            "--iterations", "1", *QUIET]

@@ -197,7 +197,8 @@ def test_the_trainer_is_composed_not_mixed():
     """The StarPO trainer and the SFT trainer each derive from the run trainer alone (no
     mixins; SFT is not a StarPO trainer), and hold their parts as attributes."""
     from fastpo.sft import SFTTrainer
-    from fastpo.trainer.loop import RunTrainer, Trainer
+    from fastpo.trainer.loop import RunTrainer
+    from fastpo.trainer.step import Trainer
 
     assert Trainer.__bases__ == (RunTrainer,) and SFTTrainer.__bases__ == (RunTrainer,)
     assert RunTrainer.__bases__ == (object,)
