@@ -139,3 +139,20 @@ def test_registration_refuses_what_would_be_ambiguous(restore_registry):
     with pytest.raises(ConfigError, match="takes a setting named 'gamma', which is the config key 'algorithm.gamma'"):
         load_config(env="bandit", preset="tiny")
 
+
+def test_the_documented_example_is_the_real_api(restore_registry):
+    """docs/algorithms.md's "Adding a policy loss": its registration runs as written, and the
+    loss is then a config value whose setting is checked as the page says."""
+    import pathlib
+    import re
+
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "algorithms.md").read_text()
+    section = page.split("## Adding a policy loss", 1)[1].split("\n## ", 1)[0]
+    register, configure = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    exec(compile(register, "docs/algorithms.md", "exec"), {})
+    overrides = re.search(r"overrides=(\[.*?\])", configure, flags=re.S).group(1)
+    cfg = load_config(env="bandit", preset="tiny", overrides=eval(overrides))
+    assert (cfg.algorithm.policy_loss, cfg.algorithm.pg_scale) == ("scaled_pg", 0.5)
+    with pytest.raises(ConfigError) as e:
+        load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=scaled_pg", "algorithm.pg_scale=0"])
+    assert f"`{e.value}`" in " ".join(section.split())
