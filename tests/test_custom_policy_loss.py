@@ -73,7 +73,8 @@ def test_a_bad_setting_of_a_registered_loss_is_refused_in_one_line(toy_loss, no_
     with pytest.raises(ConfigError, match="'algorithm.toy_scale': expected float, got 'big'"):
         load_config(env="bandit", preset="tiny", overrides=["algorithm.toy_scale=big"])
     with pytest.raises(ConfigError, match="'algorithm.ratio_level' = 'sequence': .* not 'toy'"):
-        load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=toy", "algorithm.ratio_level=sequence"])
+        load_config(env="bandit", preset="tiny",
+                    overrides=["algorithm.policy_loss=toy", "algorithm.ratio_level=sequence"])
     assert main(["train", "--env", "bandit", "--preset", "tiny", "--model", "random:tiny-llama",
                  "algorithm.policy_loss=toy", "algorithm.toy_scale=0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -127,7 +128,7 @@ def test_registration_refuses_what_would_be_ambiguous(restore_registry):
         (("mine",), {"settings": (TOY_SCALE, TOY_SCALE)}, "declares setting 'toy_scale' twice"),
         (("mine",), {"settings": (LossSetting("mine_k", 0, lambda v: v > 0, "must be > 0", kind=int),)},
          "the default of mine_k must be > 0, got 0"),
-        (("mine",), {"settings": ({"name": "x"},)}, "settings must be LossSetting objects"),
+        (("mine",), {"settings": (TOY_SCALE, {"name": "x"})}, "settings must be LossSetting objects"),
     ]
     for args, kw, match in bad:
         with pytest.raises(ValueError, match=match) as e:

@@ -165,7 +165,8 @@ def register_policy_loss(name: str, *, dual_clip: bool = False, sequence_ratio: 
     for s in settings:
         if not isinstance(s, LossSetting):
             raise ValueError(f"policy loss {name!r}: settings must be LossSetting objects, got {s!r}")
-        if not s.name.isidentifier() or s.name in shared:
+    for s in settings:
+        if not isinstance(s.name, str) or not s.name.isidentifier() or s.name in shared:
             raise ValueError(f"policy loss {name!r}: setting name {s.name!r} must be an identifier other than the "
                              f"shared settings ({', '.join(sorted(shared))})")
         if [t.name for t in settings].count(s.name) > 1:
