@@ -14,7 +14,7 @@ SALT_EVAL_SAMPLING = 12345  # seed + salt: the evaluation's sampling seed (`eval
 SALT_ROLLOUT_SAMPLING = 1_000_003  # seed * salt + iteration: a training rollout's sampling seed
 SALT_GROUP_SAMPLING = 15485863  # (sampling seed, group, salt) -> an env group's own sampling stream
 SALT_DYNAMIC_DRAW = 2750159  # (seed, iteration, draw, salt) -> DAPO's extra draws: env seeds, sampling seed
-SALT_LOSS_SELECTION = 32452843  # (seed, iteration, call, salt) -> a loss's token draw (Clip-Cov's) in one call
+SALT_CLIP_COV = 32452843  # (seed, iteration, call, salt) -> Clip-Cov's token draw in one loss call
 
 
 def iteration_seeds(seed: int, iteration: int, n: int) -> list[int]:
@@ -40,12 +40,12 @@ def mini_batch_generator_seed(seed: int, iteration: int) -> int:
     return int(np.random.default_rng([seed, iteration, SALT_MINI_BATCH_ORDER]).integers(2**62))
 
 
-def policy_loss_seed(seed: int, iteration: int, call: int) -> int:
-    """The `PolicyLossSettings.seed` of a policy loss's token choice (Clip-Cov's random one) in
-    the `call`-th policy-loss call (micro-batch, counted from 0 over the PPO epochs) of
-    iteration `iteration`: a fresh draw per call, as verl's, and a pure function of (seed,
-    iteration, call), so a resumed iteration draws the same tokens. A value in [0, 2**62)."""
-    return int(np.random.default_rng([seed, iteration, call, SALT_LOSS_SELECTION]).integers(2**62))
+def clip_cov_seed(seed: int, iteration: int, call: int) -> int:
+    """The `cov_seed` of Clip-Cov's random token choice in the `call`-th policy-loss call
+    (micro-batch, counted from 0 over the PPO epochs) of iteration `iteration`: a fresh draw
+    per call, as verl's, and a pure function of (seed, iteration, call), so a resumed
+    iteration draws the same tokens. A value in [0, 2**62)."""
+    return int(np.random.default_rng([seed, iteration, call, SALT_CLIP_COV]).integers(2**62))
 
 
 def group_sampling_seed(sampling_seed: int, group: int) -> int:

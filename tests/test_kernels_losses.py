@@ -96,14 +96,14 @@ def test_clip_cov_draws_inside_the_band_outside_ppo_clip_by_hand():
     band = {i for i, c in cov.items() if lb < c < ub and i != 0}
     assert len(band) >= 2 and cov[0] > lb  # the case is informative: token 0 would be in the band
     for seed in range(6):
-        s = PolicyLossSettings(loss="clip_cov", cov_ratio=0.2, clip_cov_lb=lb, clip_cov_ub=ub, seed=seed)
+        s = PolicyLossSettings(loss="clip_cov", cov_ratio=0.2, clip_cov_lb=lb, clip_cov_ub=ub, cov_seed=seed)
         chosen = clip_cov_selection(lp, old, adv, mask, s)
         picked = set(torch.nonzero(chosen).reshape(-1).tolist())
         assert len(picked) == 1 and picked <= band
         assert picked == set(torch.nonzero(clip_cov_selection(lp, old, adv, mask, s)).reshape(-1).tolist())
     # the draw follows the seed: over a few seeds more than one token is picked
     picks = {tuple(torch.nonzero(clip_cov_selection(lp, old, adv, mask, PolicyLossSettings(
-        loss="clip_cov", cov_ratio=0.2, clip_cov_lb=lb, clip_cov_ub=ub, seed=seed))).reshape(-1).tolist())
+        loss="clip_cov", cov_ratio=0.2, clip_cov_lb=lb, clip_cov_ub=ub, cov_seed=seed))).reshape(-1).tolist())
         for seed in range(12)}
     assert len(picks) > 1
     # an empty band chooses nothing
@@ -153,7 +153,7 @@ LOSS_SETTINGS = {
     "sapo": dict(sapo_tau_pos=1.0, sapo_tau_neg=1.05),
     # a wide band and a large share, so that the chosen tokens matter at this size
     "clip_cov": dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0, cov_ratio=0.05, clip_cov_lb=0.0, clip_cov_ub=50.0,
-                     seed=3),
+                     cov_seed=3),
     "kl_cov": dict(cov_ratio=0.05, kl_cov_coef=1.0),
 }
 
@@ -249,7 +249,7 @@ def test_settings_a_loss_cannot_take_are_refused_in_one_line():
         (dict(loss="kl_cov", cov_ratio=1.5), r"cov_ratio must be in \(0, 1\], got 1.5"),
         (dict(loss="kl_cov", cov_ratio=0.0), "cov_ratio must be"),
         (dict(loss="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), r"clip_cov_lb must be below clip_cov_ub \(1.0\)"),
-        (dict(loss="clip_cov", seed=-1), "seed must be an integer >= 0"),
+        (dict(loss="clip_cov", cov_seed=-1), "cov_seed must be an integer >= 0"),
         (dict(loss="kl_cov", kl_cov_coef=-1.0), "kl_cov_coef"),
     ]
     for kw, match in bad:

@@ -18,7 +18,7 @@ from rich.console import Console
 import fastpo.trainer.update
 from fastpo.cli import main as cli_main
 from fastpo.config import load_config
-from fastpo.seeds import policy_loss_seed
+from fastpo.seeds import clip_cov_seed
 from fastpo.trainer import Trainer, TrainBatch
 from run_helpers import records as _records, stable as _stable
 
@@ -167,7 +167,7 @@ def test_each_policy_loss_trains_through_the_trainer(tmp_path, policy_loss, monk
     real_loss = fastpo.trainer.update.linear_policy_loss
 
     def spy(*args, settings, **kw):
-        seeds.append(settings.seed)
+        seeds.append(settings.cov_seed)
         return real_loss(*args, settings=settings, **kw)
 
     monkeypatch.setattr(fastpo.trainer.update, "linear_policy_loss", spy)
@@ -175,7 +175,7 @@ def test_each_policy_loss_trains_through_the_trainer(tmp_path, policy_loss, monk
     assert math.isfinite(rec["actor/pg_loss"]) and rec["actor/grad_norm"] > 0
     assert len(seeds) >= 2
     if policy_loss == "clip_cov":  # a fresh draw per micro-batch, as verl's (not one pattern per run)
-        assert seeds == [policy_loss_seed(cfg.trainer.seed, 1, i) for i in range(len(seeds))]
+        assert seeds == [clip_cov_seed(cfg.trainer.seed, 1, i) for i in range(len(seeds))]
         assert len(set(seeds)) == len(seeds)
     if policy_loss in ("clip_cov", "kl_cov"):
         assert 0 < rec["actor/covfrac"] <= 0.2, rec["actor/covfrac"]

@@ -117,7 +117,7 @@ class PolicyLoss:
     lets any bounds >= 0 through (CISPO's IS weight, which may go without a lower bound).
     select(logprob, old_logprob, advantages, loss_mask, settings) -> bool [N]: a token choice
     from statistics of the whole call (all [N], taken before any term is formed; the trainer
-    calls once per micro-batch, with a fresh `settings.seed` each call), passed to fn as
+    calls once per micro-batch, with a fresh `settings.cov_seed` each call), passed to fn as
     `selected`; None for a loss that has none. settings: its own settings (`LossSetting`).
     check(values) -> None or (name, why): a rule relating its settings (`values`: every
     registered setting by name), naming the setting it blames. paper: where it comes from.
@@ -238,7 +238,7 @@ class PolicyLossSettings:
     None or > 1 (only for a loss that takes it), entropy_coef and kl_coef >= 0, kl_estimator in
     KL_ESTIMATORS, temperature > 0 (the logits' divisor), loss_agg in LOSS_AGGS, ratio_level in
     RATIO_LEVELS ("sequence" only for a loss defined with it); `loss`, a registered policy loss
-    (`POLICY_LOSSES`); seed >= 0, the seed of a loss's random token choice (Clip-Cov's, see
+    (`POLICY_LOSSES`); cov_seed >= 0, the seed of a loss's random token choice (Clip-Cov's, see
     `PolicyLoss.select`). The registered losses' own settings are keywords too
     (`PolicyLossSettings(loss="sapo", sapo_tau_pos=1.0)`), read as attributes (`s.sapo_tau_pos`),
     kept in `options` ((name, value) pairs, every registered one, defaults filled in).
@@ -261,7 +261,7 @@ class PolicyLossSettings:
     loss_agg: str = "token-mean"
     ratio_level: str = "token"
     loss: str = "ppo"
-    seed: int = 0
+    cov_seed: int = 0
     options: tuple = ()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -330,8 +330,9 @@ class PolicyLossSettings:
         if self.ratio_level == "sequence" and not loss.sequence_ratio:
             raise ValueError(f"ratio_level='sequence' (GSPO) is defined for loss {_takers('sequence_ratio')}, not "
                              f"loss={self.loss!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+        s = self.cov_seed
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"cov_seed must be an integer >= 0, got {s!r}")
         problem = settings_problem(dict(self.options))
         if problem is not None:
             name, value, why = problem
@@ -419,7 +420,7 @@ def _covariance(logprob: torch.Tensor, advantages: torch.Tensor, loss_mask: torc
 def clip_cov_selection(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
                        loss_mask: torch.Tensor, settings: PolicyLossSettings) -> torch.Tensor:
     """The tokens Clip-Cov detaches (arXiv 2505.22617, Alg. 1, as verl computes it): k of them
-    (`_covariance`) drawn at random (torch.randperm with a generator seeded by settings.seed,
+    (`_covariance`) drawn at random (torch.randperm with a generator seeded by settings.cov_seed,
     on the CPU) among the tokens with clip_cov_lb < cov_i < clip_cov_ub that PPO's clip does not
     already cover (all of them when fewer). logprob, old_logprob, advantages [N] float (nats;
     detached here), loss_mask [N] bool/float. Returns bool [N], False off the mask."""
@@ -433,7 +434,7 @@ def clip_cov_selection(logprob: torch.Tensor, old_logprob: torch.Tensor, advanta
     clipped = -adv * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high) > -adv * ratio
     band = sel & ~clipped & (cov > s.clip_cov_lb) & (cov < s.clip_cov_ub)
     candidates = torch.nonzero(band).reshape(-1)
-    order = torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(s.seed))
+    order = torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(s.cov_seed))
     chosen[candidates[order[:k].to(candidates.device)]] = True
     return chosen
 

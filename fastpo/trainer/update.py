@@ -21,7 +21,7 @@ from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
 from fastpo.registry import loss_aggregation, loss_denominator_of
-from fastpo.seeds import mini_batch_generator_seed, policy_loss_seed
+from fastpo.seeds import clip_cov_seed, mini_batch_generator_seed
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.models import Models, hidden_states
 from fastpo.trainer.plan import RunPlan
@@ -35,14 +35,14 @@ def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
     `RunPlan.kl_in_reward`); the dual clip only for a loss that takes it (`PolicyLoss.dual_clip`);
     the registered losses' own settings as the config has them (`AlgorithmConfig.loss_settings`);
     a token choice's draw seeded by trainer.seed here (`PolicyUpdater.ppo_loss` reseeds it per
-    micro-batch with `fastpo.seeds.policy_loss_seed`)."""
+    micro-batch with `fastpo.seeds.clip_cov_seed`)."""
     a = cfg.algorithm
     return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high,
                               dual_clip=a.dual_clip if policy_loss(a.policy_loss).dual_clip else None,
                               entropy_coef=a.entropy_coef, kl_coef=0.0 if cfg.kl_in_reward else a.kl_coef,
                               kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature,
                               loss_agg=loss_aggregation(cfg.loss_agg).kernel_mode, ratio_level=a.ratio_level,
-                              loss=a.policy_loss, seed=cfg.trainer.seed, options=a.loss_settings)
+                              loss=a.policy_loss, cov_seed=cfg.trainer.seed, options=a.loss_settings)
 
 
 def loss_denominator(loss_agg: str, masks: list, indices: list[int], norm: int = 1) -> float:
@@ -294,15 +294,15 @@ class PolicyUpdater:
         by their mini-batch denominators so that the accumulated gradient is the mini-batch's.
         Critic metrics go into `metrics` at once, the policy loss's as `actor/*`. A loss with a
         token choice (`PolicyLoss.select`: Clip-Cov's random one) draws afresh in each call
-        (`policy_loss_seed` of `iteration` and the call's index)."""
+        (`clip_cov_seed` of `iteration` and the call's index)."""
         a, m = self.cfg.algorithm, self.models
 
         def loss(micro, scored):
             take = {k: None if v is None else scored.take(v) for k, v in per_traj.items()}
             settings = self.loss_settings
             if policy_loss(settings.loss).select is not None:
-                settings = dataclasses.replace(settings, seed=policy_loss_seed(self.cfg.trainer.seed, iteration,
-                                                                               self.loss_calls))
+                settings = dataclasses.replace(settings, cov_seed=clip_cov_seed(self.cfg.trainer.seed, iteration,
+                                                                                  self.loss_calls))
             self.loss_calls += 1
             ref = None if self.plan.kl_in_reward else take["ref"]  # the KL is then in the advantages
             with m.autocast():
