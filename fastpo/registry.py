@@ -1,14 +1,15 @@
-"""The names and facts of the advantage estimators, policy losses and loss aggregations, without torch.
+"""The names and facts of the advantage estimators and loss aggregations, without torch.
 
 The configuration (fastpo.config, which imports no torch) takes its allowed values of
-`algorithm.adv_estimator`, `algorithm.policy_loss`, `algorithm.loss_agg` and
-`algorithm.value_loss_agg` from here; the
+`algorithm.adv_estimator`, `algorithm.loss_agg` and `algorithm.value_loss_agg` from here; the
 trainer asks an estimator's facts here instead of comparing names. The implementations live
 in `fastpo.algorithms` (`fastpo.algorithms.estimators`: one function registered per name
 with `register_estimator`; a name declared here without one, or one registered without a
 declaration here, fails at import).
 
-A new estimator: one `Estimator(...)` line below and one decorated function there.
+A new estimator: one `Estimator(...)` line below and one decorated function there. (The policy
+losses are each one function registered with its facts in fastpo.kernels.losses, which the
+config reads when it validates.)
 """
 from __future__ import annotations
 
@@ -96,43 +97,6 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {a.name: a for a in (
     LossAggregation("seq-mean-token-sum-norm", per_token=False, constant_norm=True, kernel_mode="seq-mean-token-sum"),
 )}
 LOSS_AGGREGATION_NAMES: tuple[str, ...] = tuple(LOSS_AGGREGATIONS)
-
-
-@dataclass(frozen=True)
-class PolicyLoss:
-    """What the trainer and the config need to know of a policy-gradient loss
-    (`algorithm.policy_loss`; the equations are fastpo.kernels.reference.policy_loss_terms').
-
-    clipped: uses algorithm.clip_low / clip_high. dual_clip: takes algorithm.dual_clip (PPO's
-    clipped surrogate); the others have none and leave it unused. sequence_ratio: defined
-    with GSPO's sequence ratio (algorithm.ratio_level=sequence). whole_micro_batch: chooses
-    its tokens from statistics of the whole micro-batch (the fused paths take every
-    log-prob before any gradient). paper: where it comes from.
-    """
-
-    name: str
-    clipped: bool
-    dual_clip: bool
-    sequence_ratio: bool
-    whole_micro_batch: bool
-    paper: str
-
-
-#: The policy losses by name (`algorithm.policy_loss`), in the config's order; the same names
-#: as fastpo.kernels.POLICY_LOSSES (tests/integration/test_structure.py).
-POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
-    PolicyLoss("ppo", clipped=True, dual_clip=True, sequence_ratio=True, whole_micro_batch=False,
-               paper="PPO's clipped surrogate with clip-higher (arXiv 1707.06347, DAPO arXiv 2503.14476)"),
-    PolicyLoss("cispo", clipped=True, dual_clip=False, sequence_ratio=True, whole_micro_batch=False,
-               paper="the clipped IS weight, detached, times A log pi (CISPO, MiniMax-M1 arXiv 2506.13585)"),
-    PolicyLoss("sapo", clipped=False, dual_clip=False, sequence_ratio=False, whole_micro_batch=False,
-               paper="a soft sigmoid gate on the ratio, temperatures by the advantage's sign (SAPO, arXiv 2511.20347)"),
-    PolicyLoss("clip_cov", clipped=True, dual_clip=True, sequence_ratio=False, whole_micro_batch=True,
-               paper="PPO with a few high-covariance tokens detached (Clip-Cov, arXiv 2505.22617)"),
-    PolicyLoss("kl_cov", clipped=False, dual_clip=False, sequence_ratio=False, whole_micro_batch=True,
-               paper="the unclipped surrogate with |log r| on the highest-covariance tokens (KL-Cov, arXiv 2505.22617)"),
-)}
-POLICY_LOSS_NAMES: tuple[str, ...] = tuple(POLICY_LOSSES)
 
 
 def estimator(name: str) -> Estimator:

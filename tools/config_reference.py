@@ -6,8 +6,10 @@
 
 Each key's meaning is its entry in the `Attributes:` section of its dataclass's docstring
 (fastpo/config/schema.py; Google style: `name: text`, continuation lines indented further); its
-default, allowed values and rule come from the field itself (`Literal` values, the `checked`
-rule). `tests/unit/config/test_config_reference.py` runs `--check` and fails on a field without an entry.
+default, allowed values and rule come from the field itself (`Literal` values or its
+`choices`, the `checked` rule). A `flat_settings` field (the policy losses' own settings) gives
+one row per entry, from each entry's declaration (fastpo.kernels.LossSetting: default, kind,
+rule, meaning). `tests/unit/config/test_config_reference.py` runs `--check` and fails on a field without an entry.
 """
 from __future__ import annotations
 
@@ -76,7 +78,9 @@ def _allowed(f: dataclasses.Field, hint: typing.Any) -> str:
     args = typing.get_args(hint)
     literals = [a for a in (args if typing.get_origin(hint) is typing.Union else (hint,))
                 if typing.get_origin(a) is typing.Literal]
-    if literals:
+    if f.metadata.get("choices") is not None:
+        text = " | ".join(f"`{_yaml(v)}`" for v in f.metadata["choices"]())
+    elif literals:
         values = [v for lit in literals for v in typing.get_args(lit)]
         if type(None) in args:
             values.append(None)
@@ -103,6 +107,13 @@ def table() -> str:
         cls = type(getattr(cfg, section))
         docs, hints = attribute_docs(cls), typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            declared = f.metadata.get("flat_keys")
+            if declared is not None:
+                for name, d in declared().items():
+                    allowed = d.kind.__name__ + (f"; {d.why}" if d.why else "")
+                    rows.append(f"| `{section}.{name}` | `{_cell(_yaml(d.default))}` | {_cell(allowed)} "
+                                f"| {_cell(d.doc)} |")
+                continue
             if f.name not in docs:
                 raise SystemExit(f"{cls.__name__}.{f.name} has no entry in an `Attributes:` section of its docstring")
             rows.append(f"| `{section}.{f.name}` | `{_cell(_default(f))}` | {_cell(_allowed(f, hints[f.name]))} "

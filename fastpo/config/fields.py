@@ -1,14 +1,16 @@
 """The config's field machinery, for any tree of dataclasses: `ConfigError`, field rules
 (`checked` + `check_fields`), type checks against the annotations, dotted overrides
-(`parse_override`) and merging a nested dict into the dataclasses with did-you-mean errors
-(`apply_dict`). fastpo.config builds the training configuration with them."""
+(`parse_override`), merging a nested dict into the dataclasses with did-you-mean errors
+(`apply_dict`), keys declared elsewhere (`flat_settings`) and the tree as a dict (`as_dict`).
+fastpo.config builds the training configuration with them."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
 from dataclasses import field
-from typing import Any, Callable, Literal, Union
+from typing import Any, Callable, Literal, Mapping, Union
 
 import yaml
 
@@ -35,6 +37,56 @@ def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str =
     """A dataclass field with `default` whose values must have the annotated type and satisfy
     `ok` (see `check_fields`)."""
     return field(default=default, metadata={"rule": Rule(ok, why)})
+
+
+def flat_settings(declared: Callable[[], Mapping[str, Any]]) -> Any:
+    """A dict field whose entries are keys of its section itself, declared elsewhere:
+    `declared()` gives {name: declaration}, each with `default`, `kind` (its type), `problem(value)`
+    (None, or what is wrong) and `doc` (fastpo.kernels.LossSetting). YAML files, dotted overrides
+    (`algorithm.sapo_tau_pos=2`: `apply_dict`) and `as_dict` see the entries as the section's
+    keys, in the field's place; the field starts with every declared default."""
+    return field(default_factory=lambda: {n: d.default for n, d in declared().items()},
+                 metadata={"flat_keys": declared})
+
+
+def flat_keys(obj: Any) -> dict[str, tuple[str, Any]]:
+    """{key: (the flat_settings field holding it, its declaration)} of dataclass `obj`."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        declared = f.metadata.get("flat_keys")
+        for name, d in (declared() if declared is not None else {}).items():
+            out[name] = (f.name, d)
+    return out
+
+
+def section_keys(obj: Any) -> list[str]:
+    """The keys of dataclass `obj` as a config file writes them: its fields, a `flat_settings`
+    field's entries in that field's place."""
+    keys = []
+    for f in dataclasses.fields(obj):
+        declared = f.metadata.get("flat_keys")
+        keys += list(declared()) if declared is not None else [f.name]
+    return keys
+
+
+def section_items(obj: Any) -> list[tuple[str, Any]]:
+    """(key, value) of every key of dataclass `obj` (`section_keys`; a flat entry missing from
+    its field: its declared default)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        declared = f.metadata.get("flat_keys")
+        if declared is None:
+            out.append((f.name, getattr(obj, f.name)))
+        else:
+            held = getattr(obj, f.name)
+            out += [(n, held.get(n, d.default)) for n, d in declared().items()]
+    return out
+
+
+def as_dict(obj: Any) -> dict:
+    """The dataclass tree `obj` as nested dicts (`dataclasses.asdict`), with `flat_settings`
+    entries as keys of their section, in their field's place."""
+    return {k: as_dict(v) if dataclasses.is_dataclass(v) else copy.deepcopy(v) for k, v in section_items(obj)}
 
 
 def check_fields(obj: Any, prefix: str = "", what: str = "config key") -> None:
@@ -112,9 +164,9 @@ def did_you_mean(obj: Any, key: str, prefix: str) -> str:
 
     if not isinstance(key, str):  # e.g. a YAML key `1:` or `yes:`
         return ""
-    here = [f.name for f in dataclasses.fields(obj)]
+    here = section_keys(obj)
     below = [f"{f.name}.{key}" for f in dataclasses.fields(obj) if dataclasses.is_dataclass(getattr(obj, f.name))
-             and key in {g.name for g in dataclasses.fields(getattr(obj, f.name))}]
+             and key in section_keys(getattr(obj, f.name))]
     guesses = below or difflib.get_close_matches(key, here, n=1)
     return f" (did you mean {' or '.join(prefix + g for g in guesses)}?)" if guesses else ""
 
@@ -127,12 +179,20 @@ def apply_dict(obj: Any, updates: dict, prefix: str = "") -> None:
     if not isinstance(updates, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(updates).__name__}")
     hints = typing.get_type_hints(type(obj))
-    names = {f.name for f in dataclasses.fields(obj)}
+    names, flat = set(section_keys(obj)), flat_keys(obj)
     for key, value in updates.items():
         dotted = f"{prefix}{key}"
         if key not in names:
             raise ConfigError(f"unknown config key {dotted!r}{did_you_mean(obj, key, prefix)}; "
                               f"valid keys here: {', '.join(sorted(names))}")
+        if key in flat:  # an entry of a flat_settings field
+            holder, declared = flat[key]
+            ok, coerced = type_ok(value, declared.kind)
+            if not ok:
+                raise ConfigError(f"config key {dotted!r}: expected {describe_type(declared.kind)}, got {value!r} "
+                                  f"({type(value).__name__})")
+            getattr(obj, holder)[key] = coerced
+            continue
         current = getattr(obj, key)
         if dataclasses.is_dataclass(current):
             apply_dict(current, value, dotted + ".")

@@ -30,15 +30,11 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 
 # The field machinery (fastpo.config.fields), the presets (fastpo.config.presets) and the YAML files
 # (fastpo.config.files) live in their own modules: import their names from there.
-from fastpo.config.fields import (FLOAT32_MAX, ConfigError, Rule, nested_dict, apply_dict, check_fields, checked,
-                                  parse_override)
+from fastpo.config.fields import (FLOAT32_MAX, ConfigError, Rule, as_dict, nested_dict, apply_dict, check_fields,
+                                  checked, flat_settings, parse_override, section_items)
 from fastpo.config.files import dig, parse_config_yaml, read_config_file
 from fastpo.config.presets import PRESETS, default_preset
-from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, POLICY_LOSS_NAMES, POLICY_LOSSES, estimator
-
-#: SAPO's gate is (4 / tau) sigmoid(tau (r - 1)): a smaller tau overflows float32 (inf loss).
-SAPO_TAU_MIN = 4 / FLOAT32_MAX
-SAPO_TAU_WHY = f"must be >= {SAPO_TAU_MIN:.3g} (SAPO's gate scale 4 / tau must be finite in float32)"
+from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
 
 #: Upper bound on rollout.max_actions_per_turn (the paper uses 5; more only pads the prompt).
 MAX_ACTIONS_PER_TURN = 64
@@ -46,6 +42,30 @@ MAX_ACTIONS_PER_TURN = 64
 # Sampling rules shared by the rollout config and the engine's SamplingParams.
 TOP_P_RULE = Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
 TOP_K_RULE = Rule(lambda v: v >= 0, "must be >= 0 (0 = off)")
+
+
+def _policy_losses():
+    """fastpo.kernels.losses: the registered policy losses with their facts and settings. Imported
+    on first use, not at the top: a loss is a torch function registered beside its facts, and
+    `import fastpo.config` loads no torch (validating a config does, as it has to)."""
+    from fastpo.kernels import losses
+
+    return losses
+
+
+def _policy_loss_names() -> tuple[str, ...]:
+    return tuple(_policy_losses().POLICY_LOSSES)
+
+
+def _policy_loss_settings() -> dict:
+    """The registered losses' own settings (the keys of `AlgorithmConfig.loss_settings`); one
+    named like an algorithm key would be read as that key, so it is refused here."""
+    declared = _policy_losses().loss_settings()
+    taken = [n for n in declared if n in AlgorithmConfig.__dataclass_fields__]
+    if taken:
+        raise ConfigError(f"a registered policy loss takes a setting named {taken[0]!r}, which is the config key "
+                          f"'algorithm.{taken[0]}' already: give the setting another name")
+    return declared
 
 
 def at_least(n: int) -> Callable[[Any], bool]:
@@ -341,21 +361,14 @@ class AlgorithmConfig:
             rollout.max_new_tokens leaves the loss (the trajectory's other turns stay).
         soft_advantage_reweight: scale each trajectory's advantages by its group's reward
             std / the batch's largest group std (RAGEN head), with or without filtering.
-        policy_loss: the policy-gradient term (fastpo.registry.POLICY_LOSSES; equations in
-            docs/algorithms.md): "ppo" (the clipped surrogate), "cispo" (the clipped IS
-            weight, detached, times A log pi: every token keeps its gradient), "sapo" (a soft
-            gate on the ratio instead of a clip), "clip_cov" (PPO with the `cov_ratio` of a
-            micro-batch's tokens whose log-prob/advantage covariance lies in
-            (clip_cov_lb, clip_cov_ub) detached), "kl_cov" (the unclipped surrogate plus
-            kl_cov_coef * |log ratio| on the `cov_ratio` of tokens with the highest
-            covariance). dual_clip applies to ppo and clip_cov only.
-        sapo_tau_pos: SAPO's gate temperature for tokens with a positive advantage.
-        sapo_tau_neg: SAPO's gate temperature for the other tokens.
-        cov_ratio: the share of a micro-batch's scored tokens Clip-Cov / KL-Cov act on (at
-            least one token).
-        clip_cov_lb: Clip-Cov's covariance band, lower end.
-        clip_cov_ub: Clip-Cov's covariance band, upper end.
-        kl_cov_coef: KL-Cov's penalty weight.
+        policy_loss: the policy-gradient term, a registered policy loss (fastpo.kernels.POLICY_LOSSES:
+            the built-in ones with their equations in docs/algorithms.md, or one of your own,
+            `fastpo.kernels.register_policy_loss`, registered before the config loads).
+            dual_clip applies to the losses that take it; the keys below it to their own loss.
+        loss_settings: every registered policy loss's own settings by name (the rows that
+            follow `algorithm.policy_loss`): each a key of this section itself
+            (`algorithm.sapo_tau_pos=1.2`), declared with its loss (fastpo.kernels.LossSetting:
+            default, rule, meaning), also read and set as an attribute (`algorithm.sapo_tau_pos`).
         clip_low: PPO's lower clip bound (ratio >= 1 - clip_low; < 1). With policy_loss=cispo
             the IS weight's lower bound, and >= 1 means none (CISPO's paper sets none).
         clip_high: PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above
@@ -418,13 +431,9 @@ class AlgorithmConfig:
     overlong_buffer: int = checked(0, at_least(0), "must be >= 0 (0 = no overlong reward shaping)")
     overlong_penalty_factor: float = checked(1.0, at_least(0), "must be >= 0")
     overlong_filter: bool = False
-    policy_loss: Literal[POLICY_LOSS_NAMES] = "ppo"  # fastpo.registry.POLICY_LOSSES
-    sapo_tau_pos: float = checked(1.0, lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_WHY)
-    sapo_tau_neg: float = checked(1.05, lambda v: v >= SAPO_TAU_MIN, SAPO_TAU_WHY)
-    cov_ratio: float = checked(0.0002, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_coef: float = checked(1.0, lambda v: v > 0, "must be > 0")
+    # a name of fastpo.kernels.POLICY_LOSSES (`validate`), and the registered losses' own settings
+    policy_loss: str = field(default="ppo", metadata={"choices": _policy_loss_names})
+    loss_settings: dict = flat_settings(_policy_loss_settings)
     clip_low: float = checked(0.2, lambda v: v > 0, "must be > 0")
     clip_high: float = 0.28
     dual_clip: Optional[float] = checked(3.0, lambda v: v is None or v > 1, "must be > 1 or null")
@@ -445,6 +454,23 @@ class AlgorithmConfig:
     value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
     value_coef: float = checked(0.5, at_least(0), "must be >= 0")
     value_loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "token-mean"
+
+    def __getattr__(self, name: str) -> Any:
+        # a registered loss's own setting as an attribute (cfg.algorithm.sapo_tau_pos), held in loss_settings
+        held = self.__dict__.get("loss_settings")
+        if held is not None and not name.startswith("_"):
+            if name in held:
+                return held[name]
+            declared = _policy_losses().loss_settings().get(name)  # registered after this config was built
+            if declared is not None:
+                return declared.default
+        raise AttributeError(f"'AlgorithmConfig' object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dataclass_fields__ or name.startswith("_") or name not in _policy_losses().loss_settings():
+            object.__setattr__(self, name, value)
+        else:
+            self.loss_settings[name] = value
 
 
 @dataclass
@@ -567,7 +593,9 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The configuration as nested dicts, as config.yaml holds it (the policy losses' own
+        settings as keys of `algorithm`, `flat_settings`)."""
+        return as_dict(self)
 
     @property
     def kept_groups(self) -> int:
@@ -642,14 +670,13 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
             raise ConfigError(f"config key {key!r} = {value!r}: {why}")
 
     for section in (cfg.model, cfg.env, r, a, o, t, cfg.reward):
-        for f in dataclasses.fields(section):
-            v = getattr(section, f.name)
+        for key, v in section_items(section):
             vals = v if isinstance(v, list) else [v]
             # beyond float32's range a finite float is inf in the tensors it enters (every update skipped)
             if any(isinstance(x, float) and not (math.isfinite(x) and abs(x) <= FLOAT32_MAX) for x in vals):
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
                         id(o): "optim", id(t): "trainer", id(cfg.reward): "reward"}[id(section)]
-                raise ConfigError(f"config key '{name}.{f.name}' = {v!r}: must be a finite number within float32's "
+                raise ConfigError(f"config key '{name}.{key}' = {v!r}: must be a finite number within float32's "
                                   f"range (+-{FLOAT32_MAX:.4g}), in which fastpo computes")
     # single-field rules live on the fields (`checked`); what follows relates fields
     for section, name in ((cfg.model, "model"), (cfg.env, "env"), (r, "rollout"), (a, "algorithm"), (o, "optim"),
@@ -668,17 +695,9 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
     need(bool(cfg.model.lora_target_modules) and all(isinstance(m, str) and m for m in cfg.model.lora_target_modules),
          "model.lora_target_modules", cfg.model.lora_target_modules,
          "must list the names of the modules LoRA adapts, e.g. [q_proj, v_proj]")
-    need(a.clip_high >= a.clip_low or a.policy_loss == "cispo", "algorithm.clip_high", a.clip_high,
-         f"must be >= algorithm.clip_low ({a.clip_low})")
-    need(a.clip_low < 1 or a.policy_loss == "cispo", "algorithm.clip_low", a.clip_low,
-         "must be < 1 (the ratio's lower clip bound is 1 - clip_low; only policy_loss=cispo's IS weight may go "
-         "without a lower bound, clip_low >= 1)")
-    need(a.ratio_level == "token" or POLICY_LOSSES[a.policy_loss].sequence_ratio, "algorithm.ratio_level",
-         a.ratio_level, f"GSPO's sequence ratio is defined for policy_loss ppo and cispo, not {a.policy_loss!r}")
+    _check_policy_loss(a, need)
     need(a.overlong_buffer <= r.max_new_tokens, "algorithm.overlong_buffer", a.overlong_buffer,
          f"must be <= rollout.max_new_tokens ({r.max_new_tokens}): the penalty ramps over the last tokens before it")
-    need(a.clip_cov_lb < a.clip_cov_ub, "algorithm.clip_cov_lb", a.clip_cov_lb,
-         f"must be below algorithm.clip_cov_ub ({a.clip_cov_ub})")
     if estimator(a.adv_estimator).needs_groups:
         need(r.group_size >= 2, "rollout.group_size", r.group_size,
              f"must be >= 2 for adv_estimator={a.adv_estimator!r} (its baseline is the env group)")
@@ -724,6 +743,30 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
             except ValueError as e:
                 raise ConfigError(f"config key 'reward.fn' = {cfg.reward.fn!r}: {e}") from None
     return cfg
+
+
+def _check_policy_loss(a: AlgorithmConfig, need) -> None:
+    """algorithm.policy_loss is a registered loss; every registered loss's own settings keep
+    their rules (`fastpo.kernels.losses.settings_problem`); the clip bounds form PPO's range and
+    GSPO's sequence ratio is used as the loss's facts (`PolicyLoss`) allow."""
+    losses = _policy_losses()
+    need(a.policy_loss in losses.POLICY_LOSSES, "algorithm.policy_loss", a.policy_loss,
+         f"must be one of {', '.join(losses.POLICY_LOSSES)} (the registered policy losses; "
+         "fastpo.kernels.register_policy_loss adds one)")
+    problem = losses.settings_problem(a.loss_settings)
+    if problem is not None:
+        name, value, why = problem
+        need(False, f"algorithm.{name}", value, why)
+    loss = losses.POLICY_LOSSES[a.policy_loss]
+    unbounded = ", ".join(n for n, x in losses.POLICY_LOSSES.items() if not x.clip_range)
+    need(a.clip_high >= a.clip_low or not loss.clip_range, "algorithm.clip_high", a.clip_high,
+         f"must be >= algorithm.clip_low ({a.clip_low})")
+    need(a.clip_low < 1 or not loss.clip_range, "algorithm.clip_low", a.clip_low,
+         f"must be < 1 (the ratio's lower clip bound is 1 - clip_low; only the IS weight of policy_loss "
+         f"{unbounded} may go without a lower bound, clip_low >= 1)")
+    need(a.ratio_level == "token" or loss.sequence_ratio, "algorithm.ratio_level", a.ratio_level,
+         f"GSPO's sequence ratio is defined for policy_loss "
+         f"{' and '.join(n for n, x in losses.POLICY_LOSSES.items() if x.sequence_ratio)}, not {a.policy_loss!r}")
 
 
 def _check_off_policy(cfg: TrainConfig, need) -> None:

@@ -24,9 +24,9 @@ import torch
 
 from . import chunked as _chunked
 from .chunked import OutOfMemoryError
-from .reference import (COVARIANCE_LOSSES, PolicyLossSettings, aggregate, aggregation_weights, covariance_selection,
-                        policy_loss_terms, policy_metrics, reference_logprob_entropy, reference_policy_loss,
-                        sequence_log_ratio, zero_rows)
+from .losses import PolicyLossSettings, policy_loss
+from .reference import (aggregate, aggregation_weights, policy_loss_terms, policy_metrics, reference_logprob_entropy,
+                        reference_policy_loss, sequence_log_ratio, zero_rows)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -374,12 +374,15 @@ def _check_is_weights(is_weights: torch.Tensor, loss_mask: torch.Tensor) -> None
                          f"at index {i}")
 
 
-def _cov_correction(hidden, weight, targets, temperature: float, lp, ent, g_none: tuple, g_chosen: tuple, dh, dw):
-    """Clip-Cov / KL-Cov in one sweep: the chunked sweep formed every token's gradient as if no
-    token were chosen (`g_none`: per-token d loss / d log-prob and / d entropy); the chosen
-    tokens' true coefficients (`g_chosen`) differ only on those few rows, so their difference
-    is pushed through those rows' logits (recomputed: [k, V], k = cov_ratio x n) and added to
-    d hidden and d weight in place. The same gradient as a second sweep over all N tokens."""
+def _selection_correction(hidden, weight, targets, temperature: float, lp, ent, g_none: tuple, g_chosen: tuple, dh,
+                          dw):
+    """A loss with a token choice (`PolicyLoss.select`: Clip-Cov, KL-Cov) in one sweep: the
+    chunked sweep formed every token's gradient as if no token were chosen (`g_none`: per-token
+    d loss / d log-prob and / d entropy); the true coefficients (`g_chosen`) differ only on the
+    rows whose coefficients the choice changed, so their difference is pushed through those
+    rows' logits (recomputed: [k, V], k such rows: cov_ratio x n for the covariance losses) and
+    added to d hidden and d weight in place. The same gradient as a second sweep over all N
+    tokens, whatever the choice; cheap when it is a few tokens."""
     d_lp, d_ent = g_chosen[0] - g_none[0], g_chosen[1] - g_none[1]
     rows = torch.nonzero((d_lp != 0) | (d_ent != 0)).flatten()
     if rows.numel() == 0:
@@ -439,10 +442,11 @@ def linear_policy_loss(
     it needs seq_ids or cu_seqlens. `is_weights` [N] float (finite, >= 0 on masked-in
     tokens; constants, no gradient) multiplies each token's policy-gradient term: the
     importance-sampling correction for a sampler that is not the trainer. `loss` picks the
-    policy-gradient term: "ppo" (the clipped surrogate above), "cispo", "sapo", "clip_cov" or
-    "kl_cov" (`reference.policy_loss_terms`; their own settings, e.g. SAPO's temperatures,
-    through `settings`). `settings`, a `PolicyLossSettings`, gives clip_low ... loss and those
-    as one object (a trainer builds it once); those keywords must then be left at their defaults.
+    policy-gradient term: a registered policy loss (`fastpo.kernels.POLICY_LOSSES`; "ppo", the
+    clipped surrogate above, by default; `register_policy_loss` adds one), its own settings
+    (e.g. SAPO's temperatures) through `settings`. `settings`, a `PolicyLossSettings`, gives
+    clip_low ... loss and those as one object (a trainer builds it once); those keywords must
+    then be left at their defaults.
 
     Returns PolicyLossOutput(loss scalar fp32 differentiable wrt hidden and weight,
     logprob [N] fp32, entropy [N] fp32 detached, metrics dict of floats, see
@@ -452,9 +456,10 @@ def linear_policy_loss(
 
     Memory and cost: the [N, V] logits are never held (impl != "reference"). On the
     chunked/Triton paths the gradient is formed during this call, in the same pass that
-    computes each logits tile (the sequence ratio and the covariance losses need every token's
-    log-prob first: with ratio_level "sequence", "clip_cov" or "kl_cov" the chunked path makes two passes, the forward and then the
-    gradient pass recomputing the logits, as the Triton path always does), and held until
+    computes each logits tile (the sequence ratio needs every token's log-prob first: with
+    ratio_level "sequence" the chunked path makes two passes, the forward and then the gradient
+    pass recomputing the logits, as the Triton path always does; a loss with a token choice over
+    the whole call, `PolicyLoss.select`, sweeps once and then recomputes the chosen rows), and held until
     `.backward()`: d hidden [N, H] and a full
     d weight [V, H] per call. So call `.backward()` per micro-batch (summing k losses before
     one backward holds k copies of d weight), run loss-only evaluation under
@@ -484,6 +489,7 @@ def linear_policy_loss(
     if is_weights is not None:
         _check_is_weights(is_weights, loss_mask)
     given.check()
+    select = policy_loss(given.loss).select
     if given.kl_coef > 0 and ref_logprob is None:
         raise ValueError(f"kl_coef={given.kl_coef} needs ref_logprob, got None")
     if cu_seqlens is not None:
@@ -526,26 +532,26 @@ def linear_policy_loss(
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(cd), zero)
     isw = None if is_weights is None else torch.where(sel, is_weights.to(cd), zero)
     w = aggregation_weights(loss_mask, loss_agg, seq_ids, denominator).to(cd)
-    # GSPO's sequence log-ratio and the covariance losses' chosen tokens [N]: set from all N
-    # log-probs before any term is formed
-    seq = {"log_ratio": None, "cov": None}
-    whole_call = ratio_level == "sequence" or given.loss in COVARIANCE_LOSSES
-    # Clip-Cov / KL-Cov on the chunked path: one sweep with no token chosen, then the chosen
-    # few (k = cov_ratio x n) corrected (`_cov_correction`) instead of a second sweep
-    cov_one_sweep = impl == "chunked" and given.loss in COVARIANCE_LOSSES and ratio_level == "token"
+    # GSPO's sequence log-ratio and a loss's chosen tokens [N] (`PolicyLoss.select`, e.g. Clip-Cov's):
+    # set from all N log-probs before any term is formed
+    seq = {"log_ratio": None, "selected": None}
+    whole_call = ratio_level == "sequence" or select is not None
+    # a token choice on the chunked path: one sweep with no token chosen, then the chosen few
+    # (Clip-Cov, KL-Cov: k = cov_ratio x n) corrected (`_selection_correction`) instead of a second sweep
+    one_sweep = impl == "chunked" and select is not None and ratio_level == "token"
 
     def terms_of(sl, lp, ent):
-        slr, cov = seq["log_ratio"], seq["cov"]
+        slr, chosen = seq["log_ratio"], seq["selected"]
         return policy_loss_terms(lp, ent, old[sl], adv[sl], None if ref is None else ref[sl],
                                  seq_log_ratio=None if slr is None else slr[sl],
                                  is_weights=None if isw is None else isw[sl],
-                                 cov_selected=None if cov is None else cov[sl], settings=given)
+                                 selected=None if chosen is None else chosen[sl], settings=given)
 
     def set_seq_ratio(lp):
         if ratio_level == "sequence":
             seq["log_ratio"] = sequence_log_ratio(lp.to(cd), old, loss_mask, seq_ids)
-        if given.loss in COVARIANCE_LOSSES:
-            seq["cov"] = covariance_selection(lp.to(cd), old, adv, loss_mask, given)
+        if select is not None:
+            seq["selected"] = select(lp.to(cd), old, adv, loss_mask, given)
 
     def coef_fn(sl, lp, ent):
         """Elementwise d loss / d logprob and d loss / d entropy for tokens `sl`."""
@@ -559,8 +565,8 @@ def linear_policy_loss(
     def run(need_h, need_w):
         need = need_h or need_w
         # Two passes (forward, then gradients recomputing the logits): always on the Triton path;
-        # on the chunked path when the sequence ratio or the covariance needs every log-prob first.
-        if impl in ("triton", "triton-auto") or (need and whole_call and not cov_one_sweep):
+        # on the chunked path when the sequence ratio or a token choice needs every log-prob first.
+        if impl in ("triton", "triton-auto") or (need and whole_call and not one_sweep):
             lp, ent, lse = _stats(impl, hidden, weight, targets, temperature, chunk_size)
             set_seq_ratio(lp)
             dh = dw = None
@@ -575,16 +581,16 @@ def linear_policy_loss(
                 dh, dw = _grads(impl, h_g, weight, targets, lse_g, ent_g, g_lp, g_ent, temperature, chunk_size,
                                 need_h, need_w)
         else:
-            if need and cov_one_sweep:
-                seq["cov"] = torch.zeros(n, dtype=torch.bool, device=dev)  # the sweep's coefficients: none chosen
+            if need and one_sweep:
+                seq["selected"] = torch.zeros(n, dtype=torch.bool, device=dev)  # the sweep's coefficients: none chosen
             lp, ent, dh, dw = _chunked.chunked_fused(hidden, weight, targets, temperature,
                                                      coef_fn if need else None, chunk_size, need_h, need_w,
                                                      grad_rows=sel if some_masked else None)
-            g_none = coef_fn(slice(None), lp, ent) if need and cov_one_sweep else None
+            g_none = coef_fn(slice(None), lp, ent) if need and one_sweep else None
             set_seq_ratio(lp)
             if g_none is not None:
-                _cov_correction(hidden, weight, targets, temperature, lp, ent, g_none, coef_fn(slice(None), lp, ent),
-                                dh, dw)
+                _selection_correction(hidden, weight, targets, temperature, lp, ent, g_none,
+                                      coef_fn(slice(None), lp, ent), dh, dw)
         terms = terms_of(slice(None), lp.to(cd), ent.to(cd))
         loss = aggregate(terms["loss"], loss_mask, weights=w)
         metrics = policy_metrics(terms, ent, lp, old, loss_mask, w, ref_logprob is not None)

@@ -6,20 +6,25 @@ tested against the functions here. Two layers:
 * `reference_logprob_entropy` materializes the [N, V] logits, so it is only for tests and
   small shapes.
 * `policy_loss_terms`, `aggregation_weights` and `policy_metrics` are the per-token PPO /
-  GRPO loss on [N] vectors. They are elementwise (or cheap reductions over N), so the fused
-  paths reuse them as is: the per-token gradient of the loss with respect to log-prob and
-  entropy comes from autograd on these [N] vectors and is then folded into the kernel that
-  recomputes the logits.
+  GRPO loss on [N] vectors, the policy-gradient term being a registered policy loss
+  (`fastpo.kernels.losses`: PPO's clip and the others, each one function). They are
+  elementwise (or cheap reductions over N, or a loss's token choice over the whole call), so
+  the fused paths reuse them as is: the per-token gradient of the loss with respect to
+  log-prob and entropy comes from autograd on these [N] vectors and is then folded into the
+  kernel that recomputes the logits.
 
 Notation (one token i of N): z = hidden_i @ weight.T / temperature (nats), p = softmax(z),
 logprob_i = log p[target_i], entropy_i = -sum_v p_v log p_v.
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
+
+from .losses import LOG_RATIO_CLAMP, LOSS_AGGS, PolicyLossInputs, PolicyLossSettings, policy_loss
+
+
+#: The terms `policy_loss_terms` returns for every loss (a loss's own events come beside them).
+TERMS = ("loss", "pg", "kl", "ratio", "clip_low", "clip_high", "dual_clip")
 
 
 def zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -28,18 +33,6 @@ def zero_rows(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     keep = keep.reshape(-1, *([1] * (x.dim() - 1)))
     return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-KL_ESTIMATORS = ("k1", "k3")
-# "token": PPO's per-token ratio; "sequence": GSPO's length-normalised sequence ratio.
-RATIO_LEVELS = ("token", "sequence")
-# The policy-gradient term: PPO's clipped surrogate, CISPO, SAPO, and the two covariance-based
-# variants of PPO (Clip-Cov, KL-Cov); see `policy_loss_terms`.
-POLICY_LOSSES = ("ppo", "cispo", "sapo", "clip_cov", "kl_cov")
-# The losses whose tokens are chosen by a statistic over the whole call (`covariance_selection`).
-COVARIANCE_LOSSES = ("clip_cov", "kl_cov")
-# Log-ratios are clamped to this range before exp(): a token whose probability moved by
-# more than e^20 would otherwise overflow the ratio (and its gradient) to inf.
-LOG_RATIO_CLAMP = 20.0
 
 
 def reference_logprob_entropy(
@@ -83,58 +76,25 @@ def sequence_log_ratio(
     return (num / den.clamp(min=1e-12))[inv]
 
 
-def covariance_selection(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
-                         loss_mask: torch.Tensor, settings: PolicyLossSettings) -> torch.Tensor:
-    """The tokens Clip-Cov detaches or KL-Cov penalises (arXiv 2505.22617, Alg. 1 and 2), as
-    verl computes them: bool [N], False off the mask.
-
-    With n masked-in tokens (loss_mask > 0) and means over them, each token's centred
-    covariance between log-prob and advantage is cov_i = (A_i - mean A) (logprob_i - mean logprob),
-    and k = max(1, floor(cov_ratio * n)) tokens are chosen (none when n = 0):
-    "kl_cov": the k largest cov_i; "clip_cov": k drawn at random (torch.randperm with a
-    generator seeded by `cov_seed`, on the CPU) among the tokens with clip_cov_lb < cov_i <
-    clip_cov_ub that PPO's clip does not already cover (all of them when fewer). Statistics of
-    this call: the trainer calls once per micro-batch, as verl's loss does. logprob,
-    old_logprob, advantages [N] float (nats; detached here), loss_mask [N] bool/float.
-    """
-    s = settings
-    sel = loss_mask.to(torch.float32) > 0
-    lp = logprob.detach().to(torch.float64)
-    adv = advantages.detach().to(torch.float64)
-    chosen = torch.zeros_like(sel)
-    n = int(sel.sum())
-    if n == 0:
-        return chosen
-    k = max(1, int(s.cov_ratio * n))
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    cov = (torch.where(sel, adv, zero) - adv[sel].mean()) * (torch.where(sel, lp, zero) - lp[sel].mean())
-    if s.loss == "kl_cov":
-        idx = torch.topk(torch.where(sel, cov, -torch.inf), k).indices
-    else:
-        ratio = torch.exp((lp - old_logprob.detach().to(lp.dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        clipped = -adv * ratio.clamp(1.0 - s.clip_low, 1.0 + s.clip_high) > -adv * ratio
-        band = sel & ~clipped & (cov > s.clip_cov_lb) & (cov < s.clip_cov_ub)
-        candidates = torch.nonzero(band).reshape(-1)
-        order = torch.randperm(candidates.numel(), generator=torch.Generator().manual_seed(s.cov_seed))
-        idx = candidates[order[:k].to(candidates.device)]
-    chosen[idx] = True
-    return chosen
-
-
 def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob: torch.Tensor, advantages: torch.Tensor,
                       ref_logprob: torch.Tensor | None = None, *, seq_log_ratio: torch.Tensor | None = None,
-                      is_weights: torch.Tensor | None = None, cov_selected: torch.Tensor | None = None,
+                      is_weights: torch.Tensor | None = None, selected: torch.Tensor | None = None,
                       settings: PolicyLossSettings | None = None, **options) -> dict[str, torch.Tensor]:
-    """Per-token clipped PPO / GRPO objective (a loss: lower is better), all tensors [N].
+    """Per-token policy objective (a loss: lower is better), all tensors [N]: the registered
+    policy loss `settings.loss` (fastpo.kernels.losses: PPO's clipped surrogate by default) and
+    what every loss shares around it.
 
-    The settings (clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator; the
-    others of `PolicyLossSettings` are not used here) come as `settings` or as its keywords
-    in `options` (defaults: PolicyLossSettings'), checked when the settings are built.
+    The settings (clip_low, clip_high, dual_clip, entropy_coef, kl_coef, kl_estimator, loss and
+    its own settings; the others of `PolicyLossSettings` are not used here) come as `settings`
+    or as its keywords in `options` (defaults: PolicyLossSettings'), checked when the settings
+    are built.
 
     ratio r = exp(logprob - old_logprob) (log-ratio clamped to +-20),
-    pg = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (PPO, Schulman et al. 2017,
-         eq. 7, with separate low/high epsilons: "clip-higher", DAPO arXiv 2503.14476),
-    dual clip (Ye et al. 2020, arXiv 1912.09729): for A < 0, pg = min(pg, -A c), c > 1,
+    pg = the loss's term from r, logprob, old_logprob, advantages A, entropy (`PolicyLossInputs`);
+         PPO's: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) (Schulman et al. 2017, eq. 7,
+         with DAPO's clip-higher),
+    dual clip (Ye et al. 2020, arXiv 1912.09729), for a loss that takes it (`PolicyLoss.dual_clip`):
+         for A < 0, pg = min(pg, -A c), c = dual_clip > 1,
     pg *= is_weights (when given: importance-sampling weights for a sampler that is not
          the trainer, constants, as verl's rollout correction; see
          fastpo.algorithms.rollout_correction),
@@ -149,75 +109,36 @@ def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob:
     log-prob only. With "seq-mean-token-mean" aggregation and one advantage per sequence
     this is exactly GSPO's sequence objective and gradient.
 
-    `settings.loss` replaces the PPO term pg (the KL, entropy and IS-weight terms stay):
-
-    - "cispo" (MiniMax-M1, arXiv 2506.13585, eq. 4): pg = -sg(clip(r, 1 - clip_low,
-      1 + clip_high)) * A * logprob. The IS weight is clipped and detached; every token keeps
-      the gradient of its log-prob (PPO's clip zeroes it for a token that moved too far).
-      The paper sets no lower bound (a large eps_low): clip_low >= 1.
-      Its value holds logprob itself, so pg is not comparable to PPO's in size.
-    - "sapo" (Soft Adaptive Policy Optimization, arXiv 2511.20347): pg = -A * f(r) with the
-      soft gate f(r) = (4 / tau) * sigmoid(tau * (r - 1)), tau = sapo_tau_pos where A > 0,
-      sapo_tau_neg elsewhere; f(1) = 2 / tau, f'(1) = 1 (the on-policy gradient is PPO's),
-      and the gradient fades smoothly as r leaves 1 instead of stopping at a clip.
-    - "clip_cov" (arXiv 2505.22617, Alg. 1): PPO's pg, with the tokens of `cov_selected` [N]
-      bool (`covariance_selection`) detached: their pg keeps its value, their gradient is 0.
-    - "kl_cov" (arXiv 2505.22617, Alg. 2): the unclipped pg = -A r, plus
-      kl_cov_coef * |logprob - old_logprob| on the tokens of `cov_selected`.
+    `selected` [N] bool: the tokens a loss with a whole-call token choice chose
+    (`PolicyLoss.select`, e.g. Clip-Cov's `clip_cov_selection`); such a loss raises
+    ValueError without it.
 
     Returns a dict with "loss", "pg", "kl" (zeros when no ref_logprob), "ratio", and boolean
-    "clip_low" (A < 0 and the lower clip is active; CISPO: r below 1 - clip_low), "clip_high"
-    (A > 0 and the upper clip is active; CISPO: r above 1 + clip_high), "dual_clip" (the dual
-    clip is active), and with a covariance loss "cov_selected". Differentiable with respect
-    to logprob and entropy.
+    "clip_low" / "clip_high" (the loss's lower / upper clip is active; PPO: A < 0 and r below
+    1 - clip_low / A > 0 and r above 1 + clip_high), "dual_clip" (the dual clip is active),
+    and the loss's own per-token events by their metric names (Clip-Cov's "covfrac").
+    Differentiable with respect to logprob and entropy.
     """
     s = settings if settings is not None else PolicyLossSettings(**options)
-    clip_low, clip_high, dual_clip = s.clip_low, s.clip_high, s.dual_clip
+    loss = policy_loss(s.loss)
     if seq_log_ratio is None:
         log_ratio = logprob - old_logprob
     else:
         log_ratio = seq_log_ratio + (logprob - logprob.detach())  # value s_i, gradient d logprob_t
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    extra = {}
-    if s.loss == "cispo":
-        weight = ratio.detach().clamp(1.0 - clip_low, 1.0 + clip_high)
-        pg = -advantages * weight * logprob
-        is_clip_high, is_clip_low = ratio.detach() > 1.0 + clip_high, ratio.detach() < 1.0 - clip_low
-        is_dual = torch.zeros_like(is_clip_high)
-    elif s.loss == "sapo":
-        tau_pos, tau_neg = (torch.tensor(t, dtype=ratio.dtype, device=ratio.device)
-                            for t in (s.sapo_tau_pos, s.sapo_tau_neg))
-        tau = torch.where(advantages > 0, tau_pos, tau_neg)
-        pg = -advantages * (4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0))
-        is_clip_high = is_clip_low = is_dual = torch.zeros_like(ratio, dtype=torch.bool)
+    if loss.select is not None and selected is None:
+        raise ValueError(f"loss={s.loss!r} needs selected (its token choice, PolicyLoss.select), got None")
+    g = loss.fn(PolicyLossInputs(logprob, old_logprob, ratio, advantages, entropy, selected), s)
+    pg, none = g.pg, torch.zeros_like(ratio, dtype=torch.bool)
+    is_clip_low = none if g.clip_low is None else g.clip_low
+    is_clip_high = none if g.clip_high is None else g.clip_high
+    if s.dual_clip is not None and loss.dual_clip:  # the settings refuse a dual clip for a loss without one
+        pg_dual = -advantages * s.dual_clip
+        is_dual = (advantages < 0) & (pg > pg_dual)
+        pg = torch.where(is_dual, pg_dual, pg)
     else:
-        pg_unclipped = -advantages * ratio
-        pg_clipped = -advantages * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-        if s.loss == "kl_cov":
-            pg = pg_unclipped
-            clipped = torch.zeros_like(ratio, dtype=torch.bool)
-        else:
-            pg = torch.maximum(pg_unclipped, pg_clipped)
-            clipped = pg_clipped > pg_unclipped
-        is_clip_high = clipped & (ratio > 1.0)
-        is_clip_low = clipped & (ratio < 1.0)
-        if dual_clip is not None:
-            pg_dual = -advantages * dual_clip
-            is_dual = (advantages < 0) & (pg > pg_dual)
-            pg = torch.where(is_dual, pg_dual, pg)
-        else:
-            is_dual = torch.zeros_like(clipped)
-        if s.loss in COVARIANCE_LOSSES:
-            if cov_selected is None:
-                raise ValueError(f"loss={s.loss!r} needs cov_selected (fastpo.kernels.covariance_selection), got None")
-            chosen = cov_selected.bool()
-            if s.loss == "clip_cov":
-                pg = torch.where(chosen, pg.detach(), pg)
-            else:
-                penalty = s.kl_cov_coef * (logprob - old_logprob).abs()
-                pg = torch.where(chosen, pg + penalty, pg)
-            extra["cov_selected"] = chosen
+        is_dual = none
     if is_weights is not None:
         pg = pg * is_weights
     if ref_logprob is not None:
@@ -228,9 +149,13 @@ def policy_loss_terms(logprob: torch.Tensor, entropy: torch.Tensor, old_logprob:
             kl = torch.exp(d) - d - 1.0
     else:
         kl = torch.zeros_like(logprob)
-    loss = pg - s.entropy_coef * entropy + s.kl_coef * kl
-    return {"loss": loss, "pg": pg, "kl": kl, "ratio": ratio,
-            "clip_low": is_clip_low, "clip_high": is_clip_high, "dual_clip": is_dual, **extra}
+    terms = {"loss": pg - s.entropy_coef * entropy + s.kl_coef * kl, "pg": pg, "kl": kl, "ratio": ratio,
+             "clip_low": is_clip_low, "clip_high": is_clip_high, "dual_clip": is_dual}
+    for name, flag in (g.fractions or {}).items():
+        if name in TERMS:
+            raise ValueError(f"loss={s.loss!r} reports a fraction named {name!r}, which is a term of every loss")
+        terms[name] = flag
+    return terms
 
 
 def aggregation_weights(
@@ -291,97 +216,6 @@ def aggregate(
     return torch.where(sel, per_token * weights, torch.zeros((), dtype=per_token.dtype, device=per_token.device)).sum()
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyLossSettings:
-    """The policy loss's settings as one object (Liger keeps them on its loss module): what
-    `linear_policy_loss` also takes one keyword each (`settings=`), with the same defaults and
-    meaning (see `policy_loss_terms` and `aggregation_weights`): clip_low / clip_high >= 0,
-    clip_low < 1 and clip_high >= clip_low (PPO's clip range, DAPO's clip-higher; for "cispo"
-    any clip_low, >= 1 meaning no lower bound on the IS weight, as its paper runs it),
-    dual_clip None or > 1, entropy_coef and kl_coef >= 0, kl_estimator in KL_ESTIMATORS,
-    temperature > 0 (the logits' divisor), loss_agg in LOSS_AGGS, ratio_level in
-    RATIO_LEVELS; `loss` in
-    POLICY_LOSSES ("ppo", "cispo", "sapo", "clip_cov", "kl_cov", see `policy_loss_terms`) with
-    its own settings: sapo_tau_pos / sapo_tau_neg > 0 (SAPO's gate temperatures for positive
-    and other advantages; verl's 1.0 / 1.05), cov_ratio in (0, 1] (the fraction of a call's
-    tokens Clip-Cov detaches or KL-Cov penalises; 0.0002 as verl), clip_cov_lb < clip_cov_ub
-    (Clip-Cov's covariance band, 1 and 5), kl_cov_coef > 0 (KL-Cov's penalty, 1), cov_seed
-    (Clip-Cov's random pick, `covariance_selection`). dual_clip only with "ppo" / "clip_cov";
-    GSPO's ratio_level "sequence" only with "ppo" / "cispo".
-
-    Checked when built (`check`): a bad setting raises ValueError with a one-line message
-    naming the value. The defaults are verl's (clip 0.2 / 0.2, no entropy bonus, the k3 KL
-    estimator, token-mean), so that a loss moved from verl or TRL computes the same objective;
-    fastpo's trainer builds its own from its config (0.2 / 0.28, entropy 0.001, k1,
-    seq-mean-token-mean: the StarPO-S paper's), see `fastpo.trainer.policy_loss_settings`.
-    """
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    entropy_coef: float = 0.0
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    temperature: float = 1.0
-    loss_agg: str = "token-mean"
-    ratio_level: str = "token"
-    loss: str = "ppo"
-    sapo_tau_pos: float = 1.0
-    sapo_tau_neg: float = 1.05
-    cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_coef: float = 1.0
-    cov_seed: int = 0
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        """Raise ValueError naming the first bad setting (temperature is checked with the
-        hidden states, by the caller)."""
-        if self.ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {self.ratio_level!r}")
-        if self.loss_agg not in LOSS_AGGS:
-            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        for name in ("clip_low", "clip_high", "entropy_coef", "kl_coef"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-        # CISPO's IS weight may go without a lower bound (its paper's setting): clip_low >= 1 puts
-        # 1 - clip_low at or below 0, under every ratio; PPO's clip range must stay a range
-        if self.clip_low >= 1.0 and self.loss != "cispo":
-            raise ValueError(f"clip_low must be < 1 (the ratio's lower bound is 1 - clip_low), got {self.clip_low}")
-        if self.clip_high < self.clip_low and self.loss != "cispo":
-            raise ValueError(f"clip_high must be >= clip_low (clip-higher widens the upper bound), got clip_high="
-                             f"{self.clip_high} < clip_low={self.clip_low}")
-        d = self.dual_clip
-        if d is not None and not (isinstance(d, (int, float)) and math.isfinite(d) and d > 1.0):
-            raise ValueError(f"dual_clip must be None or a finite constant > 1, got {d!r}")
-        if self.loss not in POLICY_LOSSES:
-            raise ValueError(f"loss must be one of {POLICY_LOSSES}, got {self.loss!r}")
-        if d is not None and self.loss not in ("ppo", "clip_cov"):
-            raise ValueError(f"dual_clip={d} applies to PPO's clipped surrogate (loss 'ppo' or 'clip_cov'), not "
-                             f"loss={self.loss!r}; use dual_clip=None")
-        if self.ratio_level == "sequence" and self.loss not in ("ppo", "cispo"):
-            raise ValueError(f"ratio_level='sequence' (GSPO) is defined for loss 'ppo' and 'cispo', not "
-                             f"loss={self.loss!r}")
-        for name in ("sapo_tau_pos", "sapo_tau_neg", "cov_ratio", "kl_cov_coef"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        if self.cov_ratio > 1:
-            raise ValueError(f"cov_ratio is a fraction of the tokens, at most 1, got {self.cov_ratio}")
-        lb, ub = self.clip_cov_lb, self.clip_cov_ub
-        if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (lb, ub)) or not lb < ub:
-            raise ValueError(f"clip_cov_lb < clip_cov_ub needed (finite), got {lb!r} and {ub!r}")
-        if isinstance(self.cov_seed, bool) or not isinstance(self.cov_seed, int) or self.cov_seed < 0:
-            raise ValueError(f"cov_seed must be an integer >= 0, got {self.cov_seed!r}")
-
-
-
 def policy_metrics(
     terms: dict[str, torch.Tensor],
     entropy: torch.Tensor,
@@ -397,9 +231,10 @@ def policy_metrics(
     clip is active; approx_kl: mean k3 estimate of KL(pi_old || pi) = (r - 1) - log r;
     ratio_mean / max / min; entropy: mean token entropy (nats); pg_loss: the aggregated
     policy-gradient term (same weights as the loss); kl: mean KL to the reference (when
-    used); covfrac: the fraction of tokens Clip-Cov detached or KL-Cov penalised (with those
-    losses). Token counts ignore the mask's weights (a token is in when loss_mask > 0). All
-    0.0 when no token is masked in. Masked-out tokens are dropped with torch.where, so a
+    used); and the fraction of tokens of each of the loss's own events (the terms beyond
+    `TERMS`, e.g. covfrac: the tokens Clip-Cov detached or KL-Cov penalised). Token counts
+    ignore the mask's weights (a token is in when loss_mask > 0). All 0.0 when no token is
+    masked in. Masked-out tokens are dropped with torch.where, so a
     NaN or inf there (e.g. from a non-finite padding row) never reaches a metric.
     """
     sel = loss_mask.to(torch.float32) > 0
@@ -428,8 +263,9 @@ def policy_metrics(
     }
     if with_kl:
         vals["kl"] = mean(terms["kl"])
-    if "cov_selected" in terms:
-        vals["covfrac"] = mean(terms["cov_selected"])
+    for name in terms:
+        if name not in TERMS:  # the loss's own events (`PolicyGradient.fractions`)
+            vals[name] = mean(terms[name])
     keys = list(vals)
     out = torch.stack([vals[k].to(torch.float64).reshape(()) for k in keys]).tolist()
     return dict(zip(keys, out))
@@ -461,8 +297,9 @@ def reference_policy_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     ref = None if ref_logprob is None else torch.where(sel, ref_logprob.to(logprob.dtype), zero)
     isw = None if is_weights is None else torch.where(sel, is_weights.to(logprob.dtype), zero)
     slr = sequence_log_ratio(logprob, old, loss_mask, seq_ids) if s.ratio_level == "sequence" else None
-    cov = covariance_selection(logprob, old, adv, loss_mask, s) if s.loss in COVARIANCE_LOSSES else None
-    terms = policy_loss_terms(logprob, entropy, old, adv, ref, seq_log_ratio=slr, is_weights=isw, cov_selected=cov,
+    select = policy_loss(s.loss).select
+    chosen = None if select is None else select(logprob, old, adv, loss_mask, s)
+    terms = policy_loss_terms(logprob, entropy, old, adv, ref, seq_log_ratio=slr, is_weights=isw, selected=chosen,
                               settings=s)
     w = aggregation_weights(loss_mask, s.loss_agg, seq_ids, denominator).to(logprob.dtype)
     loss = aggregate(terms["loss"], loss_mask, weights=w)

@@ -16,11 +16,11 @@ from fastpo.distributed.data_parallel import global_loss_denominator, micro_batc
 from fastpo.distributed.sharding import all_reduce_gradients
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.config.schema import TrainConfig
-from fastpo.kernels import PolicyLossSettings, linear_policy_loss
+from fastpo.kernels import PolicyLossSettings, linear_policy_loss, policy_loss
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.memory import release_free_memory
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype
-from fastpo.registry import POLICY_LOSSES, loss_aggregation, loss_denominator_of
+from fastpo.registry import loss_aggregation, loss_denominator_of
 from fastpo.seeds import clip_cov_seed, mini_batch_generator_seed
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.models import Models, hidden_states
@@ -32,18 +32,17 @@ def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
     """The fused policy loss's settings for `cfg` (built once per run): the algorithm's policy
     loss with its clip, entropy, KL and aggregation settings at the rollout temperature; no KL
     term in the loss when the KL is on the reward (`TrainConfig.kl_in_reward`,
-    `RunPlan.kl_in_reward`); the dual clip only for a loss that has one (ppo, clip_cov);
-    Clip-Cov's draw seeded by trainer.seed here (`PolicyUpdater.update` reseeds it per
+    `RunPlan.kl_in_reward`); the dual clip only for a loss that takes it (`PolicyLoss.dual_clip`);
+    the registered losses' own settings as the config has them (`AlgorithmConfig.loss_settings`);
+    a token choice's draw seeded by trainer.seed here (`PolicyUpdater.ppo_loss` reseeds it per
     micro-batch with `fastpo.seeds.clip_cov_seed`)."""
     a = cfg.algorithm
-    dual_clip = a.dual_clip if POLICY_LOSSES[a.policy_loss].dual_clip else None
-    return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=dual_clip,
+    return PolicyLossSettings(clip_low=a.clip_low, clip_high=a.clip_high,
+                              dual_clip=a.dual_clip if policy_loss(a.policy_loss).dual_clip else None,
                               entropy_coef=a.entropy_coef, kl_coef=0.0 if cfg.kl_in_reward else a.kl_coef,
                               kl_estimator=a.kl_estimator, temperature=cfg.rollout.temperature,
-                              loss_agg=loss_aggregation(cfg.loss_agg).kernel_mode,
-                              ratio_level=a.ratio_level, loss=a.policy_loss, sapo_tau_pos=a.sapo_tau_pos,
-                              sapo_tau_neg=a.sapo_tau_neg, cov_ratio=a.cov_ratio, clip_cov_lb=a.clip_cov_lb,
-                              clip_cov_ub=a.clip_cov_ub, kl_cov_coef=a.kl_cov_coef, cov_seed=cfg.trainer.seed)
+                              loss_agg=loss_aggregation(cfg.loss_agg).kernel_mode, ratio_level=a.ratio_level,
+                              loss=a.policy_loss, cov_seed=cfg.trainer.seed, options=a.loss_settings)
 
 
 def loss_denominator(loss_agg: str, masks: list, indices: list[int], norm: int = 1) -> float:
@@ -293,14 +292,15 @@ class PolicyUpdater:
         """The `MicroLoss` of one PPO mini-batch: the fused policy loss plus the critic's value
         loss (times value_coef when the critic shares the policy's optimizer), both normalised
         by their mini-batch denominators so that the accumulated gradient is the mini-batch's.
-        Critic metrics go into `metrics` at once, the policy loss's as `actor/*`. Clip-Cov draws
-        its tokens afresh in each call (`clip_cov_seed` of `iteration` and the call's index)."""
+        Critic metrics go into `metrics` at once, the policy loss's as `actor/*`. A loss with a
+        token choice (`PolicyLoss.select`: Clip-Cov's random one) draws afresh in each call
+        (`clip_cov_seed` of `iteration` and the call's index)."""
         a, m = self.cfg.algorithm, self.models
 
         def loss(micro, scored):
             take = {k: None if v is None else scored.take(v) for k, v in per_traj.items()}
             settings = self.loss_settings
-            if settings.loss == "clip_cov":
+            if policy_loss(settings.loss).select is not None:
                 settings = dataclasses.replace(settings, cov_seed=clip_cov_seed(self.cfg.trainer.seed, iteration,
                                                                                   self.loss_calls))
             self.loss_calls += 1

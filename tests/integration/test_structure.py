@@ -65,8 +65,8 @@ def test_one_lm_head_lookup():
 
 
 def test_registry_names_are_the_configs_allowed_values():
-    """The config's allowed estimators, policy losses and loss aggregations are the registry's
-    names (the policy losses also the kernels'), each estimator has one implementation, and
+    """The config's allowed estimators and loss aggregations are the registry's names, its
+    policy losses the kernels' registered ones, each estimator has one implementation, and
     the registry module imports no torch."""
     import typing
 
@@ -82,7 +82,7 @@ def test_registry_names_are_the_configs_allowed_values():
     assert set(estimators._ESTIMATORS) == set(registry.ESTIMATORS)
     from fastpo.kernels import POLICY_LOSSES
 
-    assert typing.get_args(hints["policy_loss"]) == tuple(registry.POLICY_LOSSES) == POLICY_LOSSES
+    assert config.AlgorithmConfig.__dataclass_fields__["policy_loss"].metadata["choices"]() == tuple(POLICY_LOSSES)
     assert not any(m.split(".")[0] == "torch" for m in _imports(ROOT / "fastpo" / "registry.py"))
     import subprocess
     import sys
@@ -98,6 +98,30 @@ def test_no_estimator_name_is_compared_outside_the_registry():
         if p.exists():
             text = p.read_text()
             assert "adv_estimator ==" not in text and "adv_estimator in" not in text, p.name
+
+
+def test_a_policy_loss_is_named_only_where_it_is_registered():
+    """Issue 57 item 3: a policy loss is one registered function with its facts
+    (fastpo/kernels/losses.py); nothing else in fastpo/ or bench/ compares a loss's name or
+    lists loss names (a tuple, list, set or dict of two or more): they read the facts."""
+    from fastpo.kernels import POLICY_LOSSES
+
+    names = set(POLICY_LOSSES)
+    found = []
+    for p in [*_sources(), *(ROOT / "bench").glob("*.py")]:
+        if p == ROOT / "fastpo" / "kernels" / "losses.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Compare):
+                consts = [c for c in ast.walk(node) if isinstance(c, ast.Constant) and c.value in names]
+            elif isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)):
+                items = node.keys if isinstance(node, ast.Dict) else node.elts
+                consts = [c for c in items if isinstance(c, ast.Constant) and c.value in names]
+                consts = consts if len(consts) >= 2 else []
+            else:
+                continue
+            found += [f"{p.relative_to(ROOT)}:{c.lineno} {c.value!r}" for c in consts]
+    assert found == []
 
 
 def _module_name(p: pathlib.Path) -> str:

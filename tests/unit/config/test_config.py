@@ -196,7 +196,7 @@ def test_policy_loss_keys_are_checked_in_one_line():
         assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="algorithm.ratio_level.*not 'kl_cov'"):
         load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=kl_cov", "algorithm.ratio_level=sequence"])
-    with pytest.raises(ConfigError, match="algorithm.clip_cov_lb.*below algorithm.clip_cov_ub"):
+    with pytest.raises(ConfigError, match=r"'algorithm.clip_cov_lb' = 5.0: must be below clip_cov_ub \(1.0\)"):
         load_config(env="bandit", preset="tiny", overrides=["algorithm.clip_cov_lb=5", "algorithm.clip_cov_ub=1"])
     load_config(env="bandit", preset="tiny", overrides=["algorithm.policy_loss=cispo", "algorithm.ratio_level=sequence"])
 

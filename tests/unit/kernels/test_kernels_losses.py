@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from fastpo.kernels import (POLICY_LOSSES, PolicyLossSettings, covariance_selection, linear_policy_loss,
-                            policy_loss_terms, reference_logprob_entropy)
-from fastpo.kernels.reference import LOSS_AGGS
+from fastpo.kernels import (POLICY_LOSSES, PolicyLossSettings, linear_policy_loss, policy_loss_terms,
+                            reference_logprob_entropy)
+from fastpo.kernels.losses import LOSS_AGGS, clip_cov_selection, kl_cov_selection
 
 from test_kernels_reference import _data
 
@@ -78,13 +78,13 @@ def test_kl_cov_picks_the_largest_covariances_by_hand():
     lp, adv, mask = _cov_case()
     cov = _cov_by_hand(lp, adv, mask)
     s = PolicyLossSettings(loss="kl_cov", cov_ratio=0.5)  # k = floor(0.5 * 5) = 2 of the 5 masked-in tokens
-    chosen = covariance_selection(lp, lp, adv, mask, s)
+    chosen = kl_cov_selection(lp, lp, adv, mask, s)
     top2 = sorted(cov, key=cov.get, reverse=True)[:2]
     assert torch.nonzero(chosen).reshape(-1).tolist() == sorted(top2)
     assert not chosen[5]  # masked out, whatever its values
     # at least one token, even when the ratio rounds to none
-    assert int(covariance_selection(lp, lp, adv, mask, PolicyLossSettings(loss="kl_cov", cov_ratio=1e-4)).sum()) == 1
-    assert not covariance_selection(lp, lp, adv, torch.zeros(6, dtype=torch.bool), s).any()
+    assert int(kl_cov_selection(lp, lp, adv, mask, PolicyLossSettings(loss="kl_cov", cov_ratio=1e-4)).sum()) == 1
+    assert not kl_cov_selection(lp, lp, adv, torch.zeros(6, dtype=torch.bool), s).any()
 
 
 def test_clip_cov_draws_inside_the_band_outside_ppo_clip_by_hand():
@@ -97,18 +97,18 @@ def test_clip_cov_draws_inside_the_band_outside_ppo_clip_by_hand():
     assert len(band) >= 2 and cov[0] > lb  # the case is informative: token 0 would be in the band
     for seed in range(6):
         s = PolicyLossSettings(loss="clip_cov", cov_ratio=0.2, clip_cov_lb=lb, clip_cov_ub=ub, cov_seed=seed)
-        chosen = covariance_selection(lp, old, adv, mask, s)
+        chosen = clip_cov_selection(lp, old, adv, mask, s)
         picked = set(torch.nonzero(chosen).reshape(-1).tolist())
         assert len(picked) == 1 and picked <= band
-        assert picked == set(torch.nonzero(covariance_selection(lp, old, adv, mask, s)).reshape(-1).tolist())
+        assert picked == set(torch.nonzero(clip_cov_selection(lp, old, adv, mask, s)).reshape(-1).tolist())
     # the draw follows the seed: over a few seeds more than one token is picked
-    picks = {tuple(torch.nonzero(covariance_selection(lp, old, adv, mask, PolicyLossSettings(
+    picks = {tuple(torch.nonzero(clip_cov_selection(lp, old, adv, mask, PolicyLossSettings(
         loss="clip_cov", cov_ratio=0.2, clip_cov_lb=lb, clip_cov_ub=ub, cov_seed=seed))).reshape(-1).tolist())
         for seed in range(12)}
     assert len(picks) > 1
     # an empty band chooses nothing
     s = PolicyLossSettings(loss="clip_cov", clip_cov_lb=50.0, clip_cov_ub=60.0)
-    assert not covariance_selection(lp, old, adv, mask, s).any()
+    assert not clip_cov_selection(lp, old, adv, mask, s).any()
 
 
 def test_clip_cov_detaches_and_kl_cov_penalises_the_chosen_tokens():
@@ -119,19 +119,19 @@ def test_clip_cov_detaches_and_kl_cov_penalises_the_chosen_tokens():
     lp = lp0.clone().requires_grad_(True)
     ppo = policy_loss_terms(lp, ent, old, adv, clip_low=0.2, clip_high=0.28)
     (g_ppo,) = torch.autograd.grad(ppo["loss"].sum(), lp)
-    cc = policy_loss_terms(lp, ent, old, adv, cov_selected=chosen, loss="clip_cov", clip_low=0.2, clip_high=0.28)
+    cc = policy_loss_terms(lp, ent, old, adv, selected=chosen, loss="clip_cov", clip_low=0.2, clip_high=0.28)
     (g_cc,) = torch.autograd.grad(cc["loss"].sum(), lp)
     assert cc["pg"].tolist() == pytest.approx(ppo["pg"].tolist(), abs=0)  # same value
     assert g_cc[chosen].tolist() == [0.0, 0.0] and g_cc[~chosen].tolist() == g_ppo[~chosen].tolist()
-    assert cc["cov_selected"].tolist() == chosen.tolist()
-    kc = policy_loss_terms(lp, ent, old, adv, cov_selected=chosen, loss="kl_cov", kl_cov_coef=2.0)
+    assert cc["covfrac"].tolist() == chosen.tolist()  # the tokens it detached, logged as their share
+    kc = policy_loss_terms(lp, ent, old, adv, selected=chosen, loss="kl_cov", kl_cov_coef=2.0)
     (g_kc,) = torch.autograd.grad(kc["loss"].sum(), lp)
     ratio = torch.exp(lp0 - old)
     expect = -adv * ratio + torch.where(chosen, 2.0 * (lp0 - old).abs(), 0.0)  # no clip at all: KL-Cov's pg
     assert kc["pg"].tolist() == pytest.approx(expect.tolist(), abs=1e-12)
     sign = torch.sign(lp0 - old)
     assert g_kc.tolist() == pytest.approx((-adv * ratio + torch.where(chosen, 2.0 * sign, 0.0)).tolist(), abs=1e-12)
-    with pytest.raises(ValueError, match="needs cov_selected"):
+    with pytest.raises(ValueError, match="needs selected"):
         policy_loss_terms(lp, ent, old, adv, loss="kl_cov")
 
 
@@ -205,7 +205,7 @@ def test_each_loss_changes_the_gradient_and_ppo_is_unchanged():
         linear_policy_loss(hidden, ww, targets, old, adv, mask, impl="chunked", **given).loss.backward()
         grads[loss] = ww.grad
     assert torch.equal(grads["default"], grads["ppo"])
-    for loss in POLICY_LOSSES[1:]:
+    for loss in list(POLICY_LOSSES)[1:]:
         assert not torch.allclose(grads[loss], grads["ppo"], atol=1e-6), loss
 
 
@@ -244,12 +244,12 @@ def test_settings_a_loss_cannot_take_are_refused_in_one_line():
         (dict(loss="kl_cov", dual_clip=3.0), "not loss='kl_cov'"),
         (dict(loss="sapo", ratio_level="sequence"), "ratio_level='sequence'"),
         (dict(loss="clip_cov", ratio_level="sequence"), "ratio_level='sequence'"),
-        (dict(loss="sapo", sapo_tau_neg=0.0), "sapo_tau_neg must be a finite number > 0"),
-        (dict(loss="sapo", sapo_tau_pos=math.inf), "sapo_tau_pos"),
-        (dict(loss="kl_cov", cov_ratio=1.5), "cov_ratio is a fraction"),
+        (dict(loss="sapo", sapo_tau_neg=0.0), "sapo_tau_neg must be >= 1.18e-38 .*, got 0.0"),
+        (dict(loss="sapo", sapo_tau_pos=math.inf), "sapo_tau_pos must be a finite number, got inf"),
+        (dict(loss="kl_cov", cov_ratio=1.5), r"cov_ratio must be in \(0, 1\], got 1.5"),
         (dict(loss="kl_cov", cov_ratio=0.0), "cov_ratio must be"),
-        (dict(loss="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "clip_cov_lb < clip_cov_ub"),
-        (dict(loss="clip_cov", cov_seed=-1), "cov_seed"),
+        (dict(loss="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), r"clip_cov_lb must be below clip_cov_ub \(1.0\)"),
+        (dict(loss="clip_cov", cov_seed=-1), "cov_seed must be an integer >= 0"),
         (dict(loss="kl_cov", kl_cov_coef=-1.0), "kl_cov_coef"),
     ]
     for kw, match in bad:
