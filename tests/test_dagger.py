@@ -286,10 +286,11 @@ def test_dagger_runs_rounds_and_a_stopped_run_continues_exactly(tmp_path, monkey
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # done: the same command again has nothing to do
     assert main(_run_args(part)) == 0 and "nothing to do" in capsys.readouterr().out
-    # StarPO's resume of a DAgger folder is refused in one line naming the DAgger command
-    assert main(["train", "--resume", str(part)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "fastpo dagger --resume" in err and len(err.splitlines()) == 1
+    # StarPO's (and SFT's) resume of a DAgger folder is refused in one line naming the DAgger command
+    for cmd in ("train", "sft"):
+        assert main([cmd, "--resume", str(part)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "fastpo dagger --resume" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("bad,said", [

@@ -36,6 +36,9 @@ def cmd_sft(args) -> int:
         if args.resume is not None:
             cfg = resumed_run_config(args, fixed=sft_ov)  # the data settings are the run's
             RunLock(args.resume).check()
+            if cfg.dagger is not None:
+                raise ConfigError(f"--resume {args.resume} is a `fastpo dagger` run: continue it with `fastpo dagger "
+                                  f"--resume {args.resume}`")
             if cfg.sft is None:
                 raise ConfigError(f"--resume {args.resume}: not a `fastpo sft` run (its config.yaml has no sft "
                                   f"section); a StarPO run continues with `fastpo train --resume {args.resume}`")
