@@ -47,13 +47,13 @@ def _fastpo_sft(ctx: BenchContext, n: int, out: str):
     from rich.console import Console
 
     from fastpo.config import load_config
-    from fastpo.sft import SFTConfig, SFTTrainer
+    from fastpo.sft.trainer import SFTTrainer
 
     ov = [f"model.name={ctx.model}", f"trainer.seed={ctx.seed}", "trainer.eval_every=0", "trainer.save_every=0",
           "trainer.plots=false", "trainer.progress=false", "trainer.device=cpu", f"trainer.output_dir={out}",
-          f"optim.actor_lr={LR}", "optim.micro_token_budget=65536"]
-    cfg = load_config(env="sokoban", preset="cpu", overrides=ov)
-    tr = SFTTrainer(cfg, SFTConfig(trajectories=n, batch_size=n), console=Console(quiet=True))
+          f"optim.actor_lr={LR}", "optim.micro_token_budget=65536", f"sft.trajectories={n}", f"sft.batch_size={n}"]
+    cfg = load_config(env="sokoban", preset="cpu", overrides=ov, sections=("sft",))
+    tr = SFTTrainer(cfg, console=Console(quiet=True))
     tr.setup()
     return tr
 

@@ -24,7 +24,20 @@ from ._core import BatchedTextEnv, ParsedActions, StepResult
 
 ENV_NAMES = ("bandit", "sokoban", "frozenlake")
 
-__all__ = ["ENV_NAMES", "BatchedTextEnv", "ParsedActions", "StepResult", "make_env"]
+__all__ = ["ENV_NAMES", "BatchedTextEnv", "ParsedActions", "StepResult", "env_class", "make_env"]
+
+
+def env_class(name: str) -> type:
+    """The class of environment `name` (one of ENV_NAMES). Raises ValueError for another name."""
+    if name == "bandit":
+        from .bandit import BanditEnv as cls
+    elif name == "frozenlake":
+        from .frozenlake import FrozenLakeEnv as cls
+    elif name == "sokoban":
+        from .sokoban import SokobanEnv as cls
+    else:
+        raise ValueError(f"unknown environment {name!r}; choose one of {ENV_NAMES}")
+    return cls
 
 
 def make_env(name: str, batch_size: int, **config) -> BatchedTextEnv:
@@ -34,14 +47,7 @@ def make_env(name: str, batch_size: int, **config) -> BatchedTextEnv:
     FrozenLakeEnv. Raises ValueError naming an unknown environment, an unknown config key
     or a bad config value.
     """
-    if name == "bandit":
-        from .bandit import BanditEnv as cls
-    elif name == "frozenlake":
-        from .frozenlake import FrozenLakeEnv as cls
-    elif name == "sokoban":
-        from .sokoban import SokobanEnv as cls
-    else:
-        raise ValueError(f"unknown environment {name!r}; choose one of {ENV_NAMES}")
+    cls = env_class(name)
     import inspect
 
     params = inspect.signature(cls.__init__).parameters

@@ -497,6 +497,9 @@ class BatchedTextEnv:
 
     name = "base"
     actions: tuple = ()  # action names in id order, where every instance has the same
+    #: The expert's moves per answer when the SFT data asks for the game's own count
+    #: (`sft.actions_per_turn=0`); None: the rollout's per-turn cap.
+    expert_moves_per_turn: int | None = None
 
     def __init__(self, batch_size: int):
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
@@ -533,7 +536,23 @@ class BatchedTextEnv:
     def _step_kernel(self, actions, active, out) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    # A game with an expert defines `expert(i, actions_left) -> list[str]`: the moves (action
+    # names) a good player plays from instance i's current state with `actions_left` actions
+    # left, in order, as far as it commits to them ([] where it has none); the SFT data and
+    # DAgger's labels come from it (fastpo.sft).
+
     # -- shared -------------------------------------------------------------------------
+    def has_expert(self) -> bool:
+        """Whether the game defines `expert(i, actions_left)`."""
+        return callable(getattr(self, "expert", None))
+
+    def expert_answers(self, indices: Sequence[int], actions_left) -> list:
+        """The expert's moves (a list of action names each, `expert`) in the current states of
+        instances `indices`; actions_left: int [B], each instance's actions left. Raises
+        AttributeError for a game without an expert, RuntimeError before the first reset."""
+        self._require_reset()
+        return [self.expert(int(b), int(actions_left[b])) for b in indices]
+
     def reset(self, seeds) -> list[str]:
         """Reset all B instances from B non-negative integer seeds; returns the B observation
         texts (`render()`). The start states come from the subclass's `_reset_kernel`.

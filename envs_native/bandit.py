@@ -198,6 +198,11 @@ class BanditEnv(BatchedTextEnv):
         high = self.high_risk_action()
         return high if self.high_better else 1 - high
 
+    def expert(self, i: int, actions_left: int = 1) -> list[str]:
+        """The expert's pull in instance i: the arm of higher expected reward (`better_action`).
+        Raises ValueError for an index outside [0, B), RuntimeError before reset."""
+        return [self.action_names(i)[int(self.better_action()[i])]]
+
     def optimal_success(self, seeds, horizon: int = 1) -> np.ndarray:
         """float64 [n]: 1.0 per seed. Success is pulling the arm of higher expected reward
         (from low_reward, high_reward and high_prob), which the best policy always does.

@@ -359,6 +359,9 @@ class FrozenLakeEnv(BatchedTextEnv):
 
     name = "frozenlake"
     actions = ACTIONS  # Left, Down, Right, Up: gymnasium's ids
+    # one move per answer: the ice decides where each move lands, so the model is shown every
+    # cell the expert acts on
+    expert_moves_per_turn = 1
 
     def __init__(self, batch_size: int, size: int = 4, p: float = 0.8, is_slippery: bool = True,
                  success_prob: float = 1.0 / 3.0, desc=None, max_steps: int = 100, symbols: dict | None = None,
@@ -399,11 +402,13 @@ class FrozenLakeEnv(BatchedTextEnv):
         self._table = NameTable(ACTIONS)
         self._name_action = np.tile(np.arange(4, dtype=np.int64), (B, 1))
         self._render_buf = None  # allocated on first render
+        self._expert_table = None  # optimal_policy of the current maps, for `expert`
 
     def _reset_kernel(self, s: np.ndarray) -> None:
         """Each instance's map from its seed (`reset` returns the grid texts). Raises
         RuntimeError naming the seed when no solvable map is found in 100,000 draws (only for
         tiny p on large maps)."""
+        self._expert_table = None
         bad = self._draw(s, self._maps, self._pos, self._start, self._rng, self._steps)
         if bad >= 0:
             raise RuntimeError(f"no solvable {self.size} map found for seed {int(s[bad])} with p={self.p}")
@@ -485,6 +490,17 @@ class FrozenLakeEnv(BatchedTextEnv):
         _fl_success_values(self._maps, self._start, self.is_slippery, self.success_prob, p.shape[1] - 1, True,
                            out, np.zeros((0, 0, 0), dtype=np.int8), p)
         return out
+
+    def expert(self, i: int, actions_left: int) -> list[str]:
+        """The expert's move in instance i's current cell with `actions_left` actions left: one
+        move (where it lands is the ice's to decide), `optimal_policy`'s, whose table for the
+        current maps is computed once per reset (for the most actions left asked so far: its
+        row k does not depend on the horizon). Raises RuntimeError before the first reset."""
+        i = self._check_index(i)
+        k = int(actions_left)
+        if self._expert_table is None or self._expert_table.shape[1] <= k:
+            self._expert_table = self.optimal_policy(max(k, 1))
+        return [ACTIONS[int(self._expert_table[i, k, int(self._pos[i])])]]
 
     def positions(self) -> np.ndarray:
         """int64 [B]: each instance's current cell (row * C + column). RuntimeError before reset."""

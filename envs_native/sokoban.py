@@ -906,6 +906,13 @@ class SokobanEnv(BatchedTextEnv):
         """Shortest solution from instance i's current state (see `solve_level`)."""
         return solve_level(self.level(i), max_states)
 
+    def expert(self, i: int, actions_left: int | None = None) -> list[str]:
+        """The expert's moves from instance i's current state: a shortest solution (`solve`,
+        breadth-first), whole (Sokoban is deterministic: it can be followed to the end); []
+        when the state cannot be solved (e.g. a box pushed into a corner). Raises
+        RuntimeError before the first reset."""
+        return list(self.solve(i) or [])
+
     def _fresh_levels(self, seeds) -> list:
         s = seed_list(seeds)
         env = SokobanEnv(len(s), **self._config)

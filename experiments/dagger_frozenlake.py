@@ -1,9 +1,9 @@
 """DAgger data for FrozenLake as a file: the states a trained model visits, labelled with the optimal move.
 
-A thin wrapper of fastpo.dagger (what `fastpo dagger` runs each round, docs/sft.md): rolls out a
+A thin wrapper of fastpo.sft.labels (what `fastpo dagger` runs each round, docs/sft.md): rolls out a
 fastpo checkpoint (its env options and rollout settings) on training seeds at a sampling
 temperature, labels each answered turn with the optimal policy's move for the state it was
-given in (`fastpo.dagger.label_trajectories`: each trajectory replayed on a fresh copy of the
+given in (`fastpo.sft.labels.label_trajectories`: each trajectory replayed on a fresh copy of the
 game), then writes the conversations as JSONL chat messages (`fastpo sft sft.data=FILE`): with
 `--history expert` each trajectory with its answers replaced by the labels, with `--history
 own` one conversation per labelled turn whose earlier answers are the model's own, as context
@@ -48,8 +48,8 @@ def main(argv=None) -> int:
     from fastpo.models import ModelLoadError, load_model_checked
     from fastpo import rollout as ro
     from fastpo.config.fields import ConfigError
-    from fastpo.dagger import expert_conversations, jsonl, label_trajectories, labelled_conversations
-    from fastpo.sft import expert_rollout
+    from fastpo.sft.experts import expert_rollout
+    from fastpo.sft.labels import expert_conversations, jsonl, label_trajectories, labelled_conversations
 
     for flag, v, low in (("--seeds", a.seeds, 1), ("--expert", a.expert, 0), ("--chunk", a.chunk, 1),
                          ("--per-trajectory", a.per_trajectory, 0)):

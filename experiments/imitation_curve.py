@@ -77,7 +77,7 @@ def main(argv=None) -> int:
 
     from fastpo.models import load_model_and_tokenizer
     from fastpo.rollout.kv_cache import cache_kwarg
-    from fastpo.sft import expert_rollout
+    from fastpo.sft.experts import expert_rollout
 
     torch.manual_seed(args.seed)
     # the context only cuts expert trajectories here (no generation): room for the longest format

@@ -37,13 +37,13 @@ def format_model(root) -> str:
     with FileLock(out + ".lock"):
         if not os.path.exists(os.path.join(out, "checkpoints")):
             from fastpo.config import load_config
-            from fastpo.sft import SFTConfig, SFTTrainer
+            from fastpo.sft.trainer import SFTTrainer
 
             cfg = load_config(env="probe:recall", preset="tiny", overrides=[
                 f"trainer.output_dir={out}", "model.name=random:tiny-llama", *COMMON, f"optim.actor_lr={SFT_LR}",
-                f"trainer.iterations={SFT_STEPS}", "trainer.eval_every=0", "trainer.save_every=0"])
-            SFTTrainer(cfg, SFTConfig(trajectories=256, batch_size=16), console=Console(quiet=True),
-                       overwrite=True).run()
+                f"trainer.iterations={SFT_STEPS}", "trainer.eval_every=0", "trainer.save_every=0",
+                "sft.trajectories=256", "sft.batch_size=16"], sections=("sft",))
+            SFTTrainer(cfg, console=Console(quiet=True), overwrite=True).run()
     return out
 
 

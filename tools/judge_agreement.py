@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     from fastpo.rewards import trajectory_of
     from fastpo.rollout import MultiTurnRollout, NativeEngine
     from fastpo.rollout.batch import TrajectoryBatch
-    from fastpo.sft import expert_rollout
+    from fastpo.sft.experts import expert_rollout
 
     torch.manual_seed(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, encoding="utf-8",

@@ -1,5 +1,5 @@
 """The `fastpo` command line: `fastpo train`, `fastpo sft` (on fastpo.sft), `fastpo dagger` (on
-fastpo.dagger) and `fastpo eval`.
+fastpo.sft.dagger) and `fastpo eval`.
 
     fastpo train --env frozenlake [--preset cpu|paper|...] [--config FILE] [--model NAME]
                  [--out DIR [--overwrite]] [--resume DIR [--iterations N] [--trust-checkpoint]] [--nproc N]
@@ -41,6 +41,7 @@ run directly keeps its own statuses (1 when a process failed or after a signal).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -49,12 +50,12 @@ from fastpo.cli.eval import cmd_eval
 from fastpo.cli.launch import catch_ctrl_c, check_processes, degrade_console, left_a_job
 from fastpo.cli.sft import cmd_sft
 from fastpo.cli.train import cmd_train
+from fastpo.config.imitation import SFTConfig
+from fastpo.config.presets import preset_help
 
 
-#: The `sft.*` keys `fastpo sft --help` lists (fastpo.sft.SFTConfig's fields; tests/integration/test_cli.py
-#: holds the two together without importing fastpo.sft, and its torch, for every command).
-SFT_KEYS = ("sft.trajectories", "sft.batch_size", "sft.seed_offset", "sft.actions_per_turn", "sft.common_prefix",
-            "sft.data")
+#: The `sft.*` keys `fastpo sft --help` lists: the sft section's (data_sha256 is set by the run).
+SFT_KEYS = tuple(f"sft.{f.name}" for f in dataclasses.fields(SFTConfig) if f.name != "data_sha256")
 
 _OVERRIDES_HELP = {
     "train": "dotted overrides, e.g. algorithm.adv_estimator=grpo rollout.group_size=8",
@@ -76,9 +77,7 @@ def _add_common(p: argparse.ArgumentParser, command: str) -> None:
                         "textarena:ID, gym:ID or an installed fastpo.envs entry point (default: frozenlake, or the "
                         "config file's)" + mixture
                         + (" (a run's mixture entry by its label, with --model RUN)" if command == "eval" else ""))
-    p.add_argument("--preset", default=None,
-                   help="named preset(s), comma-separated: paper, cpu, starpo, grpo, tiny "
-                        "(default: paper with a GPU, cpu without)")
+    p.add_argument("--preset", default=None, help=preset_help(command))
     p.add_argument("--config", default=None, help="YAML config file")
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (embedded), an HF id or folder, random:<shape>")
     p.add_argument("--device", default=None, help="auto, cpu or cuda[:N]")
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     sf.add_argument("--resume", default=None, metavar="OUT", help="continue the SFT run in folder OUT")
     _add_trust(sf)
     dg = sub.add_parser("dagger", help="DAgger: SFT, then rounds in which the game's expert labels the states the "
-                                       "model reaches (fastpo.dagger)")
+                                       "model reaches (fastpo.sft.dagger)")
     _add_common(dg, "dagger")
     dg.add_argument("--out", default=None, help="output folder (default runs/dagger-<env>)")
     dg.add_argument("--overwrite", action="store_true", help="delete the run already in --out")

@@ -18,7 +18,11 @@ def check_trust_flag(args) -> None:
         raise ConfigError("--trust-checkpoint applies to --resume DIR only (a new run reads no pickled file)")
 
 
-def build_config(args, extra: list[str], values: dict | None = None):
+def build_config(args, extra: list[str], values: dict | None = None, preset: Optional[str] = None,
+                 sections: tuple = ()):
+    """The configuration of a new run from the command line `args` (`load_config`): `extra`
+    overrides before the command line's, `values` taken literally (--out), `preset` in place of
+    --preset when given, the optional `sections` the command reads (fastpo.config.imitation)."""
     from fastpo.config.schema import load_config
 
     ov = list(extra)
@@ -30,7 +34,8 @@ def build_config(args, extra: list[str], values: dict | None = None):
     if args.seed is not None:
         ov.append(f"trainer.seed={args.seed}")
     ov += args.overrides
-    return load_config(env=args.env, preset=args.preset, file=args.config, overrides=ov, values=values)
+    return load_config(env=args.env, preset=preset if preset is not None else args.preset, file=args.config,
+                       overrides=ov, values=values, sections=sections)
 
 
 def check_out_dir(path: str, flag: str = "--out") -> None:

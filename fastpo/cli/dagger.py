@@ -1,29 +1,24 @@
-"""`fastpo dagger`: SFT, then DAgger rounds (fastpo.dagger) into a run folder of its own."""
+"""`fastpo dagger`: SFT, then DAgger rounds (fastpo.sft.dagger) into a run folder of its own."""
 from __future__ import annotations
 
 import os
 import sys
 
 
-def _difference(out: str, cfg, sft, dag) -> str | None:
-    """None when the DAgger run in `out` has these settings (the number of rounds and the
+def _difference(out: str, cfg) -> str | None:
+    """None when the DAgger run in `out` has the settings of `cfg` (the number of rounds and the
     folder's spelling apart), else the first one that differs, as "key: new (the run's: old)"."""
-    import dataclasses
-
     import yaml
 
     from fastpo.config.files import dump_yaml, flatten, parse_config_yaml
-    from fastpo.dagger import read_dagger_file
+    from fastpo.config.imitation import legacy_sections
 
     path = os.path.join(out, "config.yaml")
     with open(path, encoding="utf-8") as f:
-        old = flatten(parse_config_yaml(f, path))
-    new = flatten(parse_config_yaml(dump_yaml(cfg), "config"))
-    old_sft, old_dag = read_dagger_file(out)
-    for a, b, prefix in ((dataclasses.asdict(old_sft), dataclasses.asdict(sft), "sft."),
-                         (dataclasses.asdict(old_dag), dataclasses.asdict(dag), "dagger.")):
-        old.update({prefix + k: v for k, v in a.items()})
-        new.update({prefix + k: v for k, v in b.items()})
+        old = parse_config_yaml(f, path)
+    for name, values in legacy_sections(out).items():  # a run made before config.yaml held them
+        old.setdefault(name, values)
+    old, new = flatten(old), flatten(parse_config_yaml(dump_yaml(cfg), "config"))
     for key in sorted(set(old) | set(new)):
         if key in ("trainer.output_dir", "dagger.rounds"):
             continue
@@ -33,15 +28,15 @@ def _difference(out: str, cfg, sft, dag) -> str | None:
     return None
 
 
-def _choose_folder(args, cfg, sft, dag, console) -> tuple[str, bool]:
+def _choose_folder(args, cfg) -> tuple[str, bool]:
     """(the run folder, whether it continues a stopped run there). --out OUT: OUT; a DAgger run
     there with the same settings is continued (the same command again), one with others is
     refused unless --overwrite (which deletes it). Without --out: runs/dagger-<env>, or the
     first `-2`, `-3`, ... that is free or holds an unfinished DAgger run with these settings."""
     from fastpo.config.fields import ConfigError
     from fastpo.config.schema import default_run_folder
-    from fastpo.dagger import dagger_run_finished, is_dagger_run
     from fastpo.run.folder import run_folder_in_use
+    from fastpo.sft.dagger import dagger_run_finished, is_dagger_run
 
     if args.out:
         if args.overwrite or not (is_dagger_run(args.out) or run_folder_in_use(args.out)):
@@ -49,7 +44,7 @@ def _choose_folder(args, cfg, sft, dag, console) -> tuple[str, bool]:
         if not is_dagger_run(args.out):
             raise ConfigError(f"--out {args.out} already holds a run that is not a `fastpo dagger` run; pick another "
                               f"--out, or pass --overwrite to delete it")
-        diff = _difference(args.out, cfg, sft, dag)
+        diff = _difference(args.out, cfg)
         if diff is not None:
             raise ConfigError(f"--out {args.out} holds a DAgger run with other settings ({diff}); continue it with "
                               f"--resume {args.out}, pick another --out, or pass --overwrite to delete it")
@@ -59,7 +54,7 @@ def _choose_folder(args, cfg, sft, dag, console) -> tuple[str, bool]:
     while True:
         cand = base if i == 1 else f"{base}-{i}"
         if is_dagger_run(cand):
-            if _difference(cand, cfg, sft, dag) is None and not dagger_run_finished(cand, dag.rounds):
+            if _difference(cand, cfg) is None and not dagger_run_finished(cand, cfg.dagger.rounds):
                 return cand, True
         elif not run_folder_in_use(cand):
             return cand, False
@@ -74,69 +69,53 @@ def cmd_dagger(args) -> int:
 
     from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
     from fastpo.config.fields import ConfigError
-    from fastpo.dagger import (DAGGER_CPU_GAME_DEFAULTS, DaggerRun, DaggerStopped, check_levels, clear_dagger_run,
-                               dagger_config, dagger_folder_of, dagger_run_finished, is_dagger_run,
-                               read_dagger_file)
+    from fastpo.config.presets import default_preset
+    from fastpo.models import check_kernel_impl, check_model_name, resolve_device
     from fastpo.run.folder import RunFolderBusy, RunLock, clear_run_folder
-    from fastpo.sft import SFT_CPU_GAME_DEFAULTS, SFT_DEFAULT_OVERRIDES, check_disjoint, check_expert, sft_config
+    from fastpo.sft.config import imitation_preset, sft_default_overrides
+    from fastpo.sft.dagger import (DaggerRun, DaggerStopped, clear_dagger_run, dagger_folder_of, dagger_run_finished,
+                                   is_dagger_run)
+    from fastpo.sft.experts import check_expert
 
     console = Console()
     key = lambda o: o.split("=", 1)[0].strip()  # noqa: E731
-    sft_ov = [o for o in args.overrides if key(o).startswith("sft.")]
-    dag_ov = [o for o in args.overrides if key(o).startswith("dagger.")]
-    args.overrides = [o for o in args.overrides if o not in sft_ov and o not in dag_ov]
     args.iterations = None  # (round 0's steps: trainer.iterations)
+    if args.rounds is not None:
+        args.overrides.append(f"dagger.rounds={args.rounds}")
     continuing = False
     try:
         check_trust_flag(args)
-        if args.rounds is not None:
-            dag_ov.append(f"dagger.rounds={args.rounds}")
         if args.resume is not None:
             if not args.resume.strip():
                 raise ConfigError("--resume needs the DAgger run folder, e.g. --resume runs/dagger-frozenlake")
             args.resume = dagger_folder_of(args.resume)
             if not is_dagger_run(args.resume):
-                raise ConfigError(f"--resume {args.resume}: not a `fastpo dagger` run folder (no dagger.yaml)")
-            fixed = sft_ov + [o for o in dag_ov if key(o) != "dagger.rounds"]
-            cfg = resumed_run_config(args, fixed=fixed)
+                raise ConfigError(f"--resume {args.resume}: not a `fastpo dagger` run folder (its config.yaml has no "
+                                  f"dagger section)")
+            # the data and the rounds' settings are the run's; more rounds may be asked for
+            cfg = resumed_run_config(args, fixed=[o for o in args.overrides if key(o).startswith(("sft.", "dagger."))
+                                                  and key(o) != "dagger.rounds"])
             RunLock(args.resume).check()
-            sft, dag = read_dagger_file(args.resume)
-            dag = dagger_config([o for o in dag_ov if key(o) == "dagger.rounds"], dag)
             out, continuing = args.resume, True
         else:
-            from fastpo.config.presets import default_preset
-
-            cpu = (args.preset or default_preset()) == "cpu" and args.config is None
-            game, game_sft, game_dag = ([], [], [])
-            if cpu and args.env in DAGGER_CPU_GAME_DEFAULTS:
-                game, game_sft, game_dag = DAGGER_CPU_GAME_DEFAULTS[args.env]
-            elif cpu and args.env in SFT_CPU_GAME_DEFAULTS:
-                game, game_sft = SFT_CPU_GAME_DEFAULTS[args.env]
-            cfg = build_config(args, list(SFT_DEFAULT_OVERRIDES) + list(game),
-                               {"trainer.output_dir": args.out} if args.out else None)
+            preset = imitation_preset("dagger", args.env, args.preset, args.config)
+            extra = sft_default_overrides([p.strip() for p in (preset or default_preset()).split(",")], "dagger")
+            cfg = build_config(args, extra, {"trainer.output_dir": args.out} if args.out else None, preset=preset,
+                               sections=("sft", "dagger"))
             if cfg.env.mixture:
                 raise ConfigError(f"env.mixture {cfg.env.mixture!r:.100}: fastpo dagger trains on one game "
                                   f"(--env NAME)")
-            sft = sft_config(list(game_sft) + sft_ov)
-            if sft.data:
-                raise ConfigError(f"config key 'sft.data' = {sft.data!r}: fastpo dagger makes its data from the game's "
-                                  f"expert; to train on a file, use fastpo sft sft.data=FILE")
-            dag = dagger_config(list(game_dag) + dag_ov)
-            out, continuing = _choose_folder(args, cfg, sft, dag, console)
+            out, continuing = _choose_folder(args, cfg)
             cfg.trainer.output_dir = out
             RunLock(out).check()
         check_expert(cfg.env.name)
-        if dag.sft_round:
-            check_disjoint(sft, cfg)
-        check_levels(dag, cfg)
-        from fastpo.models import check_kernel_impl, check_model_name, resolve_device
-
         check_model_name(cfg.model.name)
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         check_out_dir(out, "--resume" if args.resume is not None else "--out")
     except (ConfigError, FileNotFoundError, RunFolderBusy) as e:
         print(f"fastpo dagger: error: {e}", file=sys.stderr)
         return 2
+    dag = cfg.dagger
     if continuing and dagger_run_finished(out, dag.rounds):
         console.print(f"{out} already ran its {dag.rounds} rounds: nothing to do; pass --rounds N with "
                       f"N > {dag.rounds} to run more", style="yellow", markup=False)
@@ -151,7 +130,7 @@ def cmd_dagger(args) -> int:
                   + (" (continuing the run there)" if continuing else ""), soft_wrap=True)
 
     def run() -> None:
-        signum = DaggerRun(cfg, sft, dag, console, trust_checkpoint=args.trust_checkpoint).run()
+        signum = DaggerRun(cfg, console, trust_checkpoint=args.trust_checkpoint).run()
         if signum is not None:  # a round's training stopped, its checkpoint saved
             raise DaggerStopped(signum)
 

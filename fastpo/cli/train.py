@@ -21,14 +21,13 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     from fastpo.run.folder import RunLock, unsaved_note, untrained_start
     from fastpo.config.fields import ConfigError
     from fastpo.report.metrics import warn_user
-    from fastpo.run.folder import DAGGER_FILE, SFT_FILE
 
     cfg = resumed_run_config(args)
-    if os.path.isfile(os.path.join(args.resume, DAGGER_FILE)):
+    if cfg.dagger is not None:  # (a run made before config.yaml held the section: from its dagger.yaml)
         raise ConfigError(f"--resume {args.resume} is a `fastpo dagger` run: continue it with `fastpo dagger --resume "
                           f"{args.resume}`; StarPO from its last round's model is `fastpo train --env {cfg.env.name} "
                           f"--model {os.path.join(args.resume, 'round-N')}`")
-    if os.path.isfile(os.path.join(args.resume, SFT_FILE)):
+    if cfg.sft is not None:
         raise ConfigError(f"--resume {args.resume} is a `fastpo sft` run: continue it with `fastpo sft --resume "
                           f"{args.resume}`, or start StarPO from its model with `fastpo train --env {cfg.env.name} "
                           f"--model {args.resume}`")

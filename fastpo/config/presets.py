@@ -1,6 +1,8 @@
-"""The named presets (`--preset paper|cpu|starpo|grpo|tiny`, applied after the defaults and
+"""The named presets (`--preset paper|cpu|starpo|grpo|tiny`, and the game recipes of `fastpo
+sft` and `fastpo dagger`: `sokoban-sft`, `frozenlake-dagger`; applied after the defaults and
 before the environment's preset, the config file and the overrides), what the CPU preset
-scaled down (`cpu_preset_note`), and the default preset of this machine."""
+scaled down (`cpu_preset_note`), and the default preset of this machine and of each command
+(`default_preset`, `command_default_preset`)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -40,7 +42,38 @@ PRESETS: dict[str, dict] = {
         "trainer": {"iterations": 2, "eval_every": 2, "eval_seeds": 2, "save_every": 1, "num_samples": 1,
                     "echo_trap_window": 1, "plots": True, "progress": False},
     },
+    # The game recipes of the imitation commands (RECIPES), set over `fastpo sft`'s own defaults
+    # (fastpo.sft.config.sft_default_overrides). Sokoban SFT, the best measured setting on the CPU
+    # (docs/sft.md, "1,536 levels"): one move per answer (and a prompt saying so), closed loop,
+    # over 10 turns; 1,536 expert levels for one epoch (192 steps of 8) at lr 2e-4.
+    "sokoban-sft": {
+        "rollout": {"max_turns": 10, "max_actions_per_traj": 10, "max_actions_per_turn": 1},
+        "optim": {"actor_lr": 2e-4},
+        "trainer": {"iterations": 192},
+        "sft": {"actions_per_turn": 1, "trajectories": 1536},
+    },
+    # FrozenLake DAgger, the measured chain (docs/sft.md, "FrozenLake: the states the model reaches
+    # itself"): the coordinate observation, one move per answer over 10 turns, round 0 on 768
+    # expert levels (96 steps of 8 at lr 2e-4), then rounds at lr 1e-4.
+    "frozenlake-dagger": {
+        "env": {"options": {"observation": "coords"}},
+        "rollout": {"max_turns": 10, "max_actions_per_traj": 10, "max_actions_per_turn": 1, "max_context": 2048},
+        "optim": {"actor_lr": 2e-4},
+        "trainer": {"iterations": 96},
+        "sft": {"actions_per_turn": 1, "trajectories": 768},
+        "dagger": {"lr": 1e-4},
+    },
 }
+
+#: The recipe preset each imitation command adds, per game, where the machine's default preset
+#: is `cpu` and neither --preset nor --config is given (`command_default_preset`): `fastpo sft
+#: --env sokoban` runs `--preset cpu,sokoban-sft`.
+RECIPES: dict[str, dict[str, str]] = {
+    "sft": {"sokoban": "sokoban-sft"},
+    "dagger": {"frozenlake": "frozenlake-dagger", "sokoban": "sokoban-sft"},
+}
+#: The recipe presets (they set an imitation section: `fastpo sft` and `fastpo dagger` only).
+RECIPE_PRESETS = tuple(sorted({name for per_game in RECIPES.values() for name in per_game.values()}))
 
 #: What the CPU preset changes, said at start.
 def cpu_preset_note(cfg: "TrainConfig") -> str:
@@ -60,6 +93,23 @@ def cpu_preset_note(cfg: "TrainConfig") -> str:
         f"{filt}, {critic}, actor lr {o.actor_lr:g}, {evals}. For the paper's scale use `--preset paper` on a GPU "
         "(and `--model Qwen/Qwen2.5-0.5B-Instruct` where that model is available)."
     )
+
+
+def command_default_preset(command: str, env) -> str:
+    """The preset of `fastpo COMMAND --env ENV` given neither --preset nor --config:
+    `default_preset()`, followed on the CPU by the game's recipe for the command (RECIPES:
+    "cpu,sokoban-sft" for `fastpo sft --env sokoban`)."""
+    base = default_preset()
+    recipe = RECIPES.get(command, {}).get(env) if base == "cpu" else None
+    return f"{base},{recipe}" if recipe else base
+
+
+def preset_help(command: str) -> str:
+    """The --preset help of `fastpo COMMAND`: the preset names and the default."""
+    names = [n for n in PRESETS if n not in RECIPE_PRESETS or n in RECIPES.get(command, {}).values()]
+    recipes = RECIPES.get(command, {})
+    extra = "".join(f"; `--env {game}` adds {name} on the CPU" for game, name in recipes.items())
+    return f"named preset(s), comma-separated: {', '.join(names)} (default: paper with a GPU, cpu without{extra})"
 
 
 def default_preset() -> str:

@@ -33,6 +33,8 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 from fastpo.config.fields import (FLOAT32_MAX, ConfigError, Rule, as_dict, nested_dict, apply_dict, check_fields,
                                   checked, flat_settings, parse_override, section_items)
 from fastpo.config.files import dig, parse_config_yaml, read_config_file
+from fastpo.config.imitation import (OPTIONAL_SECTIONS, DaggerConfig, SFTConfig, add_sections, apply_legacy_sections,
+                                     check_imitation, check_sections, refuse_sections)
 from fastpo.config.presets import PRESETS, default_preset
 from fastpo.registry import ESTIMATOR_NAMES, LOSS_AGGREGATION_NAMES, estimator
 
@@ -581,6 +583,10 @@ class TrainConfig:
         algorithm: the `algorithm` section (AlgorithmConfig).
         optim: the `optim` section (OptimConfig).
         trainer: the `trainer` section (TrainerSection).
+        sft: the `sft` section (SFTConfig, fastpo.config.imitation): what `fastpo sft` and
+            `fastpo dagger` train on; null (and not in config.yaml) for the other commands.
+        dagger: the `dagger` section (DaggerConfig): `fastpo dagger`'s rounds; null for the
+            other commands.
     """
 
     preset: str = "paper"
@@ -591,11 +597,18 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerSection = field(default_factory=TrainerSection)
+    sft: Optional[SFTConfig] = None
+    dagger: Optional[DaggerConfig] = None
 
     def to_dict(self) -> dict:
         """The configuration as nested dicts, as config.yaml holds it (the policy losses' own
-        settings as keys of `algorithm`, `flat_settings`)."""
-        return as_dict(self)
+        settings as keys of `algorithm`, `flat_settings`); an optional section the run does not
+        have (`sft`, `dagger`) is left out."""
+        d = as_dict(self)
+        for name in OPTIONAL_SECTIONS:
+            if d[name] is None:
+                del d[name]
+        return d
 
     @property
     def kept_groups(self) -> int:
@@ -669,19 +682,23 @@ def validate(cfg: TrainConfig, check_env: bool = True) -> TrainConfig:
         if not cond:
             raise ConfigError(f"config key {key!r} = {value!r}: {why}")
 
-    for section in (cfg.model, cfg.env, r, a, o, t, cfg.reward):
+    optional = [getattr(cfg, n) for n in OPTIONAL_SECTIONS if getattr(cfg, n) is not None]
+    for section in (cfg.model, cfg.env, r, a, o, t, cfg.reward, *optional):
         for key, v in section_items(section):
             vals = v if isinstance(v, list) else [v]
             # beyond float32's range a finite float is inf in the tensors it enters (every update skipped)
             if any(isinstance(x, float) and not (math.isfinite(x) and abs(x) <= FLOAT32_MAX) for x in vals):
                 name = {id(cfg.model): "model", id(cfg.env): "env", id(r): "rollout", id(a): "algorithm",
-                        id(o): "optim", id(t): "trainer", id(cfg.reward): "reward"}[id(section)]
+                        id(o): "optim", id(t): "trainer", id(cfg.reward): "reward",
+                        **{id(getattr(cfg, n)): n for n in OPTIONAL_SECTIONS}}[id(section)]
                 raise ConfigError(f"config key '{name}.{key}' = {v!r}: must be a finite number within float32's "
                                   f"range (+-{FLOAT32_MAX:.4g}), in which fastpo computes")
     # single-field rules live on the fields (`checked`); what follows relates fields
     for section, name in ((cfg.model, "model"), (cfg.env, "env"), (r, "rollout"), (a, "algorithm"), (o, "optim"),
                           (t, "trainer"), (cfg.reward, "reward")):
         check_fields(section, f"{name}.")
+    check_sections(cfg)
+    check_imitation(cfg)
     rw = cfg.reward
     need(rw.judge_model is None or rw.judge_rubric is not None or rw.judge_rubric_file is not None,
          "reward.judge_model", rw.judge_model, "names a judge, but no rubric is set (reward.judge_rubric or "
@@ -893,18 +910,26 @@ def env_preset(name: str) -> dict:
 
 def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: Optional[str] = None,
                 overrides: Optional[list[str]] = None, values: Optional[dict] = None,
-                check_env: bool = True) -> TrainConfig:
+                check_env: bool = True, sections: tuple = ()) -> TrainConfig:
     """Build and validate a TrainConfig: defaults -> named presets -> env preset -> YAML -> overrides.
 
     `preset` may be several comma-separated names applied in order (e.g. "cpu,grpo"); None
     means `default_preset()`. A YAML file may itself name `env` and `preset`; the command
     line's win. `values` maps dotted keys to values taken literally, not parsed as YAML (what
     --model and --out give: a path may hold '#', ':' or digits only); applied before `overrides`.
+    `sections`: the optional sections the command reads ("sft", "dagger";
+    fastpo.config.imitation), present with their defaults before the presets; a layer that
+    sets another one is refused.
     Raises ConfigError (ValueError) naming the bad key or value; FileNotFoundError
     for a missing file.
     """
     file_dict = read_config_file(file) if file else {}
     override_dicts = [parse_override(o) for o in (overrides or [])]
+    refuse_sections(file_dict, sections, f"config file {file}")
+    for o, d in zip(overrides or [], override_dicts):
+        refuse_sections(d, sections, f"override {o!r}")
+    for key in values or {}:
+        refuse_sections(nested_dict(key, None), sections, f"value of {key}")
     for d in override_dicts:
         if "preset" in d:  # applying it would only relabel the run, not apply the preset's settings
             raise ConfigError(f"override 'preset={d['preset']}': presets are chosen with --preset NAME[,NAME...] "
@@ -936,12 +961,14 @@ def load_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     file_dict.pop("preset", None)
     cfg = TrainConfig()
     cfg.env.name = env_name
+    add_sections(cfg, sections)
     names = [p.strip() for p in str(preset_names).split(",") if p.strip()]
     if not names:
         raise ConfigError(f"preset {preset_names!r} names no preset; choose from {', '.join(PRESETS)}")
     for name in names:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        refuse_sections(PRESETS[name], sections, f"preset {name!r}")
         apply_dict(cfg, PRESETS[name])
     apply_dict(cfg, fixed_by_env)
     cfg.preset = ",".join(names)
@@ -1010,12 +1037,17 @@ def read_run_config(path: str) -> TrainConfig:
 
 
 def load_run_config(out_dir: str) -> TrainConfig:
-    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`)."""
-    return read_run_config(os.path.join(out_dir, "config.yaml"))
+    """The configuration a run was started with (`OUT/config.yaml`, `read_run_config`; the
+    `sft` / `dagger` sections of a run folder made before config.yaml held them come from its
+    sft.yaml / dagger.yaml, `fastpo.config.imitation.legacy_sections`)."""
+    cfg = read_run_config(os.path.join(out_dir, "config.yaml"))
+    return validate(cfg, check_env=False) if apply_legacy_sections(cfg, out_dir) else cfg
 
 
 def config_from_dict(d: dict) -> TrainConfig:
-    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume)."""
+    """Rebuild a validated TrainConfig from `TrainConfig.to_dict()` output (used on resume),
+    with the optional sections (`sft`, `dagger`) that `d` holds."""
     cfg = TrainConfig()
+    add_sections(cfg, [name for name in OPTIONAL_SECTIONS if d.get(name) is not None])
     apply_dict(cfg, d)
     return validate(cfg)

@@ -17,8 +17,9 @@ from __future__ import annotations
 from .errors import EnvError
 from .interface import SETTING_KEYS, TextEnv
 from .mixture import MIXTURE, EnvMember, assign_members, parse_mixture
-from .registry import (BUILTIN, ENTRY_POINT_GROUP, EnvSpec, check_env, env_preset, installed_envs, make_env,
-                       resolve_env)
+from .registry import (BUILTIN, ENTRY_POINT_GROUP, EnvSpec, check_env, env_preset, has_expert, installed_envs,
+                       make_env, resolve_env)
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "EnvError", "EnvMember", "EnvSpec", "MIXTURE", "SETTING_KEYS", "TextEnv",
-           "assign_members", "check_env", "env_preset", "installed_envs", "make_env", "parse_mixture", "resolve_env"]
+           "assign_members", "check_env", "env_preset", "has_expert", "installed_envs", "make_env", "parse_mixture",
+           "resolve_env"]

@@ -455,10 +455,14 @@ class PythonBatchedEnv:
         """Whether the game defines `expert()` (the answer a good player gives now)."""
         return callable(getattr(self._probe, "expert", None))
 
-    def expert_answers(self, indices: Sequence[int]) -> list:
+    #: A game's `expert()` answers with text, played as written: no per-turn move count of its own.
+    expert_moves_per_turn = None
+
+    def expert_answers(self, indices: Sequence[int], actions_left=None) -> list:
         """The answer texts (the `<answer>` content) the games of instances `indices` give as
-        experts in their current states. Raises EnvError naming the seed when `expert()`
-        raises or returns something other than a str."""
+        experts in their current states (the batched protocol's expert; `actions_left` is not
+        read: a game's `expert()` knows its own state). Raises EnvError naming the seed when
+        `expert()` raises or returns something other than a str."""
         self._require_reset()
         return self._run("expert", [(int(b),) for b in indices]) if len(indices) else []
 

@@ -155,6 +155,19 @@ def _settings(cls, name: str) -> dict:
     return dict(s)
 
 
+def has_expert(name: str) -> bool:
+    """Whether game `name` has an expert (the answer a good player gives in a state, which
+    `fastpo sft` and `fastpo dagger` learn from): a class with a callable `expert`, a built-in
+    game's (`expert(i, actions_left)`, fastpo.envs_native) or a plain-Python game's
+    (`expert()`, fastpo.envs.interface). Raises EnvError as `resolve_env`."""
+    spec = resolve_env(name)
+    if spec.kind == "native":
+        from fastpo.envs_native import env_class
+
+        return callable(getattr(env_class(spec.name), "expert", None))
+    return callable(getattr(spec.factory, "expert", None))
+
+
 def env_preset(name: str) -> dict:
     """The env preset of `name`: what the game fixes, as a config dict ({"rollout": {...}});
     {} for the multi-turn built-ins, the built-in Bandit's single-turn limits, a Python game's

@@ -79,7 +79,7 @@ def test_help_says_what_each_command_reads(capsys):
     import dataclasses
 
     from fastpo.cli import main
-    from fastpo.sft import SFTConfig
+    from fastpo.config.imitation import SFTConfig
 
     helps = {}
     for cmd in ("train", "sft", "eval"):
@@ -95,10 +95,10 @@ def test_help_says_what_each_command_reads(capsys):
 
 _CTRL_C_AT_SET_UP = """
 import os, signal, sys
-import fastpo.sft
+import fastpo.sft.data
 def interrupted(*a, **k):  # a Ctrl-C while the expert's data is made (before any model loads)
     os.kill(os.getpid(), signal.SIGINT)
-fastpo.sft.load_sft_data = interrupted
+fastpo.sft.data.load_sft_data = interrupted
 from fastpo.cli import main
 sys.exit(main(sys.argv[1:]))
 """

@@ -1,5 +1,5 @@
-"""`fastpo dagger` (fastpo.dagger): the expert labels the states a model reached (replayed,
-slips included), the conversations of the "own" and "expert" histories, the whole command on
+"""`fastpo dagger` (fastpo.sft.dagger, fastpo.sft.labels): the expert labels the states a model
+reached (replayed, slips included), the conversations of the "own" and "expert" histories, the whole command on
 a user game with an `expert()`, its resume (in a round's rollout and in its training), and
 its bad input in one line.
 
@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-import fastpo.dagger
+import fastpo.sft.dagger
 from fastpo.cli import main
 from fastpo.config import RolloutConfig
-from fastpo.dagger import (DaggerRoundTrainer, DaggerStopped, answer_content, dagger_config, label_trajectories,
-                           labelled_conversations)
+from fastpo.config.imitation import DaggerConfig
+from fastpo.sft.dagger import DaggerRoundTrainer, DaggerStopped
+from fastpo.sft.labels import answer_content, jsonl, label_trajectories, labelled_conversations
 from fastpo.rollout import MultiTurnRollout, NativeEngine
 from run_helpers import ModelLoadReached
 from scripted_logits import ScriptedLogits
@@ -250,7 +251,7 @@ def test_dagger_runs_rounds_and_a_stopped_run_continues_exactly(tmp_path, monkey
     cfg1 = (full / "round-1" / "config.yaml").read_text()
     assert f"name: {full}/round-0" in cfg1 and "iterations: 2" in cfg1  # one epoch of 4 conversations, 2 a step
 
-    real_label, real_iteration = fastpo.dagger.label_trajectories, DaggerRoundTrainer.iteration
+    real_label, real_iteration = fastpo.sft.dagger.label_trajectories, DaggerRoundTrainer.iteration
     calls = []
 
     def stop_in_second_chunk(batch, rollout, *a):  # a Ctrl-C while round 1's second chunk is rolled out
@@ -259,12 +260,12 @@ def test_dagger_runs_rounds_and_a_stopped_run_continues_exactly(tmp_path, monkey
             raise DaggerStopped(signal.SIGINT)
         return real_label(batch, rollout, *a)
 
-    monkeypatch.setattr(fastpo.dagger, "label_trajectories", stop_in_second_chunk)
+    monkeypatch.setattr(fastpo.sft.dagger, "label_trajectories", stop_in_second_chunk)
     assert main(_run_args(part)) == 130
     said = " ".join(capsys.readouterr().out.split())
     assert f"1 of 2 chunks of 2 levels saved); continue with `fastpo dagger --resume {part}`" in said
     assert (part / "data" / "round-1.chunks" / "0000.jsonl").exists() and not (part / "data" / "round-1.json").exists()
-    monkeypatch.setattr(fastpo.dagger, "label_trajectories", real_label)
+    monkeypatch.setattr(fastpo.sft.dagger, "label_trajectories", real_label)
 
     def stop_in_round_1(self, it):  # a Ctrl-C during round 1's first step: it finishes, saves, exits 130
         m = real_iteration(self, it)
@@ -285,10 +286,11 @@ def test_dagger_runs_rounds_and_a_stopped_run_continues_exactly(tmp_path, monkey
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # done: the same command again has nothing to do
     assert main(_run_args(part)) == 0 and "nothing to do" in capsys.readouterr().out
-    # StarPO's resume of a DAgger folder is refused in one line naming the DAgger command
-    assert main(["train", "--resume", str(part)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "fastpo dagger --resume" in err and len(err.splitlines()) == 1
+    # StarPO's (and SFT's) resume of a DAgger folder is refused in one line naming the DAgger command
+    for cmd in ("train", "sft"):
+        assert main([cmd, "--resume", str(part)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "fastpo dagger --resume" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("bad,said", [
@@ -322,9 +324,8 @@ def test_a_folder_holding_another_run_or_other_settings_is_refused(capsys, no_mo
     assert "not a `fastpo dagger` run folder" in capsys.readouterr().err
     # a DAgger run's settings, as its start writes them, then the same folder with another setting
     args = ["dagger", "--env", "test_dagger:Walk", "--preset", "tiny", "--model", MODEL, "--out", str(run)]
-    cfg = fastpo.config.load_config(env="test_dagger:Walk", preset="tiny", overrides=[
+    cfg = fastpo.config.load_config(env="test_dagger:Walk", preset="tiny", sections=("sft", "dagger"), overrides=[
         *fastpo.sft.SFT_DEFAULT_OVERRIDES, f"model.name={MODEL}", f"trainer.output_dir={run}"])
-    fastpo.dagger.write_dagger_file(str(run), fastpo.sft.SFTConfig(), dagger_config([]))
     (run / "config.yaml").write_text(fastpo.config.files.dump_yaml(cfg))
     with pytest.raises(ModelLoadReached):  # the same settings: continued (more rounds are fine)
         main([*args, "--rounds", "5"])
@@ -343,19 +344,18 @@ def test_a_round_s_data_adds_the_expert_s_trajectories_and_aggregates_the_rounds
     from rich.console import Console
 
     from fastpo.config import load_config
-    from fastpo.dagger import DaggerRun
-    from fastpo.sft import SFTConfig
+    from fastpo.sft.dagger import DaggerRun
 
-    cfg = load_config(env="test_dagger:Walk", preset="tiny", overrides=[
-        f"model.name={MODEL}", f"trainer.output_dir={tmp_path}", "rollout.think=false"])
-    run = DaggerRun(cfg, SFTConfig(batch_size=4), dagger_config(["dagger.levels=3", "dagger.expert_trajectories=2",
-                                                                  "dagger.aggregate=true"]), Console(quiet=True))
+    cfg = load_config(env="test_dagger:Walk", preset="tiny", sections=("sft", "dagger"), overrides=[
+        f"model.name={MODEL}", f"trainer.output_dir={tmp_path}", "rollout.think=false", "sft.batch_size=4",
+        "dagger.levels=3", "dagger.expert_trajectories=2", "dagger.aggregate=true"])
+    run = DaggerRun(cfg, Console(quiet=True))
     for k, n in ((1, 3), (2, 5)):
         part = tmp_path / "data" / f"round-{k}.chunks"
         part.mkdir(parents=True)
         rows = [{"messages": [{"role": "user", "content": f"r{k} {i}"}, {"role": "assistant", "content": "x"}]}
                 for i in range(n)]
-        (part / "0000.jsonl").write_text(fastpo.dagger.jsonl(rows))
+        (part / "0000.jsonl").write_text(jsonl(rows))
         (part / "0000.json").write_text(json.dumps({"trajectories": 3, "successes": 1, "turns": 9, "labelled": 9,
                                                     "agreed": 3, "conversations": n}))
         run.write_round(k, [[0, 1, 2]], str(part), 1.0)
@@ -371,8 +371,10 @@ def test_a_round_s_data_adds_the_expert_s_trajectories_and_aggregates_the_rounds
     assert data["file"].endswith("rounds-1-2.jsonl") and data["conversations"] == 5 + 7
     assert open(data["file"]).read() == (tmp_path / "data" / "round-1.jsonl").read_text() + \
         (tmp_path / "data" / "round-2.jsonl").read_text()
-    cfg2, sft2 = run.round_config(2, data)
+    cfg2 = run.round_config(2, data)
+    sft2 = cfg2.sft
     assert cfg2.trainer.iterations == 3 and sft2.batch_size == 4 and sft2.data == data["file"]  # ceil(12 / 4)
+    assert cfg2.dagger is None  # a round is an ordinary SFT run
     assert cfg2.model.name == str(tmp_path / "round-1") and not cfg2.trainer.eval_before_training
-    run.dag = dagger_config(["dagger.levels=3"])
+    run.dag = DaggerConfig(levels=3)
     assert run.collect(2)["file"].endswith("round-2.jsonl") and run.collect(2)["conversations"] == 7

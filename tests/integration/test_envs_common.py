@@ -212,3 +212,43 @@ def test_gymnasium_wrapper(name):
     assert env.observation_space.contains(obs2) and isinstance(info["success"], bool)
     with pytest.raises(ValueError):
         env.step(7)
+
+
+def test_the_built_in_games_declare_an_expert_as_user_games_do():
+    """Issue 57: the built-in games had no `expert()` (SFT branched on their names); each now
+    declares one on its class, found as a user game's is (`fastpo.envs.has_expert`), and the
+    batched protocol asks it (`expert_answers`): Sokoban's shortest solution from the current
+    state, FrozenLake's optimal move at the current cell for the actions left (one move: the
+    ice decides where it lands), the Bandit's better arm."""
+    from fastpo.envs import has_expert
+
+    for name in ENV_NAMES:
+        assert has_expert(name) and callable(getattr(make_env(name, 1, **CONFIGS[name]), "expert", None)), name
+    assert has_expert("examples.guess_number:GuessNumber") and has_expert("probe:choice")
+    seeds = list(range(6))
+    env = make_env("sokoban", 6)
+    env.reset(seeds)
+    left = np.full(6, 10)
+    plans = env.expert_answers(range(6), left)
+    assert plans == [env.solve(b) for b in range(6)] and all(plans)
+    env.step(np.array([[env.action_names(b).index(p[0])] for b, p in enumerate(plans)]))  # one move along it
+    assert [len(p) for p in env.expert_answers(range(6), left)] == [len(p) - 1 for p in plans]
+    for b, plan in enumerate(plans):  # played to the end, the plan solves the level
+        for move in plan[1:]:
+            acts = np.full((6, 1), -1)
+            acts[b, 0] = env.action_names(b).index(move)
+            env.step(acts)
+    assert env.success.all()
+    fl = make_env("frozenlake", 6)
+    fl.reset(seeds)
+    table = fl.optimal_policy(10)
+    for k in (10, 3, 1):
+        want = [[fl.action_names(b)[int(table[b, k, fl.positions()[b]])]] for b in range(6)]
+        assert fl.expert_answers(range(6), np.full(6, k)) == want
+    assert fl.expert_moves_per_turn == 1 and env.expert_moves_per_turn is None
+    bandit = make_env("bandit", 6, low_reward=0.5)  # the low-risk arm is the better one here
+    bandit.reset(seeds)
+    assert bandit.expert_answers(range(6), np.ones(6)) == [[bandit.action_names(b)[1 - int(h)]]
+                                                           for b, h in enumerate(bandit.high_risk_action())]
+    with pytest.raises(RuntimeError):
+        make_env("frozenlake", 1).expert_answers([0], [3])  # before the first reset

@@ -12,10 +12,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import yaml
 from rich.console import Console
 
 import fastpo.config
 import fastpo.sft
+import fastpo.sft.data
 from fastpo.run.manifest import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
@@ -23,7 +25,7 @@ from fastpo.envs_native import make_env
 from fastpo.models import load_tokenizer
 from fastpo.rollout.multiturn import closing_question
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
-from fastpo.sft import SFTConfig, SFTTrainer, batch_indices, expert_rollout
+from fastpo.sft import SFTTrainer, batch_indices, expert_rollout
 from run_helpers import ModelLoadReached, WritesAFile, plant_in_checkpoint
 
 MODEL = "random:tiny-llama"
@@ -139,10 +141,12 @@ def test_batch_indices_cover_each_epoch_once_and_repeat_exactly():
     assert steps != [batch_indices(1, it, bs, n) for it in range(1, 6)]
 
 
-def _cfg(out, iterations=2, **kw):
+def _cfg(out, iterations=2, **sft):
+    """A tiny SFT run's config into `out`, its sft section set by `sft` (e.g. trajectories=4)."""
     cfg = load_config(env="sokoban", preset="cpu,tiny", overrides=[
         f"trainer.iterations={iterations}", "trainer.eval_every=0", "trainer.plots=false", "trainer.save_every=1",
-        "optim.actor_lr=1e-3", "trainer.keep_checkpoints=3"], values={"model.name": MODEL})
+        "optim.actor_lr=1e-3", "trainer.keep_checkpoints=3", *(f"sft.{k}={v}" for k, v in sft.items())],
+        values={"model.name": MODEL}, sections=("sft",))
     cfg.trainer.output_dir = str(out)
     return cfg
 
@@ -164,7 +168,7 @@ def _nll(trainer):
 
 def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
     torch.manual_seed(0)
-    tr = SFTTrainer(_cfg(tmp_path / "a"), SFTConfig(trajectories=4, batch_size=4), console=Console(quiet=True))
+    tr = SFTTrainer(_cfg(tmp_path / "a", trajectories=4, batch_size=4), console=Console(quiet=True))
     tr.setup()
     try:
         # the packed micro-batches score exactly the answer tokens, in order
@@ -186,12 +190,12 @@ def test_expert_trajectories_cut_by_max_context_get_a_warning(tmp_path):
     turns on the CPU preset's 1,536 tokens) would silently drop its later turns."""
     said, longest = {}, {}
     for name in ("roomy", "short"):
-        cfg = _cfg(tmp_path / name)
+        cfg = _cfg(tmp_path / name, trajectories=8, batch_size=4)
         cfg.rollout.max_turns = 4
         if name == "short":
             cfg.rollout.max_context = longest["roomy"] - 1
         console = Console(file=io.StringIO(), width=400)
-        tr = SFTTrainer(cfg, SFTConfig(trajectories=8, batch_size=4), console=console)
+        tr = SFTTrainer(cfg, console=console)
         tr.setup()
         tr.release_lock()
         said[name], longest[name] = console.file.getvalue(), max(x.numel() for x in tr.ids)
@@ -209,7 +213,7 @@ def test_the_shared_instructions_are_computed_once_per_micro_batch(tmp_path):
     out = {}
     for common in (True, False):
         torch.manual_seed(0)
-        tr = SFTTrainer(_cfg(tmp_path / str(common)), SFTConfig(trajectories=4, batch_size=4, common_prefix=common),
+        tr = SFTTrainer(_cfg(tmp_path / str(common), trajectories=4, batch_size=4, common_prefix=str(common).lower()),
                         console=Console(quiet=True))
         tr.setup()
         try:
@@ -233,6 +237,26 @@ def _weights(run):
     return load_file(os.path.join(ck, "model", "model.safetensors"))
 
 
+def _as_legacy_sft_run(run):
+    """Rewrite SFT run folder `run` as fastpo wrote it before its config.yaml held the sft
+    section: config.yaml (the run's and each checkpoint's, its manifest rewritten) without it,
+    the section in sft.yaml."""
+    from fastpo.run.manifest import write_manifest
+
+    folders = [run] + sorted(glob.glob(os.path.join(run, "checkpoints", "iter_*")))
+    for folder in folders:
+        path = os.path.join(folder, "config.yaml")
+        with open(path) as f:
+            d = yaml.safe_load(f)
+        section = d.pop("sft")
+        with open(path, "w") as f:
+            f.write(yaml.safe_dump(d, sort_keys=False))
+        if folder != run:
+            write_manifest(folder, int(os.path.basename(folder).split("_")[1]))
+    with open(os.path.join(run, "sft.yaml"), "w") as f:
+        f.write(yaml.safe_dump(section, sort_keys=False))
+
+
 def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monkeypatch, capsys):
     torch.set_num_threads(1)
     args = ["sft", "--env", "sokoban", "--preset", "cpu,tiny", "--model", MODEL, "trainer.eval_every=0",
@@ -240,6 +264,12 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
             "sft.batch_size=4"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     assert main([*args, "--iterations", "3", "--out", full]) == 0
+    # the data settings are the run config's sft section, in config.yaml and each checkpoint's (issue 57)
+    for folder in (full, latest_checkpoint(full)):
+        with open(os.path.join(folder, "config.yaml")) as f:
+            saved = yaml.safe_load(f)["sft"]
+        assert (saved["trajectories"], saved["batch_size"], saved["data"]) == (6, 4, "")
+    assert not os.path.exists(os.path.join(full, "sft.yaml"))
     real = SFTTrainer.iteration
 
     def stop_after_2(self, it):  # Ctrl-C during iteration 2: finish it, save, exit 130
@@ -267,9 +297,16 @@ def test_cli_resume_is_exact_and_train_starts_from_the_sft_model(tmp_path, monke
     assert main(["train", "--resume", part, "--iterations", "4"]) == 2
     err = capsys.readouterr().err.strip()
     assert "is a `fastpo sft` run" in err and f"--model {part}" in err and len(err.splitlines()) == 1
+    legacy = str(tmp_path / "legacy")  # the same stopped run as an older fastpo wrote it: the section in sft.yaml
+    shutil.copytree(part, legacy)
+    _as_legacy_sft_run(legacy)
     assert main(["sft", "--resume", part]) == 0
     a, b = _weights(full), _weights(part)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["train", "--resume", legacy]) == 2 and "is a `fastpo sft` run" in capsys.readouterr().err
+    assert main(["sft", "--resume", legacy]) == 0
+    c = _weights(legacy)
+    assert all(torch.equal(a[k], c[k]) for k in a)
     # the hand-off: `fastpo train --model RUN` loads the SFT model
     rl = str(tmp_path / "rl")
     seen = {}
@@ -299,11 +336,36 @@ def test_bad_sft_settings_exit_2_with_one_line(bad, said, capsys, no_model):
     assert said in err and len(err.splitlines()) == 1
 
 
+def test_sft_settings_are_a_section_of_the_one_config(tmp_path, capsys, no_model, monkeypatch):
+    """Issue 57: the sft.* settings had a parser of their own, outside the config: a config
+    file could not hold them and `fastpo train sft.x=1` passed silently. Now the `sft` section
+    is read from a config file and the overrides like any other (the override wins), and a
+    command that does not read it refuses it in one line."""
+    def no_data(*a, **k):
+        raise ModelLoadReached("data")
+
+    monkeypatch.setattr(fastpo.sft.data, "load_sft_data", no_data)
+    file = tmp_path / "run.yaml"
+    file.write_text("preset: cpu,tiny\nsft:\n  trajectories: 6\n  batch_size: 3\n")
+    for extra, said in (([], "6 expert trajectories, 3 per step"),
+                        (["sft.batch_size=2"], "6 expert trajectories, 2 per step")):
+        with pytest.raises(ModelLoadReached):
+            main(["sft", "--env", "sokoban", "--config", str(file), "--model", MODEL, "--out", str(tmp_path / "r"),
+                  *extra])
+        assert said in " ".join(capsys.readouterr().out.split())
+    for argv in (["--config", str(file)], ["--preset", "tiny", "sft.trajectories=6"]):
+        assert main(["train", "--env", "sokoban", "--model", MODEL, "--out", str(tmp_path / "t"), *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "config key 'sft.trajectories'" in err and "read by fastpo sft and fastpo dagger only" in err
+        assert len(err.splitlines()) == 1
+    assert main(["sft", "--env", "sokoban", "--preset", "tiny", "--model", MODEL, "dagger.rounds=2"]) == 2
+    assert "the dagger section is read by fastpo dagger only" in capsys.readouterr().err
+
+
 def test_an_answer_that_cannot_fit_max_new_tokens_is_refused(tok):
     cfg, r = _rollout_cfg("sokoban", max_new_tokens=2)
     with pytest.raises(ValueError, match="rollout.max_new_tokens"):
         expert_rollout(tok, "sokoban", {}, r, [0])
-    assert fastpo.sft.SFT_FILE == "sft.yaml"
 
 
 class _FixedLM(torch.nn.Module):
@@ -564,25 +626,38 @@ def test_chat_file_encodings(tok, tmp_path):
         fastpo.sft.read_chat_file(str(latin), tok, 1024)
 
 
-def test_sokoban_sft_defaults_on_the_cpu_preset_follow_the_measurements(capsys, no_model, tmp_path, monkeypatch):
-    """`fastpo sft --env sokoban` on the CPU preset: one move per answer (and a prompt saying so)
-    over 10 turns, 1,536 levels, 192 steps at 2e-4 (docs/sft.md); --preset paper and a config file
-    keep the plain defaults."""
+def test_sokoban_sft_default_is_the_named_cpu_recipe(capsys, no_model, tmp_path, monkeypatch):
+    """`fastpo sft --env sokoban` on a machine without a GPU (neither --preset nor --config) runs
+    the named preset cpu,sokoban-sft and says so: one move per answer (and a prompt saying so)
+    over 10 turns, 1,536 levels, 192 steps at 2e-4 (docs/sft.md). Named presets are what they
+    say (--preset cpu: the cpu preset alone; paper), and so is a config file. (Issue 57: the
+    recipe was a hidden dict, applied under the cpu preset with no config file.)"""
     def no_data(*a, **k):  # the banner is what is checked: no expert levels solved for it
         raise ModelLoadReached("data")
 
-    monkeypatch.setattr(fastpo.sft, "load_sft_data", no_data)
-    for argv, said in ((["--preset", "cpu"], "1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
+    monkeypatch.setattr(fastpo.sft.data, "load_sft_data", no_data)
+    monkeypatch.setattr(fastpo.config.presets, "default_preset", lambda: "cpu")
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("{}\n")
+    for argv, said in (([], "preset=cpu,sokoban-sft 1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
+                       (["--preset", "cpu,sokoban-sft"], "1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
+                       (["--preset", "cpu"], "preset=cpu 128 expert trajectories, 8 per step, 32 steps, lr 0.0001"),
                        (["--preset", "paper"], "128 expert trajectories, 8 per step, 32 steps, lr 0.0001"),
-                       (["--preset", "cpu", "sft.trajectories=64", "--iterations", "4"],
+                       (["--config", str(empty)], "preset=cpu 128 expert trajectories"),
+                       (["sft.trajectories=64", "--iterations", "4"],
                         "64 expert trajectories, 8 per step, 4 steps, lr 0.0002")):
         with pytest.raises(ModelLoadReached):
-            main(["sft", "--env", "sokoban", *argv, "--out", str(tmp_path / argv[1])])
+            main(["sft", "--env", "sokoban", *argv, "--out", str(tmp_path / "run")])
         out = " ".join(capsys.readouterr().out.split())
-        assert said in out, out
-    cfg = load_config(env="sokoban", preset="cpu", overrides=fastpo.sft.SFT_CPU_GAME_DEFAULTS["sokoban"][0])
+        assert said in out, (argv, out)
+    cfg = load_config(env="sokoban", preset="cpu,sokoban-sft", sections=("sft",))
     assert (cfg.rollout.max_turns, cfg.rollout.max_actions_per_traj, cfg.rollout.max_actions_per_turn) == (10, 10, 1)
+    assert (cfg.sft.trajectories, cfg.sft.actions_per_turn) == (1536, 1)
     assert cfg.env.options.get("observation", "grid") == "grid"  # the paper's rendering: no format measured better
+    # a recipe sets the sft section: `fastpo train` refuses it in one line
+    assert main(["train", "--env", "sokoban", "--preset", "cpu,sokoban-sft", "--model", MODEL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "preset 'sokoban-sft'" in err and "fastpo sft and fastpo dagger" in err and len(err.splitlines()) == 1
 
 
 class ExpertRaises(Corridor):

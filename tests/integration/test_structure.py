@@ -23,13 +23,13 @@ def _sources():
 
 
 def test_only_the_cli_and_the_public_api_import_the_trainer():
-    """The CLI and `fastpo sft` (the SFT trainer runs on the trainer's parts and loop) import
-    the trainer; the public API (fastpo/__init__.py) reaches it only on first use of
-    `fastpo.train`, through its table of lazy exports; nothing else does."""
+    """The CLI and `fastpo sft` (the SFT trainer runs on the trainer's parts and loop; its data
+    is a TrainBatch) import the trainer; the public API (fastpo/__init__.py) reaches it only on
+    first use of `fastpo.train`, through its table of lazy exports; nothing else does."""
     users = [p.relative_to(ROOT).as_posix() for p in _sources()
              if p.parent.name != "trainer" and any(m == "fastpo.trainer" or m.startswith("fastpo.trainer.")
                                                    for m in _imports(p))]
-    assert users == ["fastpo/cli/sft.py", "fastpo/cli/train.py", "fastpo/sft.py"]
+    assert users == ["fastpo/cli/sft.py", "fastpo/cli/train.py", "fastpo/sft/data.py", "fastpo/sft/trainer.py"]
     init = ast.parse((ROOT / "fastpo" / "__init__.py").read_text())
     table = next(n.value for n in init.body
                  if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "_EXPORTS")
@@ -250,3 +250,20 @@ def test_no_module_re_exports_another_modules_names():
              for i, line in enumerate(p.read_text().splitlines(), 1)
              if "noqa: F401" in line and line.strip() != "import sglang  # noqa: F401"]
     assert found == []
+
+
+def test_sft_is_a_package_of_short_modules_that_names_no_game():
+    """Issue 57: fastpo/sft.py (895 lines of five concerns: a config system of its own, a data
+    reader, experts with branches on game names, the metric, the trainer) and fastpo/dagger.py
+    (731) are the package fastpo/sft/, each module at most 600 lines; no module of it names a
+    built-in game (each game's expert is its own `expert`, asked as a user game's is)."""
+    from fastpo.envs import BUILTIN
+
+    assert not (ROOT / "fastpo" / "sft.py").exists() and not (ROOT / "fastpo" / "dagger.py").exists()
+    files = sorted((ROOT / "fastpo" / "sft").glob("*.py"))
+    assert {p.stem for p in files} >= {"config", "data", "experts", "trainer", "labels", "dagger"}
+    long = [f"{p.name} ({n} lines)" for p in files if (n := len(p.read_text().splitlines())) > 600]
+    assert long == []
+    named = [f"{p.name}:{node.lineno} {node.value!r}" for p in files for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Constant) and node.value in BUILTIN]
+    assert named == []
