@@ -94,10 +94,15 @@ def test_help_says_what_each_command_reads(capsys):
 
 
 _CTRL_C_AT_SET_UP = """
-import os, signal, sys
+import signal, sys, time
 import fastpo.sft.data
 def interrupted(*a, **k):  # a Ctrl-C while the expert's data is made (before any model loads)
-    os.kill(os.getpid(), signal.SIGINT)
+    signal.raise_signal(signal.SIGINT)
+    # the handler ends the command; wait for it (a signal sent with os.kill may reach another
+    # thread and the main thread's handler only later: under load the set-up ran on without data)
+    for _ in range(300):
+        time.sleep(0.1)
+    raise AssertionError("the SIGINT handler did not end the command within 30 s")
 fastpo.sft.data.load_sft_data = interrupted
 from fastpo.cli import main
 sys.exit(main(sys.argv[1:]))
