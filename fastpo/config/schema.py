@@ -31,7 +31,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 # The field machinery (fastpo.config.fields), the presets (fastpo.config.presets) and the YAML files
 # (fastpo.config.files) live in their own modules: import their names from there.
 from fastpo.config.fields import (FLOAT32_MAX, ConfigError, Rule, as_dict, nested_dict, apply_dict, check_fields,
-                                  checked, flat_settings, parse_override, section_items)
+                                  checked, flat_settings, key, parse_override, section_items)
 from fastpo.config.files import dig, parse_config_yaml, read_config_file
 from fastpo.config.imitation import (OPTIONAL_SECTIONS, DaggerConfig, SFTConfig, add_sections, apply_legacy_sections,
                                      check_imitation, check_sections, refuse_sections)
@@ -92,162 +92,155 @@ def _seed_range(v: Any) -> bool:  # env and torch seeds are 32-bit
 
 @dataclass
 class ModelConfig:
-    """Which policy model to train and how.
+    """The `model` section: which policy model to train, and how (full weights or LoRA)."""
 
-    Attributes:
-        name: the model: "smollm2-135m-instruct" (embedded, the default), an HF hub id, a
-            local model folder, a fastpo checkpoint or run folder, or "random:<shape>" (a
-            known architecture with random weights: tiny-llama, smollm2-135m, qwen2.5-0.5b,
-            qwen2.5-1.5b; fastpo.models).
-        dtype: "auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".
-        gradient_checkpointing: recompute activations in the backward pass (less memory).
-        lora_rank: > 0 trains LoRA adapters of this rank through peft instead of the full
-            weights (0 = full fine-tuning).
-        lora_alpha: LoRA's scaling numerator (the adapters are scaled by alpha / rank).
-        lora_dropout: dropout on the LoRA adapters' input.
-        lora_target_modules: the module names that get LoRA adapters (peft's rule: a layer whose
-            name is one of them or ends with "." + one); a name that matches no linear or
-            embedding layer of the model is refused in one line once it loads (exit 2).
-    """
-
-    name: str = checked("smollm2-135m-instruct", bool, "must not be empty")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    gradient_checkpointing: bool = False
-    lora_rank: int = checked(0, at_least(0), "must be >= 0 (0 = full fine-tuning)")
-    lora_alpha: int = checked(16, lambda v: v > 0, "must be > 0")
-    lora_dropout: float = checked(0.0, lambda v: 0 <= v < 1, "must be in [0, 1)")
-    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    name: str = checked(
+        "smollm2-135m-instruct", bool, "must not be empty",
+        doc='the model: "smollm2-135m-instruct" (embedded, the default), an HF hub id, a local model folder, a '
+            'fastpo checkpoint or run folder, or "random:<shape>" (a known architecture with random weights: '
+            "tiny-llama, smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b; fastpo.models).")
+    dtype: Literal["auto", "float32", "bfloat16"] = key(
+        "auto",
+        doc='"auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".')
+    gradient_checkpointing: bool = key(False, doc="recompute activations in the backward pass (less memory).")
+    lora_rank: int = checked(
+        0, at_least(0), "must be >= 0 (0 = full fine-tuning)",
+        doc="> 0 trains LoRA adapters of this rank through peft instead of the full weights (0 = full fine-tuning).")
+    lora_alpha: int = checked(
+        16, lambda v: v > 0, "must be > 0",
+        doc="LoRA's scaling numerator (the adapters are scaled by alpha / rank).")
+    lora_dropout: float = checked(
+        0.0, lambda v: 0 <= v < 1, "must be in [0, 1)",
+        doc="dropout on the LoRA adapters' input.")
+    lora_target_modules: list = key(
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        doc="the module names that get LoRA adapters (peft's rule: a layer whose name is one of them or ends with "
+            '"." + one); a name that matches no linear or embedding layer of the model is refused in one line once '
+            "it loads (exit 2).")
 
 
 @dataclass
 class EnvConfig:
-    """The environment.
+    """The `env` section: the game (or a mixture of games) and how it is stepped."""
 
-    Attributes:
-        name: the game: a built-in one (bandit, sokoban, frozenlake; docs/environments.md), a
-            plain-Python game as "module.path:Class", "textarena:ID", "gym:ID" or the name of an
-            installed `fastpo.envs` entry point (docs/custom_environments.md); checked through
-            `fastpo.envs` before any model loads.
-        options: the game's constructor arguments, e.g. `{size: 8, num_boxes: 2}` for Sokoban or
-            `{p: 0.9, success_prob: 0.8}` for FrozenLake.
-        workers: > 0 steps a plain-Python game in that many worker processes (same results as
-            in process); 0 steps it in the trainer's process. Built-in games ignore it.
-        mixture: several games in one run (name is then "mixture"): a list of entries
-            `{name, weight, options, settings, label}` (fastpo.envs.mixture); each env group
-            plays one of them, drawn by weight from its env seed, and each is evaluated on its
-            own (`eval/<label>/...`). `--env a,b` is a mixture of a and b at weight 1.
-    """
-
-    name: str = checked("frozenlake", lambda v: bool(v.strip()), "must name an environment")
-    options: dict = field(default_factory=dict)
-    workers: int = checked(0, at_least(0), "must be >= 0 (0 = in process)")
-    mixture: list = field(default_factory=list)
+    name: str = checked(
+        "frozenlake", lambda v: bool(v.strip()), "must name an environment",
+        doc="the game: a built-in one (bandit, sokoban, frozenlake; docs/environments.md), a plain-Python game as "
+            '"module.path:Class", "textarena:ID", "gym:ID" or the name of an installed `fastpo.envs` entry point '
+            "(docs/custom_environments.md); checked through `fastpo.envs` before any model loads.")
+    options: dict = key(
+        factory=dict,
+        doc="the game's constructor arguments, e.g. `{size: 8, num_boxes: 2}` for Sokoban or `{p: 0.9, success_prob: "
+            "0.8}` for FrozenLake.")
+    workers: int = checked(
+        0, at_least(0), "must be >= 0 (0 = in process)",
+        doc="> 0 steps a plain-Python game in that many worker processes (same results as in process); 0 steps it in "
+            "the trainer's process. Built-in games ignore it.")
+    mixture: list = key(
+        factory=list,
+        doc='several games in one run (name is then "mixture"): a list of entries `{name, weight, options, settings, '
+            "label}` (fastpo.envs.mixture); each env group plays one of them, drawn by weight from its env seed, and "
+            "each is evaluated on its own (`eval/<label>/...`). `--env a,b` is a mixture of a and b at weight 1.")
 
 
 @dataclass
 class RewardConfig:
-    """A reward of your own beside or instead of the game's (fastpo.rewards).
+    """The `reward` section: a reward of your own (a function, an LLM judge) beside or instead of
+    the game's (fastpo.rewards)."""
 
-    Attributes:
-        fn: null, or "module.path:function" scoring each finished training trajectory
-            (a fastpo.rewards.Trajectory) with a float (on its last turn) or one float per
-            turn; imported and checked before any model loads.
-        mode: "add" (to the game's turn rewards) or "replace" (the game's turn rewards; the
-            format penalty stays); applies to the sum of reward.fn's value and the judge's.
-        judge_rubric: null, or the LLM judge's rubric (fastpo.judge): its user message, holding
-            {answer} or {transcript} (also {task}, {env}, {final}); the judge's score in [0, 1] goes on
-            each training trajectory's last turn.
-        judge_rubric_file: null, or a UTF-8 file holding the rubric (instead of judge_rubric);
-            read and checked before any model loads, and kept as judge_rubric's text in the
-            run's config.yaml (a resume does not read the file again).
-        judge_model: the judge model: null (the policy's starting weights, a frozen copy) or
-            any model.name value (HF id, folder, run folder, random:<shape>).
-        judge_scale: "yes_no" (a yes scores 1, a no 0) or "number" (the reply's first number
-            in [judge_min, judge_max], scaled to [0, 1]).
-        judge_min: the number scale's lowest score.
-        judge_max: the number scale's highest score (above judge_min).
-        judge_fallback: the score of a reply without a verdict (counted in
-            train/judge_unparsed_rate).
-        judge_max_new_tokens: the judge's reply length cap (greedy decoding).
-        judge_batch_size: prompts per judge engine batch (bounds its KV cache).
-    """
-
-    fn: Optional[str] = None
-    mode: Literal["add", "replace"] = "add"
-    judge_rubric: Optional[str] = None
-    judge_rubric_file: Optional[str] = None
-    judge_model: Optional[str] = None
-    judge_scale: Literal["yes_no", "number"] = "yes_no"
-    judge_min: float = 0.0
-    judge_max: float = 10.0
-    judge_fallback: float = checked(0.0, lambda v: math.isfinite(v), "must be a finite number")
-    judge_max_new_tokens: int = checked(8, at_least(1), "must be >= 1")
-    judge_batch_size: int = checked(16, at_least(1), "must be >= 1")
+    fn: Optional[str] = key(
+        None,
+        doc='null, or "module.path:function" scoring each finished training trajectory (a fastpo.rewards.Trajectory) '
+            "with a float (on its last turn) or one float per turn; imported and checked before any model loads.")
+    mode: Literal["add", "replace"] = key(
+        "add",
+        doc='"add" (to the game\'s turn rewards) or "replace" (the game\'s turn rewards; the format penalty stays); '
+            "applies to the sum of reward.fn's value and the judge's.")
+    judge_rubric: Optional[str] = key(
+        None,
+        doc="null, or the LLM judge's rubric (fastpo.judge): its user message, holding {answer} or {transcript} "
+            "(also {task}, {env}, {final}); the judge's score in [0, 1] goes on each training trajectory's last turn.")
+    judge_rubric_file: Optional[str] = key(
+        None,
+        doc="null, or a UTF-8 file holding the rubric (instead of judge_rubric); read and checked before any model "
+            "loads, and kept as judge_rubric's text in the run's config.yaml (a resume does not read the file again).")
+    judge_model: Optional[str] = key(
+        None,
+        doc="the judge model: null (the policy's starting weights, a frozen copy) or any model.name value (HF id, "
+            "folder, run folder, random:<shape>).")
+    judge_scale: Literal["yes_no", "number"] = key(
+        "yes_no",
+        doc='"yes_no" (a yes scores 1, a no 0) or "number" (the reply\'s first number in [judge_min, judge_max], '
+            "scaled to [0, 1]).")
+    judge_min: float = key(0.0, doc="the number scale's lowest score.")
+    judge_max: float = key(10.0, doc="the number scale's highest score (above judge_min).")
+    judge_fallback: float = checked(
+        0.0, lambda v: math.isfinite(v), "must be a finite number",
+        doc="the score of a reply without a verdict (counted in train/judge_unparsed_rate).")
+    judge_max_new_tokens: int = checked(
+        8, at_least(1), "must be >= 1",
+        doc="the judge's reply length cap (greedy decoding).")
+    judge_batch_size: int = checked(
+        16, at_least(1), "must be >= 1",
+        doc="prompts per judge engine batch (bounds its KV cache).")
 
 
 @dataclass
 class RolloutConfig:
-    """Multi-turn rollout settings (defaults: the paper / RAGEN's).
+    """Multi-turn rollout settings (defaults: the paper / RAGEN's); the `rollout` section adds
+    the batch shape (RolloutSection)."""
 
-    Attributes:
-        max_turns: turns per trajectory (the paper's 5).
-        max_actions_per_turn: actions read from one answer (5); extra ones are ignored, not
-            penalised.
-        max_actions_per_traj: action budget of a trajectory (10); it ends when spent.
-        max_new_tokens: response tokens per turn (400).
-        max_context: tokens per trajectory (3600); a trajectory that would pass it ends
-            truncated.
-        temperature: sampling temperature; it scales the logits, and the recorded log-probs
-            and the trainer's loss are at this temperature (greedy decoding is the engine's
-            SamplingParams(temperature=0), not a rollout setting).
-        top_p: nucleus sampling mass (1 = off).
-        top_k: sample among the k likeliest tokens (0 = off).
-        think: prime the response with "<think>" (True) or the answer-only variant primed
-            with "<answer>".
-        format_penalty: added to a turn's reward when its answer is missing or holds an
-            invalid action (-0.1).
-        format_rule: what counts as an answer (rollout/parsing.py): "ragen" is RAGEN's rule,
-            the first think/answer pattern found anywhere in the response (none found: no
-            action runs); "strict" also penalises any response that is not exactly the
-            pattern.
-        run_valid_actions_on_format_error: in a penalised turn, still execute the valid
-            actions of the answer found (what RAGEN does with an answer holding an invalid
-            action); False executes nothing.
-        stop_at_answer_close: end a response at "</answer>" (the template's end-of-turn token
-            is then appended, loss mask 0; RAGEN generates on to the end-of-turn token).
-        system_prompt: the system prompt; null for prompts.SYSTEM_PROMPT
-            (SYSTEM_PROMPT_NO_THINK when think is False).
-        feedback_invalid: tell the model which actions were invalid in the next user message.
-        prompt_examples: in answer-only mode, end every user message with a question and
-            three answers in the exact format, built from the game's action names
-            (prompts.move_question), instead of RAGEN's "<answer> [your answer] </answer>"
-            reminder; no effect with think=True. The CPU preset turns it on (docs/results.md).
-        context_window: "full" (every turn stays in the context) or K >= 1: the last K turns
-            (user observation + response) kept, the system prompt and the first user
-            message always kept; RAGEN's `limited_multi_turn` with `max_context_window: K`.
-            fastpo evicts the dropped turns' KV entries and keeps positions (fastpo/rollout/window.py).
-    """
-
-    max_turns: int = checked(5, at_least(1), "must be >= 1")
-    max_actions_per_turn: int = checked(5, lambda v: 1 <= v <= MAX_ACTIONS_PER_TURN,
-                                        f"must be >= 1 and <= {MAX_ACTIONS_PER_TURN}")
-    max_actions_per_traj: int = checked(10, at_least(1), "must be >= 1")
-    max_new_tokens: int = checked(400, at_least(1), "must be >= 1")
-    max_context: int = checked(3600, at_least(1), "must be >= 1")
-    # > 0: the recorded log-probs and the trainer's loss divide the logits by it (greedy
-    # decoding is the engine's SamplingParams(temperature=0), not a rollout setting)
-    temperature: float = checked(1.0, lambda v: v > 0, "must be > 0 (the logits are divided by it)")
-    top_p: float = checked(1.0, TOP_P_RULE.ok, TOP_P_RULE.why)
-    top_k: int = checked(0, TOP_K_RULE.ok, TOP_K_RULE.why)
-    think: bool = True
-    format_penalty: float = checked(-0.1, lambda v: v <= 0, "must be <= 0")
-    format_rule: Literal["ragen", "strict"] = checked("ragen")
-    run_valid_actions_on_format_error: bool = True
-    stop_at_answer_close: bool = True
-    system_prompt: str | None = None
-    feedback_invalid: bool = True
-    prompt_examples: bool = False
-    context_window: int | str = checked("full", _window_ok, CONTEXT_WINDOW_WHY)
+    max_turns: int = checked(5, at_least(1), "must be >= 1", doc="turns per trajectory (the paper's 5).")
+    max_actions_per_turn: int = checked(
+        5, lambda v: 1 <= v <= MAX_ACTIONS_PER_TURN, f"must be >= 1 and <= {MAX_ACTIONS_PER_TURN}",
+        doc="actions read from one answer (5); extra ones are ignored, not penalised.")
+    max_actions_per_traj: int = checked(
+        10, at_least(1), "must be >= 1",
+        doc="action budget of a trajectory (10); it ends when spent.")
+    max_new_tokens: int = checked(400, at_least(1), "must be >= 1", doc="response tokens per turn (400).")
+    max_context: int = checked(
+        3600, at_least(1), "must be >= 1",
+        doc="tokens per trajectory (3600); a trajectory that would pass it ends truncated.")
+    temperature: float = checked(
+        1.0, lambda v: v > 0, "must be > 0 (the logits are divided by it)",
+        doc="sampling temperature; it scales the logits, and the recorded log-probs and the trainer's loss are at "
+            "this temperature (greedy decoding is the engine's SamplingParams(temperature=0), not a rollout setting).")
+    top_p: float = checked(1.0, TOP_P_RULE.ok, TOP_P_RULE.why, doc="nucleus sampling mass (1 = off).")
+    top_k: int = checked(0, TOP_K_RULE.ok, TOP_K_RULE.why, doc="sample among the k likeliest tokens (0 = off).")
+    think: bool = key(
+        True,
+        doc='prime the response with "<think>" (True) or the answer-only variant primed with "<answer>".')
+    format_penalty: float = checked(
+        -0.1, lambda v: v <= 0, "must be <= 0",
+        doc="added to a turn's reward when its answer is missing or holds an invalid action (-0.1).")
+    format_rule: Literal["ragen", "strict"] = checked(
+        "ragen",
+        doc='what counts as an answer (rollout/parsing.py): "ragen" is RAGEN\'s rule, the first think/answer pattern '
+            'found anywhere in the response (none found: no action runs); "strict" also penalises any response that '
+            "is not exactly the pattern.")
+    run_valid_actions_on_format_error: bool = key(
+        True,
+        doc="in a penalised turn, still execute the valid actions of the answer found (what RAGEN does with an "
+            "answer holding an invalid action); False executes nothing.")
+    stop_at_answer_close: bool = key(
+        True,
+        doc='end a response at "</answer>" (the template\'s end-of-turn token is then appended, loss mask 0; RAGEN '
+            "generates on to the end-of-turn token).")
+    system_prompt: str | None = key(
+        None,
+        doc="the system prompt; null for prompts.SYSTEM_PROMPT (SYSTEM_PROMPT_NO_THINK when think is False).")
+    feedback_invalid: bool = key(True, doc="tell the model which actions were invalid in the next user message.")
+    prompt_examples: bool = key(
+        False,
+        doc="in answer-only mode, end every user message with a question and three answers in the exact format, "
+            "built from the game's action names (prompts.move_question), instead of RAGEN's \"<answer> [your answer] "
+            '</answer>" reminder; no effect with think=True. The CPU preset turns it on (docs/results.md).')
+    context_window: int | str = checked(
+        "full", _window_ok, CONTEXT_WINDOW_WHY,
+        doc='"full" (every turn stays in the context) or K >= 1: the last K turns (user observation + response) '
+            "kept, the system prompt and the first user message always kept; RAGEN's `limited_multi_turn` with "
+            "`max_context_window: K`. fastpo evicts the dropped turns' KV entries and keeps positions "
+            "(fastpo/rollout/window.py).")
 
     #: how `check_fields` names this class's fields in its errors
     KEY_PREFIX: ClassVar[str] = "RolloutConfig."
@@ -271,39 +264,40 @@ def context_window_turns(value: Any, owner: str = "'rollout.context_window'") ->
 class RolloutSection(RolloutConfig):
     """The `rollout` section of a training config: every RolloutConfig option (one place for
     their defaults and meaning) plus the batch shape, the generation backend and off-policy
-    data (RAGEN's rollout frequency and replay, arXiv 2504.20073).
+    data (RAGEN's rollout frequency and replay, arXiv 2504.20073)."""
 
-    Attributes:
-        env_groups: initial states per iteration (the paper's P = 8 env groups).
-        group_size: trajectories sampled per env group (the paper's N = 16).
-        engine: "native" (fastpo's sampler on the trained module itself) or "sglang" (an
-            `sglang.Engine` holding a bf16 copy of the weights, refreshed after each update;
-            CUDA only, `pip install "fastpo[sglang]"`).
-        sampling_streams: "batch" draws the whole rollout batch from one random stream;
-            "group" gives each env group its own stream seeded from (iteration, group), so a
-            group samples the same tokens however the batch is split over processes (native
-            engine); "auto": batch with one process, group with several. One process and N
-            sample the same trajectories only with "group".
-        sglang_mem_fraction: share of the GPU memory SGLang takes for its weights and KV
-            cache (released while training).
-        reuse: K >= 1 trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a
-            fresh batch every iteration), its old log-probs staying those of the policy that
-            sampled it.
-        replay: N >= 0 keeps the trajectories of the last N rollout batches (with their
-            sampler log-probs; fastpo.trainer.replay) for mixing into later updates (0 = no buffer).
-        replay_fraction: replayed trajectories mixed into each update, as a fraction of the
-            fresh batch (round(fraction x batch size)).
-    """
-
-    env_groups: int = checked(8, at_least(1), "must be >= 1")
-    group_size: int = checked(16, at_least(1), "must be >= 1")
-    engine: Literal["native", "sglang"] = "native"
-    sampling_streams: Literal["auto", "batch", "group"] = "auto"
-    sglang_mem_fraction: float = checked(0.4, lambda v: 0 < v < 1, "must be in (0, 1)")
-    reuse: int = checked(1, at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)")
-    replay: int = checked(0, at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)")
-    replay_fraction: float = checked(0.5, lambda v: 0 <= v <= 1, "must be in [0, 1] (replayed trajectories per "
-                                     "update, as a fraction of the fresh batch)")
+    env_groups: int = checked(
+        8, at_least(1), "must be >= 1",
+        doc="initial states per iteration (the paper's P = 8 env groups).")
+    group_size: int = checked(
+        16, at_least(1), "must be >= 1",
+        doc="trajectories sampled per env group (the paper's N = 16).")
+    engine: Literal["native", "sglang"] = key(
+        "native",
+        doc='"native" (fastpo\'s sampler on the trained module itself) or "sglang" (an `sglang.Engine` holding a '
+            'bf16 copy of the weights, refreshed after each update; CUDA only, `pip install "fastpo[sglang]"`).')
+    sampling_streams: Literal["auto", "batch", "group"] = key(
+        "auto",
+        doc='"batch" draws the whole rollout batch from one random stream; "group" gives each env group its own '
+            "stream seeded from (iteration, group), so a group samples the same tokens however the batch is split "
+            'over processes (native engine); "auto": batch with one process, group with several. One process and N '
+            'sample the same trajectories only with "group".')
+    sglang_mem_fraction: float = checked(
+        0.4, lambda v: 0 < v < 1, "must be in (0, 1)",
+        doc="share of the GPU memory SGLang takes for its weights and KV cache (released while training).")
+    reuse: int = checked(
+        1, at_least(1), "must be >= 1 (1 = a fresh rollout batch every iteration)",
+        doc='K >= 1 trains K consecutive iterations on one rollout batch ("Online-K"; 1 = a fresh batch every '
+            "iteration), its old log-probs staying those of the policy that sampled it.")
+    replay: int = checked(
+        0, at_least(0), "must be >= 0 rollout batches (0 = no replay buffer)",
+        doc="N >= 0 keeps the trajectories of the last N rollout batches (with their sampler log-probs; "
+            "fastpo.trainer.replay) for mixing into later updates (0 = no buffer).")
+    replay_fraction: float = checked(
+        0.5, lambda v: 0 <= v <= 1, "must be in [0, 1] (replayed trajectories per update, as a fraction of the "
+        "fresh batch)",
+        doc="replayed trajectories mixed into each update, as a fraction of the fresh batch (round(fraction x batch "
+            "size)).")
 
     KEY_PREFIX: ClassVar[str] = "rollout."
 
@@ -316,146 +310,151 @@ class RolloutSection(RolloutConfig):
 
 @dataclass
 class AlgorithmConfig:
-    """StarPO / StarPO-S algorithm settings.
+    """The `algorithm` section: StarPO / StarPO-S settings: advantages, rollout filtering, the
+    policy loss and its clipping, KL, the critic."""
 
-    Attributes:
-        adv_estimator: "gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env
-            group), "drgrpo" (R - mean, no std division; Dr.GRPO), "rloo" (R minus the mean
-            of the group's other trajectories; RLOO), "reinforce_pp" (each model token's
-            discounted return, normalised over the batch; REINFORCE++) or
-            "reinforce_pp_baseline" (R - group mean, normalised over the batch's tokens), or
-            "bilevel_gae" (RAGEN's bi-level GAE with a critic: a GAE over turns with
-            `high_level_gamma`, then one inside each turn), or "turn_rloo" (turn-level credit
-            without a critic: each turn's reward-to-go minus the leave-one-out mean of the
-            group's rewards-to-go at that turn; use reward_position=turn);
-            fastpo.algorithms.advantages.
-        gamma: discount over model tokens (GAE, REINFORCE++).
-        lam: GAE's lambda.
-        high_level_gamma: bilevel_gae's discount over turns (RAGEN's `high_level_gamma`, 0.95);
-            `gamma` is then its discount over the tokens inside a turn.
-        reward_position: where a trajectory's reward sits for GAE: "last_token" (the last
-            model token of the trajectory, the paper's default) or "turn" (each turn's
-            reward on that turn's last model token).
-        whiten_advantages: normalise GAE's advantages over the batch's model tokens.
-        filter_mode: StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups
-            with the highest in-group reward std, "bottom" the lowest, "none" keeps all;
-            "dynamic" is DAPO's dynamic sampling: env groups whose rewards do not vary are
-            dropped and more are drawn (fresh seeds) until `rollout.env_groups` of them vary
-            or `dynamic_max_draws` rollouts were made.
-        dynamic_max_draws: filter_mode=dynamic's cap: rollouts of `rollout.env_groups` groups
-            per iteration, the first included (verl's max_num_gen_batches); with fewer
-            varying groups by then the update trains on those.
-        filter_ratio: the filter strategy's number (top_k: the share of groups kept).
-        filter_strategy: RAGEN head's rollout filters (fastpo/algorithms/filtering.py):
-            "top_k" (the paper's: int(filter_ratio x groups), at least 1), "top_p" (the
-            groups whose stds make up `filter_ratio` of the total), "min_p" (std >=
-            filter_ratio x the best).
-        filter_top_p_mode: top_p's measure: "linear" (stds, with slack `filter_eps`) or
-            "softmax" (softmax mass of the stds).
-        filter_eps: top_p linear's slack (RAGEN's `rollout_filter_selection_eps`).
-        filter_keep_zero_std: false drops groups without reward spread first.
-        overlong_buffer: DAPO's overlong reward shaping (0 = off): a response (one turn) longer
-            than rollout.max_new_tokens - overlong_buffer tokens gets a reward of
-            -overlong_penalty_factor * (its excess / overlong_buffer), down to
-            -overlong_penalty_factor at the limit, on that turn.
-        overlong_penalty_factor: the shaping's largest penalty.
-        overlong_filter: DAPO's overlong filtering: a turn whose response stopped at
-            rollout.max_new_tokens leaves the loss (the trajectory's other turns stay).
-        soft_advantage_reweight: scale each trajectory's advantages by its group's reward
-            std / the batch's largest group std (RAGEN head), with or without filtering.
-        policy_loss: the policy-gradient term, a registered policy loss (fastpo.kernels.POLICY_LOSSES:
-            the built-in ones with their equations in docs/algorithms.md, or one of your own,
-            `fastpo.kernels.register_policy_loss`, registered before the config loads).
-            dual_clip applies to the losses that take it; the keys below it to their own loss.
-        loss_settings: every registered policy loss's own settings by name (the rows that
-            follow `algorithm.policy_loss`): each a key of this section itself
-            (`algorithm.sapo_tau_pos=1.2`), declared with its loss (fastpo.kernels.LossSetting:
-            default, rule, meaning), also read and set as an attribute (`algorithm.sapo_tau_pos`).
-        clip_low: PPO's lower clip bound (ratio >= 1 - clip_low; < 1). With policy_loss=cispo
-            the IS weight's lower bound, and >= 1 means none (CISPO's paper sets none).
-        clip_high: PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above
-            clip_low; >= clip_low but with cispo).
-        dual_clip: dual-clip bound on the loss for negative advantages (null = off).
-        entropy_coef: weight of the entropy bonus in the policy loss.
-        kl_coef: > 0 penalises KL to a frozen reference model (plain StarPO).
-        kl_estimator: the KL estimator, "k1" or "k3".
-        kl_in_reward: true puts the KL penalty per token on the reward before the advantages
-            (verl's `apply_kl_penalty`, r_t - kl_coef * kl_t, what RAGEN's PPO runs did);
-            false adds + kl_coef * kl_t to the policy loss (what its GRPO runs did); null
-            picks the reward for gae and reinforce_pp and the loss for the group estimators.
-        loss_agg: how token losses become the mini-batch loss; null (the default) takes the
-            one the advantage estimator's paper pairs with it (fastpo.registry's Estimator
-            `loss_agg`; `TrainConfig.loss_agg`): "seq-mean-token-mean", the RAGEN paper's
-            objective (1/G) sum_i (1/|tau_i|) sum_t (each trajectory's token mean, then the
-            mean over trajectories), for every estimator but drgrpo, which takes
-            "seq-mean-token-sum-norm": sum_i sum_t / (G C), no per-trajectory 1/|tau_i| and
-            a constant C (`loss_scale_factor`; Dr.GRPO, arXiv 2503.20783). "token-mean"
-            (verl's default) divides by all tokens of the mini-batch; "seq-mean-token-sum"
-            sums each trajectory's tokens.
-        loss_scale_factor: the constant C of "seq-mean-token-sum-norm" in tokens; null =
-            rollout.max_new_tokens x rollout.max_turns, the most model tokens a trajectory
-            can hold (Dr.GRPO's code divides by the generation budget).
-        old_logprob: PPO's old log-probs "recompute"d by the trainer after the rollout, taken
-            from the "sampler", or "auto": the sampler's exactly when they are the same
-            quantity (native engine on the trained fp32 module; fastpo.trainer.old_logprob).
-        ratio_level: PPO's per-token ratio ("token") or GSPO's sequence ratio ("sequence",
-            arXiv 2507.18071: exp of the mean token log-ratio of a trajectory, clipped per
-            trajectory).
-        is_correction: importance-sampling correction of the sampler -> trainer gap
-            (fastpo.algorithms.correction): "none", "tis" (weight min(rho, is_cap), rho =
-            pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves
-            [1/is_cap, is_cap] dropped from the loss).
-        is_level: the correction's unit: "token" or "sequence" (one rho per trajectory).
-        is_cap: the correction's truncation bound.
-        critic: PPO's critic: "separate" (its own model) or "shared" (a value head on the
-            policy's trunk).
-        value_clip: the value loss's clip range around the old values.
-        value_coef: weight of the value loss (shared critic).
-        value_loss_agg: the critic's clipped value loss aggregated like `loss_agg` (the same
-            function, fastpo.kernels.aggregate); "token-mean" by default: over all model
-            tokens of the mini-batch.
-    """
-
-    adv_estimator: Literal[ESTIMATOR_NAMES] = "gae"  # fastpo.registry.ESTIMATORS
-    gamma: float = checked(1.0, _in_unit, "must be in [0, 1]")
-    lam: float = checked(1.0, _in_unit, "must be in [0, 1]")
-    high_level_gamma: float = checked(0.95, _in_unit, "must be in [0, 1]")
-    reward_position: Literal["last_token", "turn"] = "last_token"
-    whiten_advantages: bool = True
-    filter_mode: Literal["top", "bottom", "none", "dynamic"] = "top"
-    dynamic_max_draws: int = checked(3, at_least(1), "must be >= 1")
-    filter_ratio: float = checked(0.25, lambda v: 0 < v <= 1, "must be in (0, 1]")
-    filter_strategy: Literal["top_k", "top_p", "min_p"] = "top_k"
-    filter_top_p_mode: Literal["linear", "softmax"] = "linear"
-    filter_eps: float = checked(0.01, at_least(0), "must be >= 0")
-    filter_keep_zero_std: bool = True
-    soft_advantage_reweight: bool = False
-    overlong_buffer: int = checked(0, at_least(0), "must be >= 0 (0 = no overlong reward shaping)")
-    overlong_penalty_factor: float = checked(1.0, at_least(0), "must be >= 0")
-    overlong_filter: bool = False
-    # a name of fastpo.kernels.POLICY_LOSSES (`validate`), and the registered losses' own settings
-    policy_loss: str = field(default="ppo", metadata={"choices": _policy_loss_names})
-    loss_settings: dict = flat_settings(_policy_loss_settings)
-    clip_low: float = checked(0.2, lambda v: v > 0, "must be > 0")
-    clip_high: float = 0.28
-    dual_clip: Optional[float] = checked(3.0, lambda v: v is None or v > 1, "must be > 1 or null")
-    entropy_coef: float = checked(0.001, at_least(0), "must be >= 0")
-    kl_coef: float = checked(0.0, at_least(0), "must be >= 0")
-    kl_estimator: Literal["k1", "k3"] = "k1"
-    kl_in_reward: Optional[bool] = None
-    loss_agg: Optional[Literal[LOSS_AGGREGATION_NAMES]] = None  # fastpo.registry.LOSS_AGGREGATIONS
-    loss_scale_factor: Optional[int] = checked(None, lambda v: v is None or v >= 1, "must be >= 1 or null")
-    old_logprob: Literal["recompute", "sampler", "auto"] = "auto"
-    ratio_level: Literal["token", "sequence"] = "token"
-    is_correction: Literal["none", "tis", "mis"] = "none"
-    is_level: Literal["token", "sequence"] = "token"
-    is_cap: float = checked(2.0, lambda v: v > 1, "must be > 1 (importance weights are truncated at is_cap, and "
-                                               "mis keeps [1/is_cap, is_cap])")
+    adv_estimator: Literal[ESTIMATOR_NAMES] = key(  # fastpo.registry.ESTIMATORS
+        "gae",
+        doc='"gae" (PPO with a critic), "grpo" ((R - mean)/(std + 1e-6) per env group), "drgrpo" (R - mean, no std '
+            'division; Dr.GRPO), "rloo" (R minus the mean of the group\'s other trajectories; RLOO), "reinforce_pp" '
+            "(each model token's discounted return, normalised over the batch; REINFORCE++) or "
+            '"reinforce_pp_baseline" (R - group mean, normalised over the batch\'s tokens), or "bilevel_gae" '
+            "(RAGEN's bi-level GAE with a critic: a GAE over turns with `high_level_gamma`, then one inside each "
+            'turn), or "turn_rloo" (turn-level credit without a critic: each turn\'s reward-to-go minus the '
+            "leave-one-out mean of the group's rewards-to-go at that turn; use reward_position=turn); "
+            "fastpo.algorithms.advantages.")
+    gamma: float = checked(1.0, _in_unit, "must be in [0, 1]", doc="discount over model tokens (GAE, REINFORCE++).")
+    lam: float = checked(1.0, _in_unit, "must be in [0, 1]", doc="GAE's lambda.")
+    high_level_gamma: float = checked(
+        0.95, _in_unit, "must be in [0, 1]",
+        doc="bilevel_gae's discount over turns (RAGEN's `high_level_gamma`, 0.95); `gamma` is then its discount over "
+            "the tokens inside a turn.")
+    reward_position: Literal["last_token", "turn"] = key(
+        "last_token",
+        doc='where a trajectory\'s reward sits for GAE: "last_token" (the last model token of the trajectory, the '
+            "paper's default) or \"turn\" (each turn's reward on that turn's last model token).")
+    whiten_advantages: bool = key(True, doc="normalise GAE's advantages over the batch's model tokens.")
+    filter_mode: Literal["top", "bottom", "none", "dynamic"] = key(
+        "top",
+        doc='StarPO-S rollout filtering: "top" keeps the `filter_ratio` of env groups with the highest in-group '
+            'reward std, "bottom" the lowest, "none" keeps all; "dynamic" is DAPO\'s dynamic sampling: env groups '
+            "whose rewards do not vary are dropped and more are drawn (fresh seeds) until `rollout.env_groups` of "
+            "them vary or `dynamic_max_draws` rollouts were made.")
+    dynamic_max_draws: int = checked(
+        3, at_least(1), "must be >= 1",
+        doc="filter_mode=dynamic's cap: rollouts of `rollout.env_groups` groups per iteration, the first included "
+            "(verl's max_num_gen_batches); with fewer varying groups by then the update trains on those.")
+    filter_ratio: float = checked(
+        0.25, lambda v: 0 < v <= 1, "must be in (0, 1]",
+        doc="the filter strategy's number (top_k: the share of groups kept).")
+    filter_strategy: Literal["top_k", "top_p", "min_p"] = key(
+        "top_k",
+        doc="RAGEN head's rollout filters (fastpo/algorithms/filtering.py): \"top_k\" (the paper's: int(filter_ratio "
+            'x groups), at least 1), "top_p" (the groups whose stds make up `filter_ratio` of the total), "min_p" '
+            "(std >= filter_ratio x the best).")
+    filter_top_p_mode: Literal["linear", "softmax"] = key(
+        "linear",
+        doc='top_p\'s measure: "linear" (stds, with slack `filter_eps`) or "softmax" (softmax mass of the stds).')
+    filter_eps: float = checked(
+        0.01, at_least(0), "must be >= 0",
+        doc="top_p linear's slack (RAGEN's `rollout_filter_selection_eps`).")
+    filter_keep_zero_std: bool = key(True, doc="false drops groups without reward spread first.")
+    soft_advantage_reweight: bool = key(
+        False,
+        doc="scale each trajectory's advantages by its group's reward std / the batch's largest group std (RAGEN "
+            "head), with or without filtering.")
+    overlong_buffer: int = checked(
+        0, at_least(0), "must be >= 0 (0 = no overlong reward shaping)",
+        doc="DAPO's overlong reward shaping (0 = off): a response (one turn) longer than rollout.max_new_tokens - "
+            "overlong_buffer tokens gets a reward of -overlong_penalty_factor * (its excess / overlong_buffer), down "
+            "to -overlong_penalty_factor at the limit, on that turn.")
+    overlong_penalty_factor: float = checked(1.0, at_least(0), "must be >= 0", doc="the shaping's largest penalty.")
+    overlong_filter: bool = key(
+        False,
+        doc="DAPO's overlong filtering: a turn whose response stopped at rollout.max_new_tokens leaves the loss (the "
+            "trajectory's other turns stay).")
+    policy_loss: str = key(
+        "ppo", choices=_policy_loss_names,
+        doc="the policy-gradient term, a registered policy loss (fastpo.kernels.POLICY_LOSSES: the built-in ones "
+            "with their equations in docs/algorithms.md, or one of your own, `fastpo.kernels.register_policy_loss`, "
+            "registered before the config loads). dual_clip applies to the losses that take it; the keys below it to "
+            "their own loss.")
+    loss_settings: dict = flat_settings(
+        _policy_loss_settings,
+        doc="every registered policy loss's own settings by name (the rows that follow `algorithm.policy_loss`): "
+            "each a key of this section itself (`algorithm.sapo_tau_pos=1.2`), declared with its loss "
+            "(fastpo.kernels.LossSetting: default, rule, meaning), also read and set as an attribute "
+            "(`algorithm.sapo_tau_pos`).")
+    clip_low: float = checked(
+        0.2, lambda v: v > 0, "must be > 0",
+        doc="PPO's lower clip bound (ratio >= 1 - clip_low; < 1). With policy_loss=cispo the IS weight's lower "
+            "bound, and >= 1 means none (CISPO's paper sets none).")
+    clip_high: float = key(
+        0.28,
+        doc="PPO's upper clip bound (ratio <= 1 + clip_high; clip-higher when above clip_low; >= clip_low but with "
+            "cispo).")
+    dual_clip: Optional[float] = checked(
+        3.0, lambda v: v is None or v > 1, "must be > 1 or null",
+        doc="dual-clip bound on the loss for negative advantages (null = off).")
+    entropy_coef: float = checked(
+        0.001, at_least(0), "must be >= 0",
+        doc="weight of the entropy bonus in the policy loss.")
+    kl_coef: float = checked(
+        0.0, at_least(0), "must be >= 0",
+        doc="> 0 penalises KL to a frozen reference model (plain StarPO).")
+    kl_estimator: Literal["k1", "k3"] = key("k1", doc='the KL estimator, "k1" or "k3".')
+    kl_in_reward: Optional[bool] = key(
+        None,
+        doc="true puts the KL penalty per token on the reward before the advantages (verl's `apply_kl_penalty`, r_t "
+            "- kl_coef * kl_t, what RAGEN's PPO runs did); false adds + kl_coef * kl_t to the policy loss (what its "
+            "GRPO runs did); null picks the reward for gae and reinforce_pp and the loss for the group estimators.")
+    loss_agg: Optional[Literal[LOSS_AGGREGATION_NAMES]] = key(  # fastpo.registry.LOSS_AGGREGATIONS
+        None,
+        doc="how token losses become the mini-batch loss; null (the default) takes the one the advantage estimator's "
+            "paper pairs with it (fastpo.registry's Estimator `loss_agg`; `TrainConfig.loss_agg`): "
+            "\"seq-mean-token-mean\", the RAGEN paper's objective (1/G) sum_i (1/|tau_i|) sum_t (each trajectory's "
+            "token mean, then the mean over trajectories), for every estimator but drgrpo, which takes "
+            '"seq-mean-token-sum-norm": sum_i sum_t / (G C), no per-trajectory 1/|tau_i| and a constant C '
+            '(`loss_scale_factor`; Dr.GRPO, arXiv 2503.20783). "token-mean" (verl\'s default) divides by all tokens '
+            'of the mini-batch; "seq-mean-token-sum" sums each trajectory\'s tokens.')
+    loss_scale_factor: Optional[int] = checked(
+        None, lambda v: v is None or v >= 1, "must be >= 1 or null",
+        doc='the constant C of "seq-mean-token-sum-norm" in tokens; null = rollout.max_new_tokens x '
+            "rollout.max_turns, the most model tokens a trajectory can hold (Dr.GRPO's code divides by the "
+            "generation budget).")
+    old_logprob: Literal["recompute", "sampler", "auto"] = key(
+        "auto",
+        doc='PPO\'s old log-probs "recompute"d by the trainer after the rollout, taken from the "sampler", or '
+            '"auto": the sampler\'s exactly when they are the same quantity (native engine on the trained fp32 '
+            "module; fastpo.trainer.old_logprob).")
+    ratio_level: Literal["token", "sequence"] = key(
+        "token",
+        doc='PPO\'s per-token ratio ("token") or GSPO\'s sequence ratio ("sequence", arXiv 2507.18071: exp of the '
+            "mean token log-ratio of a trajectory, clipped per trajectory).")
+    is_correction: Literal["none", "tis", "mis"] = key(
+        "none",
+        doc='importance-sampling correction of the sampler -> trainer gap (fastpo.algorithms.correction): "none", '
+            '"tis" (weight min(rho, is_cap), rho = pi_old / pi_sampler) or "mis" (weight rho, units whose rho leaves '
+            "[1/is_cap, is_cap] dropped from the loss).")
+    is_level: Literal["token", "sequence"] = key(
+        "token",
+        doc='the correction\'s unit: "token" or "sequence" (one rho per trajectory).')
+    is_cap: float = checked(
+        2.0, lambda v: v > 1, "must be > 1 (importance weights are truncated at is_cap, and mis keeps [1/is_cap, "
+        "is_cap])",
+        doc="the correction's truncation bound.")
     # critic (PPO only)
-    critic: Literal["separate", "shared"] = "separate"
-    value_clip: float = checked(0.5, lambda v: v > 0, "must be > 0")
-    value_coef: float = checked(0.5, at_least(0), "must be >= 0")
-    value_loss_agg: Literal[LOSS_AGGREGATION_NAMES] = "token-mean"
+    critic: Literal["separate", "shared"] = key(
+        "separate",
+        doc='PPO\'s critic: "separate" (its own model) or "shared" (a value head on the policy\'s trunk).')
+    value_clip: float = checked(
+        0.5, lambda v: v > 0, "must be > 0",
+        doc="the value loss's clip range around the old values.")
+    value_coef: float = checked(0.5, at_least(0), "must be >= 0", doc="weight of the value loss (shared critic).")
+    value_loss_agg: Literal[LOSS_AGGREGATION_NAMES] = key(
+        "token-mean",
+        doc="the critic's clipped value loss aggregated like `loss_agg` (the same function, "
+            'fastpo.kernels.aggregate); "token-mean" by default: over all model tokens of the mini-batch.')
 
     def __getattr__(self, name: str) -> Any:
         # a registered loss's own setting as an attribute (cfg.algorithm.sapo_tau_pos), held in loss_settings
@@ -477,128 +476,104 @@ class AlgorithmConfig:
 
 @dataclass
 class OptimConfig:
-    """Optimizer and update schedule.
+    """The `optim` section: the optimizer and the update schedule."""
 
-    Attributes:
-        actor_lr: the policy's AdamW learning rate.
-        critic_lr: a separate critic's AdamW learning rate.
-        weight_decay: AdamW's weight decay.
-        betas: AdamW's betas.
-        grad_clip: gradient-norm clip.
-        ppo_epochs: passes over the batch per iteration.
-        mini_batch_size: trajectories per optimizer step.
-        micro_token_budget: tokens per packed micro-batch (forward and backward at once).
-        share_prefix: pack an env group's members after one copy of their common prompt
-            (fastpo.packing.shared_prefixes): the same log-probs and gradients, less compute.
-    """
-
-    actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0")
-    critic_lr: float = checked(1e-5, lambda v: v > 0, "must be > 0")
-    weight_decay: float = checked(0.01, at_least(0), "must be >= 0")
-    betas: list = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = checked(1.0, lambda v: v > 0, "must be > 0")
-    ppo_epochs: int = checked(1, at_least(1), "must be >= 1")
-    mini_batch_size: int = checked(32, at_least(1), "must be >= 1")
-    micro_token_budget: int = checked(8192, at_least(16), "must be >= 16 tokens")
-    # compute an env group's shared prompt once per micro-batch (needs fastpo's segment attention)
-    share_prefix: bool = True
+    actor_lr: float = checked(1e-6, lambda v: v > 0, "must be > 0", doc="the policy's AdamW learning rate.")
+    critic_lr: float = checked(1e-5, lambda v: v > 0, "must be > 0", doc="a separate critic's AdamW learning rate.")
+    weight_decay: float = checked(0.01, at_least(0), "must be >= 0", doc="AdamW's weight decay.")
+    betas: list = key(factory=lambda: [0.9, 0.999], doc="AdamW's betas.")
+    grad_clip: float = checked(1.0, lambda v: v > 0, "must be > 0", doc="gradient-norm clip.")
+    ppo_epochs: int = checked(1, at_least(1), "must be >= 1", doc="passes over the batch per iteration.")
+    mini_batch_size: int = checked(32, at_least(1), "must be >= 1", doc="trajectories per optimizer step.")
+    micro_token_budget: int = checked(
+        8192, at_least(16), "must be >= 16 tokens",
+        doc="tokens per packed micro-batch (forward and backward at once).")
+    share_prefix: bool = key(
+        True,
+        doc="pack an env group's members after one copy of their common prompt (fastpo.packing.shared_prefixes): the "
+            "same log-probs and gradients, less compute.")
 
 
 @dataclass
 class TrainerSection:
-    """Loop length, evaluation, logging, checkpoints, Echo-Trap warning.
+    """The `trainer` section: loop length, evaluation, logging, checkpoints, Echo-Trap warning."""
 
-    Attributes:
-        iterations: training iterations (updates) of the run.
-        seed: the run's seed; every random stream derives from it (fastpo.seeds).
-        device: "auto" (CUDA when available), "cpu" or "cuda[:N]".
-        output_dir: the run folder (empty: runs/<env>, or --out).
-        eval_every: evaluate every N iterations and at the end (0 = never).
-        eval_seeds: fixed initial states the evaluation plays.
-        eval_seed_offset: the first eval seed (eval seeds are offset, offset + 1, ...).
-        eval_temperature: sampling temperature of the evaluation.
-        eval_group_size: samples per eval seed (pass@k).
-        eval_before_training: also evaluate before the first update (iteration 0).
-        save_every: write a checkpoint every N iterations (0 = only at the end).
-        keep_checkpoints: intact checkpoints kept (the oldest and any damaged one pruned).
-        num_samples: decoded eval trajectories written to samples/ per evaluation.
-        ema_decay: decay of the EMA copies of every metric (ema/...).
-        tensorboard: mirror the metrics to TensorBoard (the `tensorboard` extra).
-        wandb: mirror the metrics to Weights & Biases.
-        plots: draw plots/*.png.
-        echo_trap_drop: the Echo-Trap warning fires when reward std and rollout entropy (or
-            the collapse metrics) have fallen by this share of their early values.
-        echo_trap_window: the first N iterations, whose means are the warning's "early" values.
-        collapse_every: mutual-information collapse metrics (fastpo/trainer/collapse.py) at
-            iteration 1 and every N-th (0 = off).
-        kernel_impl: the fused loss's path: "auto" (Triton on CUDA, chunked elsewhere),
-            "reference", "chunked" or "triton".
-        progress: show the progress bar.
-        data_parallel: several processes (torchrun) only: "fsdp" (FSDP2 shards the trained
-            modules' parameters, gradients and optimizer state over the ranks) or
-            "replicate" (every rank holds them whole; summed gradients, DDP-style).
-    """
-
-    iterations: int = checked(200, at_least(1), "must be >= 1")
-    seed: int = checked(0, _seed_range, "must be in [0, 2**32)")
-    device: str = checked("auto", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None,
-                          "must be auto, cpu or cuda[:N]")
-    output_dir: str = ""
-    eval_every: int = checked(10, at_least(0), "must be >= 0 (0 = never)")
-    eval_seeds: int = checked(256, at_least(1), "must be >= 1")
-    eval_seed_offset: int = checked(1_000_000, _seed_range, "must be in [0, 2**32)")
-    eval_temperature: float = checked(0.5, lambda v: v > 0, "must be > 0")
-    eval_group_size: int = checked(1, at_least(1), "must be >= 1")
-    eval_before_training: bool = False
-    save_every: int = checked(10, at_least(0), "must be >= 0 (0 = only at the end)")
-    keep_checkpoints: int = checked(2, at_least(1), "must be >= 1")
-    num_samples: int = checked(4, at_least(0), "must be >= 0")
-    ema_decay: float = checked(0.9, lambda v: 0 < v < 1, "must be in (0, 1)")
-    tensorboard: bool = False
-    wandb: bool = False
-    plots: bool = True
-    echo_trap_drop: float = checked(0.5, lambda v: 0 < v < 1, "must be in (0, 1)")
-    echo_trap_window: int = checked(5, at_least(1), "must be >= 1")
-    # mutual-information collapse metrics (fastpo/trainer/collapse.py): iteration 1 and every N-th; 0 = off
-    collapse_every: int = checked(5, at_least(0), "must be >= 0 (0 = never)")
-    kernel_impl: str = checked("auto", lambda v: v in ("auto", "reference", "chunked", "triton"),
-                               "must be auto, reference, chunked or triton")
-    progress: bool = True
-    # several processes (torchrun): fsdp = FSDP2 shards the trained modules' parameters,
-    # gradients and optimizer state over the ranks; replicate = every rank holds them whole
-    # (summed gradients, DDP-style). One process without torchrun: no effect.
-    data_parallel: str = checked("fsdp", lambda v: v in ("replicate", "fsdp"), "must be fsdp or replicate")
+    iterations: int = checked(200, at_least(1), "must be >= 1", doc="training iterations (updates) of the run.")
+    seed: int = checked(
+        0, _seed_range, "must be in [0, 2**32)",
+        doc="the run's seed; every random stream derives from it (fastpo.seeds).")
+    device: str = checked(
+        "auto", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None, "must be auto, cpu or cuda[:N]",
+        doc='"auto" (CUDA when available), "cpu" or "cuda[:N]".')
+    output_dir: str = key("", doc="the run folder (empty: runs/<env>, or --out).")
+    eval_every: int = checked(
+        10, at_least(0), "must be >= 0 (0 = never)",
+        doc="evaluate every N iterations and at the end (0 = never).")
+    eval_seeds: int = checked(256, at_least(1), "must be >= 1", doc="fixed initial states the evaluation plays.")
+    eval_seed_offset: int = checked(
+        1_000_000, _seed_range, "must be in [0, 2**32)",
+        doc="the first eval seed (eval seeds are offset, offset + 1, ...).")
+    eval_temperature: float = checked(
+        0.5, lambda v: v > 0, "must be > 0",
+        doc="sampling temperature of the evaluation.")
+    eval_group_size: int = checked(1, at_least(1), "must be >= 1", doc="samples per eval seed (pass@k).")
+    eval_before_training: bool = key(False, doc="also evaluate before the first update (iteration 0).")
+    save_every: int = checked(
+        10, at_least(0), "must be >= 0 (0 = only at the end)",
+        doc="write a checkpoint every N iterations (0 = only at the end).")
+    keep_checkpoints: int = checked(
+        2, at_least(1), "must be >= 1",
+        doc="intact checkpoints kept (the oldest and any damaged one pruned).")
+    num_samples: int = checked(
+        4, at_least(0), "must be >= 0",
+        doc="decoded eval trajectories written to samples/ per evaluation.")
+    ema_decay: float = checked(
+        0.9, lambda v: 0 < v < 1, "must be in (0, 1)",
+        doc="decay of the EMA copies of every metric (ema/...).")
+    tensorboard: bool = key(False, doc="mirror the metrics to TensorBoard (the `tensorboard` extra).")
+    wandb: bool = key(False, doc="mirror the metrics to Weights & Biases.")
+    plots: bool = key(True, doc="draw plots/*.png.")
+    echo_trap_drop: float = checked(
+        0.5, lambda v: 0 < v < 1, "must be in (0, 1)",
+        doc="the Echo-Trap warning fires when reward std and rollout entropy (or the collapse metrics) have fallen "
+            "by this share of their early values.")
+    echo_trap_window: int = checked(
+        5, at_least(1), "must be >= 1",
+        doc='the first N iterations, whose means are the warning\'s "early" values.')
+    collapse_every: int = checked(
+        5, at_least(0), "must be >= 0 (0 = never)",
+        doc="mutual-information collapse metrics (fastpo/trainer/collapse.py) at iteration 1 and every N-th (0 = "
+            "off).")
+    kernel_impl: str = checked(
+        "auto", lambda v: v in ("auto", "reference", "chunked", "triton"), "must be auto, reference, chunked or triton",
+        doc='the fused loss\'s path: "auto" (Triton on CUDA, chunked elsewhere), "reference", "chunked" or "triton".')
+    progress: bool = key(True, doc="show the progress bar.")
+    data_parallel: str = checked(
+        "fsdp", lambda v: v in ("replicate", "fsdp"), "must be fsdp or replicate",
+        doc='several processes (torchrun) only: "fsdp" (FSDP2 shards the trained modules\' parameters, gradients and '
+            'optimizer state over the ranks) or "replicate" (every rank holds them whole; summed gradients, '
+            "DDP-style).")
 
 
 @dataclass
 class TrainConfig:
-    """The root of the configuration tree.
+    """The root of the configuration tree: the preset names and one field per section."""
 
-    Attributes:
-        preset: the named presets applied, comma-separated (set by --preset).
-        model: the `model` section (ModelConfig).
-        env: the `env` section (EnvConfig).
-        reward: the `reward` section (RewardConfig).
-        rollout: the `rollout` section (RolloutSection).
-        algorithm: the `algorithm` section (AlgorithmConfig).
-        optim: the `optim` section (OptimConfig).
-        trainer: the `trainer` section (TrainerSection).
-        sft: the `sft` section (SFTConfig, fastpo.config.imitation): what `fastpo sft` and
-            `fastpo dagger` train on; null (and not in config.yaml) for the other commands.
-        dagger: the `dagger` section (DaggerConfig): `fastpo dagger`'s rounds; null for the
-            other commands.
-    """
-
-    preset: str = "paper"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    env: EnvConfig = field(default_factory=EnvConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerSection = field(default_factory=TrainerSection)
-    sft: Optional[SFTConfig] = None
-    dagger: Optional[DaggerConfig] = None
+    preset: str = key("paper", doc="the named presets applied, comma-separated (set by --preset).")
+    model: ModelConfig = key(factory=ModelConfig, doc="the `model` section (ModelConfig).")
+    env: EnvConfig = key(factory=EnvConfig, doc="the `env` section (EnvConfig).")
+    reward: RewardConfig = key(factory=RewardConfig, doc="the `reward` section (RewardConfig).")
+    rollout: RolloutSection = key(factory=RolloutSection, doc="the `rollout` section (RolloutSection).")
+    algorithm: AlgorithmConfig = key(factory=AlgorithmConfig, doc="the `algorithm` section (AlgorithmConfig).")
+    optim: OptimConfig = key(factory=OptimConfig, doc="the `optim` section (OptimConfig).")
+    trainer: TrainerSection = key(factory=TrainerSection, doc="the `trainer` section (TrainerSection).")
+    sft: Optional[SFTConfig] = key(
+        None,
+        doc="the `sft` section (SFTConfig, fastpo.config.imitation): what `fastpo sft` and `fastpo dagger` train on; "
+            "null (and not in config.yaml) for the other commands.")
+    dagger: Optional[DaggerConfig] = key(
+        None,
+        doc="the `dagger` section (DaggerConfig): `fastpo dagger`'s rounds; null for the other commands.")
 
     def to_dict(self) -> dict:
         """The configuration as nested dicts, as config.yaml holds it (the policy losses' own
