@@ -5,8 +5,9 @@
     python tools/config_reference.py --check    # exit 1 if the page is stale
 
 Each key's meaning is the `doc` given beside its field (`key(..., doc=...)` or `checked(...,
-doc=...)` in fastpo/config/schema.py, and in fastpo/config/imitation.py for the `sft` and `dagger`
-sections of `fastpo sft` and `fastpo dagger`; `fastpo.config.fields.field_doc`); its default,
+doc=...)` in fastpo/config/schema.py, algorithm.py for the `algorithm` section and imitation.py
+for the `sft` and `dagger` sections of `fastpo sft` and `fastpo dagger`;
+`fastpo.config.fields.field_doc`); its default,
 allowed values and rule come from the field itself (`Literal` values or its `choices`, the
 `checked` rule). A `flat_settings` field (the policy losses' own settings) gives one row per
 entry, from each entry's declaration (fastpo.kernels.LossSetting: default, kind, rule, meaning).

@@ -34,6 +34,11 @@ class Rule:
     why: str
 
 
+def at_least(n: int) -> Callable[[Any], bool]:
+    """The rule `value >= n`, for `checked`."""
+    return lambda v: v >= n
+
+
 def key(default: Any = dataclasses.MISSING, *, doc: str, factory: Callable[[], Any] | None = None,
         choices: Callable[[], tuple] | None = None) -> Any:
     """A config key: a dataclass field with `default` (or, for a mutable value or a section,
