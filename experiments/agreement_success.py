@@ -61,7 +61,8 @@ def main(argv=None) -> int:
         return 2
 
     from fastpo.envs_native.frozenlake import FrozenLakeEnv
-    from fastpo.config.schema import eval_seeds, load_config
+    from fastpo.config.loading import load_config
+    from fastpo.config.schema import eval_seeds
 
     cfg = load_config(env="frozenlake", preset="cpu", overrides=[f"trainer.eval_seeds={args.seeds}"])
     seeds = eval_seeds(cfg)

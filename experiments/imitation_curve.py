@@ -72,7 +72,8 @@ def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from fastpo.config.schema import eval_seeds, load_config
+    from fastpo.config.loading import load_config
+    from fastpo.config.schema import eval_seeds
     from transformers import DynamicCache
 
     from fastpo.models import load_model_and_tokenizer

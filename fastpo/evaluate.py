@@ -244,7 +244,7 @@ def config_success_bounds(cfg, warn: Optional[Callable[[str], None]] = None) -> 
     as `eval/<label>/optimal_success` etc., and the weighted whole where every game has the
     line). With `warn`, a Sokoban search past its state cap (RuntimeError) is said through it
     and gives {} (no bounds); without, it is raised."""
-    from fastpo.config.schema import env_members, member_rollout_config
+    from fastpo.config.members import env_members, member_rollout_config
 
     if cfg.env.mixture:
         from fastpo.envs.mixture import shares
@@ -371,7 +371,8 @@ def _trained_settings(run, eval_env: str, game=None) -> dict[str, Any]:
     and every RolloutConfig setting but `temperature`, less the turn and action limits the env
     presets fix when the env differs. `game`: the mixture entry (an EnvMember) evaluated alone,
     else the first entry named `eval_env` of a mixture run."""
-    from fastpo.config.schema import RolloutConfig, env_members, env_preset, member_rollout_config
+    from fastpo.config.members import env_members, env_preset, member_rollout_config
+    from fastpo.config.schema import RolloutConfig
     from fastpo.envs import MIXTURE
 
     layer: dict[str, Any] = {k: copy.deepcopy(_get(run, k)) for k in EVAL_KEYS}
@@ -418,7 +419,9 @@ def eval_config(env: Optional[str] = None, preset: Optional[str] = None, file: O
     run config) and FileNotFoundError (a missing --config file), like load_config.
     """
     from fastpo.run.origin import find_checkpoint
-    from fastpo.config.schema import env_members, load_config, read_run_config, validate
+    from fastpo.config.loading import load_config, read_run_config
+    from fastpo.config.members import env_members
+    from fastpo.config.validation import validate
     from fastpo.config.fields import ConfigError, nested_dict, apply_dict, parse_override
 
     overrides = list(overrides or [])
@@ -493,7 +496,8 @@ def _mixture_entry(env: Optional[str], model: Optional[str]):
     picked by its label; a label, unique in its mixture, wins over a game of that name); else
     None."""
     from fastpo.run.origin import find_checkpoint
-    from fastpo.config.schema import env_members, read_run_config
+    from fastpo.config.loading import read_run_config
+    from fastpo.config.members import env_members
     from fastpo.config.fields import ConfigError
 
     if not env or "," in env or not isinstance(model, str):

@@ -23,7 +23,7 @@ def build_config(args, extra: list[str], values: dict | None = None, preset: Opt
     """The configuration of a new run from the command line `args` (`load_config`): `extra`
     overrides before the command line's, `values` taken literally (--out), `preset` in place of
     --preset when given, the optional `sections` the command reads (fastpo.config.imitation)."""
-    from fastpo.config.schema import load_config
+    from fastpo.config.loading import load_config
 
     ov = list(extra)
     values = dict(values or {})
@@ -90,7 +90,8 @@ def resumed_run_config(args, fixed: list[str] = ()):
     Raises ConfigError naming what cannot change mid-run (an option, or a dotted override in
     any spelling that moves the env, model, preset, seed or output folder); `fixed` lists
     further options the caller refuses."""
-    from fastpo.config.schema import inline_rubric_file, load_run_config, validate
+    from fastpo.config.loading import inline_rubric_file, load_run_config
+    from fastpo.config.validation import validate
     from fastpo.config.fields import ConfigError, apply_dict, parse_override
 
     if not args.resume.strip():

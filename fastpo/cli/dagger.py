@@ -11,7 +11,7 @@ def _difference(out: str, cfg) -> str | None:
     import yaml
 
     from fastpo.config.files import dump_yaml, flatten, parse_config_yaml
-    from fastpo.config.imitation import legacy_sections
+    from fastpo.config.loading import legacy_sections
 
     path = os.path.join(out, "config.yaml")
     with open(path, encoding="utf-8") as f:
@@ -34,7 +34,7 @@ def _choose_folder(args, cfg) -> tuple[str, bool]:
     refused unless --overwrite (which deletes it). Without --out: runs/dagger-<env>, or the
     first `-2`, `-3`, ... that is free or holds an unfinished DAgger run with these settings."""
     from fastpo.config.fields import ConfigError
-    from fastpo.config.schema import default_run_folder
+    from fastpo.config.loading import default_run_folder
     from fastpo.run.folder import run_folder_in_use
     from fastpo.sft.dagger import dagger_run_finished, is_dagger_run
 

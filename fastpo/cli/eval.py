@@ -77,7 +77,7 @@ def cmd_eval(args) -> int:
     if not main_rank:
         return 0
     console.print(f"model: {res['model']}", markup=False)
-    from fastpo.config.schema import env_members
+    from fastpo.config.members import env_members
 
     games = f" ({', '.join(m.label for m in env_members(cfg))})" if cfg.env.mixture else ""
     table = Table(title=f"fastpo eval: {cfg.env.name}{games}")

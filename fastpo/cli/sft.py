@@ -16,7 +16,7 @@ def cmd_sft(args) -> int:
 
     from fastpo.config.fields import ConfigError
     from fastpo.config.presets import default_preset
-    from fastpo.config.schema import default_run_folder
+    from fastpo.config.loading import default_run_folder
     from fastpo.envs import EnvError
     from fastpo.models import check_kernel_impl, check_model_name, resolve_device
     from fastpo.report.metrics import warn_user

@@ -134,7 +134,7 @@ def _train_in_process(args, cfg, ctx, console) -> int:
 
     turns = f"{cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}"
     if cfg.env.mixture:  # each game its share and its own turns
-        from fastpo.config.schema import env_members, member_rollout_config
+        from fastpo.config.members import env_members, member_rollout_config
         from fastpo.envs.mixture import shares
 
         games = env_members(cfg)

@@ -1,4 +1,5 @@
-"""The config's field machinery, for any tree of dataclasses: `ConfigError`, field rules
+"""The config's field machinery, for any tree of dataclasses: `ConfigError`, config keys with
+their documentation (`key`, `checked`: the text beside each field, `field_doc`), field rules
 (`checked` + `check_fields`), type checks against the annotations, dotted overrides
 (`parse_override`), merging a nested dict into the dataclasses with did-you-mean errors
 (`apply_dict`), keys declared elsewhere (`flat_settings`) and the tree as a dict (`as_dict`).
@@ -33,20 +34,47 @@ class Rule:
     why: str
 
 
-def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "") -> Any:
+def at_least(n: int) -> Callable[[Any], bool]:
+    """The rule `value >= n`, for `checked`."""
+    return lambda v: v >= n
+
+
+def key(default: Any = dataclasses.MISSING, *, doc: str, factory: Callable[[], Any] | None = None,
+        choices: Callable[[], tuple] | None = None) -> Any:
+    """A config key: a dataclass field with `default` (or, for a mutable value or a section,
+    `factory()`) and `doc`, what the key means (one paragraph, held in the field's metadata:
+    `field_doc`; docs/configuration.md's key table shows it). `choices()` gives the allowed
+    values where they are known only at run time (the registered policy losses)."""
+    metadata: dict[str, Any] = {"doc": doc}
+    if choices is not None:
+        metadata["choices"] = choices
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def checked(default: Any, ok: Callable[[Any], bool] = lambda v: True, why: str = "", *, doc: str = "") -> Any:
     """A dataclass field with `default` whose values must have the annotated type and satisfy
-    `ok` (see `check_fields`)."""
-    return field(default=default, metadata={"rule": Rule(ok, why)})
+    `ok` (see `check_fields`); `doc` as for `key` (every config key has one; a field of
+    another dataclass checked this way, e.g. SamplingParams', may go without)."""
+    return field(default=default, metadata={"rule": Rule(ok, why), "doc": doc})
 
 
-def flat_settings(declared: Callable[[], Mapping[str, Any]]) -> Any:
+def field_doc(f: dataclasses.Field) -> str:
+    """What config key `f` means, the `doc` given beside it (`key`, `checked`, `flat_settings`);
+    "" when it has none."""
+    return f.metadata.get("doc", "")
+
+
+def flat_settings(declared: Callable[[], Mapping[str, Any]], *, doc: str) -> Any:
     """A dict field whose entries are keys of its section itself, declared elsewhere:
     `declared()` gives {name: declaration}, each with `default`, `kind` (its type), `problem(value)`
     (None, or what is wrong) and `doc` (fastpo.kernels.LossSetting). YAML files, dotted overrides
     (`algorithm.sapo_tau_pos=2`: `apply_dict`) and `as_dict` see the entries as the section's
-    keys, in the field's place; the field starts with every declared default."""
+    keys, in the field's place; the field starts with every declared default. `doc`: what the
+    field holds, as for `key` (each entry's own row comes from its declaration)."""
     return field(default_factory=lambda: {n: d.default for n, d in declared().items()},
-                 metadata={"flat_keys": declared})
+                 metadata={"flat_keys": declared, "doc": doc})
 
 
 def flat_keys(obj: Any) -> dict[str, tuple[str, Any]]:

@@ -2,14 +2,12 @@
 `read_config_file`, `read_run_config`, `load_run_config`) and written here (`dump_yaml`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
 from fastpo.config.fields import ConfigError
-
-if TYPE_CHECKING:
-    from fastpo.config.schema import TrainConfig
+from fastpo.config.schema import TrainConfig
 
 
 def parse_config_yaml(text: Any, where: str) -> dict:

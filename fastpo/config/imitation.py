@@ -1,67 +1,56 @@
 """The sections of the imitation-learning commands: `sft` (`fastpo sft` and `fastpo dagger`:
-the supervised data) and `dagger` (`fastpo dagger`: its rounds), their cross-field checks
-(`check_imitation`), and where a run folder made before config.yaml held them kept them
-(`legacy_sections`: its sft.yaml or dagger.yaml).
+the supervised data) and `dagger` (`fastpo dagger`: its rounds), each key documented beside its
+field.
 
 A `fastpo train` or `fastpo eval` configuration has neither section (`TrainConfig.sft` and
 `TrainConfig.dagger` are None, and its config.yaml has no such key); `load_config(...,
 sections=("sft",))` gives one with the defaults below, then the presets, the config file and
-the dotted overrides (`sft.trajectories=256`) fill it like any other section.
+the dotted overrides (`sft.trajectories=256`) fill it like any other section. Their rules
+relating keys are `check_imitation` (fastpo.config.validation); a layer that sets a section
+the command does not read is refused in loading (`refuse_sections`), where a run folder made
+before config.yaml held them is read too (`legacy_sections`).
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Any, Callable
 
-from fastpo.config.fields import ConfigError, apply_dict, check_fields, checked
-from fastpo.config.files import parse_config_yaml
+from fastpo.config.fields import at_least, checked
 
 #: The optional sections of TrainConfig, in the order config.yaml writes them.
 OPTIONAL_SECTIONS = ("sft", "dagger")
-#: The commands that read each optional section (said when another command is given one).
-READ_BY = {"sft": "fastpo sft and fastpo dagger", "dagger": "fastpo dagger"}
-#: Where a run folder made before config.yaml held these sections kept them (still read).
-LEGACY_FILES = {"sft.yaml": ("sft",), "dagger.yaml": ("dagger", "sft")}
-
-
-def _at_least(n: int) -> Callable[[Any], bool]:
-    return lambda v: v >= n
 
 
 @dataclass
 class SFTConfig:
-    """The `sft` section: what `fastpo sft` (and round 0 of `fastpo dagger`) trains on.
+    """The `sft` section: what `fastpo sft` (and round 0 of `fastpo dagger`) trains on."""
 
-    Attributes:
-        data: a JSONL file of conversations (`{"messages": [{"role": ..., "content": ...}, ...]}`
-            per line, TRL's conversational format) to train on instead of the expert's
-            trajectories ("" = the expert); trajectories, seed_offset and actions_per_turn are
-            then not read. The run keeps it as an absolute path, with its SHA-256 in data_sha256:
-            a resume refuses a file that changed.
-        data_sha256: the SHA-256 of `data` (hex), set by the run; "" for the expert.
-        trajectories: expert trajectories in the data set, one per env seed seed_offset,
-            seed_offset + 1, ... (refused when they overlap the eval seeds).
-        batch_size: trajectories (or conversations) per optimizer step, one trainer iteration;
-            at most the size of the data.
-        seed_offset: the first expert seed.
-        actions_per_turn: the expert's actions per answer, capped by
-            rollout.max_actions_per_turn and the actions left; 0 = the game's own count
-            (FrozenLake: 1, so that every cell the expert acts on is shown to the model), else
-            rollout.max_actions_per_turn.
-        common_prefix: pack a micro-batch's trajectories after one copy of the leading tokens
-            they all share (at least 16: chat header, system prompt, instructions), computed
-            once per micro-batch (optim.share_prefix, "segments" attention; the same loss and
-            gradients up to float rounding).
-    """
-
-    data: str = checked("", lambda v: isinstance(v, str), "must be a path to a JSONL file of chat messages")
-    data_sha256: str = checked("", lambda v: isinstance(v, str), "must be text (set by the run)")
-    trajectories: int = checked(128, _at_least(1), "must be >= 1")
-    batch_size: int = checked(8, _at_least(1), "must be >= 1")
-    seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
-    actions_per_turn: int = checked(0, _at_least(0), "must be >= 0 (0 = the game's own count)")
-    common_prefix: bool = checked(True, lambda v: isinstance(v, bool), "must be true or false")
+    data: str = checked(
+        "", lambda v: isinstance(v, str), "must be a path to a JSONL file of chat messages",
+        doc='a JSONL file of conversations (`{"messages": [{"role": ..., "content": ...}, ...]}` per line, TRL\'s '
+            'conversational format) to train on instead of the expert\'s trajectories ("" = the expert); '
+            "trajectories, seed_offset and actions_per_turn are then not read. The run keeps it as an absolute path, "
+            "with its SHA-256 in data_sha256: a resume refuses a file that changed.")
+    data_sha256: str = checked(
+        "", lambda v: isinstance(v, str), "must be text (set by the run)",
+        doc='the SHA-256 of `data` (hex), set by the run; "" for the expert.')
+    trajectories: int = checked(
+        128, at_least(1), "must be >= 1",
+        doc="expert trajectories in the data set, one per env seed seed_offset, seed_offset + 1, ... (refused when "
+            "they overlap the eval seeds).")
+    batch_size: int = checked(
+        8, at_least(1), "must be >= 1",
+        doc="trajectories (or conversations) per optimizer step, one trainer iteration; at most the size of the data.")
+    seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)", doc="the first expert seed.")
+    actions_per_turn: int = checked(
+        0, at_least(0), "must be >= 0 (0 = the game's own count)",
+        doc="the expert's actions per answer, capped by rollout.max_actions_per_turn and the actions left; 0 = the "
+            "game's own count (FrozenLake: 1, so that every cell the expert acts on is shown to the model), else "
+            "rollout.max_actions_per_turn.")
+    common_prefix: bool = checked(
+        True, lambda v: isinstance(v, bool), "must be true or false",
+        doc="pack a micro-batch's trajectories after one copy of the leading tokens they all share (at least 16: "
+            "chat header, system prompt, instructions), computed once per micro-batch (optim.share_prefix, "
+            '"segments" attention; the same loss and gradients up to float rounding).')
 
     def seeds(self) -> list[int]:
         """The expert's env seeds: seed_offset, seed_offset + 1, ... (trajectories of them)."""
@@ -70,47 +59,48 @@ class SFTConfig:
 
 @dataclass
 class DaggerConfig:
-    """The `dagger` section: the rounds of `fastpo dagger` (DAgger, Ross, Gordon & Bagnell 2011).
+    """The `dagger` section: the rounds of `fastpo dagger` (DAgger, Ross, Gordon & Bagnell 2011)."""
 
-    Attributes:
-        rounds: DAgger rounds after the SFT round (round k's model plays, round k + 1 learns
-            from it); `--rounds N`, and on --resume a larger N runs more.
-        levels: training levels (env seeds) each round plays, one trajectory each: round k plays
-            seed_offset + (k - 1) * levels .. seed_offset + k * levels - 1 (refused when they
-            overlap the eval seeds).
-        seed_offset: the first level of round 1.
-        temperature: the rounds' rollout sampling temperature (0.5, the paper's eval
-            temperature; 0 = greedy).
-        history: "own" (one conversation per labelled turn, the model's own earlier answers as
-            context of weight 0 and the label as the one target) or "expert" (one conversation
-            per trajectory, every answer replaced by its label).
-        turns_per_trajectory: with "own", the labelled turns kept per trajectory, drawn at
-            random (0 = all).
-        expert_trajectories: the expert's own trajectories on the first N levels of each round,
-            added to its data (at most `levels`).
-        aggregate: train round k on rounds 1..k's data (DAgger's rule) instead of round k's
-            alone.
-        steps: optimizer steps per round (0 = one epoch of its data, sft.batch_size
-            conversations a step).
-        lr: the rounds' learning rate (0 = optim.actor_lr, round 0's).
-        sft_round: run round 0, SFT on the expert's trajectories (the `sft` section); false
-            starts round 1 from model.name as it is (e.g. a `fastpo sft` run).
-        chunk: trajectories rolled out at once (the KV cache of a chunk bounds the rollout's
-            memory; a stopped rollout keeps its finished chunks).
-    """
-
-    rounds: int = checked(3, _at_least(1), "must be >= 1")
-    levels: int = checked(256, _at_least(1), "must be >= 1")
-    seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)")
-    temperature: float = checked(0.5, lambda v: 0 <= v <= 10, "must be in [0, 10] (0 = greedy)")
-    history: str = checked("own", lambda v: v in ("own", "expert"), "must be 'own' or 'expert'")
-    turns_per_trajectory: int = checked(2, _at_least(0), "must be >= 0 (0 = every labelled turn)")
-    expert_trajectories: int = checked(0, _at_least(0), "must be >= 0")
-    aggregate: bool = checked(False, lambda v: isinstance(v, bool), "must be true or false")
-    steps: int = checked(0, _at_least(0), "must be >= 0 (0 = one epoch of the round's data)")
-    lr: float = checked(0.0, lambda v: 0 <= v < 1, "must be in [0, 1) (0 = optim.actor_lr)")
-    sft_round: bool = checked(True, lambda v: isinstance(v, bool), "must be true or false")
-    chunk: int = checked(128, _at_least(1), "must be >= 1")
+    rounds: int = checked(
+        3, at_least(1), "must be >= 1",
+        doc="DAgger rounds after the SFT round (round k's model plays, round k + 1 learns from it); `--rounds N`, "
+            "and on --resume a larger N runs more.")
+    levels: int = checked(
+        256, at_least(1), "must be >= 1",
+        doc="training levels (env seeds) each round plays, one trajectory each: round k plays seed_offset + (k - 1) "
+            "* levels .. seed_offset + k * levels - 1 (refused when they overlap the eval seeds).")
+    seed_offset: int = checked(0, lambda v: 0 <= v < 2**31, "must be in [0, 2**31)", doc="the first level of round 1.")
+    temperature: float = checked(
+        0.5, lambda v: 0 <= v <= 10, "must be in [0, 10] (0 = greedy)",
+        doc="the rounds' rollout sampling temperature (0.5, the paper's eval temperature; 0 = greedy).")
+    history: str = checked(
+        "own", lambda v: v in ("own", "expert"), "must be 'own' or 'expert'",
+        doc='"own" (one conversation per labelled turn, the model\'s own earlier answers as context of weight 0 and '
+            'the label as the one target) or "expert" (one conversation per trajectory, every answer replaced by its '
+            "label).")
+    turns_per_trajectory: int = checked(
+        2, at_least(0), "must be >= 0 (0 = every labelled turn)",
+        doc='with "own", the labelled turns kept per trajectory, drawn at random (0 = all).')
+    expert_trajectories: int = checked(
+        0, at_least(0), "must be >= 0",
+        doc="the expert's own trajectories on the first N levels of each round, added to its data (at most `levels`).")
+    aggregate: bool = checked(
+        False, lambda v: isinstance(v, bool), "must be true or false",
+        doc="train round k on rounds 1..k's data (DAgger's rule) instead of round k's alone.")
+    steps: int = checked(
+        0, at_least(0), "must be >= 0 (0 = one epoch of the round's data)",
+        doc="optimizer steps per round (0 = one epoch of its data, sft.batch_size conversations a step).")
+    lr: float = checked(
+        0.0, lambda v: 0 <= v < 1, "must be in [0, 1) (0 = optim.actor_lr)",
+        doc="the rounds' learning rate (0 = optim.actor_lr, round 0's).")
+    sft_round: bool = checked(
+        True, lambda v: isinstance(v, bool), "must be true or false",
+        doc="run round 0, SFT on the expert's trajectories (the `sft` section); false starts round 1 from model.name "
+            "as it is (e.g. a `fastpo sft` run).")
+    chunk: int = checked(
+        128, at_least(1), "must be >= 1",
+        doc="trajectories rolled out at once (the KV cache of a chunk bounds the rollout's memory; a stopped rollout "
+            "keeps its finished chunks).")
 
     def round_levels(self, k: int) -> list[int]:
         """The env seeds round k >= 1 plays."""
@@ -122,54 +112,6 @@ class DaggerConfig:
 SECTION_TYPES = {"sft": SFTConfig, "dagger": DaggerConfig}
 
 
-def check_batch_size(batch_size: int, n: int, what: str) -> None:
-    """ConfigError when a step would take more than the whole data set (every step would
-    repeat the same data, and an epoch would no longer be `n` items)."""
-    if batch_size > n:
-        raise ConfigError(f"config key 'sft.batch_size' = {batch_size}: more than the {n} {what}; "
-                          f"choose at most {n}")
-
-
-def check_imitation(cfg) -> None:
-    """The checks relating the optional sections to the rest of TrainConfig `cfg` (each
-    section's own fields are checked by `check_fields`): an expert data set no smaller than a
-    step; expert seeds (when round 0 or `fastpo sft` plays them) and the rounds' levels outside
-    the eval seeds; a round's expert trajectories within its levels; no data file under
-    `fastpo dagger`, which makes its data from the expert. Raises ConfigError naming the key."""
-    sft, dag, t = cfg.sft, cfg.dagger, cfg.trainer
-    lo, hi = t.eval_seed_offset, t.eval_seed_offset + t.eval_seeds
-    if dag is not None:
-        if sft is not None and sft.data:
-            raise ConfigError(f"config key 'sft.data' = {sft.data!r}: fastpo dagger makes its data from the game's "
-                              f"expert; to train on a file, use fastpo sft sft.data=FILE")
-        if dag.expert_trajectories > dag.levels:
-            raise ConfigError(f"config key 'dagger.expert_trajectories' = {dag.expert_trajectories}: more than the "
-                              f"{dag.levels} levels of a round (dagger.levels); the expert plays the round's first "
-                              f"levels")
-        a, b = dag.seed_offset, dag.seed_offset + dag.rounds * dag.levels
-        if a < hi and lo < b:
-            raise ConfigError(f"config key 'dagger.seed_offset' = {dag.seed_offset}: the levels of {dag.rounds} rounds "
-                              f"[{a}, {b}) overlap the eval seeds [{lo}, {hi}); choose levels outside them")
-    if sft is None or sft.data:
-        return
-    check_batch_size(sft.batch_size, sft.trajectories, "expert trajectories (sft.trajectories)")
-    if (dag is None or dag.sft_round) and sft.seed_offset < hi and lo < sft.seed_offset + sft.trajectories:
-        raise ConfigError(f"config key 'sft.seed_offset' = {sft.seed_offset}: the expert seeds "
-                          f"[{sft.seed_offset}, {sft.seed_offset + sft.trajectories}) overlap the eval seeds "
-                          f"[{lo}, {hi}); choose expert seeds outside them")
-
-
-def refuse_sections(layer: dict, sections: tuple, where: str) -> None:
-    """ConfigError when config `layer` (a nested mapping: a preset, a file, an override) sets
-    an optional section the command does not read (not in `sections`)."""
-    for name in OPTIONAL_SECTIONS:
-        if name in layer and name not in sections:
-            value = layer[name]
-            key = f"{name}.{next(iter(value))}" if isinstance(value, dict) and value else name
-            raise ConfigError(f"config key {key!r} ({where}): the {name} section is read by {READ_BY[name]} only; "
-                              f"this command has none")
-
-
 def add_sections(cfg, names) -> None:
     """Give TrainConfig `cfg` the optional sections `names` (their defaults) it lacks."""
     for name in names:
@@ -179,44 +121,3 @@ def add_sections(cfg, names) -> None:
             setattr(cfg, name, SECTION_TYPES[name]())
 
 
-def check_sections(cfg) -> None:
-    """check_fields on each optional section `cfg` has."""
-    for name in OPTIONAL_SECTIONS:
-        section = getattr(cfg, name)
-        if section is not None:
-            check_fields(section, f"{name}.")
-
-
-def legacy_sections(out_dir: str) -> dict:
-    """The optional sections a run folder made before config.yaml held them kept in its own
-    files (sft.yaml of a `fastpo sft` run: the sft section; dagger.yaml of a `fastpo dagger`
-    run: {"dagger": ..., "sft": ...}), as a nested mapping for `apply_dict`; {} when there
-    are none. Raises ConfigError for an unreadable or malformed file (naming it)."""
-    out: dict = {}
-    for name, sections in LEGACY_FILES.items():
-        path = os.path.join(out_dir, name)
-        if not os.path.isfile(path):
-            continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                d = parse_config_yaml(f, path)
-        except OSError as e:
-            raise ConfigError(f"{path}: cannot be read ({e.strerror or e})") from None
-        if sections == ("sft",):
-            out["sft"] = d
-        else:
-            out.update({s: d.get(s) or {} for s in sections})
-    return out
-
-
-def apply_legacy_sections(cfg, out_dir: str) -> bool:
-    """Fill the optional sections `cfg` (read from out_dir/config.yaml) lacks from the run
-    folder's older files (`legacy_sections`); whether any was filled (none when config.yaml
-    holds them)."""
-    filled = False
-    for name, values in legacy_sections(out_dir).items():
-        if getattr(cfg, name) is None:
-            add_sections(cfg, [name])
-            apply_dict(getattr(cfg, name), values, prefix=f"{name}.")
-            filled = True
-    return filled

@@ -5,12 +5,8 @@ scaled down (`cpu_preset_note`), and the default preset of this machine and of e
 (`default_preset`, `command_default_preset`)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from fastpo.config.schema import TrainConfig
 from fastpo.registry import estimator
-
-if TYPE_CHECKING:
-    from fastpo.config.schema import TrainConfig
 
 #: Named presets. "paper" is the defaults; "cpu" is sized to finish `fastpo train --env
 #: frozenlake` on 2 cores in under 10 minutes.
@@ -76,7 +72,7 @@ RECIPES: dict[str, dict[str, str]] = {
 RECIPE_PRESETS = tuple(sorted({name for per_game in RECIPES.values() for name in per_game.values()}))
 
 #: What the CPU preset changes, said at start.
-def cpu_preset_note(cfg: "TrainConfig") -> str:
+def cpu_preset_note(cfg: TrainConfig) -> str:
     """What the CPU preset scaled down, said at start, with this run's values (overrides included)."""
     r, a, o, t = cfg.rollout, cfg.algorithm, cfg.optim, cfg.trainer
     filt = "no filtering" if a.filter_mode == "none" else f"StarPO-S {a.filter_mode}-{a.filter_ratio:.0%} filtering"

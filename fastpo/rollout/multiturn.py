@@ -358,7 +358,7 @@ class MultiTurnRollout:
     def from_config(cls, cfg, engine, tokenizer) -> "MultiTurnRollout":
         """The rollout of TrainConfig `cfg` (its env or env.mixture, its rollout settings) over
         `engine` (None: prompts only, e.g. `prompt_lengths`)."""
-        from fastpo.config.schema import env_members, member_rollout_config
+        from fastpo.config.members import env_members, member_rollout_config
 
         shared = cfg.rollout.rollout_config()
         if not cfg.env.mixture:

@@ -13,8 +13,9 @@ from typing import Optional
 import yaml
 
 from fastpo.config.files import flatten
+from fastpo.config.loading import load_config
 from fastpo.config.presets import PRESETS, RECIPE_PRESETS, command_default_preset
-from fastpo.config.schema import TrainConfig, load_config
+from fastpo.config.schema import TrainConfig
 
 #: What `fastpo sft` (and round 0 of `fastpo dagger`) sets over the presets, before your
 #: overrides (which win): the run's length and checkpoints, one evaluation before and one after

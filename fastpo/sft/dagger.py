@@ -54,7 +54,7 @@ from rich.table import Table
 from fastpo import rollout as ro
 from fastpo.config.fields import ConfigError
 from fastpo.config.files import dump_yaml, parse_config_yaml
-from fastpo.config.schema import load_run_config
+from fastpo.config.loading import load_run_config
 from fastpo.memory import release_free_memory
 from fastpo.run.checkpoint import plan_resume
 from fastpo.run.folder import DAGGER_FILE, RunLock, atomic_write_text

@@ -17,8 +17,8 @@ from typing import Optional
 import torch
 
 from fastpo.config.fields import ConfigError
-from fastpo.config.imitation import check_batch_size
 from fastpo.config.schema import TrainConfig
+from fastpo.config.validation import check_batch_size
 from fastpo.sft.experts import expert_rollout
 from fastpo.trainer.batch import TrainBatch
 

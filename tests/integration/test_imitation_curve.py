@@ -17,7 +17,8 @@ def test_one_step_curve(tmp_path):
                        capture_output=True, text=True, encoding="utf-8", timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text(encoding="utf-8"))
-    from fastpo.config.schema import eval_seeds, load_config
+    from fastpo.config.loading import load_config
+    from fastpo.config.schema import eval_seeds
     from fastpo.models import load_tokenizer
     from fastpo.sft import expert_rollout
 

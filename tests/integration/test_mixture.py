@@ -16,7 +16,7 @@ from rich.console import Console
 from fastpo.cli import main as cli_main
 from fastpo.config import ConfigError, load_config
 from fastpo.seeds import eval_sampling_seed
-from fastpo.config.schema import env_members, member_rollout_config
+from fastpo.config.members import env_members, member_rollout_config
 from fastpo.envs import EnvError, EnvMember, MIXTURE, assign_members, parse_mixture
 from fastpo.envs.mixture import member_index, shares
 from fastpo.rollout.batch import TrajectoryBatch
