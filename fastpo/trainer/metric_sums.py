@@ -104,9 +104,11 @@ class MetricSums:
         if isinstance(value, int) and not isinstance(value, bool):
             self._ints.add(name)
 
-    def keys(self) -> list[str]:
-        """The recorded keys (per_rank ones as their names), in order."""
-        return list(self._kind)
+    def copy(self) -> "MetricSums":
+        """An independent copy of what is recorded so far."""
+        out = MetricSums()
+        out.merge(self)
+        return out
 
     def merge(self, other: "MetricSums", replace: bool = False) -> None:
         """Add `other`'s entries to these (sums added, extremes compared, a value's calls

@@ -91,7 +91,7 @@ class Trainer(RunTrainer):
                     self.advantages.estimate(rollout, batch, sums)
                     tm["time/advantage_s"] = time.perf_counter() - t2
                     if p.schedule is not None:  # what the iterations reusing this batch train on and log
-                        reuse = (it, batch.rows(), [k for k in sums.keys() if not k.startswith("perf/")])
+                        reuse = (it, batch.rows(), sums.copy())
                     if p.schedule is not None or self.cfg.algorithm.is_correction != "none":
                         batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, sums, batch, fresh=True)
         if stop.drop_before_update():
@@ -109,8 +109,8 @@ class Trainer(RunTrainer):
         if self.dist.initialized and fresh:  # each rank's own figures (a data-parallel job's report)
             per_rank_figures(self, tm, len(batch), sums)
         metrics = sums.reduce(self.dist)  # the iteration's one reduction
-        if reuse is not None:
-            p.schedule.metrics = {k: metrics[k] for k in reuse[2] if k in metrics}
+        if reuse is not None:  # the figures the iterations reusing this batch log again (one process)
+            p.schedule.metrics = {k: v for k, v in reuse[2].reduce(self.dist).items() if not k.startswith("perf/")}
         return {**metrics, **tm}
 
     def filter(self, full, sums: MetricSums):

@@ -100,7 +100,7 @@ def test_one_process_figures_of_each_kind():
         s.max("m", 1.0)
 
 
-def test_merge_adds_and_replace_takes_the_other_entry():
+def test_merge_adds_replace_takes_the_other_entry_and_a_copy_is_apart():
     a, b = MetricSums(), MetricSums()
     a.mean("m", 1.0, 1)
     a.max("x", 2.0)
@@ -111,6 +111,9 @@ def test_merge_adds_and_replace_takes_the_other_entry():
     b.value("v", 3.0)
     a.merge(b)
     assert a.reduce(SINGLE) == {"m": 2.0, "x": 5.0, "v": 2.0, "critic/value_mean": 10.0}
+    snapshot = a.copy()
+    a.mean("m", 100.0, 1)
+    assert snapshot.reduce(SINGLE)["m"] == 2.0 and a.reduce(SINGLE)["m"] == 104 / 3
     c = MetricSums()
     c.mean("critic/value_mean", 1.0, 2)
     a.merge(c, replace=True)
