@@ -167,8 +167,9 @@ def gathered_check(ctx) -> dict:
 
 
 def checks(out):
-    from fastpo.distributed.collectives import on_main, per_rank, weighted_means
-    from fastpo.distributed.context import init_from_env, shutdown
+    from fastpo.distributed.collectives import on_main, per_rank
+    from fastpo.trainer.metric_sums import MetricSums
+    from fastpo.distributed.context import DistributedError, init_from_env, shutdown
     from fastpo.distributed.data_parallel import global_counts, global_filter, global_loss_denominator, rank_seeds
 
     ctx = init_from_env("cpu")
@@ -196,12 +197,37 @@ def checks(out):
         return f"written by rank {ctx.rank}"
 
     res["on_main"] = on_main(ctx, write)
-    # metrics: rank r reports x = r + 1 and y = 10 (r + 1) with weight len(mine)
-    res["means"] = weighted_means(ctx, {"x": ctx.rank + 1, "y": 10.0 * (ctx.rank + 1)}, len(mine))
+    res["metric_sums"] = metric_sums(ctx, MetricSums, [scores[i] for i in mine], [masks[i] for i in mine])
+    odd = MetricSums()  # a key recorded as another kind on each rank: refused on every rank
+    (odd.mean if ctx.rank == 0 else odd.max)("x", 1.0, *([1] if ctx.rank == 0 else []))
+    try:
+        odd.reduce(ctx)
+    except DistributedError as e:
+        res["kind_mismatch"] = str(e)
     res["per_rank"] = per_rank(ctx, 100 + ctx.rank)
     with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as fh:
         json.dump(res, fh)
     shutdown(ctx)
+
+
+def metric_sums(ctx, sums_class, scores, masks) -> dict:
+    """`sums_class` (MetricSums) of this rank's share: every kind, a key only rank 0 records
+    (a rank without data for it), an optional mean no rank counts; reduced over the ranks."""
+    s = sums_class()
+    s.mean("score_mean", sum(float(x) for x in scores), len(scores))
+    s.std("score_std", torch.stack(scores) if scores else torch.zeros(0))
+    tokens = torch.cat([m.float() for m in masks])
+    s.mean("mask_rate", tokens.sum(), tokens.numel())
+    s.total("tokens", tokens.numel())
+    s.max("score_max", max(float(x) for x in scores))
+    s.min("score_min", min(float(x) for x in scores))
+    s.value("same", 7)
+    s.per_rank("trajectories", len(scores))
+    if ctx.rank == 0:
+        s.mean("only_rank0", 3.0, 2)
+        s.max("only_rank0_max", 5.0)
+    s.mean("nothing", 0.0, 0, optional=True)
+    return s.reduce(ctx)
 
 
 def failing(out, hang):

@@ -2,17 +2,17 @@
 
 `estimate_advantages(name, inputs)` runs estimator `name` on an `AdvantageInputs` record and
 returns an `AdvantageOutputs`. Batch statistics (GAE's whitening, REINFORCE++'s
-normalisation, the critic's mean return) go through the record's `batch_mean` and
-`batch_whiten`, which the trainer binds to its process group (fastpo.distributed: over every
-process's tokens; one process: `masked_whiten` and a plain masked mean), so an estimator is
-written once for one process and N.
+normalisation) go through the record's `batch_whiten`, which the trainer binds to its process
+group (fastpo.distributed: over every process's tokens; one process: `masked_whiten`), so an
+estimator is written once for one process and N. The trainer logs the figures of what an
+estimator returns (fastpo.trainer.advantages).
 
 A new estimator: declare its facts in fastpo.registry, then decorate its function here with
 `@register_estimator("name")`; importing this module fails when the two lists differ.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -20,11 +20,6 @@ import torch
 from fastpo.algorithms.advantages import (compute_bilevel_gae, compute_gae, grpo_advantages, masked_whiten, reinforce_pp_advantages,
                                           reinforce_pp_baseline_advantages, rloo_advantages, turn_rloo_advantages)
 from fastpo.registry import ESTIMATORS
-
-
-def _local_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask.bool()
-    return float(x[m].mean()) if m.any() else 0.0
 
 
 @dataclass
@@ -38,8 +33,8 @@ class AdvantageInputs:
     gamma, lam: discount and GAE lambda in [0, 1]. turn: [B, T] int, each token's turn
     (estimators that need turns), else None; high_level_gamma: bi-level GAE's discount over
     turns. whiten_advantages: GAE's advantages
-    normalised over the batch. batch_mean(x, mask) -> float and batch_whiten(x, mask,
-    unbiased=False) -> [B, T] fp32: statistics over the whole batch (every process's part).
+    normalised over the batch. batch_whiten(x, mask, unbiased=False) -> [B, T] fp32: x
+    whitened with the statistics of the whole batch (every process's part).
     """
 
     mask: torch.Tensor
@@ -52,18 +47,16 @@ class AdvantageInputs:
     turn: Optional[torch.Tensor] = None
     high_level_gamma: float = 0.95
     whiten_advantages: bool = True
-    batch_mean: Callable[[torch.Tensor, torch.Tensor], float] = _local_mean
     batch_whiten: Callable[..., torch.Tensor] = masked_whiten
 
 
 @dataclass
 class AdvantageOutputs:
     """advantages: [B, T] fp32, zero off the mask. returns: [B, T] fp32 targets of the value
-    loss (estimators with a critic), else None. metrics: batch figures (`critic/*`)."""
+    loss (estimators with a critic), else None."""
 
     advantages: torch.Tensor
     returns: Optional[torch.Tensor] = None
-    metrics: dict = field(default_factory=dict)
 
 
 _ESTIMATORS: dict[str, Callable[[AdvantageInputs], AdvantageOutputs]] = {}
@@ -90,12 +83,11 @@ def estimate_advantages(name: str, inputs: AdvantageInputs) -> AdvantageOutputs:
 
 
 def _with_critic(x: AdvantageInputs, adv: torch.Tensor, ret: torch.Tensor) -> AdvantageOutputs:
-    """A critic estimator's outputs: its batch means of returns and values, and its
-    advantages whitened over the batch when asked."""
-    metrics = {"critic/return_mean": x.batch_mean(ret, x.mask), "critic/value_mean": x.batch_mean(x.values, x.mask)}
+    """A critic estimator's outputs: its returns, and its advantages whitened over the batch
+    when asked."""
     if x.whiten_advantages:
         adv = x.batch_whiten(adv, x.mask)
-    return AdvantageOutputs(adv, ret, metrics)
+    return AdvantageOutputs(adv, ret)
 
 
 @register_estimator("gae")

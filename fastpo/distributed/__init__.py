@@ -9,7 +9,8 @@ never initialised), so the trainer runs one code path for one process and N. By 
 - launch: `fastpo train|eval --nproc N` relaunched under torchrun, and the settings the
   data-parallel trainer cannot run yet refused before anything loads (`check_trainer_support`).
 - collectives: rank-0-only side effects with the result or the error shared (`on_main`),
-  work shared out and gathered (`gather_results`), global batch statistics and metrics.
+  work shared out and gathered (`gather_results`), global batch statistics (the metrics of
+  an iteration are reduced once, by fastpo.trainer.metric_sums).
 - data_parallel: the global batch: env groups split whole across ranks with seeds
   independent of the world size, the StarPO-S filter over every rank's groups, the loss
   normaliser of a mini-batch spread over ranks.

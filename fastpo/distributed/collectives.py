@@ -2,15 +2,15 @@
 process: rank-0-only side effects with the result, or the error, shared (`on_main`), work
 shared out with the results gathered (`gather_results`), object gathers, the replicas'
 start from rank 0's weights (`broadcast_modules`), element-wise sums and maxima
-(`all_reduce`), global batch statistics (`masked_mean`, `masked_whiten`) and global metrics
-(`weighted_means`, `per_rank`)."""
+(`all_reduce`), the global batch's whitening (`masked_whiten`) and one number from every rank
+(`per_rank`). An iteration's metrics are reduced once, by fastpo.trainer.metric_sums."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch
 
-from fastpo.distributed.context import DistContext, DistributedError
+from fastpo.distributed.context import DistContext
 
 
 def on_main(ctx: DistContext, fn: Callable[..., Any], *args, **kwargs) -> Any:
@@ -106,16 +106,6 @@ def broadcast_modules(ctx: DistContext, *modules) -> None:
                     t.copy_(buf)
 
 
-def masked_mean(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor) -> float:
-    """The mean of `x` where `mask` is True over every rank's entries (0.0 when there are
-    none); one process: `float(x[mask].mean())`, as the trainer computes it."""
-    m = mask.bool()
-    if not ctx.initialized:
-        return float(x[m].mean()) if m.any() else 0.0
-    n, total = all_reduce(ctx, [int(m.sum()), float(x[m].double().sum())])
-    return total / n if n else 0.0
-
-
 def masked_whiten(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor, unbiased: bool = False,
                   eps: float = 1e-8) -> torch.Tensor:
     """`fastpo.algorithms.masked_whiten` (shift_mean) with the mean and variance of the global
@@ -163,23 +153,6 @@ def all_reduce(ctx: DistContext, values: list[float], op: str = "sum") -> list[f
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t.cpu().tolist()
-
-
-def weighted_means(ctx: DistContext, values: dict, weight: float) -> dict:
-    """Global metrics: each value's mean over ranks weighted by `weight` (this rank's share,
-    e.g. its trajectories or tokens): sum_r w_r x_r / sum_r w_r (0 where the weights sum to
-    0). Every rank must pass the same keys (sent in sorted order); raises DistributedError
-    when the key counts differ. One process: the values as floats."""
-    keys = sorted(values)
-    if not ctx.initialized:
-        return {k: float(values[k]) for k in keys}
-    lo, hi = all_reduce(ctx, [-len(keys), len(keys)], "max")
-    if -lo != hi:
-        raise DistributedError(f"ranks report different metrics ({int(-lo)} to {int(hi)} keys); every rank must "
-                               f"report the same ones")
-    sums = all_reduce(ctx, [float(weight)] + [float(weight) * float(values[k]) for k in keys], "sum")
-    total = sums[0]
-    return {k: (s / total if total else 0.0) for k, s in zip(keys, sums[1:])}
 
 
 def per_rank(ctx: DistContext, value: float) -> list[float]:

@@ -317,7 +317,8 @@ def write_samples(out_dir: str, iteration: int, texts: Iterable[str], header: st
 def rollout_metrics(batch, prefix: str = "train") -> dict:
     """Scalars describing a TrajectoryBatch: success rate, score mean/std, in-group reward std,
     response length (model tokens per trajectory), tokens per trajectory, turns, format-penalty
-    rate and the engine's own rates (valid / effective actions, truncation)."""
+    rate and the engine's own rates (valid / effective actions, truncation). The figures of one
+    batch (the evaluation's, gathered on rank 0); a training iteration's are `rollout_sums`'."""
     from fastpo.algorithms.filtering import group_reward_std
 
     scores = batch.scores.float()
@@ -352,3 +353,70 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
                 out[f"{prefix}/{label}/format_valid"] = float(per_turn_ok[sel].mean())
                 out[f"{prefix}/{label}/num_turns"] = float(batch.num_turns[sel].float().mean())
     return out
+
+
+#: The engine's batch metrics that `rollout_sums` recomputes from the per-trajectory counts
+#: (`fastpo.rollout.batch.count_rates`) where the batch holds them.
+COUNTED_RATES = ("valid_action_rate", "effective_action_rate", "response_length", "num_actions")
+
+
+def rollout_sums(batch, sums, prefix: str = "train") -> None:
+    """`rollout_metrics`' figures of this process's share `batch` (a TrajectoryBatch) of a
+    rollout, recorded into `sums` (a fastpo.trainer.metric_sums.MetricSums) so that their
+    reduction over the processes gives the whole batch's: per-trajectory means as (sum,
+    trajectories), the in-group reward std as (sum over env groups, groups; a group is whole on
+    one process), the score std from the sums of scores and their squares, a game of a
+    mixture's figures over its trajectories. The engine's action and turn rates come from the
+    per-trajectory counts (valid / all answer pieces, effective / executed actions, model
+    tokens per turn: `count_rates`), exact however the batch is split; its token counts are
+    summed, its seconds and peak KV bytes the largest process's, its tokens per second the
+    processes' rates added, any other figure of it weighted by trajectories. Every process
+    records the same keys (a game absent from every share is left out)."""
+    from fastpo.algorithms.filtering import group_reward_std
+    from fastpo.rollout.batch import MAX_METRICS, SUMMED_METRICS
+
+    p, n = prefix, len(batch)
+    scores = batch.scores.float()
+    sums.mean(f"{p}/success_rate", batch.success.float().sum(), n)
+    sums.mean(f"{p}/score_mean", scores.double().sum(), n)
+    sums.std(f"{p}/score_std", scores)
+    stds = group_reward_std(scores, batch.group_ids) if n else {}
+    sums.mean(f"{p}/in_group_reward_std", sum(stds.values()), len(stds))
+    sums.mean(f"{p}/response_length", sum(int(torch.as_tensor(m).sum()) for m in batch.loss_mask), n)
+    sums.mean(f"{p}/tokens_per_trajectory", sum(len(x) for x in batch.input_ids), n)
+    sums.mean(f"{p}/num_turns", batch.num_turns.sum(), n)
+    sums.mean(f"{p}/num_actions", batch.num_actions.sum(), n)
+    sums.mean(f"{p}/truncated_rate", batch.truncated.sum(), n)
+    ok = batch.format_valid().double()
+    sums.mean(f"{p}/format_valid", ok.sum(), n)
+    sums.mean(f"{p}/format_penalty_rate", (1.0 - ok).sum(), n)
+    counted = all(x is not None for x in (batch.valid_actions, batch.invalid_actions, batch.effective_actions))
+    mine = {"success_rate", "score", "num_turns", "truncated_rate", "format_penalty_rate", "format_valid"}
+    for k, v in (batch.metrics or {}).items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or k in mine or k == "num_actions":
+            continue
+        key = f"{p}/{'response_length_per_turn' if k == 'response_length' else k}"
+        if k in SUMMED_METRICS or k == "tokens_per_s":
+            sums.total(key, v)
+        elif k in MAX_METRICS:
+            sums.max(key, v)
+        elif not (counted and k in COUNTED_RATES):
+            sums.mean(key, float(v) * n, n)
+    if counted:
+        valid, invalid = int(batch.valid_actions.sum()), int(batch.invalid_actions.sum())
+        executed, turns = int(batch.num_actions.sum()), int(batch.num_turns.sum())
+        sums.mean(f"{p}/valid_action_rate", valid, valid + invalid)
+        sums.mean(f"{p}/effective_action_rate", int(batch.effective_actions.sum()), executed)
+        sums.mean(f"{p}/response_length_per_turn", sum(int(torch.as_tensor(m).sum()) for m in batch.loss_mask),
+                  turns)
+    labels = (batch.info or {}).get("envs") or list(dict.fromkeys(getattr(batch, "env_labels", None) or []))
+    if len(labels) > 1 or (batch.info or {}).get("envs"):  # a mixture: each game's own figures
+        fv = batch.format_valid()
+        for label in labels:
+            sel = torch.tensor([x == label for x in batch.env_labels], dtype=torch.bool)
+            k = int(sel.sum())
+            sums.mean(f"{p}/{label}/share", k, n)
+            sums.mean(f"{p}/{label}/success_rate", batch.success[sel].float().sum(), k, optional=True)
+            sums.mean(f"{p}/{label}/score_mean", scores[sel].double().sum(), k, optional=True)
+            sums.mean(f"{p}/{label}/format_valid", fv[sel].double().sum(), k, optional=True)
+            sums.mean(f"{p}/{label}/num_turns", batch.num_turns[sel].sum(), k, optional=True)

@@ -27,10 +27,10 @@ from fastpo.sft.config import handoff_command
 from fastpo.sft.data import SFTData, check_chat_file, load_sft_data
 from fastpo.sft.experts import expert_rollout, first_action_accuracy
 from fastpo.trainer.loop import RunTrainer
+from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.models import hidden_states
 from fastpo.trainer.plan import SUPERVISED
 from fastpo.trainer.setup import check_prompts_fit, open_run
-from fastpo.trainer.update import MetricMeans
 
 # sft.common_prefix: the shortest shared lead worth a segment of its own (a chat header alone is
 # about 10 tokens; the instructions of a built-in game 300-400)
@@ -148,21 +148,22 @@ class SFTTrainer(RunTrainer):
         idx = batch_indices(self.cfg.trainer.seed, it, self.sft.batch_size, len(self.ids))
         n_ans = sum(int(self.masks[i].sum()) for i in idx)
         updater = self.parts.updater
-        acc = MetricMeans()
+        sums = MetricSums()
         self.stop.update_begins()
         self.model.train()
-        stepped, tokens = updater.step(self.batch, idx, self._nll_loss(n_ans), acc)
+        stepped, tokens = updater.step(self.batch, idx, self._nll_loss(n_ans), sums)
         if not stepped:
             self.warn(f"iteration {it}: non-finite loss or gradient; SFT step skipped (weights unchanged)")
         updater.finish()  # gradients freed, eval mode, the step's memory back to the system
         dt = time.perf_counter() - t0
-        nll, ent = acc.sums.pop("sft/nll", 0.0), acc.sums.pop("sft/entropy", 0.0)
-        m = acc.means()  # the step's other means (the NLL and entropy sums are popped above)
+        sums.mean("sft/loss", 0.0, 0)  # (a skipped step: 0.0)
+        sums.mean("sft/answer_entropy", 0.0, 0)
+        m = sums.reduce(self.dist)  # the step's NLL and entropy per answer token, gradient norm
         if self.data is not None:
             m.update({"train/success_rate": float(self.data.success[idx].float().mean()),
                       "train/score_mean": float(self.data.scores[idx].mean())})
         m.update({
-            "sft/loss": nll / max(n_ans, 1), "sft/answer_entropy": ent / max(n_ans, 1), "sft/answer_tokens": n_ans,
+            "sft/answer_tokens": n_ans,
             "sft/trajectories": len(idx), "sft/epoch": (it * self.sft.batch_size) / len(self.ids),
             "actor/updates": int(stepped), "actor/skipped_updates": int(not stepped),
             "perf/train_tokens_per_s": tokens / max(dt, 1e-9), "time/update_s": dt,
@@ -171,7 +172,8 @@ class SFTTrainer(RunTrainer):
 
     def _nll_loss(self, n_ans: int):
         """The `MicroLoss` of a step of `n_ans` answer tokens: their summed NLL / n_ans (the
-        step's token mean once accumulated); logs the sums of NLL and entropy."""
+        step's token mean once accumulated); its figures sft/loss and sft/answer_entropy, the NLL
+        and entropy per answer token (nats)."""
         m = self.parts.models
 
         def loss(micro, scored):
@@ -180,7 +182,10 @@ class SFTTrainer(RunTrainer):
                 lp, ent = linear_logprob_entropy(h[scored.rows], lm_head_weight(m.policy), scored.targets,
                                                  impl=self.cfg.trainer.kernel_impl)
                 total = -lp.sum() / max(n_ans, 1)
-            return total, {"sft/nll": float(-lp.detach().sum()), "sft/entropy": float(ent.detach().sum())}
+            figures = MetricSums()
+            figures.mean("sft/loss", -lp.detach().sum(), lp.numel())
+            figures.mean("sft/answer_entropy", ent.detach().sum(), lp.numel())
+            return total, figures
 
         return loss
 

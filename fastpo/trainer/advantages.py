@@ -6,15 +6,15 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import numpy as np
 import torch
 
 from fastpo import algorithms as alg
 from fastpo.algorithms.filtering import group_reward_std
-from fastpo.distributed.collectives import all_reduce, masked_mean, masked_whiten, weighted_means
-from fastpo.distributed.context import DistContext
+from fastpo.distributed.collectives import all_reduce, masked_whiten
+from fastpo.distributed.context import DistContext, SINGLE
 from fastpo.registry import estimator
 from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.metric_sums import MetricSums
 
 
 class Advantages:
@@ -27,27 +27,36 @@ class Advantages:
     def __init__(self, cfg, dist: DistContext, plan):
         self.cfg, self.dist, self.plan = cfg, dist, plan
 
-    def estimate(self, rollout, batch: TrainBatch) -> dict:
+    def estimate(self, rollout, batch: TrainBatch, sums: MetricSums) -> None:
         """The advantages (and returns) of `batch` (the record of `rollout`, a TrajectoryBatch)
         into it, per env group on each process with batch statistics over every process; then
         DAPO's overlong filtering (algorithm.overlong_filter: the turns cut at the length limit
         leave the loss, after their reward reached the earlier turns) and RAGEN's soft
-        reweighting by the group's reward std (algorithm.soft_advantage_reweight). Returns the
-        metrics: train/advantage_mean|std over every rank's scored tokens, the estimator's,
-        train/kl_reward with the KL on the reward, train/soft_reweight_min|max|mean."""
-        batch.advantages, batch.returns, local = self.compute(rollout, batch.loss_mask, batch.values,
-                                                              batch.old_logprobs, batch.ref_logprobs)
+        reweighting by the group's reward std (algorithm.soft_advantage_reweight). Records into
+        `sums`: `compute`'s figures, train/advantage_mean|std (per scored token, the sample std)
+        and train/soft_reweight_min|max|mean (per trajectory)."""
+        batch.advantages, batch.returns, _ = self.compute(rollout, batch.loss_mask, batch.values,
+                                                          batch.old_logprobs, batch.ref_logprobs, sums)
         if self.cfg.algorithm.overlong_filter:
             overlong_filtered(rollout, batch)
-        metrics = self.batch_metrics(batch.advantages, batch.loss_mask, local)
+        masks = batch.loss_mask
+        x = torch.cat([a[m] for a, m in zip(batch.advantages, masks)]) if masks else torch.zeros(0)
+        sums.mean("train/advantage_mean", x.double().sum(), x.numel())
+        sums.std("train/advantage_std", x)
         if self.cfg.algorithm.soft_advantage_reweight:  # the largest group std over every process
-            w, wm = self.soft_weights(rollout)
+            w = self.soft_weights(rollout)
             batch.advantages = [x * w[i] for i, x in enumerate(batch.advantages)]
-            metrics.update(wm)
-        return metrics
+            sums.min("train/soft_reweight_min", w.min() if w.numel() else None)
+            sums.max("train/soft_reweight_max", w.max() if w.numel() else None)
+            sums.mean("train/soft_reweight_mean", w.double().sum(), w.numel())
 
-    def compute(self, batch, masks, vals, old_lp=None, ref=None) -> tuple[list, Optional[list], dict]:
-        """Per-trajectory advantages (and returns for PPO), [T_i] fp32 each, zero off the loss mask.
+    def compute(self, batch, masks, vals, old_lp=None, ref=None,
+                sums: Optional[MetricSums] = None) -> tuple[list, Optional[list], dict]:
+        """Per-trajectory advantages (and returns for PPO), [T_i] fp32 each, zero off the loss mask,
+        and the figures of these trajectories: critic/return_mean and critic/value_mean (per
+        scored token; estimators with a critic) and train/kl_reward (with the KL on the reward:
+        the mean over trajectories of each one's mean token KL, verl's critic/kl), also recorded
+        into `sums` where given (the iteration's, reduced over every process).
 
         Estimators (algorithm.adv_estimator): gae (critic), reinforce_pp (token returns
         normalised over the batch), and the group ones on trajectory scores: grpo, drgrpo,
@@ -60,20 +69,32 @@ class Advantages:
         """
         a = self.cfg.algorithm
         spec = estimator(a.adv_estimator)
+        own = MetricSums()  # these trajectories' figures
         B = len(masks)
         if B == 0:  # a process whose env groups the filter all dropped (data parallel)
-            return self._empty_advantages(spec)
+            adv, returns = self._empty_advantages(spec)
+        else:
+            adv, returns = self._advantages(spec, batch, masks, vals, old_lp, ref, own)
+        if sums is not None:
+            sums.merge(own)
+        return adv, returns, own.reduce(SINGLE)
+
+    def _advantages(self, spec, batch, masks, vals, old_lp, ref, own: MetricSums) -> tuple[list, Optional[list]]:
+        """`compute` on B >= 1 trajectories."""
+        a = self.cfg.algorithm
+        B = len(masks)
         T = max(int(mask.numel()) for mask in masks)
         M = torch.zeros(B, T, dtype=torch.bool)
         for i, mask in enumerate(masks):
             M[i, : mask.numel()] = mask
-        metrics: dict = {}
         KL = None
-        if self.plan.kl_coef > 0 and self.plan.kl_in_reward and ref is not None:
-            KL, metrics["train/kl_reward"] = self._token_kl(M, old_lp, ref)
+        if self.plan.kl_coef > 0 and self.plan.kl_in_reward:
+            if ref is not None:
+                KL = self._token_kl(M, old_lp, ref, own)
+            else:
+                own.mean("train/kl_reward", 0.0, 0)
         ctx = self.dist
         inputs = alg.AdvantageInputs(M, batch.group_ids, gamma=a.gamma, lam=a.lam, whiten_advantages=a.whiten_advantages,
-                                     batch_mean=functools.partial(masked_mean, ctx),
                                      batch_whiten=functools.partial(masked_whiten, ctx))
         if spec.needs_turns:
             inputs.turn, inputs.high_level_gamma = self._turns(batch, M), a.high_level_gamma
@@ -89,31 +110,30 @@ class Advantages:
         # (data parallel: batch statistics over every rank's tokens)
         out = alg.estimate_advantages(a.adv_estimator, inputs)
         adv = out.advantages
-        metrics.update(out.metrics)
-        returns = None if out.returns is None else [out.returns[i, : masks[i].numel()] for i in range(B)]
-        metrics["train/advantage_mean"] = float(adv[M].mean()) if M.any() else 0.0
-        metrics["train/advantage_std"] = float(adv[M].std()) if int(M.sum()) > 1 else 0.0
-        return [adv[i, : masks[i].numel()] for i in range(B)], returns, metrics
+        returns = None
+        if out.returns is not None:
+            returns = [out.returns[i, : masks[i].numel()] for i in range(B)]
+            own.mean("critic/return_mean", out.returns[M].double().sum(), int(M.sum()))
+            own.mean("critic/value_mean", inputs.values[M].double().sum(), int(M.sum()))
+        return [adv[i, : masks[i].numel()] for i in range(B)], returns
 
-    def _empty_advantages(self, spec) -> tuple[list, Optional[list], dict]:
+    def _empty_advantages(self, spec) -> tuple[list, Optional[list]]:
         """No trajectory on this process: it still joins the batch statistics, in the order the
-        other ranks compute them."""
+        other ranks compute them (its figures: none; the reduction counts nothing here)."""
         ctx, a = self.dist, self.cfg.algorithm
         if not spec.batch_statistics:
-            return [], None, {}
+            return [], None
         empty, none = torch.zeros(0, 1), torch.zeros(0, 1, dtype=torch.bool)
         if not spec.needs_critic:
             masked_whiten(ctx, empty, none, unbiased=True)
-            return [], None, {}
-        m = {"critic/return_mean": masked_mean(ctx, empty, none),
-             "critic/value_mean": masked_mean(ctx, empty, none)}
+            return [], None
         if a.whiten_advantages:
             masked_whiten(ctx, empty, none)
-        return [], [], m
+        return [], []
 
-    def _token_kl(self, M: torch.Tensor, old_lp: list, ref: list) -> tuple[torch.Tensor, float]:
-        """(each model token's KL to the reference [B, T], verl's critic/kl: the mean over
-        trajectories of each one's mean token KL)."""
+    def _token_kl(self, M: torch.Tensor, old_lp: list, ref: list, own: MetricSums) -> torch.Tensor:
+        """Each model token's KL to the reference [B, T]; train/kl_reward into `own` (verl's
+        critic/kl: the mean over trajectories with a model token of each one's mean token KL)."""
         a = self.cfg.algorithm
         B, T = M.shape
         LP, REF = torch.zeros(B, T), torch.zeros(B, T)
@@ -122,7 +142,8 @@ class Advantages:
             REF[i, : ref[i].numel()] = ref[i]
         _, KL = alg.apply_kl_penalty(torch.zeros(B, T), LP, REF, M, a.kl_coef, a.kl_estimator)
         n = M.sum(1)
-        return KL, float((KL.sum(1)[n > 0] / n[n > 0]).mean()) if bool((n > 0).any()) else 0.0
+        own.mean("train/kl_reward", (KL.sum(1)[n > 0] / n[n > 0]).double().sum(), int((n > 0).sum()))
+        return KL
 
     @staticmethod
     def _turns(batch, M: torch.Tensor) -> torch.Tensor:
@@ -142,33 +163,13 @@ class Advantages:
         turn_rewards = batch.turn_rewards.float() if a.reward_position == "turn" else None
         return alg.place_rewards(M, batch.scores.float(), a.reward_position, turn, turn_rewards)
 
-    def batch_metrics(self, adv, masks, local: dict) -> dict:
-        """`compute`'s metrics over every rank: the mean and sample std (n - 1) of the advantages
-        on scored tokens, and the KL-in-reward mean over trajectories."""
-        x = torch.cat([a[m] for a, m in zip(adv, masks)]).double() if masks else torch.zeros(0, dtype=torch.float64)
-        n, s1, s2 = all_reduce(self.dist, [x.numel(), float(x.sum()), float((x * x).sum())])
-        out = dict(local)
-        mean = s1 / n if n else 0.0
-        out["train/advantage_mean"] = mean
-        out["train/advantage_std"] = float(np.sqrt(max(0.0, (s2 - n * mean * mean) / (n - 1)))) if n > 1 else 0.0
-        if self.plan.kl_coef > 0 and self.plan.kl_in_reward:
-            with_tokens = sum(1 for m in masks if bool(m.any()))
-            out["train/kl_reward"] = weighted_means(self.dist, {"kl": local.get("train/kl_reward", 0.0)},
-                                                    with_tokens)["kl"]
-        return out
-
-    def soft_weights(self, batch) -> tuple[torch.Tensor, dict]:
-        """`soft_advantage_weights` of this rank's trajectories with the largest group std of
-        the global batch, and train/soft_reweight_min|max|mean over every rank's trajectories."""
+    def soft_weights(self, batch) -> torch.Tensor:
+        """`soft_advantage_weights` [B] of this rank's trajectories, with the largest group std
+        of the global batch (one collective)."""
         scores = batch.scores.float()
         local = max(group_reward_std(scores, batch.group_ids).values(), default=0.0) if len(scores) else 0.0
         top = all_reduce(self.dist, [local], "max")[0]
-        w = alg.soft_advantage_weights(scores, batch.group_ids, top=top) if len(scores) else torch.zeros(0)
-        n, total = all_reduce(self.dist, [w.numel(), float(w.double().sum())])
-        lo = -all_reduce(self.dist, [-float(w.min()) if w.numel() else -np.inf], "max")[0]
-        hi = all_reduce(self.dist, [float(w.max()) if w.numel() else -np.inf], "max")[0]
-        return w, {"train/soft_reweight_min": lo, "train/soft_reweight_max": hi,
-                   "train/soft_reweight_mean": total / n if n else 0.0}
+        return alg.soft_advantage_weights(scores, batch.group_ids, top=top) if len(scores) else torch.zeros(0)
 
 
 def overlong_filtered(rollout, batch: TrainBatch) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from fastpo import algorithms as alg
 from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.metric_sums import MetricSums
 
 
 def _cpu_copy(item: dict) -> dict:
@@ -212,12 +213,13 @@ def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return out
 
 
-def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, metrics: dict, batch: TrainBatch,
+def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, sums: MetricSums, batch: TrainBatch,
                      fresh: bool = False) -> TrainBatch:
     """The batch iteration `it` trains on: `batch` with this iteration's replayed trajectories
     from `schedule` (None: no reuse or replay) appended, and the importance-sampling correction
     of TrainConfig `cfg` (algorithm.is_correction: `is_weights` set; with "mis", trajectories
-    left with no token dropped); its metrics into `metrics`. `fresh`: `batch` was just rolled
+    left with no token dropped); its figures into `sums` (figures of the whole batch: reuse,
+    replay and the correction run in one process only). `fresh`: `batch` was just rolled
     out (`schedule.start` takes it after the iteration's last drop point).
 
     Replayed trajectories keep their sampler log-probs, advantages and returns; their old
@@ -227,11 +229,11 @@ def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, 
     a = cfg.algorithm
     rep = schedule.replayed(it, len(batch), fresh) if schedule is not None else []
     if schedule is not None:
-        metrics["rollout/reuse_index"] = schedule.reuse_index(it, fresh)
-        metrics["replay/size"] = len(schedule.pool(fresh))
-        metrics["replay/trajectories"] = len(rep)
+        sums.value("rollout/reuse_index", schedule.reuse_index(it, fresh))
+        sums.value("replay/size", len(schedule.pool(fresh)))
+        sums.value("replay/trajectories", len(rep))
         if rep:
-            metrics["replay/age_mean"] = float(np.mean([it - x["iteration"] for x in rep]))
+            sums.value("replay/age_mean", float(np.mean([it - x["iteration"] for x in rep])))
     if rep:
         old = TrainBatch.from_rows(rep)
         old.old_logprobs, _, r_vals, r_ref = scorer.compute_old(old)
@@ -243,8 +245,8 @@ def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, 
     corr = alg.rollout_correction(_pad(batch.old_logprobs), _pad(batch.sample_logprobs),
                                   _pad(batch.loss_mask, torch.bool), a.is_correction, a.is_level, a.is_cap)
     for k in ("is_ratio_mean", "is_ratio_max", "is_ratio_min", "is_weight_mean", "is_truncated_frac"):
-        metrics[f"actor/{k}"] = corr.metrics[k]
-    metrics["rollout/mismatch_kl"] = corr.metrics["mismatch_kl"]
+        sums.value(f"actor/{k}", corr.metrics[k])
+    sums.value("rollout/mismatch_kl", corr.metrics["mismatch_kl"])
     if a.is_correction == "none":
         return batch
     n = [int(x.numel()) for x in batch.input_ids]

@@ -22,9 +22,10 @@ from fastpo.distributed.context import DistContext
 from fastpo.distributed.data_parallel import gather_group_stds, rank_seeds, split_groups
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
 from fastpo.memory import release_free_memory
-from fastpo.report.metrics import rollout_metrics, write_samples
+from fastpo.report.metrics import rollout_sums, write_samples
 from fastpo.rollout.batch import TrajectoryBatch
 from fastpo.seeds import dynamic_draw_seeds, rollout_sampling_seed
+from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.models import Models
 from fastpo.trainer.plan import RunPlan
 
@@ -111,15 +112,16 @@ class Sampler:
             self.engine.release_memory()
             self._released = True
 
-    def roll_out(self, it: int) -> Optional[tuple]:
+    def roll_out(self, it: int, sums: MetricSums) -> Optional[tuple]:
         """Step 1 of a StarPO iteration: this process's env groups of iteration `it` rolled out
         (their seeds and ids as in one process; DAPO's extra draws with algorithm.filter_mode
-        dynamic), rescored by `rewards`; the rollout metrics of the whole batch (the collapse
-        metrics at iteration 1 and every trainer.collapse_every), then DAPO's overlong shaping.
-        Returns (the TrajectoryBatch, its metrics, {"time/rollout_s", "time/weight_sync_s"
-        (, "time/collapse_s")}, generated tokens), or None when `stopping()` ended it (the
-        caller drops the iteration). Raises NothingToTrain when no trajectory had room for a
-        response."""
+        dynamic), rescored by `rewards`; the rollout's figures into `sums` (this process's
+        share: `fastpo.report.metrics.rollout_sums`, and perf/rollout_tokens_per_s: the
+        processes' rates added; the collapse metrics at iteration 1 and
+        every trainer.collapse_every, on the whole batch gathered to rank 0), then DAPO's
+        overlong shaping. Returns (the TrajectoryBatch, {"time/rollout_s", "time/weight_sync_s"
+        (, "time/collapse_s")}), or None when `stopping()` ended it (the caller drops the
+        iteration). Raises NothingToTrain when no trajectory had room for a response."""
         cfg, r, ctx = self.cfg, self.cfg.rollout, self.dist
         self.take_weight_sync_seconds()  # (an evaluation's since the last rollout is not this rollout's)
         t0 = time.perf_counter()
@@ -139,23 +141,26 @@ class Sampler:
                 return None
         sync_s = self.take_weight_sync_seconds()
         tm = {"time/rollout_s": time.perf_counter() - t0 - sync_s, "time/weight_sync_s": sync_s}
-        turns = int(all_reduce(ctx, [int(full.num_turns.sum())])[0])
-        longest = int(all_reduce(ctx, [max(int(x.numel()) for x in full.input_ids)], "max")[0])
+        # any turn on any process, and the longest prompt for the message (one collective)
+        turns, longest = all_reduce(ctx, [int(full.num_turns.sum()), max(int(x.numel()) for x in full.input_ids)],
+                                    "max")
         if not turns:
             raise NothingToTrain(
-                f"iteration {it}: no trajectory had room for a response (prompts of up to {longest} tokens, "
+                f"iteration {it}: no trajectory had room for a response (prompts of up to {int(longest)} tokens, "
                 f"config key 'rollout.max_context' = {r.max_context}); raise rollout.max_context to at least "
-                f"{longest + r.max_new_tokens}")
+                f"{int(longest) + r.max_new_tokens}")
+        rollout_sums(full, sums, prefix="train")
+        generated = full.metrics.get("generated_tokens", sum(int(torch.as_tensor(x).sum()) for x in full.loss_mask))
+        sums.total("perf/rollout_tokens_per_s", float(generated) / max(tm["time/rollout_s"], 1e-9))
+        for k, v in draws.items():
+            sums.value(k, v)
         every = cfg.trainer.collapse_every
-        collapse = bool(every and (it == 1 or it % every == 0))
-        metrics, generated, collapse_s = self.batch_metrics(full, collapse)
-        metrics.update(draws)
-        metrics.update(overlong_shaping(cfg, ctx, full))
+        if every and (it == 1 or it % every == 0):
+            tm["time/collapse_s"] = self.collapse_figures(full, sums)
+        overlong_shaping(cfg, full, sums)
         if self.rewards is not None:
-            metrics.update(self.reward_metrics())
-        if collapse:
-            tm["time/collapse_s"] = collapse_s
-        return full, metrics, tm, generated
+            self.reward_sums(sums)
+        return full, tm
 
     def rescored(self, batch):
         """`batch` with reward.fn's value and the judge's score on its turn rewards and scores (in
@@ -166,24 +171,20 @@ class Sampler:
                 self.reward_totals[k] = self.reward_totals.get(k, 0.0) + v
         return batch
 
-    def reward_metrics(self) -> dict:
-        """This iteration's reward.fn and judge figures over every process: train/reward_fn_mean
-        (per trajectory; with reward.fn), train/judge_score_mean and train/judge_unparsed_rate
-        (per judged trajectory), train/judge_too_long and time/judge_s (with a judge)."""
-        keys = ["reward_fn_sum", "count"]
-        if self.rewards.judge is not None:
-            keys += ["judged", "judge_score_sum", "judge_unparsed", "judge_too_long", "judge_seconds"]
-        tot = dict(zip(keys, all_reduce(self.dist, [self.reward_totals.get(k, 0.0) for k in keys])))
-        out = {}
+    def reward_sums(self, sums: MetricSums) -> None:
+        """This iteration's reward.fn and judge figures into `sums`: train/reward_fn_mean (per
+        trajectory; with reward.fn), train/judge_score_mean and train/judge_unparsed_rate (per
+        judged trajectory), train/judge_too_long (a count) and time/judge_s (the processes'
+        mean) with a judge."""
+        tot = self.reward_totals
         if self.rewards.fn is not None:
-            out["train/reward_fn_mean"] = tot["reward_fn_sum"] / max(tot["count"], 1.0)
+            sums.mean("train/reward_fn_mean", tot.get("reward_fn_sum", 0.0), tot.get("count", 0.0))
         if self.rewards.judge is not None:
-            n = max(tot["judged"], 1.0)
-            out.update({"train/judge_score_mean": tot["judge_score_sum"] / n,
-                        "train/judge_unparsed_rate": tot["judge_unparsed"] / n,
-                        "train/judge_too_long": tot["judge_too_long"],
-                        "time/judge_s": tot["judge_seconds"] / max(self.dist.world_size, 1)})
-        return out
+            judged = tot.get("judged", 0.0)
+            sums.mean("train/judge_score_mean", tot.get("judge_score_sum", 0.0), judged)
+            sums.mean("train/judge_unparsed_rate", tot.get("judge_unparsed", 0.0), judged)
+            sums.total("train/judge_too_long", tot.get("judge_too_long", 0.0))
+            sums.mean("time/judge_s", tot.get("judge_seconds", 0.0), 1)
 
     def dynamic_draws(self, it: int, first) -> tuple:
         """DAPO's dynamic sampling, the drawing half: more rollouts of `rollout.env_groups`
@@ -222,26 +223,23 @@ class Sampler:
         return TrajectoryBatch.concat(batches), {"train/dynamic_draws": float(len(batches)),
                                                  "train/dynamic_varying_groups": float(found)}
 
-    def batch_metrics(self, full, collapse: bool) -> tuple[dict, float, float]:
-        """(rollout metrics, generated tokens, collapse seconds) of the global batch: every
-        rank's trajectories are gathered to rank 0, which computes `rollout_metrics` (and the
-        collapse metrics when `collapse`) on their concatenation, as one process would; the
-        result is shared with every rank."""
+    def collapse_figures(self, full, sums: MetricSums) -> float:
+        """The collapse metrics (`collapse_metrics`) of the whole batch into `sums`: every rank's
+        trajectories gathered to rank 0, which scores their first turns (the matrix of every
+        prompt against every response needs all of them in one place) and shares the figures.
+        Returns the seconds it took on rank 0."""
         pieces = gather_to_main(self.dist, dataclasses.replace(full, tokenizer=None))
 
-        def compute():
+        def compute() -> tuple:
             whole = pieces[0] if len(pieces) == 1 else TrajectoryBatch.concat(pieces)
             whole.tokenizer = self.models.tokenizer
-            m = rollout_metrics(whole, prefix="train")
-            t_c, secs = time.perf_counter(), 0.0
-            if collapse:
-                m.update(self.collapse_metrics(whole))
-                secs = time.perf_counter() - t_c
-            gen = float(whole.metrics.get("generated_tokens",
-                                          sum(int(torch.as_tensor(x).sum()) for x in whole.loss_mask)))
-            return m, gen, secs
+            t0 = time.perf_counter()
+            return self.collapse_metrics(whole), time.perf_counter() - t0
 
-        return on_main(self.dist, compute)
+        figures, seconds = on_main(self.dist, compute)
+        for k, v in figures.items():
+            sums.value(k, v)
+        return seconds
 
     def generate(self, seeds: list[int], group_size: int, temperature: float, seed: int,
                  group_ids: Optional[list[int]] = None):
@@ -315,18 +313,18 @@ class Sampler:
                                       autocast=self.models.autocast)
 
 
-def overlong_shaping(cfg: TrainConfig, dist: DistContext, full) -> dict:
+def overlong_shaping(cfg: TrainConfig, full, sums: MetricSums) -> None:
     """DAPO's overlong shaping on this process's trajectories `full` (a TrajectoryBatch), in
     place, after the rollout metrics (which stay the game's): each turn's penalty
     (`fastpo.algorithms.overlong_penalty`) added to its turn reward and the trajectory's score.
     The filtering half (algorithm.overlong_filter: the turns cut at rollout.max_new_tokens out
     of the loss) is `fastpo.trainer.advantages.overlong_filtered`, after the advantages, so
     that a cut turn's reward, its penalty included, still reaches the earlier turns' credit.
-    Returns train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns
-    (both over every process)."""
+    Records train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns (a
+    count) into `sums`."""
     a, r = cfg.algorithm, cfg.rollout
     if not a.overlong_buffer and not a.overlong_filter:
-        return {}
+        return
     total, cut = 0.0, 0
     for i, turns in enumerate(full.responses):
         if a.overlong_buffer and turns:
@@ -337,10 +335,7 @@ def overlong_shaping(cfg: TrainConfig, dist: DistContext, full) -> dict:
             total += float(pen.sum())
         if a.overlong_filter and full.turn_stop_reasons:
             cut += sum(1 for why in full.turn_stop_reasons[i] if why == "length")
-    n, total, cut = all_reduce(dist, [len(full.responses), total, cut])
-    out = {}
     if a.overlong_buffer:
-        out["train/overlong_penalty_mean"] = total / n if n else 0.0
+        sums.mean("train/overlong_penalty_mean", total, len(full.responses))
     if a.overlong_filter:
-        out["train/overlong_filtered_turns"] = cut
-    return out
+        sums.total("train/overlong_filtered_turns", cut)

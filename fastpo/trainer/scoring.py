@@ -1,19 +1,18 @@
 """Scoring a batch with the current models on packed micro-batches: old log-probs and entropies,
 values, reference log-probs (or the sampler's own, where they are the same quantity), and their
-batch metrics (`token_metrics`).
+batch figures (`token_sums`).
 """
 from __future__ import annotations
 
 import torch
 
 from fastpo.config.schema import TrainConfig
-from fastpo.distributed.collectives import all_reduce
-from fastpo.distributed.context import DistContext
 from fastpo.kernels import linear_logprob_entropy
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.packing import (pack_micro_batch, packing_attention, packing_mask_dtype, plan_micro_batches,
                             shared_prefixes)
 from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.models import Models, hidden_states
 from fastpo.trainer.plan import RunPlan
 
@@ -131,22 +130,19 @@ class Scorer:
         return batch.sample_logprobs, ent if ent is not None else ent2, vals if vals is not None else vals2, ref, lp2
 
 
-def token_metrics(dist: DistContext, batch: TrainBatch, recomputed) -> dict:
-    """train/logprob_gap_mean|max (the trainer's log-probs `recomputed`, or None, against the
-    sampler's, nats) and train/rollout_entropy (nats) over every rank's scored tokens of
-    `batch` (sums in float64)."""
+def token_sums(batch: TrainBatch, recomputed, sums: MetricSums) -> None:
+    """train/rollout_entropy (nats per scored token) and, where the trainer recomputed the
+    log-probs (`recomputed`, else None), train/logprob_gap_mean|max (|its log-prob - the
+    sampler's|, nats, per scored token) of this process's `batch`, into `sums` (float64 sums;
+    reduced over the processes with the iteration's other figures); train/old_logprob_from_sampler
+    (1.0 when the old log-probs are the sampler's)."""
     masks, samp, ent = batch.loss_mask, batch.sample_logprobs, batch.entropies
+    sums.value("train/old_logprob_from_sampler", float(batch.old_logprobs is samp))
     allm = torch.cat(masks) if masks else torch.zeros(0, dtype=torch.bool)
     e = torch.cat(ent)[allm].double() if masks else torch.zeros(0, dtype=torch.float64)
-    out = {}
-    # (a rank without trajectories may not know whether the others recomputed log-probs)
-    if all_reduce(dist, [float(recomputed is not None)], "max")[0]:
-        gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks and recomputed is not None
+    if recomputed is not None:
+        gap = ((torch.cat(recomputed) - torch.cat(samp))[allm].abs().double() if masks
                else torch.zeros(0, dtype=torch.float64))
-        n, total = all_reduce(dist, [gap.numel(), float(gap.sum())])
-        top = all_reduce(dist, [float(gap.max()) if gap.numel() else 0.0], "max")[0]
-        out["train/logprob_gap_mean"] = total / n if n else 0.0
-        out["train/logprob_gap_max"] = top if n else 0.0
-    n, total = all_reduce(dist, [e.numel(), float(e.sum())])
-    out["train/rollout_entropy"] = total / n if n else 0.0
-    return out
+        sums.mean("train/logprob_gap_mean", gap.sum(), gap.numel())
+        sums.max("train/logprob_gap_max", gap.max() if gap.numel() else None)
+    sums.mean("train/rollout_entropy", e.sum(), e.numel())

@@ -14,16 +14,16 @@ from fastpo.distributed.data_parallel import global_dynamic_filter, global_filte
 from fastpo.distributed.launch import check_trainer_support
 from fastpo.judge import judge_from_config
 from fastpo.memory import held_state_mib, peak_memory_mib
-from fastpo.distributed.collectives import per_rank
 from fastpo.rewards import RewardFunction
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.trainer.advantages import Advantages
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.lifecycle import Stopped
 from fastpo.trainer.loop import RunLoop, RunTrainer
+from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.plan import rl_plan
 from fastpo.trainer.replay import off_policy_batch
-from fastpo.trainer.scoring import token_metrics
+from fastpo.trainer.scoring import token_sums
 from fastpo.trainer.setup import open_run
 
 
@@ -57,67 +57,67 @@ class Trainer(RunTrainer):
         """One StarPO iteration; its metrics, or None when a SIGTERM dropped it before its update
         (nothing changed: a resume redoes it identically). Raises NothingToTrain when no
         trajectory had room for a response. One process and N run the same steps (one is a
-        world of one: the collectives are identities)."""
+        world of one: the collectives are identities); each step records its figures of this
+        process's share into one MetricSums, reduced over the processes once, at the end."""
         p, stop = self.parts, self.stop
         stop.iteration_begins()
+        sums = MetricSums()
         skip = reuse = None
-        if p.schedule is not None and not p.schedule.needs_rollout(it):  # rollout.reuse = K > 1
-            batch, metrics, tm, generated = self.reused_batch(it)
+        fresh = p.schedule is None or p.schedule.needs_rollout(it)
+        if not fresh:  # rollout.reuse = K > 1
+            batch, tm = self.reused_batch(it, sums)
         else:
             # FSDP2: whole parameters on every rank up to the update (the ranks' forward counts differ)
             with ffsdp.gathered(p.models.fsdp_root):
-                # 1. rollout: this process's env groups, rescored; the metrics of the whole batch
-                rolled = p.sampler.roll_out(it)
+                # 1. rollout: this process's env groups, rescored, and their figures
+                rolled = p.sampler.roll_out(it, sums)
                 if rolled is None:  # a SIGTERM ended it
                     return None
-                full, metrics, tm, generated = rolled
+                full, tm = rolled
                 # 2. filter: StarPO-S keeps the env groups with the largest in-group reward std
-                rollout, filt = self.filter(full, metrics)
+                rollout, filt = self.filter(full, sums)
                 # 3. batch: the trajectories to train on, one record
                 t1 = time.perf_counter()
                 batch = TrainBatch.from_rollout(rollout, it)
                 # 4. old log-probs (and values, reference log-probs): the sampler's or recomputed
                 recomputed = p.scorer.old_logprobs(rollout, batch)
                 tm["time/old_logprob_s"] = time.perf_counter() - t1
-                metrics["train/old_logprob_from_sampler"] = float(batch.old_logprobs is batch.sample_logprobs)
-                metrics.update(token_metrics(self.dist, batch, recomputed))
+                token_sums(batch, recomputed, sums)
                 if not filt.kept_groups:
                     skip = filt
                 else:
                     # 5. advantages (and returns), then off-policy data: reuse, replay, IS weights
                     t2 = time.perf_counter()
-                    metrics.update(self.advantages.estimate(rollout, batch))
+                    self.advantages.estimate(rollout, batch, sums)
                     tm["time/advantage_s"] = time.perf_counter() - t2
                     if p.schedule is not None:  # what the iterations reusing this batch train on and log
-                        reuse = (it, batch.rows(), dict(metrics))
+                        reuse = (it, batch.rows(), sums.copy())
                     if p.schedule is not None or self.cfg.algorithm.is_correction != "none":
-                        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, metrics, batch, fresh=True)
+                        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, sums, batch, fresh=True)
         if stop.drop_before_update():
             return None
         if skip is not None:
-            return self.skipped(it, skip, metrics, tm)
+            return self.skipped(it, skip, sums, tm)
         if reuse is not None:  # past the drop point: a dropped iteration leaves the schedule as it was
-            p.schedule.start(*reuse)
+            p.schedule.start(*reuse[:2])
         # 6. update: PPO's epochs over the batch (the weights change from here on)
         stop.update_begins()
         t3 = time.perf_counter()
-        um, train_tokens = p.updater.update(it, batch)
+        sums.merge(p.updater.update(it, batch), replace=True)  # (its critic/value_mean replaces the batch's)
         p.sampler.weights_changed()  # a separate engine (SGLang) loads them before it next generates
-        um.pop("actor/pg_loss_micro", None)
-        metrics.update(um)
         tm["time/update_s"] = time.perf_counter() - t3
-        metrics["perf/train_tokens_per_s"] = train_tokens / max(tm["time/update_s"], 1e-9)
-        if generated is not None:  # a fresh rollout
-            if self.dist.initialized:  # each rank's own figures (a data-parallel job's report)
-                metrics.update(per_rank_figures(self, tm, len(batch)))
-            metrics["perf/rollout_tokens_per_s"] = generated / max(tm["time/rollout_s"], 1e-9)
+        if self.dist.initialized and fresh:  # each rank's own figures (a data-parallel job's report)
+            per_rank_figures(self, tm, len(batch), sums)
+        metrics = sums.reduce(self.dist)  # the iteration's one reduction
+        if reuse is not None:  # the figures the iterations reusing this batch log again (one process)
+            p.schedule.metrics = {k: v for k, v in reuse[2].reduce(self.dist).items() if not k.startswith("perf/")}
         return {**metrics, **tm}
 
-    def filter(self, full, metrics: dict):
+    def filter(self, full, sums: MetricSums):
         """Step 2: StarPO-S over every process's env groups (DAPO's dynamic sampling: the
-        varying ones); (the kept trajectories, the FilterResult), its metrics into `metrics`.
-        With no group kept the full batch is still scored for its metrics, then the update is
-        skipped."""
+        varying ones); (the kept trajectories, the FilterResult), its figures (global) into
+        `sums`. With no group kept the full batch is still scored for its metrics, then the
+        update is skipped."""
         a = self.cfg.algorithm
         if self.parts.plan.filter_mode == "dynamic":
             filt = global_dynamic_filter(self.dist, full.scores.float(), full.group_ids, self.cfg.rollout.env_groups)
@@ -127,54 +127,49 @@ class Trainer(RunTrainer):
                                  a.filter_keep_zero_std)
         kept = filt.indices.numel()
         rollout = full if not filt.kept_groups or kept == len(full.input_ids) else full.select(filt.indices)
-        metrics["train/filter_kept_ratio"] = filt.kept_ratio
-        metrics["train/in_group_reward_std_kept"] = filt.std_after
-        metrics["train/filter_zero_std_groups"] = filt.zero_std_groups
+        sums.value("train/filter_kept_ratio", filt.kept_ratio)
+        sums.value("train/in_group_reward_std_kept", filt.std_after)
+        sums.value("train/filter_zero_std_groups", filt.zero_std_groups)
         return rollout, filt
 
-    def skipped(self, it: int, filt, metrics: dict, tm: dict) -> dict:
+    def skipped(self, it: int, filt, sums: MetricSums, tm: dict) -> dict:
         """The metrics of iteration `it` whose filter kept no env group: no update (said)."""
         a = self.cfg.algorithm
         which = "dynamic sampling" if self.parts.plan.filter_mode == "dynamic" else f"the {a.filter_strategy} filter"
         self.warn(f"iteration {it}: {which} kept no env group "
                   f"({filt.zero_std_groups} of {len(filt.group_std)} without reward spread); update skipped")
-        metrics.update({"actor/updates": 0, "actor/skipped_updates": 0, **tm})
-        return metrics
+        sums.value("actor/updates", 0)
+        sums.value("actor/skipped_updates", 0)
+        return {**sums.reduce(self.dist), **tm}
 
-    def reused_batch(self, it: int) -> tuple:
+    def reused_batch(self, it: int, sums: MetricSums) -> tuple:
         """Steps 1-5 of an iteration inside a reuse cycle (rollout.reuse = K > 1): no rollout;
         the batch the cycle's first iteration sampled, trained on again with its old log-probs
         (those of the policy that sampled it), advantages and rollout metrics (logged again,
         with `rollout/reuse_index` 1..K-1), plus this iteration's replayed trajectories.
-        Returns (batch, metrics, phase seconds, None: nothing generated)."""
+        Returns (batch, phase seconds); the figures into `sums`."""
         p = self.parts
         tm: dict[str, float] = {"time/rollout_s": 0.0, "time/weight_sync_s": 0.0}
         t1 = time.perf_counter()
-        metrics = dict(p.schedule.metrics)
-        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, metrics, TrainBatch.from_rows(p.schedule.current))
+        for k, v in p.schedule.metrics.items():  # (the figures its rollout iteration logged)
+            sums.value(k, v)
+        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, sums, TrainBatch.from_rows(p.schedule.current))
         tm["time/old_logprob_s"] = time.perf_counter() - t1
-        return batch, metrics, tm, None
+        return batch, tm
 
 
-def per_rank_figures(trainer: Trainer, tm: dict, trajectories: int) -> dict:
+def per_rank_figures(trainer: Trainer, tm: dict, trajectories: int, sums: MetricSums) -> None:
     """Each rank's phase times (seconds), peak memory (MiB), trajectories trained on (after
     the filter) and the parameters and optimizer state it holds of the trained modules (MiB:
-    the whole model replicated, about 1/N of it under FSDP2) as dist/rank<R>/<name>."""
-    dist, models = trainer.dist, trainer.parts.models
-    out = {}
-    for r, v in enumerate(per_rank(dist, trajectories)):
-        out[f"dist/rank{r}/trajectories"] = int(v)
+    the whole model replicated, about 1/N of it under FSDP2), into `sums` as dist/rank<R>/<name>."""
+    models = trainer.parts.models
+    sums.per_rank("trajectories", trajectories)
     for key in ("time/rollout_s", "time/old_logprob_s", "time/update_s"):
-        for r, v in enumerate(per_rank(dist, tm.get(key, 0.0))):
-            out[f"dist/rank{r}/{key[5:]}"] = v
-    for r, v in enumerate(per_rank(dist, peak_memory_mib(models.device))):
-        out[f"dist/rank{r}/peak_memory_mib"] = v
+        sums.per_rank(key[5:], tm.get(key, 0.0))
+    sums.per_rank("peak_memory_mib", peak_memory_mib(models.device))
     held = held_state_mib(models.trained(), trainer.parts.updater.optimizers().values())
     for name, value in zip(("parameter_mib", "optimizer_state_mib"), held):
-        for r, v in enumerate(per_rank(dist, value)):
-            out[f"dist/rank{r}/{name}"] = v
-    return out
-
+        sums.per_rank(name, value)
 
 def train(cfg: TrainConfig, resume: bool = False, console: Any = None, overwrite: bool = False,
           dist: DistContext = SINGLE, trust_checkpoint: bool = False) -> list[dict]:

@@ -5,12 +5,13 @@ shuffled mini-batches with the fused policy loss and the clipped value loss (`pp
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Callable
 
 import torch
 
 from fastpo import algorithms as alg
-from fastpo.distributed.collectives import all_gather_object, all_reduce, per_rank
+from fastpo.distributed.collectives import all_reduce, per_rank
 from fastpo.distributed.context import DistContext
 from fastpo.distributed.data_parallel import global_loss_denominator, micro_batch_count, scored_counts
 from fastpo.distributed.sharding import all_reduce_gradients
@@ -23,6 +24,7 @@ from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dty
 from fastpo.registry import loss_aggregation, loss_denominator_of
 from fastpo.seeds import clip_cov_seed, mini_batch_generator_seed
 from fastpo.trainer.batch import TrainBatch
+from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.models import Models, hidden_states
 from fastpo.trainer.plan import RunPlan
 from fastpo.trainer.scoring import Scorer
@@ -71,35 +73,17 @@ def epoch_mini_batches(cfg: TrainConfig, dist: DistContext, masks: list, generat
         yield mini, n_tok, global_loss_denominator(dist, cfg.loss_agg, masks, mini, cfg.loss_norm)
 
 
-class MetricMeans:
-    """Running means of named scalars (floats or 0-dim tensors) over an update."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
-
-    def add(self, key: str, value) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + float(value)
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def means(self) -> dict[str, float]:
-        return {k: self.sums[k] / self.counts[k] for k in self.sums}
-
-    @classmethod
-    def merged(cls, parts: list) -> "MetricMeans":
-        """The running means of several ranks' (sums, counts), as if one had seen every value."""
-        out = cls()
-        for sums, counts in parts:
-            for k, v in sums.items():
-                out.sums[k] = out.sums.get(k, 0.0) + float(v)
-                out.counts[k] = out.counts.get(k, 0) + int(counts[k])
-        return out
-
-
 #: A micro-batch's loss for `PolicyUpdater.step`: (micro, scored) -> (the loss to backpropagate,
-#: {metric: value} added to the step's running means once its backward is done). `micro` is a
-#: packed micro-batch (fastpo.packing), `scored` its scored tokens (`micro.scored(loss_mask)`).
-MicroLoss = Callable[[Any, Any], "tuple[torch.Tensor, dict]"]
+#: its figures as a MetricSums, added to the update's once the step they belong to is taken).
+#: `micro` is a packed micro-batch (fastpo.packing), `scored` its scored tokens
+#: (`micro.scored(loss_mask)`).
+MicroLoss = Callable[[Any, Any], "tuple[torch.Tensor, MetricSums]"]
+
+#: The fused policy loss's figures (`fastpo.kernels.policy_metrics`) that are not per-token
+#: means: the extremes of the ratio, and the loss term aggregated with the loss's weights (a
+#: micro-batch's share of its mini-batch's term).
+RATIO_EXTREMES = {"ratio_max": "max", "ratio_min": "min"}
+AGGREGATED = ("pg_loss",)
 
 
 class PolicyUpdater:
@@ -139,28 +123,32 @@ class PolicyUpdater:
         for o in self.optimizers().values():
             o.zero_grad(set_to_none=True)
 
-    def step(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss, metrics: MetricMeans) -> tuple[bool, int]:
+    def step(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss, sums: MetricSums) -> tuple[bool, int]:
         """One optimizer step on the trajectories `indices` of `batch`: the gradient of
         `loss_fn` accumulated over their packed micro-batches (each loss normalised by the
         caller so that the sum is the mini-batch's), summed over the ranks, clipped
         (optim.grad_clip), then AdamW. A non-finite loss or gradient norm skips the step on
-        every rank (weights unchanged, gradients cleared). Returns (stepped, trained tokens)."""
+        every rank (weights unchanged, gradients cleared). The step's figures (its micro-batches'
+        and the gradient norms) go into `sums` when it is taken. Returns (stepped, trained
+        tokens)."""
         self.zero_grad()
+        mine = MetricSums()
         if self.models.fsdp_root is not None:
-            finite, tokens = self._fsdp_accumulate(batch, indices, loss_fn, metrics)
+            finite, tokens = self._fsdp_accumulate(batch, indices, loss_fn, mine)
         else:
-            finite, tokens = self._accumulate(batch, indices, loss_fn, metrics)
+            finite, tokens = self._accumulate(batch, indices, loss_fn, mine)
         # every rank steps, or none; the gradient is the sum over ranks (one process: as it is)
         finite = all_reduce(self.dist, [0.0 if finite else 1.0], "max")[0] == 0.0
         if finite and self.models.fsdp_root is None:  # (FSDP2 reduce-scattered them in the backward)
             all_reduce_gradients(self.dist, self.trained_parameters())
-        if finite and self.optimizer_step(metrics):
+        if finite and self.optimizer_step(mine):
+            sums.merge(mine)
             return True, tokens
         self.zero_grad()
         return False, tokens
 
     def _accumulate(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss,
-                    metrics: MetricMeans) -> tuple[bool, int]:
+                    sums: MetricSums) -> tuple[bool, int]:
         """The gradient of `loss_fn` over the micro-batches of `indices`, stopping at the first
         non-finite loss; (finite, trained tokens)."""
         tokens = 0
@@ -169,16 +157,15 @@ class PolicyUpdater:
             if scored.count == 0:
                 continue
             tokens += micro.trajectory_tokens
-            total, logged = loss_fn(micro, scored)
+            total, figures = loss_fn(micro, scored)
             if not torch.isfinite(total.detach()):
                 return False, tokens
             total.backward()
-            for k, val in logged.items():
-                metrics.add(k, val)
+            sums.merge(figures)
         return True, tokens
 
     def _fsdp_accumulate(self, batch: TrainBatch, indices: list[int], loss_fn: MicroLoss,
-                         metrics: MetricMeans) -> tuple[bool, int]:
+                         sums: MetricSums) -> tuple[bool, int]:
         """FSDP2: accumulate this rank's gradient of its trajectories `indices`, each
         micro-batch's loss computed inside the FSDP root's forward, then empty micro-batches up
         to the largest rank's count (`micro_batch_count`: every forward and backward runs
@@ -195,10 +182,9 @@ class PolicyUpdater:
                 continue
             micro, scored = real[k]
             tokens += micro.trajectory_tokens
-            total, logged = root(loss_fn, micro, scored)
+            total, figures = root(loss_fn, micro, scored)
             if torch.isfinite(total.detach()):
-                for key, val in logged.items():
-                    metrics.add(key, val)
+                sums.merge(figures)
             else:
                 finite = False
             total.backward()
@@ -218,9 +204,10 @@ class PolicyUpdater:
                 total = total + m.values(micro, torch.zeros(1, dtype=torch.long, device=h.device), h).sum() * 0
         return total
 
-    def optimizer_step(self, metrics: MetricMeans) -> bool:
+    def optimizer_step(self, sums: MetricSums) -> bool:
         """Clip the accumulated gradients (optim.grad_clip) and step the optimizers; False,
-        without a step, when a gradient norm is not finite."""
+        without a step, when a gradient norm is not finite. The gradient norms (before clipping,
+        of the whole gradient: the same on every rank) into `sums` as actor/ and critic/grad_norm."""
         release_free_memory()  # the mini-batch's freed activations, before the step's temporaries
         clip = self.cfg.optim.grad_clip
         gn = torch.nn.utils.clip_grad_norm_([p for grp in self.actor_opt.param_groups for p in grp["params"]], clip)
@@ -235,8 +222,8 @@ class PolicyUpdater:
         self.actor_opt.step()
         if self.critic_opt is not None:
             self.critic_opt.step()
-            metrics.add("critic/grad_norm", cgn)
-        metrics.add("actor/grad_norm", gn)
+            sums.value("critic/grad_norm", cgn)
+        sums.value("actor/grad_norm", gn)
         return True
 
     def finish(self) -> None:
@@ -253,25 +240,32 @@ class PolicyUpdater:
         """One PPO epoch's mini-batches of this run (`epoch_mini_batches`)."""
         return epoch_mini_batches(self.cfg, self.dist, masks, generator)
 
-    def update(self, it: int, batch: TrainBatch) -> tuple[dict, int]:
+    def update(self, it: int, batch: TrainBatch) -> MetricSums:
         """PPO epochs over shuffled mini-batches of `batch` (its old log-probs, advantages,
         values, returns, reference log-probs and importance-sampling weights, those it has),
         each one `step` of the fused policy loss plus the clipped value loss (`ppo_loss`).
-        Returns (averaged update metrics, trained tokens); data parallel: both over every rank."""
-        cfg = self.cfg
+        Returns this process's figures of the taken steps; reduced over the processes: each
+        per-token one (actor/entropy, approx_kl, clipfrac*,
+        ratio_mean, kl, a loss's own fractions; critic/value_loss, value_clipfrac, value_mean,
+        value_error) the mean over every token of every step, actor/ratio_max and _min the
+        extremes over them, actor/pg_loss the policy-gradient term aggregated as the loss
+        aggregates it over all of them (each step's term weighted by its mini-batch's tokens, or
+        trajectories: the mean over the steps when they are of one size), the gradient norms the
+        mean over the steps, actor/updates and actor/skipped_updates the steps taken and skipped,
+        perf/train_tokens_per_s the processes' rates added."""
+        cfg, t0 = self.cfg, time.perf_counter()
         g = torch.Generator().manual_seed(mini_batch_generator_seed(cfg.trainer.seed, it))
         masks = batch.loss_mask
         per_traj = {"old_lp": batch.old_logprobs, "adv": batch.advantages, "vals": batch.values,
                     "returns": batch.returns, "ref": batch.ref_logprobs, "is_weights": batch.is_weights}
-        metrics = MetricMeans()
+        sums = MetricSums()
         skipped = steps = train_tokens = self.loss_calls = 0
         self.models.policy.train()
         for _epoch in range(cfg.optim.ppo_epochs):
             for mini, _n_tok, denom in self.epoch_mini_batches(masks, g):
                 value_denom = global_loss_denominator(self.dist, cfg.algorithm.value_loss_agg, masks, mini,
                                                       cfg.loss_norm)
-                loss_fn = self.ppo_loss(per_traj, denom, value_denom, metrics, it)
-                stepped, n = self.step(batch, mini, loss_fn, metrics)
+                stepped, n = self.step(batch, mini, self.ppo_loss(per_traj, denom, value_denom, it), sums)
                 train_tokens += n
                 if stepped:
                     steps += 1
@@ -279,22 +273,19 @@ class PolicyUpdater:
                 skipped += 1
                 self.warn(f"iteration {it}: non-finite loss or gradient; update skipped (weights unchanged)")
         self.finish()
-        # means over every rank's micro-batches (and steps)
-        metrics = MetricMeans.merged(all_gather_object(self.dist, (metrics.sums, metrics.counts)))
-        train_tokens = int(all_reduce(self.dist, [train_tokens])[0])
-        res = metrics.means()
-        res["actor/updates"] = steps
-        res["actor/skipped_updates"] = skipped
-        return res, train_tokens
+        sums.value("actor/updates", steps)
+        sums.value("actor/skipped_updates", skipped)
+        sums.total("perf/train_tokens_per_s", train_tokens / max(time.perf_counter() - t0, 1e-9))
+        return sums
 
-    def ppo_loss(self, per_traj: dict, denom: float, value_denom: float, metrics: MetricMeans,
-                 iteration: int = 0) -> MicroLoss:
+    def ppo_loss(self, per_traj: dict, denom: float, value_denom: float, iteration: int = 0) -> MicroLoss:
         """The `MicroLoss` of one PPO mini-batch: the fused policy loss plus the critic's value
         loss (times value_coef when the critic shares the policy's optimizer), both normalised
         by their mini-batch denominators so that the accumulated gradient is the mini-batch's.
-        Critic metrics go into `metrics` at once, the policy loss's as `actor/*`. A loss with a
-        token choice (`PolicyLoss.select`: Clip-Cov's random one) draws afresh in each call
-        (`clip_cov_seed` of `iteration` and the call's index)."""
+        Its figures: the policy loss's as actor/* (per-token means weighted by the micro-batch's
+        tokens, `RATIO_EXTREMES`, `AGGREGATED` as its term in the loss's unit), the value loss's
+        as critic/* (per-token means). A loss with a token choice (`PolicyLoss.select`: Clip-Cov's random one) draws
+        afresh in each call (`clip_cov_seed` of `iteration` and the call's index)."""
         a, m = self.cfg.algorithm, self.models
 
         def loss(micro, scored):
@@ -305,6 +296,7 @@ class PolicyUpdater:
                                                                                   self.loss_calls))
             self.loss_calls += 1
             ref = None if self.plan.kl_in_reward else take["ref"]  # the KL is then in the advantages
+            figures = MetricSums()
             with m.autocast():
                 h = hidden_states(decoder_body(m.policy), micro)
                 out = linear_policy_loss(h[scored.rows], lm_head_weight(m.policy), scored.targets, take["old_lp"],
@@ -319,12 +311,20 @@ class PolicyUpdater:
                                                        mode=loss_aggregation(a.value_loss_agg).kernel_mode,
                                                        seq_ids=scored.seq,
                                                        denominator=value_denom)
-                    for k, val in vm.items():
-                        metrics.add(f"critic/{k}", val)
+                    for k, val in vm.items():  # token means over the micro-batch's tokens
+                        figures.mean(f"critic/{k}", val * v.numel(), v.numel())
                     # a separate critic has its own optimizer: no coefficient needed
                     total = total + (a.value_coef * vloss if m.critic_body is None else vloss)
-            logged = {f"actor/{k}": val for k, val in out.metrics.items()}
-            logged["actor/pg_loss_micro"] = out.loss.detach()
-            return total, logged
+            n = take["old_lp"].numel()  # the micro-batch's scored tokens (the kernel's means are over them)
+            # its size in the loss's unit (tokens, or trajectories): its share of the mini-batch's `denom`
+            units = loss_denominator_of(self.cfg.loss_agg, n, int(torch.unique(scored.seq).numel()), self.cfg.loss_norm)
+            for k, val in out.metrics.items():
+                if k in RATIO_EXTREMES:
+                    getattr(figures, RATIO_EXTREMES[k])(f"actor/{k}", val)
+                elif k in AGGREGATED:  # the term before the division by `denom`, over the micro-batch's units
+                    figures.mean(f"actor/{k}", val * denom, units, optional=True)
+                else:
+                    figures.mean(f"actor/{k}", val * n, n)
+            return total, figures
 
         return loss

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from fastpo.distributed.collectives import on_main, per_rank, weighted_means
+from fastpo.distributed.collectives import on_main, per_rank
 
 from fastpo.distributed.context import DEFAULT_TIMEOUT_S, DistributedError, SINGLE, TIMEOUT_ENV, init_from_env, timeout_seconds, torchrun_env
 
@@ -137,7 +137,6 @@ def test_one_process_is_todays_path(monkeypatch):
         for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
             assert global_loss_denominator(ctx, agg, masks, mini) == loss_denominator(agg, masks, mini)
     assert on_main(ctx, lambda x: x + 1, 1) == 2
-    assert weighted_means(ctx, {"b": 2, "a": 1}, 5) == {"a": 1.0, "b": 2.0}
     assert per_rank(ctx, 3) == [3.0]
 
 
@@ -170,9 +169,18 @@ def test_two_processes_match_one_process_on_the_global_batch(tmp_path):
                 assert r["denominators"][f"{m}:{agg}"] == loss_denominator(agg, masks, mini)
     assert [r["on_main"] for r in ranks] == ["written by rank 0"] * 2
     assert open(tmp_path / "main_writes.txt").read() == "rank 0\n"  # written once, by rank 0
+    # MetricSums over two ranks: the one-process figures of the whole batch (rank 0 alone
+    # recorded the only_rank0 keys; no rank counted the optional mean, which is left out)
+    from fastpo.trainer.metric_sums import MetricSums
+
+    want = dist_worker.metric_sums(SINGLE, MetricSums, list(scores), masks)
+    assert want.pop("dist/rank0/trajectories") == len(masks)
     n0, n1 = (len(r["trajectories"]) for r in ranks)
     for r in ranks:
-        assert r["means"] == pytest.approx({"x": (n0 + 2 * n1) / (n0 + n1), "y": 10 * (n0 + 2 * n1) / (n0 + n1)})
+        got = dict(r["metric_sums"])
+        assert (got.pop("dist/rank0/trajectories"), got.pop("dist/rank1/trajectories")) == (n0, n1)
+        assert got == pytest.approx(want, rel=1e-12) and "nothing" not in got and got["same"] == 7
+        assert re.search(r"'x' is recorded as (max|mean) on one rank and as (mean|max) on another", r["kind_mismatch"])
         assert r["per_rank"] == [100.0, 101.0]
 
 
@@ -478,7 +486,7 @@ def test_trajectory_batches_concatenate_in_order():
 
 
 #: A tiny StarPO-S GRPO run: 4 env groups x 2 (the 2 ranks hold 2 each), top 50% by reward
-#: std, one trajectory per micro-batch (so the micro-batch means are over the same set),
+#: std, one trajectory per micro-batch (several micro-batches per optimizer step),
 #: scores from the sampled tokens (tests/dist_train.py), a checkpoint every iteration; each
 #: env group samples from its own stream in one process too (what "auto" gives several), so
 #: the trajectories do not depend on the number of processes, across the resume as well. A KL
@@ -861,3 +869,40 @@ def test_dynamic_sampling_in_two_processes_draws_and_keeps_as_one(tmp_path):
         for k in ("train/dynamic_draws", "train/dynamic_varying_groups", "train/filter_kept_ratio",
                   "train/success_rate", "train/score_mean", "train/in_group_reward_std_kept", "actor/grad_norm"):
             assert rb[k] == pytest.approx(ra[k], rel=1e-4, abs=1e-6), (ra["iteration"], k)
+
+
+#: A run whose update has several optimizer steps (2 epochs of mini-batches of 4 and 2 of the 6
+#: trajectories of the 3 kept groups) and whose ranks hold unequal shares of them (2 and 4), each
+#: rank's share of a mini-batch packed in one micro-batch (the tiny preset's budget): a mean of
+#: micro-batch means differs from one process's; FrozenLake (several turns), GAE with a separate
+#: critic, a KL term in the loss, the soft reweighting.
+UNEVEN = ["--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "--device", "cpu",
+          "trainer.plots=false", "trainer.collapse_every=0", "trainer.eval_every=0", "rollout.env_groups=4",
+          "rollout.group_size=2", "rollout.sampling_streams=group", "algorithm.adv_estimator=gae",
+          "algorithm.critic=separate", "algorithm.filter_mode=top", "algorithm.filter_ratio=0.75",
+          "algorithm.kl_coef=0.05", "algorithm.kl_in_reward=false", "algorithm.soft_advantage_reweight=true",
+          "optim.mini_batch_size=4", "optim.ppo_epochs=2", "optim.actor_lr=1e-4", "--iterations", "1"]
+
+
+def test_update_and_rollout_metrics_do_not_depend_on_the_number_of_processes(tmp_path):
+    """The same data in one process and in two log the same figures: the update's per-token
+    ones are means over all the iteration's tokens (not means of each micro-batch's mean, which
+    depend on how the processes split a mini-batch), its extremes (ratio_max / _min) over all
+    of them, pg_loss the mean over the optimizer steps of each step's whole loss term, and the
+    rollout's figures are those of the whole batch."""
+    rc, out = _python(["tests/dist_train.py", "train", *UNEVEN, "--out", str(tmp_path / "one")])
+    assert rc == 0, out
+    rc, out, _ = _torchrun(["tests/dist_train.py", "train", *UNEVEN, "--out", str(tmp_path / "two")], tmp_path,
+                           timeout=180, env={TIMEOUT_ENV: "60"})
+    assert rc == 0, out
+    a, b = _records(tmp_path / "one")[0], _records(tmp_path / "two")[0]
+    assert a["actor/updates"] == 4 and b["dist/rank0/trajectories"] != b["dist/rank1/trajectories"]
+    assert {k for k in a if not k.startswith(NOT_COMPARED)} == {k for k in b if not k.startswith(NOT_COMPARED)}
+    keys = _same_metrics(a, b)
+    update = {"actor/entropy", "actor/clipfrac", "actor/approx_kl", "actor/ratio_mean", "actor/ratio_max",
+              "actor/ratio_min", "actor/kl", "actor/pg_loss", "actor/grad_norm", "critic/value_loss",
+              "critic/value_clipfrac", "critic/value_error", "critic/grad_norm"}
+    rollout = {"train/success_rate", "train/score_std", "train/in_group_reward_std", "train/response_length",
+               "train/response_length_per_turn", "train/valid_action_rate", "train/format_valid",
+               "train/rollout_entropy", "train/advantage_std", "train/soft_reweight_min", "critic/return_mean"}
+    assert update | rollout <= set(keys), sorted(update | rollout - set(keys))

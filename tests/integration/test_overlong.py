@@ -96,6 +96,7 @@ def _advantages_after_overlong(tmp_path, estimator, overlong_filter):
     from fastpo.distributed.context import SINGLE
     from fastpo.trainer.advantages import Advantages
     from fastpo.trainer.batch import TrainBatch
+    from fastpo.trainer.metric_sums import MetricSums
     from fastpo.trainer.plan import rl_plan
     from fastpo.trainer.sampler import overlong_shaping
 
@@ -104,11 +105,12 @@ def _advantages_after_overlong(tmp_path, estimator, overlong_filter):
         "algorithm.whiten_advantages=false", "rollout.max_new_tokens=2", "algorithm.overlong_buffer=1",
         f"algorithm.overlong_filter={str(overlong_filter).lower()}"])
     rollout = _two_turn_group()
-    metrics = overlong_shaping(cfg, SINGLE, rollout)
+    sums = MetricSums()
+    overlong_shaping(cfg, rollout, sums)
     batch = TrainBatch.from_rollout(rollout, 0)
     batch.values = [torch.zeros(6)] * 2
-    metrics.update(Advantages(cfg, SINGLE, rl_plan(cfg, False)).estimate(rollout, batch))
-    return batch, metrics
+    Advantages(cfg, SINGLE, rl_plan(cfg, False)).estimate(rollout, batch, sums)
+    return batch, sums.reduce(SINGLE)
 
 
 @pytest.mark.parametrize("estimator", ["gae", "bilevel_gae", "turn_rloo", "reinforce_pp"])

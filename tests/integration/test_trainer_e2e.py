@@ -18,6 +18,7 @@ from rich.console import Console
 import fastpo.trainer.update
 from fastpo.cli import main as cli_main
 from fastpo.config import load_config
+from fastpo.distributed.context import SINGLE
 from fastpo.seeds import clip_cov_seed
 from fastpo.trainer import Trainer, TrainBatch
 from run_helpers import records as _records, stable as _stable
@@ -68,7 +69,7 @@ def test_bandit_grpo_one_iteration_writes_everything(tmp_path, capsys):
     before = {k: v.clone() for k, v in tr.model.state_dict().items()}
     nan_batch = TrainBatch(ids, masks, [torch.zeros(len(ids[0]))], [2], old_logprobs=[torch.zeros(len(ids[0]))],
                            advantages=[torch.full((len(ids[0]),), float("nan"))])
-    res, _ = tr.parts.updater.update(2, nan_batch)
+    res = tr.parts.updater.update(2, nan_batch).reduce(SINGLE)
     assert res["actor/skipped_updates"] == 1 and res["actor/updates"] == 0
     for k, v in tr.model.state_dict().items():
         assert torch.equal(v, before[k]), k
