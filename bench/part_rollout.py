@@ -8,7 +8,7 @@ settings (temperature 1, no top-k/top-p, stop at "</answer>" or the end-of-turn 
 - fastpo: `MultiTurnRollout` + `NativeEngine` (token-in-token-out; each group's prompt
   prefilled once; KV caches kept across turns, only new tokens prefilled; finished rows
   leave the decode batch).
-- baseline: `fastpo.rollout.reference.ReferenceRollout` (RAGEN-style: each turn the whole
+- baseline: `ReferenceRollout` (bench/reference_rollout.py) (RAGEN-style: each turn the whole
   history is re-rendered with the chat template, re-tokenized, left-padded and re-prefilled
   by `model.generate`).
 
@@ -53,7 +53,7 @@ def run(ctx: BenchContext) -> list:
     from fastpo.envs_native import make_env
     from fastpo.models import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
-    from fastpo.rollout.reference import ReferenceRollout
+    from reference_rollout import ReferenceRollout
 
     model, tok, info = load_model_and_tokenizer(ctx.model, device=ctx.device)
     sz = sizes(ctx)

@@ -6,7 +6,7 @@ iteration, sampling settings, StarPO-S filtering, GAE / GRPO advantages, optimiz
 clipping, loss formula) is inherited unchanged, so the two differ only in the mechanics
 that fastpo claims to speed up:
 
-- rollout: `fastpo.rollout.reference.ReferenceRollout` (each turn the whole chat history is
+- rollout: `ReferenceRollout` (bench/reference_rollout.py) (each turn the whole chat history is
   re-rendered with the chat template, re-tokenized, left-padded and re-prefilled by
   `model.generate`; the training sequence is the final conversation re-tokenized), with the
   environments stepped one instance at a time in plain Python (`PlainPythonEnv`, built on
@@ -175,7 +175,7 @@ class ReferenceTrainer(Trainer):
         self.micro_batch_size = micro_batch_size
 
     def setup(self) -> None:
-        from fastpo.rollout.reference import ReferenceRollout
+        from reference_rollout import ReferenceRollout
 
         super().setup()
         p, cfg = self.parts, self.cfg
