@@ -87,7 +87,7 @@ def evaluate_policy(rollout, seeds: list[int], group_size: int, temperature: flo
     from fastpo.distributed.collectives import gather_results, on_main
     from fastpo.distributed.context import SINGLE
     from fastpo.distributed.data_parallel import split_evenly
-    from fastpo.rollout.batch import TrajectoryBatch, count_rates
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch, count_rates
 
     ctx = dist if dist is not None else SINGLE
     if model is not None:
@@ -186,7 +186,7 @@ def evaluate_mixture(rollout, cfg, autocast=contextlib.nullcontext, model: Optio
     (w_k / n_k, so a weighted sum of outcomes is the whole). Returns (metrics, the games'
     first chunks concatenated, for samples; None on ranks other than 0)."""
     from fastpo.envs.mixture import shares
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
 
     t = cfg.trainer
     members = [m for m, _ in rollout.members]

@@ -42,7 +42,7 @@ from fastpo.config.schema import RolloutConfig, context_window_turns
 
 from fastpo.envs.mixture import EnvMember
 
-from .batch import TrajectoryBatch
+from .trajectory_batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
 from .parsing import cut_at_stop, parse_response
 from .prompts import ChatFormat, first_user_message, move_question, next_user_message

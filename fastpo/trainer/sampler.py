@@ -23,7 +23,7 @@ from fastpo.distributed.data_parallel import gather_group_stds, rank_seeds, spli
 from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
 from fastpo.memory import release_free_memory
 from fastpo.report.metrics import rollout_metrics, write_samples
-from fastpo.rollout.batch import TrajectoryBatch
+from fastpo.rollout.trajectory_batch import TrajectoryBatch
 from fastpo.seeds import dynamic_draw_seeds, rollout_sampling_seed
 from fastpo.trainer.models import Models
 from fastpo.trainer.plan import RunPlan

@@ -459,7 +459,7 @@ def test_trajectory_batches_concatenate_in_order():
     from fastpo.config import RolloutConfig
     from fastpo.models import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
-    from fastpo.rollout.batch import TrajectoryBatch, combine_metrics
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch, combine_metrics
 
     model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
     cfg = RolloutConfig(max_turns=1, max_new_tokens=4, max_context=2048)

@@ -51,7 +51,7 @@ def test_equal_work_tolerance_is_only_for_the_keys_given():
 
 
 def test_work_counts_of_both_sides():
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
 
     # two trajectories: prompts of 5 and 4 tokens, 3 model tokens each (the second one in two
     # turns with 2 observation tokens between)

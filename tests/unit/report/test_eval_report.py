@@ -22,7 +22,7 @@ def test_standard_error_is_sample_std_over_root_n():
 
 def _penalised(penalty: float, penalised):
     """Three trajectories of 3, 2 and 0 turns, `penalised` turns each got `penalty`."""
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
 
     b = len(penalised)
     fp = torch.zeros(b, 3)
