@@ -203,7 +203,7 @@ def _prompt_ids(rollout, seed: int) -> list:
 
 def _model_folder(ctx: BenchContext, tr, tmp: str) -> str:
     """An HF folder holding the weights fastpo's trainer starts from."""
-    from fastpo.models import DEFAULT_MODEL, embedded_model_dir
+    from fastpo.model_loading import DEFAULT_MODEL, embedded_model_dir
 
     if ctx.model == DEFAULT_MODEL:
         return embedded_model_dir()

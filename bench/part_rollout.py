@@ -51,7 +51,7 @@ def run(ctx: BenchContext) -> list:
     import torch
 
     from fastpo.envs_native import make_env
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
     from reference_rollout import ReferenceRollout
 

@@ -558,7 +558,7 @@ def run_eval(cfg, console=None, samples_dir: Optional[str] = None, dist=None) ->
     from fastpo.distributed.context import SINGLE
     from fastpo import rollout as ro
     from fastpo.report.metrics import write_samples
-    from fastpo.models import load_model_checked, resolve_device
+    from fastpo.model_loading import load_model_checked, resolve_device
 
     t = cfg.trainer
     ctx = dist if dist is not None else SINGLE

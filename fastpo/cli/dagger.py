@@ -70,7 +70,7 @@ def cmd_dagger(args) -> int:
     from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
     from fastpo.config.fields import ConfigError
     from fastpo.config.presets import default_preset
-    from fastpo.models import check_kernel_impl, check_model_name, resolve_device
+    from fastpo.model_loading import check_kernel_impl, check_model_name, resolve_device
     from fastpo.run.folder import RunFolderBusy, RunLock, clear_run_folder
     from fastpo.sft.config import imitation_preset, sft_default_overrides
     from fastpo.sft.dagger import (DaggerRun, DaggerStopped, clear_dagger_run, dagger_folder_of, dagger_run_finished,

@@ -47,7 +47,7 @@ def cmd_eval(args) -> int:
                                values={"model.name": args.model} if args.model is not None else None,
                                warn=lambda text: console.print(f"warning: {text}", style="yellow", markup=False,
                                                               soft_wrap=True))
-        from fastpo.models import check_model_name, resolve_device
+        from fastpo.model_loading import check_model_name, resolve_device
 
         resolve_device(cfg.trainer.device)
         check_model_name(cfg.model.name)

@@ -30,8 +30,8 @@ def check_processes(args, argv: list[str]) -> int | None:
                 else:
                     cfg = resumed_run_config(args)  # a folder that is no run, a setting a resume cannot change
                 name = cfg.model.name
-            if name is not None:  # (fastpo.models imported only once the settings are valid)
-                from fastpo.models import check_model_name
+            if name is not None:  # (fastpo.model_loading imported only once the settings are valid)
+                from fastpo.model_loading import check_model_name
 
                 check_model_name(name)
     except (DistributedError, ConfigError, FileNotFoundError) as e:

@@ -18,7 +18,7 @@ def cmd_sft(args) -> int:
     from fastpo.config.presets import default_preset
     from fastpo.config.schema import default_run_folder
     from fastpo.envs import EnvError
-    from fastpo.models import check_kernel_impl, check_model_name, resolve_device
+    from fastpo.model_loading import check_kernel_impl, check_model_name, resolve_device
     from fastpo.report.metrics import warn_user
     from fastpo.run.checkpoint import plan_resume
     from fastpo.run.folder import (RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, unsaved_note,

@@ -102,7 +102,7 @@ def cmd_train(args) -> int:
                 return 0
         else:
             cfg = _new_run_config(args, world, where is not None, console)
-        from fastpo.models import check_kernel_impl, check_model_name, resolve_device
+        from fastpo.model_loading import check_kernel_impl, check_model_name, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         check_model_name(cfg.model.name)  # a name that names no model: said before the run's banner

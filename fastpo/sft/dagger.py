@@ -277,7 +277,7 @@ class DaggerRun:
     def roll_out(self, k: int) -> None:
         """Round k's rollout of its parent on its levels, labelled, chunk by chunk (a chunk
         already on disk is kept), then data/round-k.jsonl and its summary (written last)."""
-        from fastpo.models import load_model_checked, resolve_device  # (transformers: heavy, loaded when used)
+        from fastpo.model_loading import load_model_checked, resolve_device  # (transformers: heavy, loaded when used)
 
         cfg, dag = self.cfg, self.dag
         levels = dag.round_levels(k)
@@ -339,7 +339,7 @@ class DaggerRun:
 
     def write_round(self, k: int, chunks: list, part_dir: str, seconds: float) -> None:
         """data/round-k.jsonl from its chunks (and the expert's trajectories), then its summary."""
-        from fastpo.models import load_model_checked
+        from fastpo.model_loading import load_model_checked
 
         dag, text, s = self.dag, [], {"trajectories": 0, "successes": 0, "turns": 0, "labelled": 0, "agreed": 0,
                                       "conversations": 0}

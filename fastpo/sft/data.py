@@ -247,7 +247,7 @@ def load_sft_data(cfg: TrainConfig, tokenizer=None) -> SFTData:
     an expert answer too long for rollout.max_new_tokens), EnvError (the user's game or its
     expert() failing, naming the call and the seed), ModelLoadError (a model name whose
     tokenizer cannot load)."""
-    from fastpo.models import load_model_checked
+    from fastpo.model_loading import load_model_checked
 
     t0 = time.perf_counter()
     sft = cfg.sft

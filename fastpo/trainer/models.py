@@ -16,7 +16,7 @@ from fastpo.run.checkpoint import load_checkpoint
 from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
 from fastpo.kernels.hf import decoder_body, lm_head_weight
-from fastpo.models import ModelLoadError, check_lora_targets, load_model_checked
+from fastpo.model_loading import ModelLoadError, check_lora_targets, load_model_checked
 from fastpo.packing import packing_attention, use_segment_attention
 from fastpo.trainer.plan import RunPlan
 
@@ -44,7 +44,7 @@ def hidden_states(body: torch.nn.Module, micro) -> torch.Tensor:
 @dataclasses.dataclass
 class Models:
     """The run's modules. policy: the causal LM trained (a peft model with LoRA); tokenizer;
-    info: `fastpo.models.ModelInfo` of the loaded policy; reference: the frozen starting model
+    info: `fastpo.model_loading.ModelInfo` of the loaded policy; reference: the frozen starting model
     (None without a KL term); value_head / critic_body: the critic (None without one;
     critic_body None: on the policy's trunk); fsdp_root: the FSDP2 root sharding them (None
     outside `trainer.data_parallel=fsdp`); autocast_bf16: the math runs under CUDA bf16

@@ -24,7 +24,7 @@ from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
 from fastpo.config.files import dump_yaml, run_settings
 from fastpo.report.metrics import EchoTrapDetector, MetricsLogger
-from fastpo.models import ModelLoadError, load_model_checked
+from fastpo.model_loading import ModelLoadError, load_model_checked
 from fastpo.seeds import iteration_seeds
 from fastpo.trainer.lifecycle import Checkpointer
 from fastpo.trainer.models import Models, load_models

@@ -11,7 +11,7 @@ from rich.console import Console
 import fastpo.rollout.window as ctxwin
 from fastpo.config import RolloutConfig, load_config
 from fastpo.config.fields import ConfigError
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.packing import pack_micro_batch
 from fastpo.rollout import MultiTurnRollout, NativeEngine
 from fastpo.trainer import Trainer

@@ -389,7 +389,7 @@ def test_group_streams_sample_a_group_alike_in_any_batch():
     """With per-group sampling streams (group_ids), an env group's trajectories are the same
     whether it is rolled out alone (its rank's share) or with other groups (one process)."""
     from fastpo.config import RolloutConfig
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
     model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
@@ -426,7 +426,7 @@ def test_eval_seed_samples_alike_in_any_chunk():
 
     from fastpo.config import RolloutConfig
     from fastpo.evaluate import evaluate_policy
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
     class TokenScored:
@@ -457,7 +457,7 @@ def test_eval_seed_samples_alike_in_any_chunk():
 
 def test_trajectory_batches_concatenate_in_order():
     from fastpo.config import RolloutConfig
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
     from fastpo.rollout.trajectory_batch import TrajectoryBatch, combine_metrics
 

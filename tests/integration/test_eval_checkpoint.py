@@ -26,7 +26,7 @@ from fastpo.run.origin import MODEL_META, checkpoint_origin, find_checkpoint, mo
 from fastpo.config import load_config
 from fastpo.config.fields import ConfigError
 from fastpo.evaluate import eval_config
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from run_helpers import ModelLoadReached
 
 ORIGIN = "trained from random:tiny-llama, random init"

@@ -111,7 +111,7 @@ def test_no_preset_sets_another_loss_aggregation():
 # -- answer parsing and the format penalty ----------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_tok():
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 

@@ -18,7 +18,7 @@ def test_one_step_curve(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text(encoding="utf-8"))
     from fastpo.config.schema import eval_seeds, load_config
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
     from fastpo.sft import expert_rollout
 
     cfg = load_config(env="sokoban", preset="cpu", overrides=["rollout.max_turns=10", "rollout.max_actions_per_traj=10",

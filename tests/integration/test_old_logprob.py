@@ -16,7 +16,7 @@ from rich.console import Console
 import fastpo.rollout.sglang_engine as sg
 from fastpo.config import load_config
 from fastpo.config.fields import ConfigError
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.trainer.old_logprob import resolve_old_logprob
 from fastpo.rollout import NativeEngine, SamplingParams
 from fastpo.rollout.sampling import sample_tokens

@@ -125,7 +125,7 @@ def test_trl_prompt_is_fastpos_first_prompt_at_the_cpu_preset():
     closing question (rollout.prompt_examples) included: else the equal-work check fails on
     prompt tokens."""
     from fastpo.config import load_config
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
     model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)

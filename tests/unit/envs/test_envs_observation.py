@@ -94,7 +94,7 @@ def _tokens_per_row(tok, text):
 def test_the_per_cell_format_is_one_embedded_token_per_cell(name):
     """Each cell one token of SmolLM2's tokenizer, rows and whole grids alike; the paper's
     run-together grid merges runs of cells (this check fails on it)."""
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
 
     tok = load_tokenizer()
     for observation in ("cells", "cells+coords"):
