@@ -10,7 +10,7 @@
   `FrozenLake-v1` stepped one instance at a time (the unwrapped env, the faster baseline).
   Both reset every 10 turns; only executed steps are counted. Target 100x.
 - One whole turn for 128 instances (parse the answer texts, step, render the texts) vs the
-  plain-Python reference turn in fastpo.envs_native.reference, same answers, same states:
+  plain-Python reference turn in fastpo.envs_native.python_reference, same answers, same states:
   5 turns of Sokoban (6x6, 1 box) and FrozenLake (4x4), Bandit's single turn: target 10x.
 - Numba's first-call compile time in a fresh process with an empty cache, and the same
   first calls in a second process that loads the cache written by the first (cache=True).
@@ -174,7 +174,7 @@ def bench_turn(ctx: BenchContext, name: str, config: dict, turns: int = 5, targe
     `turns` turns each, the same answers for both sides. Every turn is timed on its own and
     the median over all turns of all repetitions is reported (robust to a busy machine)."""
     from fastpo.envs_native import make_env
-    from fastpo.envs_native.reference import reference_envs, reference_turn
+    from fastpo.envs_native.python_reference import reference_envs, reference_turn
 
     B, M = 128, 5
     K = 4 if ctx.quick else 16

@@ -10,13 +10,13 @@ that fastpo claims to speed up:
   re-rendered with the chat template, re-tokenized, left-padded and re-prefilled by
   `model.generate`; the training sequence is the final conversation re-tokenized), with the
   environments stepped one instance at a time in plain Python (`PlainPythonEnv`, built on
-  `fastpo.envs_native.reference`) instead of the Numba-batched kernels;
+  `fastpo.envs_native.python_reference`) instead of the Numba-batched kernels;
 - old log-probs (and values): right-padded micro-batches of `micro_batch_size` trajectories
   (the paper's micro-batch 4), the full HF forward with its [B, T, V] logits materialized,
   log-softmax over the vocabulary on the response span (from the first model token on, as
   verl slices its logits) for log-prob and entropy;
 - update: the same padded micro-batches, materialized logits, and the clipped policy loss of
-  `fastpo.kernels.reference` (`policy_loss_terms` / `aggregation_weights`, the specification
+  `fastpo.kernels.torch_reference` (`policy_loss_terms` / `aggregation_weights`, the specification
   the fused kernels are tested against) with gradient accumulation.
 
 Weight sync: in both iterations the generator is the trained module itself (fastpo's native
@@ -48,7 +48,7 @@ class PlainPythonEnv:
     Implements the slice of the `BatchedTextEnv` API that the rollout loops use: reset(seeds),
     render(), instructions(), action_names(i), parse_actions(answers, max_actions),
     step(actions, active) and the `done` / `success` arrays. Levels are drawn by the batched
-    env from the same seeds and copied into `fastpo.envs_native.reference` objects (which
+    env from the same seeds and copied into `fastpo.envs_native.python_reference` objects (which
     continue the same random streams), so both iterations play the same games; from then on
     parsing, dynamics and rendering are plain Python. Raises ValueError for an unknown env.
     """
@@ -64,7 +64,7 @@ class PlainPythonEnv:
 
     def reset(self, seeds) -> list[str]:
         """Reset from B seeds; returns the B observation texts."""
-        from fastpo.envs_native.reference import reference_envs
+        from fastpo.envs_native.python_reference import reference_envs
 
         self._levels.reset(seeds)
         self.refs = reference_envs(self._levels)
@@ -87,7 +87,7 @@ class PlainPythonEnv:
     def parse_actions(self, answers, max_actions: int):
         """Parse B answer texts with `reference.parse_answer`; returns a `ParsedActions`."""
         from fastpo.envs_native._core import ParsedActions
-        from fastpo.envs_native.reference import parse_answer
+        from fastpo.envs_native.python_reference import parse_answer
 
         B = self.batch_size
         acts = np.full((B, max_actions), -1, dtype=np.int64)
@@ -282,7 +282,7 @@ class ReferenceScorer(Scorer):
 
 class ReferenceUpdater(PolicyUpdater):
     """PPO's update the reference way: padded micro-batches, materialized logits, the loss of
-    `fastpo.kernels.reference` (the specification), gradient accumulation."""
+    `fastpo.kernels.torch_reference` (the specification), gradient accumulation."""
 
     def __init__(self, cfg, dist, models, scorer, plan, warn, padded: _Padded):
         super().__init__(cfg, dist, models, scorer, plan, warn)
@@ -290,7 +290,7 @@ class ReferenceUpdater(PolicyUpdater):
 
     def update(self, it, batch) -> tuple[dict, int]:
         """`PolicyUpdater.update` on the batch record, the reference way; (metrics, trained tokens)."""
-        from fastpo.kernels.reference import aggregation_weights, policy_loss_terms
+        from fastpo.kernels.torch_reference import aggregation_weights, policy_loss_terms
 
         if batch.is_weights is not None:
             raise NotImplementedError("ReferenceTrainer covers the StarPO-S setting (no importance weights)")

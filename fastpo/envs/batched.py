@@ -359,7 +359,7 @@ class PythonBatchedEnv:
         """Parse B answers into move ids (as `BatchedTextEnv.parse_actions`); a free-text
         game has no moves: every non-empty answer is one piece with action id 0."""
         from fastpo.envs_native._core import ParsedActions
-        from fastpo.envs_native.reference import parse_answer
+        from fastpo.envs_native.python_reference import parse_answer
 
         self._require_reset()
         B = self.batch_size

@@ -45,7 +45,7 @@ def test_streams_of_nearby_seeds_are_disjoint_and_match_the_reference():
     """A state derived as seed * GOLDEN + salt made seed s+1's stream seed s's stream shifted
     by one draw; every draw of 2000 nearby seeds' streams must be distinct instead."""
     from fastpo.envs_native._core import rng_next, rng_seed_all
-    from fastpo.envs_native.reference import SplitMix64
+    from fastpo.envs_native.python_reference import SplitMix64
 
     seeds = np.concatenate([np.arange(1000), 2**40 + np.arange(1000)]).astype(np.uint64)
     for salt in (0xF20, 0x50C0BA, 0xBA4D17):

@@ -4,7 +4,7 @@ import pytest
 
 from fastpo.envs_native import make_env
 from fastpo.envs_native.bandit import TEST_PAIRS, TRAIN_PAIRS
-from fastpo.envs_native.reference import reference_envs, reference_turn
+from fastpo.envs_native.python_reference import reference_envs, reference_turn
 
 
 @pytest.mark.parametrize("split,pairs", [("train", TRAIN_PAIRS), ("test", TEST_PAIRS)])

@@ -8,7 +8,7 @@ import pytest
 
 from fastpo.envs_native import make_env
 from fastpo.envs_native.frozenlake import MAPS, parse_map
-from fastpo.envs_native.reference import RefFrozenLake, reference_envs, reference_turn
+from fastpo.envs_native.python_reference import RefFrozenLake, reference_envs, reference_turn
 
 gym = pytest.importorskip("gymnasium")
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from fastpo.envs_native import make_env
 from fastpo.envs_native._core import WHITESPACE
-from fastpo.envs_native.reference import parse_answer
+from fastpo.envs_native.python_reference import parse_answer
 
 ENVS = {}
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fastpo.envs_native import make_env
-from fastpo.envs_native.reference import RefSokoban, reference_envs, reference_turn, reverse_search
+from fastpo.envs_native.python_reference import RefSokoban, reference_envs, reference_turn, reverse_search
 from fastpo.envs_native.sokoban import (ACTIONS, FLOOR, GENERATORS, TARGET, WALL, SokobanLevel, _reverse_search,
                                         _table_size, parse_xsb, solve_level, to_xsb)
 
