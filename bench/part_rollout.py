@@ -50,7 +50,7 @@ def sizes(ctx: BenchContext) -> dict:
 def run(ctx: BenchContext) -> list:
     import torch
 
-    from fastpo.envs_native import make_env
+    from fastpo.envs_native import make_native_env
     from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
     from reference_rollout import ReferenceRollout
@@ -72,7 +72,7 @@ def run(ctx: BenchContext) -> list:
         envs = tuple(e for e in ENVS if e[0] != "frozenlake")
     for env_name, env_cfg in envs:
         try:
-            make_env(env_name, 1, **env_cfg).reset([0])  # Numba compile / cache load outside the timing
+            make_native_env(env_name, 1, **env_cfg).reset([0])  # Numba compile / cache load outside the timing
         except (ImportError, ValueError) as e:
             print(f"part rollout: skipping {env_name}: {e}", file=sys.stderr)
             continue

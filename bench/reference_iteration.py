@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from fastpo import algorithms as alg
-from fastpo.envs_native import make_env as _batched_make_env
+from fastpo.envs_native import make_native_env
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.registry import loss_aggregation
 from fastpo.seeds import mini_batch_generator_seed
@@ -54,7 +54,7 @@ class PlainPythonEnv:
     """
 
     def __init__(self, name: str, batch_size: int, **config):
-        self._levels = _batched_make_env(name, batch_size, **config)  # level generation + instructions only
+        self._levels = make_native_env(name, batch_size, **config)  # level generation + instructions only
         self.name = name
         self.batch_size = int(batch_size)
         self.refs: list = []
@@ -130,19 +130,19 @@ class PlainPythonEnv:
 
 @contextlib.contextmanager
 def plain_python_envs():
-    """Within the block, `fastpo.envs_native.make_env` builds `PlainPythonEnv`s.
+    """Within the block, `fastpo.envs_native.make_native_env` builds `PlainPythonEnv`s.
 
-    `ReferenceRollout` builds its environment with `make_env` at call time; this swaps the
+    `ReferenceRollout` builds its environment with `make_native_env` at call time; this swaps the
     factory for the duration of one reference rollout (single-threaded use only).
     """
     import fastpo.envs_native as envs
 
-    original = envs.make_env
-    envs.make_env = lambda name, batch_size, **config: PlainPythonEnv(name, batch_size, **config)
+    original = envs.make_native_env
+    envs.make_native_env = lambda name, batch_size, **config: PlainPythonEnv(name, batch_size, **config)
     try:
         yield
     finally:
-        envs.make_env = original
+        envs.make_native_env = original
 
 
 def logprob_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):

@@ -59,7 +59,7 @@ class ReferenceRollout:
         P, N = len(seeds), int(group_size)
         B = P * N
         temp = cfg.temperature if temperature is None else temperature
-        env = native_envs.make_env(self.env_name, B, **self.env_config)  # looked up now: bench swaps it
+        env = native_envs.make_native_env(self.env_name, B, **self.env_config)  # looked up now: bench swaps it
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
         obs = env.reset(traj_seeds)
         instr = env.instructions()

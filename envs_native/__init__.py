@@ -1,7 +1,7 @@
 """Numba-compiled batched text-game environments: Bandit, Sokoban, FrozenLake.
 
-    from fastpo.envs_native import make_env
-    env = make_env("frozenlake", 128, size=4, p=0.8)
+    from fastpo.envs_native import make_native_env
+    env = make_native_env("frozenlake", 128, size=4, p=0.8)
     obs = env.reset(range(128))                      # B observation texts
     parsed = env.parse_actions(answers, max_actions=5)
     result = env.step(parsed.actions)                # StepResult: reward, done, success, ...
@@ -24,7 +24,7 @@ from ._core import BatchedTextEnv, ParsedActions, StepResult
 
 ENV_NAMES = ("bandit", "sokoban", "frozenlake")
 
-__all__ = ["ENV_NAMES", "BatchedTextEnv", "ParsedActions", "StepResult", "env_class", "make_env"]
+__all__ = ["ENV_NAMES", "BatchedTextEnv", "ParsedActions", "StepResult", "env_class", "make_native_env"]
 
 
 def env_class(name: str) -> type:
@@ -40,8 +40,10 @@ def env_class(name: str) -> type:
     return cls
 
 
-def make_env(name: str, batch_size: int, **config) -> BatchedTextEnv:
-    """Build B instances of environment `name` (one of ENV_NAMES) with its config.
+def make_native_env(name: str, batch_size: int, **config) -> BatchedTextEnv:
+    """Build B instances of the Numba game `name` (one of ENV_NAMES) with its config as keyword
+    arguments. (`fastpo.envs.make_env(name, batch_size, options)` takes every environment name,
+    plain-Python games and adapters too, and builds a Numba game through this.)
 
     Config keys per environment are the keyword arguments of BanditEnv, SokobanEnv and
     FrozenLakeEnv. Raises ValueError naming an unknown environment, an unknown config key

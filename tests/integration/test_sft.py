@@ -21,7 +21,7 @@ import fastpo.sft.data
 from fastpo.run.manifest import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.model_loading import load_tokenizer
 from fastpo.rollout.multiturn import closing_question
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
@@ -48,7 +48,7 @@ def _by_hand(tok, env_name, options, r, seed, responses):
     lists, one per turn) on env seed `seed` holds, assembled from the prompt functions: the
     reference the expert data must equal."""
     chat = ChatFormat(tok, think=r.think, system_prompt=r.system_prompt)
-    env = make_env(env_name, 1, **options)
+    env = make_native_env(env_name, 1, **options)
     obs = env.reset([seed])
     names = env.action_names(0)
     q = closing_question(r, names)
@@ -98,13 +98,13 @@ def test_experts_solve_sokoban_and_pick_the_better_arm(tok):
     cfg, r = _rollout_cfg("sokoban")
     seeds = list(range(16))
     batch = expert_rollout(tok, "sokoban", {}, r, seeds)
-    env = make_env("sokoban", 1)
+    env = make_native_env("sokoban", 1)
     solvable = env.optimal_success(seeds, 10)
     assert batch.success.numpy().tolist() == [bool(s) for s in solvable]  # solves what 10 moves can
     cfg, r = _rollout_cfg("bandit")
     for opts, high in (({}, True), ({"low_reward": 0.5}, False)):
         batch = expert_rollout(tok, "bandit", opts, r, list(range(8)))
-        env = make_env("bandit", 8, **opts)
+        env = make_native_env("bandit", 8, **opts)
         env.reset(list(range(8)))
         want = env.high_risk_action() if high else 1 - env.high_risk_action()
         picked = [env.action_names(i).index(tok.decode(batch.responses[i][0]).split("<")[0].strip()) for i in range(8)]
@@ -116,7 +116,7 @@ def test_frozenlake_policy_is_the_closed_loop_optimum():
     optimal_success says (Monte Carlo over slip streams on one fixed map, within 4 SE), far
     more often than the random policy."""
     n, h = 4000, 30
-    env = make_env("frozenlake", n, desc=["SFFF", "FHFH", "FFFH", "HFFG"])
+    env = make_native_env("frozenlake", n, desc=["SFFF", "FHFH", "FFFH", "HFFG"])
     env.reset(np.arange(n))
     table = env.optimal_policy(h)
     assert table.shape == (n, h + 1, 16) and table.dtype == np.int8

@@ -198,10 +198,10 @@ def make_env(name: str, batch_size: int, options: Optional[dict] = None, workers
     spec = resolve_env(name)
     options = dict(options or {})
     if spec.kind == "native":
-        from fastpo.envs_native import make_env as native_make_env
+        from fastpo.envs_native import make_native_env
 
         try:
-            return native_make_env(spec.name, batch_size, **options)
+            return make_native_env(spec.name, batch_size, **options)
         except (ValueError, TypeError, RuntimeError) as e:
             raise EnvError(f"environment {name!r}: {e}") from None
     _check_options(spec, options)
