@@ -5,7 +5,7 @@ import os
 import sys
 
 from fastpo.cli.common import check_out_dir
-from fastpo.cli.launch import quiet_progress_bars
+from fastpo.cli.processes import quiet_progress_bars
 
 
 def cmd_eval(args) -> int:

@@ -6,7 +6,7 @@ import sys
 
 from fastpo.cli.common import (build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config,
                                used_out_message)
-from fastpo.cli.launch import quiet_progress_bars
+from fastpo.cli.processes import quiet_progress_bars
 
 
 def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
