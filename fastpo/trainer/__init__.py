@@ -51,7 +51,7 @@ period).
 The package's files are the trainer's parts: `batch` (`TrainBatch`, the one record of the
 trajectories in training), `plan` (`RunPlan`: the settings decided once at set-up), `models`
 (policy, reference, critic; autocast), `sampler` (engine and rollout: an iteration's batch, the
-evaluation), `scoring` (`Scorer`: packed micro-batches, old log-probs, values), `advantages`
+evaluation), `scoring` (`Scorer`: packed micro-batches, old log-probs, values), `batch_advantages`
 (`Advantages`), `replay` (reuse, replay, the importance-sampling correction), `update`
 (`PolicyUpdater`: optimizers, the optimizer step on an accumulated micro-batch loss, PPO's
 epochs), `lifecycle` (`StopControl`, `StopPaths`: signals and stops; `Checkpointer`), `setup`

@@ -320,7 +320,7 @@ def overlong_shaping(cfg: TrainConfig, dist: DistContext, full) -> dict:
     place, after the rollout metrics (which stay the game's): each turn's penalty
     (`fastpo.algorithms.overlong_penalty`) added to its turn reward and the trajectory's score.
     The filtering half (algorithm.overlong_filter: the turns cut at rollout.max_new_tokens out
-    of the loss) is `fastpo.trainer.advantages.overlong_filtered`, after the advantages, so
+    of the loss) is `fastpo.trainer.batch_advantages.overlong_filtered`, after the advantages, so
     that a cut turn's reward, its penalty included, still reaches the earlier turns' credit.
     Returns train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns
     (both over every process)."""

@@ -17,7 +17,7 @@ from fastpo.memory import held_state_mib, peak_memory_mib
 from fastpo.distributed.collectives import per_rank
 from fastpo.rewards import RewardFunction
 import fastpo.trainer.fsdp as ffsdp
-from fastpo.trainer.advantages import Advantages
+from fastpo.trainer.batch_advantages import Advantages
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.lifecycle import Stopped
 from fastpo.trainer.loop import RunLoop, RunTrainer
@@ -31,7 +31,7 @@ class Trainer(RunTrainer):
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`
     (arguments: `fastpo.trainer.loop.RunTrainer`). After `setup()` its parts are `parts`
     (fastpo.trainer.setup.Parts: models, sampler, scorer, updater, ...) and `advantages`
-    (`fastpo.trainer.advantages.Advantages`); `iteration(it)` runs one StarPO iteration."""
+    (`fastpo.trainer.batch_advantages.Advantages`); `iteration(it)` runs one StarPO iteration."""
 
     progress_fields = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
                        ("entropy", "train/rollout_entropy", ".2f"))

@@ -235,7 +235,7 @@ def _batch(scores, group_ids):
 
 def _advantages(cfg):
     """The trainer's advantage step for `cfg`, one process (no model needed)."""
-    from fastpo.trainer.advantages import Advantages
+    from fastpo.trainer.batch_advantages import Advantages
     from fastpo.trainer.plan import rl_plan
 
     return Advantages(cfg, SINGLE, rl_plan(cfg, False))

@@ -94,7 +94,7 @@ def _two_turn_group():
 def _advantages_after_overlong(tmp_path, estimator, overlong_filter):
     """The trainer's overlong step, then its advantage step, on `_two_turn_group` (no model)."""
     from fastpo.distributed.context import SINGLE
-    from fastpo.trainer.advantages import Advantages
+    from fastpo.trainer.batch_advantages import Advantages
     from fastpo.trainer.batch import TrainBatch
     from fastpo.trainer.plan import rl_plan
     from fastpo.trainer.sampler import overlong_shaping
