@@ -38,7 +38,7 @@ from fastpo.registry import loss_aggregation
 from fastpo.seeds import mini_batch_generator_seed
 from fastpo.trainer import Trainer
 from fastpo.trainer.sampler import Sampler
-from fastpo.trainer.scoring import Scorer
+from fastpo.trainer.logprobs import LogProbComputer
 from fastpo.trainer.update import PolicyUpdater
 
 
@@ -159,7 +159,7 @@ def logprob_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor, tem
 
 class ReferenceTrainer(Trainer):
     """fastpo's Trainer with a reference-style rollout, old log-prob pass and update (module doc):
-    its sampler, scorer and updater replaced by `ReferenceSampler`, `ReferenceScorer` and
+    its sampler, log-prob computer and updater replaced by `ReferenceSampler`, `ReferenceLogProbComputer` and
     `ReferenceUpdater` after `setup()`, old log-probs always recomputed.
 
     `micro_batch_size`: trajectories per padded micro-batch (the paper's 4). Same
@@ -190,8 +190,8 @@ class ReferenceTrainer(Trainer):
         p.sampler = ReferenceSampler(cfg, self.dist, p.models, p.sampler.engine, p.sampler.rollout, p.plan, self.out,
                                      self.warn, p.sampler.stopping, ref_rollout=ref_rollout)
         p.sampler.rewards = rewards
-        p.scorer = ReferenceScorer(cfg, p.models, p.plan, padded)
-        updater = ReferenceUpdater(cfg, self.dist, p.models, p.scorer, p.plan, self.warn, padded)
+        p.logprobs = ReferenceLogProbComputer(cfg, p.models, p.plan, padded)
+        updater = ReferenceUpdater(cfg, self.dist, p.models, p.logprobs, p.plan, self.warn, padded)
         updater.actor_opt, updater.critic_opt = p.updater.actor_opt, p.updater.critic_opt  # the same optimizers
         p.updater = updater
 
@@ -235,7 +235,7 @@ def _forward(model, x, att):
     return h, torch.nn.functional.linear(h, lm_head_weight(model))
 
 
-class ReferenceScorer(Scorer):
+class ReferenceLogProbComputer(LogProbComputer):
     """Old log-probs and values the reference way: padded micro-batches, materialized logits."""
 
     def __init__(self, cfg, models, plan, padded: _Padded):
@@ -244,7 +244,7 @@ class ReferenceScorer(Scorer):
 
     @torch.no_grad()
     def compute_old(self, batch, logprobs: bool = True, values: bool = True):
-        """`Scorer.compute_old` on the batch record, the reference way (padded micro-batches,
+        """`LogProbComputer.compute_old` on the batch record, the reference way (padded micro-batches,
         materialized logits); every column is computed."""
         ids, masks = batch.input_ids, batch.loss_mask
         m = self.models
@@ -284,8 +284,8 @@ class ReferenceUpdater(PolicyUpdater):
     """PPO's update the reference way: padded micro-batches, materialized logits, the loss of
     `fastpo.kernels.torch_reference` (the specification), gradient accumulation."""
 
-    def __init__(self, cfg, dist, models, scorer, plan, warn, padded: _Padded):
-        super().__init__(cfg, dist, models, scorer, plan, warn)
+    def __init__(self, cfg, dist, models, logprobs, plan, warn, padded: _Padded):
+        super().__init__(cfg, dist, models, logprobs, plan, warn)
         self.padded = padded
 
     def update(self, it, batch) -> tuple[dict, int]:

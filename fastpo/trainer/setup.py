@@ -1,5 +1,5 @@
 """Set-up of a run: the run folder (locked, cleared or tidied), the prompts checked against the
-context window before any model loads, the parts built (models, scorer, updater, sampler,
+context window before any model loads, the parts built (models, log-prob computer, updater, sampler,
 checkpointer; `build_parts`), a checkpoint restored, the metrics logger started (`open_run`).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from fastpo.trainer.models import Models, load_models
 from fastpo.trainer.plan import RunPlan
 from fastpo.trainer.replay import RolloutSchedule
 from fastpo.trainer.sampler import NothingToTrain, Sampler, make_engine
-from fastpo.trainer.scoring import Scorer
+from fastpo.trainer.logprobs import LogProbComputer
 from fastpo.trainer.update import PolicyUpdater
 
 
@@ -65,14 +65,14 @@ class RankRecords:
 
 @dataclasses.dataclass
 class Parts:
-    """What a trainer is made of (`build_parts`, `open_run`): the plan, the models, the scorer,
+    """What a trainer is made of (`build_parts`, `open_run`): the plan, the models, the log-prob computer,
     the updater, the sampler, the checkpointer, the Echo-Trap detector, the reuse/replay
     schedule (None: a fresh batch each iteration), and, once the run is open, its metrics
     logger and where it starts (the loop's state restored from a checkpoint)."""
 
     plan: RunPlan
     models: Models
-    scorer: Scorer
+    logprobs: LogProbComputer
     updater: PolicyUpdater
     sampler: Sampler
     checkpointer: Checkpointer
@@ -158,7 +158,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     """The parts of `trainer` (a Trainer or SFTTrainer: its cfg, dist, device, out, console,
     warn, trust_checkpoint) for `plan`, from tokenizer `tok` and checkpoint `ckpt` (None: a new
     run): models loaded, data-parallel replicas made equal (FSDP2: sharded), the optimizers,
-    the engine, the old-log-prob source (into the plan), the rollout, scorer, sampler and
+    the engine, the old-log-prob source (into the plan), the rollout, log-prob computer, sampler and
     checkpointer, the Echo-Trap detector and the reuse/replay schedule."""
     from fastpo import rollout as ro
     from fastpo.trainer.old_logprob import resolve_old_logprob
@@ -190,8 +190,8 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
         if hasattr(engine, "shutdown"):  # a started SGLang server must not outlive the failed start
             engine.shutdown()
         raise
-    scorer = Scorer(cfg, models, plan)
-    updater = PolicyUpdater(cfg, dist, models, scorer, plan, trainer.warn)
+    logprobs = LogProbComputer(cfg, models, plan)
+    updater = PolicyUpdater(cfg, dist, models, logprobs, plan, trainer.warn)
     sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn, trainer.stop.dropping)
     checkpointer = Checkpointer(cfg, dist, models, updater.optimizers(), trainer.out, trainer.console)
     schedule = None  # rollout reuse (Online-K) and replay (fastpo.trainer.replay)
@@ -199,7 +199,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
         schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                    cfg.train_batch_size, cfg.trainer.seed)
     echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
-    return Parts(plan, models, scorer, updater, sampler, checkpointer, echo, schedule)
+    return Parts(plan, models, logprobs, updater, sampler, checkpointer, echo, schedule)
 
 
 def restore(parts: Parts, ckpt: str, dist: DistContext, trust: bool, console) -> None:

@@ -23,14 +23,14 @@ from fastpo.trainer.lifecycle import Stopped
 from fastpo.trainer.loop import RunLoop, RunTrainer
 from fastpo.trainer.plan import rl_plan
 from fastpo.trainer.replay import off_policy_batch
-from fastpo.trainer.scoring import token_metrics
+from fastpo.trainer.logprobs import token_metrics
 from fastpo.trainer.setup import open_run
 
 
 class Trainer(RunTrainer):
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`
     (arguments: `fastpo.trainer.loop.RunTrainer`). After `setup()` its parts are `parts`
-    (fastpo.trainer.setup.Parts: models, sampler, scorer, updater, ...) and `advantages`
+    (fastpo.trainer.setup.Parts: models, sampler, logprobs, updater, ...) and `advantages`
     (`fastpo.trainer.batch_advantages.Advantages`); `iteration(it)` runs one StarPO iteration."""
 
     progress_fields = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
@@ -77,7 +77,7 @@ class Trainer(RunTrainer):
                 t1 = time.perf_counter()
                 batch = TrainBatch.from_rollout(rollout, it)
                 # 4. old log-probs (and values, reference log-probs): the sampler's or recomputed
-                recomputed = p.scorer.old_logprobs(rollout, batch)
+                recomputed = p.logprobs.old_logprobs(rollout, batch)
                 tm["time/old_logprob_s"] = time.perf_counter() - t1
                 metrics["train/old_logprob_from_sampler"] = float(batch.old_logprobs is batch.sample_logprobs)
                 metrics.update(token_metrics(self.dist, batch, recomputed))
@@ -91,7 +91,7 @@ class Trainer(RunTrainer):
                     if p.schedule is not None:  # what the iterations reusing this batch train on and log
                         reuse = (it, batch.rows(), dict(metrics))
                     if p.schedule is not None or self.cfg.algorithm.is_correction != "none":
-                        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, metrics, batch, fresh=True)
+                        batch = off_policy_batch(self.cfg, p.schedule, p.logprobs, it, metrics, batch, fresh=True)
         if stop.drop_before_update():
             return None
         if skip is not None:
@@ -151,7 +151,7 @@ class Trainer(RunTrainer):
         tm: dict[str, float] = {"time/rollout_s": 0.0, "time/weight_sync_s": 0.0}
         t1 = time.perf_counter()
         metrics = dict(p.schedule.metrics)
-        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, metrics, TrainBatch.from_rows(p.schedule.current))
+        batch = off_policy_batch(self.cfg, p.schedule, p.logprobs, it, metrics, TrainBatch.from_rows(p.schedule.current))
         tm["time/old_logprob_s"] = time.perf_counter() - t1
         return batch, metrics, tm, None
 

@@ -158,7 +158,7 @@ def _nll(trainer):
 
     total = n = 0.0
     with torch.no_grad():
-        for micro in trainer.parts.scorer.micro_batches(trainer.batch, list(range(len(trainer.ids)))):
+        for micro in trainer.parts.logprobs.micro_batches(trainer.batch, list(range(len(trainer.ids)))):
             sc = micro.scored(trainer.masks)
             h = hidden_states(decoder_body(trainer.model), micro)
             lp, _ = linear_logprob_entropy(h[sc.rows], lm_head_weight(trainer.model), sc.targets)
@@ -173,7 +173,7 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
     try:
         # the packed micro-batches score exactly the answer tokens, in order
         idx = list(range(4))
-        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr.parts.scorer.micro_batches(tr.batch, idx)])
+        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr.parts.logprobs.micro_batches(tr.batch, idx)])
         answers = torch.cat([torch.cat(tr.data.responses[i]) for i in idx])
         assert sorted(targets.tolist()) == sorted(answers.tolist()) and targets.numel() == answers.numel()
         before = _nll(tr)
@@ -217,7 +217,7 @@ def test_the_shared_instructions_are_computed_once_per_micro_batch(tmp_path):
                         console=Console(quiet=True))
         tr.setup()
         try:
-            micro = list(tr.parts.scorer.micro_batches(tr.batch, list(range(4))))
+            micro = list(tr.parts.logprobs.micro_batches(tr.batch, list(range(4))))
             shared = [m.prefix for pb in micro for m in pb.members]
             computed = sum(pb.num_tokens for pb in micro)
             m = tr.iteration(1)
