@@ -11,7 +11,7 @@ from fastpo.cli.processes import quiet_progress_bars
 def cmd_eval(args) -> int:
     """`fastpo eval`. A fastpo checkpoint (`runs/x`, `runs/x/checkpoints/iter_N` or its `model/`)
     is evaluated with the env, rollout and eval settings its run used, except what the
-    command line sets (fastpo.evaluate.eval_config); one line says whose settings are used.
+    command line sets (fastpo.evaluation.settings.eval_config); one line says whose settings are used.
     `--json PATH` writes the metrics, model label and settings as JSON. Exit status 0, 2 bad
     input (one line), 1 the user's game failing during the evaluation (one line naming the
     call and the seed)."""
@@ -40,7 +40,9 @@ def cmd_eval(args) -> int:
         ov.append(f"trainer.seed={args.seed}")
     ov += args.overrides
     try:
-        from fastpo.evaluate import eval_config, eval_report, run_eval, write_json
+        from fastpo.evaluation.policy import run_eval
+        from fastpo.evaluation.settings import eval_config, eval_report
+        from fastpo.run.folder import write_json
 
         # a fastpo checkpoint brings the env and rollout settings it was trained with
         cfg, run = eval_config(env=args.env, preset=args.preset, file=args.config, overrides=ov,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 from typing import Optional
@@ -50,6 +51,14 @@ def atomic_write_text(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def write_json(path: str, record: dict) -> str:
+    """Write `record` as indented JSON to `path` (parent folders created; replaced atomically,
+    `atomic_write_text`; values JSON cannot hold are written as their str). Returns `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
 #: What marks a folder as holding a fastpo run.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 #: The lock file in a run folder (see RunLock).
@@ -75,8 +84,6 @@ def unsaved_iterations(out_dir: str) -> Optional[list]:
     """The iterations >= 1 that `out_dir`'s metrics.jsonl records ([] when none or no file;
     None when it cannot be read). In a folder without a checkpoint these were trained but
     never saved."""
-    import json
-
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.lexists(path):
         return []

@@ -20,9 +20,10 @@ from fastpo.config.schema import TrainConfig
 from fastpo.distributed.collectives import all_reduce, gather_to_main, on_main
 from fastpo.distributed.context import DistContext
 from fastpo.distributed.data_parallel import gather_group_stds, rank_seeds, split_groups
-from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
+from fastpo.evaluation.policy import config_success_bounds, evaluate_config
 from fastpo.memory import release_free_memory
 from fastpo.report.metrics import rollout_metrics, write_samples
+from fastpo.run.folder import write_json
 from fastpo.rollout.trajectory_batch import TrajectoryBatch
 from fastpo.seeds import dynamic_draw_seeds, rollout_sampling_seed
 from fastpo.trainer.models import Models

@@ -425,7 +425,7 @@ def test_eval_seed_samples_alike_in_any_chunk():
     from dist_train import token_scores
 
     from fastpo.config import RolloutConfig
-    from fastpo.evaluate import evaluate_policy
+    from fastpo.evaluation.policy import evaluate_policy
     from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
