@@ -225,7 +225,7 @@ class _TrlRollout:
 
     def __call__(self, prompts: list, trainer) -> dict:
         from fastpo.envs_native import make_native_env
-        from fastpo.rollout.multiturn import end_reason, env_turn
+        from fastpo.rollout.turns import end_reason, env_turn
         from fastpo.rollout.prompts import next_user_message
 
         ro, cfg, tok = self.ro, self.ro.cfg, self.ro.tokenizer
@@ -292,7 +292,7 @@ def _trl_trainer(ctx: BenchContext, s: Sizes, fastpo_tr, folder: str, out: str, 
     from trl import GRPOConfig, GRPOTrainer
 
     from fastpo.envs_native import make_native_env
-    from fastpo.rollout.multiturn import env_turn
+    from fastpo.rollout.turns import env_turn
 
     ro = fastpo_tr.parts.sampler.rollout
     tok = AutoTokenizer.from_pretrained(folder)

@@ -25,7 +25,7 @@ import torch
 from fastpo.config.schema import RolloutConfig
 import fastpo.envs_native as native_envs
 from fastpo.rollout.trajectory_batch import TrajectoryBatch
-from fastpo.rollout.multiturn import TurnCounters, closing_question, end_reason, env_turn
+from fastpo.rollout.turns import TurnCounters, closing_question, end_reason, env_turn
 from fastpo.rollout.parsing import cut_at_stop
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
 

@@ -120,7 +120,7 @@ def _turn(rule, responses, run_valid=True):
     """One FrozenLake turn (3x3 map, no slip, start top-left) for each response text (the
     "<think>" prime included): (penalties, executed actions, player cells)."""
     from fastpo.config import RolloutConfig
-    from fastpo.rollout.multiturn import env_turn
+    from fastpo.rollout.turns import env_turn
 
     env = make_native_env("frozenlake", len(responses), desc="SFF/FFF/FFG", is_slippery=False)
     env.reset(range(len(responses)))

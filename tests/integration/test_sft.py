@@ -23,7 +23,7 @@ from fastpo.cli import main
 from fastpo.config import load_config
 from fastpo.envs_native import make_native_env
 from fastpo.model_loading import load_tokenizer
-from fastpo.rollout.multiturn import closing_question
+from fastpo.rollout.turns import closing_question
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
 from fastpo.sft import SFTTrainer, batch_indices, expert_rollout
 from run_helpers import ModelLoadReached, WritesAFile, plant_in_checkpoint
