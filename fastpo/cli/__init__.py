@@ -186,6 +186,7 @@ def entry(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         status = 130 if isinstance(e, KeyboardInterrupt) else 1
     if left_a_job():
+        # torch: imported when the command runs, so `fastpo --help` loads none
         from fastpo.distributed.context import end_process
 
         end_process(status)

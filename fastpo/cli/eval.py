@@ -6,6 +6,9 @@ import sys
 
 from fastpo.cli.common import check_out_dir
 from fastpo.cli.processes import quiet_progress_bars
+from fastpo.config.fields import ConfigError
+from fastpo.config.schema import env_members
+from fastpo.run.folder import write_json
 
 
 def cmd_eval(args) -> int:
@@ -18,9 +21,10 @@ def cmd_eval(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    # torch, numpy: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.context import DistributedError, SINGLE, init_from_env, shutdown, torchrun_env
-    from fastpo.config.fields import ConfigError
     from fastpo.envs import EnvError
+    from fastpo.evaluation.settings import eval_config, eval_report
 
     where = torchrun_env()  # under torchrun each process evaluates its share of the seeds
     main_rank = where is None or where[0] == 0
@@ -40,15 +44,12 @@ def cmd_eval(args) -> int:
         ov.append(f"trainer.seed={args.seed}")
     ov += args.overrides
     try:
-        from fastpo.evaluation.policy import run_eval
-        from fastpo.evaluation.settings import eval_config, eval_report
-        from fastpo.run.folder import write_json
-
         # a fastpo checkpoint brings the env and rollout settings it was trained with
         cfg, run = eval_config(env=args.env, preset=args.preset, file=args.config, overrides=ov,
                                values={"model.name": args.model} if args.model is not None else None,
                                warn=lambda text: console.print(f"warning: {text}", style="yellow", markup=False,
                                                               soft_wrap=True))
+        # torch: imported when the command runs, so `fastpo --help` loads none
         from fastpo.model_loading import check_model_name, resolve_device
 
         resolve_device(cfg.trainer.device)
@@ -63,6 +64,9 @@ def cmd_eval(args) -> int:
             console.print(run.describe(), markup=False)
             if run.mismatch_note():
                 console.print(run.mismatch_note(), style="yellow", markup=False)
+        # torch, transformers: loaded once the settings are checked (bad input is refused before)
+        from fastpo.evaluation.policy import run_eval
+
         ctx = init_from_env(cfg.trainer.device) if where is not None else SINGLE
         try:
             res = run_eval(cfg, console=console, samples_dir=args.samples, dist=ctx)
@@ -79,8 +83,6 @@ def cmd_eval(args) -> int:
     if not main_rank:
         return 0
     console.print(f"model: {res['model']}", markup=False)
-    from fastpo.config.schema import env_members
-
     games = f" ({', '.join(m.label for m in env_members(cfg))})" if cfg.env.mixture else ""
     table = Table(title=f"fastpo eval: {cfg.env.name}{games}")
     table.add_column("metric")

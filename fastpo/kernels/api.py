@@ -35,6 +35,7 @@ _triton_error: str | None = None
 
 def _triton_module():
     """The Triton implementation, imported on first use (triton is optional)."""
+    # triton (optional): imported on the Triton path's first use
     from . import _triton
 
     return _triton

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 
 import fastpo.rollout.window as ctxwin
-from fastpo.config.schema import RolloutConfig, context_window_turns
+from fastpo.config.schema import RolloutConfig, context_window_turns, env_members, member_rollout_config
+from fastpo.envs import assign_members, make_env, resolve_env
 from fastpo.envs.mixture import EnvMember
+from fastpo.seeds import group_sampling_seed
 
 from .engine import STOP_CONTEXT
 from .parsing import cut_at_stop
@@ -166,8 +168,6 @@ class MultiTurnRollout:
 
     def __init__(self, engine, tokenizer, env_name: str, env_config: dict | None = None, cfg: RolloutConfig | None = None,
                  env_workers: int = 0, members: list | None = None):
-        from fastpo.envs import resolve_env
-
         self.engine = engine
         self.tokenizer = tokenizer
         self.env_name = env_name
@@ -197,8 +197,6 @@ class MultiTurnRollout:
     def from_config(cls, cfg, engine, tokenizer) -> "MultiTurnRollout":
         """The rollout of TrainConfig `cfg` (its env or env.mixture, its rollout settings) over
         `engine` (None: prompts only, e.g. `prompt_lengths`)."""
-        from fastpo.config.schema import env_members, member_rollout_config
-
         shared = cfg.rollout.rollout_config()
         if not cfg.env.mixture:
             return cls(engine, tokenizer, cfg.env.name, dict(cfg.env.options), shared, env_workers=cfg.env.workers)
@@ -223,16 +221,12 @@ class MultiTurnRollout:
 
     def make_env(self, batch_size: int, member: EnvMember | None = None):
         """B instances of this rollout's env, or of `member`'s (`fastpo.envs.make_env`)."""
-        from fastpo.envs import make_env
-
         m = member if member is not None else self.members[0][0]
         return make_env(m.name, batch_size, m.options, workers=self.env_workers)
 
     def _parts(self, seeds: list, N: int) -> list:
         """The games of env groups `seeds` x N trajectories (each group's member drawn from its
         seed), each with its instances built: [_Part], the members in their order."""
-        from fastpo.envs import assign_members
-
         which = assign_members(seeds, [m for m, _ in self.members]) if self.mixed else [0] * len(seeds)
         parts = []
         try:
@@ -391,7 +385,6 @@ class MultiTurnRollout:
             gen = torch.Generator(device=device)
             gen.manual_seed(int(seed))
             return gen, torch.arange(P)
-        from fastpo.seeds import group_sampling_seed
 
         group_ids = [int(g) for g in group_ids]
         if len(group_ids) != P or len(set(group_ids)) != P or min(group_ids) < 0:

@@ -17,6 +17,9 @@ import os
 import shutil
 from typing import Optional
 
+from fastpo.config.fields import ConfigError
+
+
 def fsync_dir(path: str) -> None:
     """fsync a folder, so a rename or a new file in it survives a power loss (no-op where the
     OS cannot open folders)."""
@@ -217,8 +220,6 @@ class RunLock:
         except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            from fastpo.config.fields import ConfigError
-
             raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

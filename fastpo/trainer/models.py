@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 
+from fastpo.judge import judge_from_config
 from fastpo.run.checkpoint import load_checkpoint
 from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
@@ -146,8 +147,6 @@ def load_judge(cfg: TrainConfig, model, tok, ref, device: torch.device, dtype) -
     before a checkpoint's weights load, so a resumed run's judge is still the starting model.
     Raises ModelLoadError (one line naming reward.judge_model) for a judge the native engine or
     the judge's prompt cannot take (sliding-window attention, no chat template)."""
-    from fastpo.judge import judge_from_config
-
     r = cfg.reward
     if r.judge_rubric is None and r.judge_rubric_file is None:
         return None, None

@@ -13,9 +13,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fastpo import rollout as ro
 from fastpo.distributed.collectives import broadcast_modules, on_main
 
 from fastpo.distributed.context import DistContext
+from fastpo.envs import EnvError
+from fastpo.rollout import sglang_engine
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.run.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
 from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, reuse_untrained_start,
@@ -28,6 +31,7 @@ from fastpo.model_loading import ModelLoadError, load_model_checked
 from fastpo.seeds import iteration_seeds
 from fastpo.trainer.lifecycle import Checkpointer
 from fastpo.trainer.models import Models, load_models
+from fastpo.trainer.old_logprob import resolve_old_logprob
 from fastpo.trainer.plan import RunPlan
 from fastpo.trainer.replay import RolloutSchedule
 from fastpo.trainer.sampler import NothingToTrain, Sampler, make_engine
@@ -96,9 +100,6 @@ def check_prompts_fit(cfg: TrainConfig, tokenizer: Any = None) -> Any:
     must fit in rollout.max_context. Returns the tokenizer; raises NothingToTrain (a
     ConfigError) naming both numbers, SetupEnvError (a ConfigError) when the game fails
     resetting those seeds."""
-    from fastpo import rollout as ro
-    from fastpo.envs import EnvError
-
     r = cfg.rollout
     tok = load_model_checked(cfg.model.name, tokenizer_only=True) if tokenizer is None else tokenizer
     try:
@@ -160,9 +161,6 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     run): models loaded, data-parallel replicas made equal (FSDP2: sharded), the optimizers,
     the engine, the old-log-prob source (into the plan), the rollout, log-prob computer, sampler and
     checkpointer, the Echo-Trap detector and the reuse/replay schedule."""
-    from fastpo import rollout as ro
-    from fastpo.trainer.old_logprob import resolve_old_logprob
-
     cfg, dist, trust = trainer.cfg, trainer.dist, trainer.trust_checkpoint
     models = load_models(cfg, trainer.device, tok, ckpt, trust, trainer.console, plan)
     # data parallel: every replica starts from rank 0's weights (and stays equal: summed gradients)
@@ -260,9 +258,7 @@ def open_run(trainer, plan: RunPlan) -> Parts:
     parts = None
     try:
         if cfg.rollout.engine == "sglang":
-            from fastpo.rollout.sglang_engine import sglang_available
-
-            if not sglang_available():  # before anything loads or is written
+            if not sglang_engine.sglang_available():  # before anything loads or is written
                 raise ConfigError("config key 'rollout.engine' = 'sglang': needs CUDA and sglang "
                                   "(pip install 'fastpo[sglang]'); use rollout.engine=native on this machine")
         tok = trainer.check_prompts_fit()

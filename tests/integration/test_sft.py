@@ -15,6 +15,7 @@ import torch
 import yaml
 from rich.console import Console
 
+import fastpo.cli.sft
 import fastpo.config
 import fastpo.sft
 import fastpo.sft.data
@@ -637,6 +638,7 @@ def test_sokoban_sft_default_is_the_named_cpu_recipe(capsys, no_model, tmp_path,
 
     monkeypatch.setattr(fastpo.sft.data, "load_sft_data", no_data)
     monkeypatch.setattr(fastpo.config.presets, "default_preset", lambda: "cpu")
+    monkeypatch.setattr(fastpo.cli.sft, "default_preset", lambda: "cpu")
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     for argv, said in (([], "preset=cpu,sokoban-sft 1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),
