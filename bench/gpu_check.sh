@@ -36,7 +36,7 @@ if [ "${1:-}" = "--prepare" ]; then
             -d "$CARRY/whl/numba" $FASTPO_CARRY_NUMBA || exit 1
     fi
     FASTPO_CACHE="$CARRY/cache" .venv/bin/python -c \
-        "from fastpo.models import cache_tokenizer_only; cache_tokenizer_only()" || exit 1
+        "from fastpo.model_loading import cache_tokenizer_only; cache_tokenizer_only()" || exit 1
     du -sh "$CARRY"
     exit 0
 fi

@@ -92,7 +92,7 @@ def attention_pairs(micro) -> int:
 
 class UpdateSpy:
     """Counts what the trainer's update computes: wraps its updater's `update` and, while it
-    runs, its scorer's `micro_batches` (the packed micro-batches the update's forwards and backwards
+    runs, its log-prob computer's `micro_batches` (the packed micro-batches the update's forwards and backwards
     take). Reset by every update. Fields: computed (tokens through the model), trajectory
     (trajectory tokens, a shared prefix once per member), pairs (attended pairs), scored
     (trained tokens: the LM head's rows), micro (micro-batches), max_tokens (the largest)."""
@@ -101,8 +101,8 @@ class UpdateSpy:
         self.trainer = trainer
         self._active = False
         self._reset()
-        updater, scorer = trainer.parts.updater, trainer.parts.scorer
-        update, micro_batches = updater.update, scorer.micro_batches
+        updater, logprobs = trainer.parts.updater, trainer.parts.logprobs
+        update, micro_batches = updater.update, logprobs.micro_batches
 
         def spy_update(*a, **k):
             self._reset()
@@ -123,7 +123,7 @@ class UpdateSpy:
                     self.max_tokens = max(self.max_tokens, mb.num_tokens)
                 yield mb
 
-        updater.update, scorer.micro_batches = spy_update, spy_micro
+        updater.update, logprobs.micro_batches = spy_update, spy_micro
 
     def _reset(self):
         self.computed = self.trajectory = self.pairs = self.scored = self.micro = self.max_tokens = 0

@@ -43,7 +43,7 @@ def run(ctx: BenchContext) -> list:
     import torch
 
     from fastpo.trainer.collapse import cross_logprobs, cross_logprobs_naive, first_turn_pairs
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.packing import use_segment_attention
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
 

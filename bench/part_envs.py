@@ -10,7 +10,7 @@
   `FrozenLake-v1` stepped one instance at a time (the unwrapped env, the faster baseline).
   Both reset every 10 turns; only executed steps are counted. Target 100x.
 - One whole turn for 128 instances (parse the answer texts, step, render the texts) vs the
-  plain-Python reference turn in fastpo.envs_native.reference, same answers, same states:
+  plain-Python reference turn in fastpo.envs_native.python_reference, same answers, same states:
   5 turns of Sokoban (6x6, 1 box) and FrozenLake (4x4), Bandit's single turn: target 10x.
 - Numba's first-call compile time in a fresh process with an empty cache, and the same
   first calls in a second process that loads the cache written by the first (cache=True).
@@ -46,7 +46,7 @@ def _gym_sokoban_room_utils():
 
 
 def bench_sokoban_generation(ctx: BenchContext) -> list[Record]:
-    from fastpo.envs_native import make_env
+    from fastpo.envs_native import make_native_env
 
     try:
         room_utils = _gym_sokoban_room_utils()
@@ -60,7 +60,7 @@ def bench_sokoban_generation(ctx: BenchContext) -> list[Record]:
         # the paper environment's, timed against the same baseline figure
         fast = {}
         for generator in ("gym", "ragen"):
-            env = make_env("sokoban", B, size=size, num_boxes=nb, search_depth=300, generator=generator)
+            env = make_native_env("sokoban", B, size=size, num_boxes=nb, search_depth=300, generator=generator)
             env.reset(np.arange(B))  # compile / load outside the timing
             offset = [0]
 
@@ -101,12 +101,12 @@ def bench_sokoban_generation(ctx: BenchContext) -> list[Record]:
 def bench_frozenlake_steps(ctx: BenchContext) -> list[Record]:
     """Steps/s counting only executed steps and timing only step calls on both sides
     (resets, which for fastpo also render B texts, are outside the clock)."""
-    from fastpo.envs_native import make_env
+    from fastpo.envs_native import make_native_env
 
     B, T = 1024, (100 if ctx.quick else 400)
     rng = np.random.default_rng(ctx.seed)
     acts = rng.integers(0, 4, size=(T, B, 1)).astype(np.int64)
-    env = make_env("frozenlake", B, desc="4x4", is_slippery=True, max_steps=100)
+    env = make_native_env("frozenlake", B, desc="4x4", is_slippery=True, max_steps=100)
     seeds = np.arange(B)
     env.reset(seeds)
     env.step(acts[0])
@@ -173,13 +173,13 @@ def bench_turn(ctx: BenchContext, name: str, config: dict, turns: int = 5, targe
     """Seconds per turn of 128 instances: K batches (different seeds) played back to back,
     `turns` turns each, the same answers for both sides. Every turn is timed on its own and
     the median over all turns of all repetitions is reported (robust to a busy machine)."""
-    from fastpo.envs_native import make_env
-    from fastpo.envs_native.reference import reference_envs, reference_turn
+    from fastpo.envs_native import make_native_env
+    from fastpo.envs_native.python_reference import reference_envs, reference_turn
 
     B, M = 128, 5
     K = 4 if ctx.quick else 16
     rng = np.random.default_rng(ctx.seed)
-    envs = [make_env(name, B, **config) for _ in range(K)]
+    envs = [make_native_env(name, B, **config) for _ in range(K)]
     seeds = [np.arange(B) + k * B for k in range(K)]
     answers = []
     for env, s in zip(envs, seeds):
@@ -226,10 +226,10 @@ _COMPILE_SCRIPT = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 t1 = time.perf_counter()
 for name in sys.argv[1].split(","):
-    env = make_env(name, 4)
+    env = make_native_env(name, 4)
     env.reset([0, 1, 2, 3])
     env.step(env.parse_actions(["Up || Left"] * 4, 2).actions)
     env.render()

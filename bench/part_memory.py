@@ -36,7 +36,7 @@ PART = "memory"
 #: The methods wrapped as phases: phase (the name the JSON gives it) -> (the object holding the method, from the trainer: "" itself, else a dotted path into
 #: it once it is set up, the method's name)
 PHASE_METHODS = {"setup": ("", "setup"), "evaluate": ("", "evaluate"), "rollout": ("parts.sampler", "roll_out"),
-                 "old_logprob": ("parts.scorer", "old_logprobs"), "update": ("parts.updater", "update"),
+                 "old_logprob": ("parts.logprobs", "old_logprobs"), "update": ("parts.updater", "update"),
                  "optimizer_step": ("parts.updater", "optimizer_step"), "checkpoint": ("", "save")}
 TARGET = 1.5  # peak RSS at most 1.5 x (parameters + gradients + optimizer state + largest KV buffer)
 

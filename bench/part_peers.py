@@ -203,7 +203,7 @@ def _prompt_ids(rollout, seed: int) -> list:
 
 def _model_folder(ctx: BenchContext, tr, tmp: str) -> str:
     """An HF folder holding the weights fastpo's trainer starts from."""
-    from fastpo.models import DEFAULT_MODEL, embedded_model_dir
+    from fastpo.model_loading import DEFAULT_MODEL, embedded_model_dir
 
     if ctx.model == DEFAULT_MODEL:
         return embedded_model_dir()
@@ -224,8 +224,8 @@ class _TrlRollout:
         self.turns = 0
 
     def __call__(self, prompts: list, trainer) -> dict:
-        from fastpo.envs_native import make_env
-        from fastpo.rollout.multiturn import end_reason, env_turn
+        from fastpo.envs_native import make_native_env
+        from fastpo.rollout.turns import end_reason, env_turn
         from fastpo.rollout.prompts import next_user_message
 
         ro, cfg, tok = self.ro, self.ro.cfg, self.ro.tokenizer
@@ -234,7 +234,7 @@ class _TrlRollout:
         rows = list(prompts)
         seeds = [trainer._seed_of[p] for p in rows]
         B = len(rows)
-        env = make_env(ro.env_name, B, **ro.env_config)
+        env = make_native_env(ro.env_name, B, **ro.env_config)
         obs = env.reset(np.asarray(seeds, dtype=np.int64))
         prompt_ids = [_prompt_ids(ro, s) for s in seeds]
         completion = [[] for _ in range(B)]
@@ -291,8 +291,8 @@ def _trl_trainer(ctx: BenchContext, s: Sizes, fastpo_tr, folder: str, out: str, 
     from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from fastpo.envs_native import make_env
-    from fastpo.rollout.multiturn import env_turn
+    from fastpo.envs_native import make_native_env
+    from fastpo.rollout.turns import env_turn
 
     ro = fastpo_tr.parts.sampler.rollout
     tok = AutoTokenizer.from_pretrained(folder)
@@ -319,7 +319,7 @@ def _trl_trainer(ctx: BenchContext, s: Sizes, fastpo_tr, folder: str, out: str, 
         env_opts, rcfg = dict(ro.env_config), ro.cfg
 
         def env_reward(prompts, completions, completion_ids, seed, **kw):
-            env = make_env(ro.env_name, len(seed), **env_opts)
+            env = make_native_env(ro.env_name, len(seed), **env_opts)
             env.reset(np.asarray(seed, dtype=np.int64))
             parsed = [ro._response_text(list(ids))[0] for ids in completion_ids]
             res = env_turn(env, rcfg, parsed, np.full(len(seed), rcfg.max_actions_per_traj, dtype=np.int64))

@@ -65,7 +65,7 @@ def run(ctx: BenchContext) -> list:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if root not in sys.path:  # examples/ lives at the repository root
         sys.path.insert(0, root)
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
 
     model, tok, info = load_model_and_tokenizer(ctx.model, device=ctx.device)

@@ -8,7 +8,7 @@ settings (temperature 1, no top-k/top-p, stop at "</answer>" or the end-of-turn 
 - fastpo: `MultiTurnRollout` + `NativeEngine` (token-in-token-out; each group's prompt
   prefilled once; KV caches kept across turns, only new tokens prefilled; finished rows
   leave the decode batch).
-- baseline: `fastpo.rollout.reference.ReferenceRollout` (RAGEN-style: each turn the whole
+- baseline: `ReferenceRollout` (bench/reference_rollout.py) (RAGEN-style: each turn the whole
   history is re-rendered with the chat template, re-tokenized, left-padded and re-prefilled
   by `model.generate`).
 
@@ -50,10 +50,10 @@ def sizes(ctx: BenchContext) -> dict:
 def run(ctx: BenchContext) -> list:
     import torch
 
-    from fastpo.envs_native import make_env
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.envs_native import make_native_env
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
-    from fastpo.rollout.reference import ReferenceRollout
+    from reference_rollout import ReferenceRollout
 
     model, tok, info = load_model_and_tokenizer(ctx.model, device=ctx.device)
     sz = sizes(ctx)
@@ -72,7 +72,7 @@ def run(ctx: BenchContext) -> list:
         envs = tuple(e for e in ENVS if e[0] != "frozenlake")
     for env_name, env_cfg in envs:
         try:
-            make_env(env_name, 1, **env_cfg).reset([0])  # Numba compile / cache load outside the timing
+            make_native_env(env_name, 1, **env_cfg).reset([0])  # Numba compile / cache load outside the timing
         except (ImportError, ValueError) as e:
             print(f"part rollout: skipping {env_name}: {e}", file=sys.stderr)
             continue

@@ -37,7 +37,7 @@ def _lengths(n: int, rng: np.random.Generator, prompt: int, per_turn: int, max_t
 
 def _packed_vs_padded(ctx: BenchContext) -> list[Record]:
     from fastpo.kernels import causal_lm_policy_loss, decoder_body, linear_policy_loss, lm_head_weight
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.packing import (pack_micro_batch, packing_attention, pad_micro_batch, plan_micro_batches,
                                 shared_prefixes, use_segment_attention)
 

@@ -40,7 +40,7 @@ def sizes(ctx: BenchContext) -> dict:
 def run(ctx: BenchContext) -> list:
     import torch
 
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine, RolloutConfig
 
     model, tok, info = load_model_and_tokenizer(ctx.model, device=ctx.device)

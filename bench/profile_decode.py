@@ -31,7 +31,7 @@ def main() -> None:
         if getattr(args, k) < 1:
             ap.error(f"--{k} must be >= 1, got {getattr(args, k)}")
 
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout.engine import NativeEngine
     from fastpo.rollout.sampling import SamplingParams
 

@@ -6,17 +6,17 @@ iteration, sampling settings, StarPO-S filtering, GAE / GRPO advantages, optimiz
 clipping, loss formula) is inherited unchanged, so the two differ only in the mechanics
 that fastpo claims to speed up:
 
-- rollout: `fastpo.rollout.reference.ReferenceRollout` (each turn the whole chat history is
+- rollout: `ReferenceRollout` (bench/reference_rollout.py) (each turn the whole chat history is
   re-rendered with the chat template, re-tokenized, left-padded and re-prefilled by
   `model.generate`; the training sequence is the final conversation re-tokenized), with the
   environments stepped one instance at a time in plain Python (`PlainPythonEnv`, built on
-  `fastpo.envs_native.reference`) instead of the Numba-batched kernels;
+  `fastpo.envs_native.python_reference`) instead of the Numba-batched kernels;
 - old log-probs (and values): right-padded micro-batches of `micro_batch_size` trajectories
   (the paper's micro-batch 4), the full HF forward with its [B, T, V] logits materialized,
   log-softmax over the vocabulary on the response span (from the first model token on, as
   verl slices its logits) for log-prob and entropy;
 - update: the same padded micro-batches, materialized logits, and the clipped policy loss of
-  `fastpo.kernels.reference` (`policy_loss_terms` / `aggregation_weights`, the specification
+  `fastpo.kernels.torch_reference` (`policy_loss_terms` / `aggregation_weights`, the specification
   the fused kernels are tested against) with gradient accumulation.
 
 Weight sync: in both iterations the generator is the trained module itself (fastpo's native
@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from fastpo import algorithms as alg
-from fastpo.envs_native import make_env as _batched_make_env
+from fastpo.envs_native import make_native_env
 from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.registry import loss_aggregation
 from fastpo.seeds import mini_batch_generator_seed
 from fastpo.trainer import Trainer
 from fastpo.trainer.sampler import Sampler
-from fastpo.trainer.scoring import Scorer
+from fastpo.trainer.logprobs import LogProbComputer
 from fastpo.trainer.update import PolicyUpdater
 
 
@@ -48,13 +48,13 @@ class PlainPythonEnv:
     Implements the slice of the `BatchedTextEnv` API that the rollout loops use: reset(seeds),
     render(), instructions(), action_names(i), parse_actions(answers, max_actions),
     step(actions, active) and the `done` / `success` arrays. Levels are drawn by the batched
-    env from the same seeds and copied into `fastpo.envs_native.reference` objects (which
+    env from the same seeds and copied into `fastpo.envs_native.python_reference` objects (which
     continue the same random streams), so both iterations play the same games; from then on
     parsing, dynamics and rendering are plain Python. Raises ValueError for an unknown env.
     """
 
     def __init__(self, name: str, batch_size: int, **config):
-        self._levels = _batched_make_env(name, batch_size, **config)  # level generation + instructions only
+        self._levels = make_native_env(name, batch_size, **config)  # level generation + instructions only
         self.name = name
         self.batch_size = int(batch_size)
         self.refs: list = []
@@ -64,7 +64,7 @@ class PlainPythonEnv:
 
     def reset(self, seeds) -> list[str]:
         """Reset from B seeds; returns the B observation texts."""
-        from fastpo.envs_native.reference import reference_envs
+        from fastpo.envs_native.python_reference import reference_envs
 
         self._levels.reset(seeds)
         self.refs = reference_envs(self._levels)
@@ -87,7 +87,7 @@ class PlainPythonEnv:
     def parse_actions(self, answers, max_actions: int):
         """Parse B answer texts with `reference.parse_answer`; returns a `ParsedActions`."""
         from fastpo.envs_native._core import ParsedActions
-        from fastpo.envs_native.reference import parse_answer
+        from fastpo.envs_native.python_reference import parse_answer
 
         B = self.batch_size
         acts = np.full((B, max_actions), -1, dtype=np.int64)
@@ -130,19 +130,19 @@ class PlainPythonEnv:
 
 @contextlib.contextmanager
 def plain_python_envs():
-    """Within the block, `fastpo.envs_native.make_env` builds `PlainPythonEnv`s.
+    """Within the block, `fastpo.envs_native.make_native_env` builds `PlainPythonEnv`s.
 
-    `ReferenceRollout` builds its environment with `make_env` at call time; this swaps the
+    `ReferenceRollout` builds its environment with `make_native_env` at call time; this swaps the
     factory for the duration of one reference rollout (single-threaded use only).
     """
     import fastpo.envs_native as envs
 
-    original = envs.make_env
-    envs.make_env = lambda name, batch_size, **config: PlainPythonEnv(name, batch_size, **config)
+    original = envs.make_native_env
+    envs.make_native_env = lambda name, batch_size, **config: PlainPythonEnv(name, batch_size, **config)
     try:
         yield
     finally:
-        envs.make_env = original
+        envs.make_native_env = original
 
 
 def logprob_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0):
@@ -159,7 +159,7 @@ def logprob_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor, tem
 
 class ReferenceTrainer(Trainer):
     """fastpo's Trainer with a reference-style rollout, old log-prob pass and update (module doc):
-    its sampler, scorer and updater replaced by `ReferenceSampler`, `ReferenceScorer` and
+    its sampler, log-prob computer and updater replaced by `ReferenceSampler`, `ReferenceLogProbComputer` and
     `ReferenceUpdater` after `setup()`, old log-probs always recomputed.
 
     `micro_batch_size`: trajectories per padded micro-batch (the paper's 4). Same
@@ -175,7 +175,7 @@ class ReferenceTrainer(Trainer):
         self.micro_batch_size = micro_batch_size
 
     def setup(self) -> None:
-        from fastpo.rollout.reference import ReferenceRollout
+        from reference_rollout import ReferenceRollout
 
         super().setup()
         p, cfg = self.parts, self.cfg
@@ -190,8 +190,8 @@ class ReferenceTrainer(Trainer):
         p.sampler = ReferenceSampler(cfg, self.dist, p.models, p.sampler.engine, p.sampler.rollout, p.plan, self.out,
                                      self.warn, p.sampler.stopping, ref_rollout=ref_rollout)
         p.sampler.rewards = rewards
-        p.scorer = ReferenceScorer(cfg, p.models, p.plan, padded)
-        updater = ReferenceUpdater(cfg, self.dist, p.models, p.scorer, p.plan, self.warn, padded)
+        p.logprobs = ReferenceLogProbComputer(cfg, p.models, p.plan, padded)
+        updater = ReferenceUpdater(cfg, self.dist, p.models, p.logprobs, p.plan, self.warn, padded)
         updater.actor_opt, updater.critic_opt = p.updater.actor_opt, p.updater.critic_opt  # the same optimizers
         p.updater = updater
 
@@ -235,7 +235,7 @@ def _forward(model, x, att):
     return h, torch.nn.functional.linear(h, lm_head_weight(model))
 
 
-class ReferenceScorer(Scorer):
+class ReferenceLogProbComputer(LogProbComputer):
     """Old log-probs and values the reference way: padded micro-batches, materialized logits."""
 
     def __init__(self, cfg, models, plan, padded: _Padded):
@@ -244,7 +244,7 @@ class ReferenceScorer(Scorer):
 
     @torch.no_grad()
     def compute_old(self, batch, logprobs: bool = True, values: bool = True):
-        """`Scorer.compute_old` on the batch record, the reference way (padded micro-batches,
+        """`LogProbComputer.compute_old` on the batch record, the reference way (padded micro-batches,
         materialized logits); every column is computed."""
         ids, masks = batch.input_ids, batch.loss_mask
         m = self.models
@@ -282,15 +282,15 @@ class ReferenceScorer(Scorer):
 
 class ReferenceUpdater(PolicyUpdater):
     """PPO's update the reference way: padded micro-batches, materialized logits, the loss of
-    `fastpo.kernels.reference` (the specification), gradient accumulation."""
+    `fastpo.kernels.torch_reference` (the specification), gradient accumulation."""
 
-    def __init__(self, cfg, dist, models, scorer, plan, warn, padded: _Padded):
-        super().__init__(cfg, dist, models, scorer, plan, warn)
+    def __init__(self, cfg, dist, models, logprobs, plan, warn, padded: _Padded):
+        super().__init__(cfg, dist, models, logprobs, plan, warn)
         self.padded = padded
 
     def update(self, it, batch) -> tuple[dict, int]:
         """`PolicyUpdater.update` on the batch record, the reference way; (metrics, trained tokens)."""
-        from fastpo.kernels.reference import aggregation_weights, policy_loss_terms
+        from fastpo.kernels.torch_reference import aggregation_weights, policy_loss_terms
 
         if batch.is_weights is not None:
             raise NotImplementedError("ReferenceTrainer covers the StarPO-S setting (no importance weights)")

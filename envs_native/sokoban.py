@@ -23,7 +23,7 @@ search is reproduced, node for node (see ``GENERATORS``):
 The random numbers come from each instance's own seeded stream, so levels do not equal
 RAGEN's or gym-sokoban's for the same seed, but for a given room the search picks the same
 state as theirs: tests/unit/envs/test_envs_sokoban.py checks both modes against
-``reference.reverse_search`` (plain Python, written from their code) and the gym mode also
+``python_reference.reverse_search`` (plain Python, written from their code) and the gym mode also
 against gym-sokoban's own ``depth_first_search`` when it is installed. Where they give up
 after 4 rooms scoring 0 (RAGEN then reseeds), this draws up to ``max_tries`` rooms.
 

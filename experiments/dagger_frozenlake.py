@@ -44,8 +44,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fastpo.evaluate import eval_config
-    from fastpo.models import ModelLoadError, load_model_checked
+    from fastpo.evaluation.settings import eval_config
+    from fastpo.model_loading import ModelLoadError, load_model_checked
     from fastpo import rollout as ro
     from fastpo.config.fields import ConfigError
     from fastpo.sft.experts import expert_rollout

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     from fastpo.config.schema import eval_seeds
     from transformers import DynamicCache
 
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout.kv_cache import cache_kwarg
     from fastpo.sft.experts import expert_rollout
 

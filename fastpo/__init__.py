@@ -11,8 +11,8 @@ alone:
 
 - `train(cfg, resume=False, overwrite=False)`: `fastpo train` without the command line
   (fastpo.trainer.train).
-- `evaluate(cfg)`: `fastpo eval` without the command line (fastpo.evaluate.run_eval).
-  `fastpo.evaluate` is also the module of evaluation helpers; calling it runs `run_eval`.
+- `evaluate(cfg, console=None, samples_dir=None)`: `fastpo eval` without the command line
+  (fastpo.evaluation.policy.run_eval); the evaluation's parts are in `fastpo.evaluation`.
 - `load_config(env=None, preset=None, file=None, overrides=None)`: defaults -> presets ->
   env preset -> YAML file -> dotted overrides, validated; raises `ConfigError`.
 - the config classes: `TrainConfig` and its sections `ModelConfig`, `EnvConfig`,
@@ -23,10 +23,10 @@ import importlib
 
 __version__ = "0.1.0"
 
-#: public name -> (module, attribute); attribute None: the module itself
+#: public name -> (module, attribute)
 _EXPORTS = {
     "train": ("fastpo.trainer", "train"),
-    "evaluate": ("fastpo.evaluate", None),
+    "evaluate": ("fastpo.evaluation.policy", "run_eval"),
     "load_config": ("fastpo.config", "load_config"),
     "ConfigError": ("fastpo.config", "ConfigError"),
     "TrainConfig": ("fastpo.config", "TrainConfig"),
@@ -45,9 +45,7 @@ def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'fastpo' has no attribute {name!r}")
     module, attr = _EXPORTS[name]
-    value = importlib.import_module(module)
-    if attr is not None:
-        value = getattr(value, attr)
+    value = getattr(importlib.import_module(module), attr)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

@@ -37,6 +37,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from fastpo.rollout.window import window_mask
+
 
 def shared_prefixes(input_ids: Sequence[torch.Tensor], loss_masks: Sequence[torch.Tensor],
                     min_common: int = 0) -> tuple[list[int], list[int]]:
@@ -449,8 +451,6 @@ def pack_micro_batch(input_ids: Sequence[torch.Tensor], indices: Sequence[int], 
 def _window_rows(labels, p: int, n: int, device) -> torch.Tensor:
     """bool [n - p, n]: the context-window visibility of a trajectory's tokens p..n-1 over its
     tokens 0..n-1 (= its prefix then its own tokens, the segment's key order)."""
-    from fastpo.rollout.window import window_mask
-
     turn, vis = labels
     if turn.numel() != n:
         raise ValueError(f"window labels of {turn.numel()} entries for a trajectory of {n} tokens")

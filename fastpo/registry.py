@@ -74,7 +74,7 @@ class LossAggregation:
     counts its trajectories with a scored token (the seq-mean modes). constant_norm: that
     count is multiplied by a constant token count C (`TrainConfig.loss_norm`), Dr.GRPO's
     normaliser. kernel_mode: the fastpo.kernels aggregation that computes it with that
-    denominator. The equations are fastpo.kernels.reference.aggregate's (the loss
+    denominator. The equations are fastpo.kernels.torch_reference.aggregate's (the loss
     specification): "seq-mean-token-sum-norm" is its "seq-mean-token-sum" with denominator
     (trajectories x C), i.e. sum_i sum_t l_it / (G C) (Dr.GRPO, arXiv 2503.20783, Sec. 3.2:
     no 1/|o_i|, a constant in its place; verl's mode of that name)."""

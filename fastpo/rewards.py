@@ -109,7 +109,7 @@ class RewardFunction:
         self.fn = load_reward_fn(spec) if spec is not None else None
 
     def apply(self, batch) -> dict:
-        """Score each trajectory of `batch` (a fastpo.rollout.batch.TrajectoryBatch): reward.fn's
+        """Score each trajectory of `batch` (a fastpo.rollout.trajectory_batch.TrajectoryBatch): reward.fn's
         values plus the judge's score on the last turn, put on the turn rewards (mode add or
         replace) and the score. Returns sums over this batch: "reward_fn_sum" (the function's
         values over turns and trajectories), "count" (trajectories), and with a judge "judged"

@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 
 import torch  # noqa: E402
 
-import fastpo.models  # noqa: E402
+import fastpo.model_loading  # noqa: E402
 from run_helpers import ModelLoadReached  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -23,20 +23,20 @@ def no_model(monkeypatch):
     """Any model load raises ModelLoadReached: reaching it means validation passed."""
     def boom(*a, **k):
         raise ModelLoadReached("model load reached")
-    monkeypatch.setattr(fastpo.models, "load_model_and_tokenizer", boom)
+    monkeypatch.setattr(fastpo.model_loading, "load_model_and_tokenizer", boom)
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """(model, tokenizer) of the random tiny Llama (seed 0): fast, for wiring; one per test file."""
-    model, tok, _ = fastpo.models.load_model_and_tokenizer("random:tiny-llama", seed=0)
+    model, tok, _ = fastpo.model_loading.load_model_and_tokenizer("random:tiny-llama", seed=0)
     return model, tok
 
 
 @pytest.fixture(scope="module")
 def embedded():
     """(model, tokenizer) of the embedded SmolLM2-135M-Instruct; one per test file."""
-    model, tok, _ = fastpo.models.load_model_and_tokenizer("smollm2-135m-instruct")
+    model, tok, _ = fastpo.model_loading.load_model_and_tokenizer("smollm2-135m-instruct")
     return model, tok
 
 

@@ -39,7 +39,7 @@ def token_scores(batch) -> torch.Tensor:
 
 
 def _in_evaluation() -> bool:
-    """Whether fastpo.evaluate.evaluate_policy is on the call stack."""
+    """Whether fastpo.evaluation.policy.evaluate_policy is on the call stack."""
     f = sys._getframe(1)
     while f is not None:
         if f.f_code.co_name == "evaluate_policy":

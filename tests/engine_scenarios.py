@@ -149,7 +149,7 @@ def embedded_scenarios(model, tok) -> dict:
 
 
 def record(path: str, only: str | None = None) -> None:
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
 
     torch.manual_seed(0)
     data = {"commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,

@@ -77,7 +77,7 @@ def eval_success(records: list[dict]) -> float:
 
 def last_turn_only(monkeypatch):
     """Credit for the last turn only: every earlier turn's advantages set to 0."""
-    from fastpo.trainer.advantages import Advantages
+    from fastpo.trainer.batch_advantages import Advantages
 
     compute = Advantages.compute
 

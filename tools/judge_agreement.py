@@ -69,10 +69,10 @@ def main(argv=None) -> int:
 
     from fastpo.config import RolloutConfig, TrainConfig
     from fastpo.judge import Judge
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rewards import trajectory_of
     from fastpo.rollout import MultiTurnRollout, NativeEngine
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
     from fastpo.sft.experts import expert_rollout
 
     torch.manual_seed(0)

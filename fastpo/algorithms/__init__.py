@@ -21,7 +21,7 @@ from fastpo.algorithms.estimators import (AdvantageInputs, AdvantageOutputs, est
 from fastpo.algorithms.correction import IS_CORRECTIONS, IS_LEVELS, RolloutCorrection, rollout_correction
 from fastpo.algorithms.filtering import (FilterResult, dynamic_sampling_filter, filter_groups, group_reward_std,
                                          select_groups, soft_advantage_weights)
-from fastpo.algorithms.losses import aggregate_loss, clipped_value_loss
+from fastpo.algorithms.value_loss import aggregate_loss, clipped_value_loss
 from fastpo.algorithms.overlong import overlong_penalty, truncated_turn_mask
 
 __all__ = [

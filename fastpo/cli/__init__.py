@@ -47,7 +47,7 @@ import sys
 
 from fastpo.cli.dagger import cmd_dagger
 from fastpo.cli.eval import cmd_eval
-from fastpo.cli.launch import catch_ctrl_c, check_processes, degrade_console, left_a_job
+from fastpo.cli.processes import catch_ctrl_c, check_processes, degrade_console, left_a_job
 from fastpo.cli.sft import cmd_sft
 from fastpo.cli.train import cmd_train
 from fastpo.config.imitation import SFTConfig
@@ -186,6 +186,7 @@ def entry(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         status = 130 if isinstance(e, KeyboardInterrupt) else 1
     if left_a_job():
+        # torch: imported when the command runs, so `fastpo --help` loads none
         from fastpo.distributed.context import end_process
 
         end_process(status)

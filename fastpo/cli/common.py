@@ -8,12 +8,16 @@ import errno
 import os
 from typing import Callable, Optional
 
+from fastpo.config.fields import ConfigError, apply_dict, parse_override
+from fastpo.config.loading import inline_rubric_file, load_config, load_run_config
+from fastpo.config.validation import validate
+from fastpo.run.folder import RunFolderBusy
+from fastpo.run.manifest import checkpoint_names
+
 
 def check_trust_flag(args) -> None:
     """--trust-checkpoint without --resume: ConfigError (it would silently do nothing; a new
     run, `--model RUN` included, reads no pickled file)."""
-    from fastpo.config.fields import ConfigError
-
     if getattr(args, "trust_checkpoint", False) and args.resume is None:
         raise ConfigError("--trust-checkpoint applies to --resume DIR only (a new run reads no pickled file)")
 
@@ -23,8 +27,6 @@ def build_config(args, extra: list[str], values: dict | None = None, preset: Opt
     """The configuration of a new run from the command line `args` (`load_config`): `extra`
     overrides before the command line's, `values` taken literally (--out), `preset` in place of
     --preset when given, the optional `sections` the command reads (fastpo.config.imitation)."""
-    from fastpo.config.loading import load_config
-
     ov = list(extra)
     values = dict(values or {})
     if args.model is not None:
@@ -42,8 +44,6 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
     """Refuse an output folder that cannot be created or written, before any model loads
     (ConfigError naming `flag` and the folder). On `--resume` the run folder itself and the
     files a resume rewrites (metrics.jsonl, config.yaml) must be writable."""
-    from fastpo.config.fields import ConfigError
-
     p = os.path.abspath(path)
     if os.path.exists(p) and not os.path.isdir(p):
         raise ConfigError(f"{flag} {path}: exists and is not a folder")
@@ -69,8 +69,6 @@ def check_out_dir(path: str, flag: str = "--out") -> None:
 def used_out_message(out: str, used: list[str]) -> str:
     """Why a new run refuses `--out out` that holds a run (markers `used`), and what to do:
     resume it (only where a checkpoint is there to resume), another --out, or --overwrite."""
-    from fastpo.run.manifest import checkpoint_names
-
     if checkpoint_names(os.path.join(out, "checkpoints")):
         return (f"--out {out} already holds a run ({', '.join(used)}); resume it with --resume {out}, pick another "
                 f"--out, or pass --overwrite to delete it")
@@ -90,10 +88,6 @@ def resumed_run_config(args, fixed: list[str] = ()):
     Raises ConfigError naming what cannot change mid-run (an option, or a dotted override in
     any spelling that moves the env, model, preset, seed or output folder); `fixed` lists
     further options the caller refuses."""
-    from fastpo.config.loading import inline_rubric_file, load_run_config
-    from fastpo.config.validation import validate
-    from fastpo.config.fields import ConfigError, apply_dict, parse_override
-
     if not args.resume.strip():
         raise ConfigError("--resume needs the run folder, e.g. --resume runs/frozenlake")
     fixed = [flag for flag, v in (("--config", args.config), ("--preset", args.preset), ("--env", args.env),
@@ -133,11 +127,10 @@ def exit_status(run: Callable[[], Optional[list]], error: Callable[[str], None],
     run (EnvError) or a full disk. `error(text)`
     says the one line; `command` (e.g. "fastpo train") and `out` (the run folder) name the
     resume. Other exceptions propagate (a bug: its traceback)."""
-    from fastpo.run.checkpoint import CheckpointSaveError
-    from fastpo.run.folder import RunFolderBusy
-    from fastpo.config.fields import ConfigError
+    # torch, numpy: imported when the command runs, so `fastpo --help` loads none
     from fastpo.envs import EnvError
     from fastpo.report.summary import nothing_trained
+    from fastpo.run.checkpoint import CheckpointSaveError
 
     try:
         records = run()

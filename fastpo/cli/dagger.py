@@ -4,14 +4,19 @@ from __future__ import annotations
 import os
 import sys
 
+from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
+from fastpo.config.fields import ConfigError
+from fastpo.config.files import dump_yaml, flatten, parse_config_yaml
+from fastpo.config.loading import legacy_sections
+from fastpo.config.presets import default_preset
+from fastpo.config.loading import default_run_folder
+from fastpo.run.folder import RunFolderBusy, RunLock, clear_run_folder, run_folder_in_use
+
 
 def _difference(out: str, cfg) -> str | None:
     """None when the DAgger run in `out` has the settings of `cfg` (the number of rounds and the
     folder's spelling apart), else the first one that differs, as "key: new (the run's: old)"."""
     import yaml
-
-    from fastpo.config.files import dump_yaml, flatten, parse_config_yaml
-    from fastpo.config.loading import legacy_sections
 
     path = os.path.join(out, "config.yaml")
     with open(path, encoding="utf-8") as f:
@@ -33,9 +38,7 @@ def _choose_folder(args, cfg) -> tuple[str, bool]:
     there with the same settings is continued (the same command again), one with others is
     refused unless --overwrite (which deletes it). Without --out: runs/dagger-<env>, or the
     first `-2`, `-3`, ... that is free or holds an unfinished DAgger run with these settings."""
-    from fastpo.config.fields import ConfigError
-    from fastpo.config.loading import default_run_folder
-    from fastpo.run.folder import run_folder_in_use
+    # torch: imported when the command runs, so `fastpo --help` loads none
     from fastpo.sft.dagger import dagger_run_finished, is_dagger_run
 
     if args.out:
@@ -67,11 +70,8 @@ def cmd_dagger(args) -> int:
     SIGTERM once what was done is saved)."""
     from rich.console import Console
 
-    from fastpo.cli.common import build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config
-    from fastpo.config.fields import ConfigError
-    from fastpo.config.presets import default_preset
-    from fastpo.models import check_kernel_impl, check_model_name, resolve_device
-    from fastpo.run.folder import RunFolderBusy, RunLock, clear_run_folder
+    # torch: imported when the command runs, so `fastpo --help` loads none
+    from fastpo.model_loading import check_kernel_impl, check_model_name, resolve_device
     from fastpo.sft.config import imitation_preset, sft_default_overrides
     from fastpo.sft.dagger import (DaggerRun, DaggerStopped, clear_dagger_run, dagger_folder_of, dagger_run_finished,
                                    is_dagger_run)

@@ -5,22 +5,26 @@ import os
 import sys
 
 from fastpo.cli.common import check_out_dir
-from fastpo.cli.launch import quiet_progress_bars
+from fastpo.cli.processes import quiet_progress_bars
+from fastpo.config.fields import ConfigError
+from fastpo.config.members import env_members
+from fastpo.run.folder import write_json
 
 
 def cmd_eval(args) -> int:
     """`fastpo eval`. A fastpo checkpoint (`runs/x`, `runs/x/checkpoints/iter_N` or its `model/`)
     is evaluated with the env, rollout and eval settings its run used, except what the
-    command line sets (fastpo.evaluate.eval_config); one line says whose settings are used.
+    command line sets (fastpo.evaluation.settings.eval_config); one line says whose settings are used.
     `--json PATH` writes the metrics, model label and settings as JSON. Exit status 0, 2 bad
     input (one line), 1 the user's game failing during the evaluation (one line naming the
     call and the seed)."""
     from rich.console import Console
     from rich.table import Table
 
+    # torch, numpy: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.context import DistributedError, SINGLE, init_from_env, shutdown, torchrun_env
-    from fastpo.config.fields import ConfigError
     from fastpo.envs import EnvError
+    from fastpo.evaluation.settings import eval_config, eval_report
 
     where = torchrun_env()  # under torchrun each process evaluates its share of the seeds
     main_rank = where is None or where[0] == 0
@@ -40,14 +44,13 @@ def cmd_eval(args) -> int:
         ov.append(f"trainer.seed={args.seed}")
     ov += args.overrides
     try:
-        from fastpo.evaluate import eval_config, eval_report, run_eval, write_json
-
         # a fastpo checkpoint brings the env and rollout settings it was trained with
         cfg, run = eval_config(env=args.env, preset=args.preset, file=args.config, overrides=ov,
                                values={"model.name": args.model} if args.model is not None else None,
                                warn=lambda text: console.print(f"warning: {text}", style="yellow", markup=False,
                                                               soft_wrap=True))
-        from fastpo.models import check_model_name, resolve_device
+        # torch: imported when the command runs, so `fastpo --help` loads none
+        from fastpo.model_loading import check_model_name, resolve_device
 
         resolve_device(cfg.trainer.device)
         check_model_name(cfg.model.name)
@@ -61,6 +64,9 @@ def cmd_eval(args) -> int:
             console.print(run.describe(), markup=False)
             if run.mismatch_note():
                 console.print(run.mismatch_note(), style="yellow", markup=False)
+        # torch, transformers: loaded once the settings are checked (bad input is refused before)
+        from fastpo.evaluation.policy import run_eval
+
         ctx = init_from_env(cfg.trainer.device) if where is not None else SINGLE
         try:
             res = run_eval(cfg, console=console, samples_dir=args.samples, dist=ctx)
@@ -77,8 +83,6 @@ def cmd_eval(args) -> int:
     if not main_rank:
         return 0
     console.print(f"model: {res['model']}", markup=False)
-    from fastpo.config.members import env_members
-
     games = f" ({', '.join(m.label for m in env_members(cfg))})" if cfg.env.mixture else ""
     table = Table(title=f"fastpo eval: {cfg.env.name}{games}")
     table.add_column("metric")

@@ -6,6 +6,10 @@ import sys
 
 from fastpo.cli.common import (build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config,
                                used_out_message)
+from fastpo.config.fields import ConfigError
+from fastpo.config.presets import default_preset
+from fastpo.config.loading import default_run_folder
+from fastpo.run.folder import RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, unsaved_note, untrained_start
 
 
 def cmd_sft(args) -> int:
@@ -14,15 +18,11 @@ def cmd_sft(args) -> int:
     checkpoint is saved)."""
     from rich.console import Console
 
-    from fastpo.config.fields import ConfigError
-    from fastpo.config.presets import default_preset
-    from fastpo.config.loading import default_run_folder
+    # torch, numpy: imported when the command runs, so `fastpo --help` loads none
     from fastpo.envs import EnvError
-    from fastpo.models import check_kernel_impl, check_model_name, resolve_device
+    from fastpo.model_loading import check_kernel_impl, check_model_name, resolve_device
     from fastpo.report.metrics import warn_user
     from fastpo.run.checkpoint import plan_resume
-    from fastpo.run.folder import (RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, unsaved_note,
-                                   untrained_start)
     from fastpo.sft.config import imitation_preset, sft_default_overrides
     from fastpo.sft.data import check_chat_path, load_sft_data
     from fastpo.sft.experts import check_expert

@@ -6,7 +6,10 @@ import sys
 
 from fastpo.cli.common import (build_config, check_out_dir, check_trust_flag, exit_status, resumed_run_config,
                                used_out_message)
-from fastpo.cli.launch import quiet_progress_bars
+from fastpo.cli.processes import quiet_progress_bars
+from fastpo.config.fields import ConfigError
+from fastpo.config.members import env_members, member_rollout_config
+from fastpo.run.folder import RunFolderBusy, RunLock, fresh_run_folder, run_folder_in_use, unsaved_note, untrained_start
 
 
 def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
@@ -16,10 +19,9 @@ def _resume_config(args, world: int, torchrun: bool, console, main_rank: bool):
     iteration 1 with OUT's config.yaml: `args.resume` becomes None and `args.out` OUT. Raises
     ConfigError for an option that cannot change mid-run or the data-parallel trainer does not
     support, RunFolderBusy when another process holds OUT."""
+    # torch: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.launch import check_trainer_support
     from fastpo.run.checkpoint import nothing_to_train_note, plan_resume, tidy_run_folder
-    from fastpo.run.folder import RunLock, unsaved_note, untrained_start
-    from fastpo.config.fields import ConfigError
     from fastpo.report.metrics import warn_user
 
     cfg = resumed_run_config(args)
@@ -57,9 +59,8 @@ def _new_run_config(args, world: int, torchrun: bool, console):
     """The configuration of a new run, with its run folder chosen: `--out` as given (refused
     when it holds a run, unless --overwrite), else the default folder or the first free
     `<default>-N` after it. Raises ConfigError, RunFolderBusy."""
+    # torch: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.launch import check_trainer_support
-    from fastpo.run.folder import RunLock, fresh_run_folder, run_folder_in_use
-    from fastpo.config.fields import ConfigError
 
     if args.out is not None and not args.out.strip():
         raise ConfigError("--out needs a folder name")
@@ -83,10 +84,9 @@ def _new_run_config(args, world: int, torchrun: bool, console):
 def cmd_train(args) -> int:
     from rich.console import Console
 
-    from fastpo.run.folder import RunFolderBusy
+    # torch: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.collectives import on_main
     from fastpo.distributed.context import DistributedError, SINGLE, init_from_env, shutdown, torchrun_env
-    from fastpo.config.fields import ConfigError
 
     where = torchrun_env()
     world = where[1] if where is not None else 1
@@ -102,7 +102,8 @@ def cmd_train(args) -> int:
                 return 0
         else:
             cfg = _new_run_config(args, world, where is not None, console)
-        from fastpo.models import check_kernel_impl, check_model_name, resolve_device
+        # torch: imported when the command runs, so `fastpo --help` loads none
+        from fastpo.model_loading import check_kernel_impl, check_model_name, resolve_device
 
         check_kernel_impl(cfg.trainer.kernel_impl, resolve_device(cfg.trainer.device))
         check_model_name(cfg.model.name)  # a name that names no model: said before the run's banner
@@ -126,6 +127,8 @@ def cmd_train(args) -> int:
 
 def _train_in_process(args, cfg, ctx, console) -> int:
     """Run the trainer in this process (one of `ctx.world_size`); the exit status."""
+    # torch, numpy: imported when the command runs, so `fastpo --help` loads none
+    from fastpo.envs.mixture import shares
     from fastpo.trainer import train
 
     def error(text: str) -> None:  # every rank meets the same error; rank 0 says it
@@ -134,9 +137,6 @@ def _train_in_process(args, cfg, ctx, console) -> int:
 
     turns = f"{cfg.rollout.max_turns} turn{'s' if cfg.rollout.max_turns != 1 else ''}"
     if cfg.env.mixture:  # each game its share and its own turns
-        from fastpo.config.members import env_members, member_rollout_config
-        from fastpo.envs.mixture import shares
-
         games = env_members(cfg)
         limits = [member_rollout_config(cfg, m).max_turns for m in games]
         turns = "games " + ", ".join(f"{m.label} ({w:.0%}, {t} turn{'s' if t != 1 else ''})"

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from fastpo.algorithms import masked_whiten as whiten
 from fastpo.distributed.context import DistContext
 
 
@@ -111,8 +112,6 @@ def masked_whiten(ctx: DistContext, x: torch.Tensor, mask: torch.Tensor, unbiase
     """`fastpo.algorithms.masked_whiten` (shift_mean) with the mean and variance of the global
     batch: every rank's entries where `mask` is True (sums in float64, two passes). x, mask:
     [B_r, T] (B_r may be 0); returns fp32 [B_r, T], zero off the mask. One process: that function."""
-    from fastpo.algorithms import masked_whiten as whiten
-
     m = mask.bool()
     if not ctx.initialized:
         return whiten(x, m, eps=eps, unbiased=unbiased)

@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from fastpo.algorithms.filtering import (check_filter_args, dynamic_from_stds, dynamic_sampling_filter,
+                                         filter_from_stds, filter_groups, group_reward_std)
 from fastpo.distributed.collectives import all_gather_rows, all_reduce
 from fastpo.distributed.context import DistContext, DistributedError
+from fastpo.registry import loss_denominator_of
+from fastpo.seeds import iteration_seeds
 
 
 def split_groups(n_groups: int, world_size: int, rank: int) -> range:
@@ -39,8 +43,6 @@ def rank_seeds(seed: int, iteration: int, n_groups: int, world_size: int, rank: 
     """(global group ids, env seeds) of this rank's share of iteration `iteration`: a slice
     of `fastpo.seeds.iteration_seeds(seed, iteration, n_groups)`, so group g has the same
     seed whatever the world size."""
-    from fastpo.seeds import iteration_seeds
-
     groups = split_groups(n_groups, world_size, rank)
     seeds = iteration_seeds(seed, iteration, n_groups)
     return list(groups), [seeds[g] for g in groups]
@@ -76,8 +78,6 @@ def global_filter(ctx: DistContext, scores: torch.Tensor, group_ids: torch.Tenso
     `std_after` and `zero_std_groups` are global (equal on every rank, and equal to
     `filter_groups` on the concatenated batch). Raises ValueError as `filter_groups`.
     """
-    from fastpo.algorithms.filtering import check_filter_args, filter_from_stds, filter_groups, group_reward_std
-
     if not ctx.initialized:
         return filter_groups(scores, group_ids, ratio, mode, strategy, top_p_mode, eps, keep_zero_std)
     check_filter_args(mode, ratio)
@@ -93,8 +93,6 @@ def global_dynamic_filter(ctx: DistContext, scores: torch.Tensor, group_ids: tor
     `target` varying groups by global group id (draw order) among every rank's, each rank
     keeping its own trajectories of them; the FilterResult's figures are global, its indices
     this rank's."""
-    from fastpo.algorithms.filtering import dynamic_from_stds, dynamic_sampling_filter, group_reward_std
-
     if not ctx.initialized:
         return dynamic_sampling_filter(scores, group_ids, target)
     stds = gather_group_stds(ctx, group_reward_std(scores, group_ids) if scores.numel() else {})
@@ -123,8 +121,6 @@ def global_loss_denominator(ctx: DistContext, loss_agg: str, masks: list, indice
     modes; times `norm` for "seq-mean-token-sum-norm"); at least 1. Every rank divides by it,
     so that the sum over ranks of the ranks' gradients is the one-process gradient of the
     whole mini-batch (`fastpo.trainer.loss_denominator` on the concatenation)."""
-    from fastpo.registry import loss_denominator_of
-
     return loss_denominator_of(loss_agg, *global_counts(ctx, masks, indices), norm)
 
 

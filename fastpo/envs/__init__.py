@@ -9,7 +9,7 @@
 All of them speak the batched protocol the rollout uses (reset(seeds), render(),
 instructions(), action_names(i), parse_actions, step; `step_text` for free-text games).
 The interface a plain-Python game implements is in `fastpo.envs.interface`; names are
-resolved in `fastpo.envs.registry`. Importing this package loads neither Numba nor any
+resolved in `fastpo.envs.names`. Importing this package loads neither Numba nor any
 adapter's library.
 """
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 from .errors import EnvError
 from .interface import SETTING_KEYS, TextEnv
 from .mixture import MIXTURE, EnvMember, assign_members, parse_mixture
-from .registry import (BUILTIN, ENTRY_POINT_GROUP, EnvSpec, check_env, env_preset, has_expert, installed_envs,
-                       make_env, resolve_env)
+from .names import (BUILTIN, ENTRY_POINT_GROUP, EnvSpec, check_env, env_preset, has_expert, installed_envs,
+                    make_env, resolve_env)
 
 __all__ = ["BUILTIN", "ENTRY_POINT_GROUP", "EnvError", "EnvMember", "EnvSpec", "MIXTURE", "SETTING_KEYS", "TextEnv",
            "assign_members", "check_env", "env_preset", "has_expert", "installed_envs", "make_env", "parse_mixture",

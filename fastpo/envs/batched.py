@@ -358,8 +358,9 @@ class PythonBatchedEnv:
     def parse_actions(self, answers: Sequence[str], max_actions: int):
         """Parse B answers into move ids (as `BatchedTextEnv.parse_actions`); a free-text
         game has no moves: every non-empty answer is one piece with action id 0."""
+        # numba: `import fastpo.envs` loads none (the Numba games load on first use)
         from fastpo.envs_native._core import ParsedActions
-        from fastpo.envs_native.reference import parse_answer
+        from fastpo.envs_native.python_reference import parse_answer
 
         self._require_reset()
         B = self.batch_size
@@ -407,6 +408,7 @@ class PythonBatchedEnv:
         return self._finish(self._run("step", jobs) if jobs else [], jobs, {b: [0] for b, _ in jobs}, 1)
 
     def _finish(self, results, jobs, cols, A):
+        # numba: `import fastpo.envs` loads none (the Numba games load on first use)
         from fastpo.envs_native._core import StepResult
 
         B = self.batch_size
@@ -439,6 +441,7 @@ class PythonBatchedEnv:
             self.step(np.zeros((self.batch_size, 1), dtype=np.int64))
         again = self.reset([0] * self.batch_size)
         if again != first:  # not an error: some games mean it, but env groups then mislead
+            # torch: `import fastpo.envs` loads none
             from fastpo.report.metrics import warn_user
 
             warn_user(f"environment {self.name!r}: reset(0) after a game gave another first observation "

@@ -20,7 +20,7 @@ from .hf import (causal_lm_hidden_states, causal_lm_logprob_entropy, causal_lm_p
                  lm_head_weight)
 from .losses import (POLICY_LOSSES, RATIO_LEVELS, LossSetting, PolicyGradient, PolicyLoss, PolicyLossInputs,
                      PolicyLossSettings, loss_settings, policy_loss, register_policy_loss)
-from .reference import (aggregate, aggregation_weights, policy_loss_terms, policy_metrics, reference_logprob_entropy,
+from .torch_reference import (aggregate, aggregation_weights, policy_loss_terms, policy_metrics, reference_logprob_entropy,
                         reference_policy_loss, sequence_log_ratio)
 
 __all__ = [

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunked import mm_f32
+from .chunked import chunked_grads, chunked_stats, mm_f32
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 # Under the interpreter: "small" tiles (fast tests) or "gpu", the compiled kernels' tile
@@ -481,8 +481,6 @@ def probe(device: torch.device, dtype: torch.dtype) -> None:
 
 
 def _probe(device: torch.device, dtype: torch.dtype) -> None:
-    from .chunked import chunked_grads, chunked_stats
-
     g = torch.Generator().manual_seed(0)
     n, h, v = 40, 64, 2100  # two vocabulary splits, a padded last tile, a partial row block
     hidden = torch.randn(n, h, generator=g).to(device=device, dtype=dtype)

@@ -1,6 +1,6 @@
 """Public functions of `fastpo.kernels` and the dispatcher between implementations.
 
-impl="reference": materialized fp32 logits (`fastpo.kernels.reference`), for tests.
+impl="reference": materialized fp32 logits (`fastpo.kernels.torch_reference`), for tests.
 impl="chunked":   bounded-memory PyTorch (`fastpo.kernels.chunked`), any device.
 impl="triton":    fused Triton kernels (`fastpo.kernels._triton`), CUDA tensors (or CPU
                   tensors under TRITON_INTERPRET=1, set before the first Triton call).
@@ -25,7 +25,7 @@ import torch
 from . import chunked as _chunked
 from .chunked import OutOfMemoryError
 from .losses import PolicyLossSettings, policy_loss
-from .reference import (aggregate, aggregation_weights, policy_loss_terms, policy_metrics, reference_logprob_entropy,
+from .torch_reference import (aggregate, aggregation_weights, policy_loss_terms, policy_metrics, reference_logprob_entropy,
                         reference_policy_loss, sequence_log_ratio, zero_rows)
 
 IMPLS = ("auto", "triton", "chunked", "reference")
@@ -35,6 +35,7 @@ _triton_error: str | None = None
 
 def _triton_module():
     """The Triton implementation, imported on first use (triton is optional)."""
+    # triton (optional): imported on the Triton path's first use
     from . import _triton
 
     return _triton

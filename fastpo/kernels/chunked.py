@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from . import cpu_rows
-from .reference import zero_rows
+from .torch_reference import zero_rows
 
 # Bytes of [C, V] buffers a chunk may hold: two of 64 MiB for the eager stages (logits and
 # p), or one of 128 MiB where the compiled CPU stages work in place on the logits (more rows

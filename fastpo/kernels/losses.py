@@ -1,6 +1,6 @@
 """The policy losses: one registered function each, with its facts beside it.
 
-A policy loss is the policy-gradient term pg of `fastpo.kernels.reference.policy_loss_terms`:
+A policy loss is the policy-gradient term pg of `fastpo.kernels.torch_reference.policy_loss_terms`:
 from each token's ratio, log-prob, old log-prob, advantage and entropy (`PolicyLossInputs`,
 [N] tensors) it returns pg [N] (a loss: lower is better) and the tokens it clipped
 (`PolicyGradient`). What surrounds it is the same for every loss and written once there: the
@@ -232,7 +232,7 @@ def _takers(fact: str) -> str:
 class PolicyLossSettings:
     """The policy loss's settings as one object (Liger keeps them on its loss module): what
     `linear_policy_loss` also takes one keyword each (`settings=`), with the same defaults and
-    meaning (see `fastpo.kernels.reference.policy_loss_terms` and `aggregation_weights`):
+    meaning (see `fastpo.kernels.torch_reference.policy_loss_terms` and `aggregation_weights`):
     clip_low / clip_high >= 0, clip_low < 1 and clip_high >= clip_low (PPO's clip range, DAPO's
     clip-higher; any bounds for a loss without that range, `PolicyLoss.clip_range`), dual_clip
     None or > 1 (only for a loss that takes it), entropy_coef and kl_coef >= 0, kl_estimator in

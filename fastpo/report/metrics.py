@@ -18,9 +18,11 @@ import numpy as np
 import torch
 from typing import Any, Callable, Iterable, Optional
 
+from fastpo.algorithms.filtering import group_reward_std
 # The plots (fastpo.report.plots), the end-of-run tables (fastpo.report.summary) and the numeric helpers
 # (fastpo.report.stats) live in their own modules: import their names from there.
 from fastpo.report.stats import finite_number
+from fastpo.run.folder import atomic_write_text
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
 #: user silences them with logging.getLogger("fastpo").setLevel(logging.ERROR), or routes them
@@ -114,8 +116,6 @@ class MetricsLogger:
             self.ema[k] = float(v) if prev is None else self.decay * prev + (1 - self.decay) * float(v)
 
     def _rewrite(self) -> None:
-        from fastpo.run.folder import atomic_write_text
-
         atomic_write_text(self.path, "".join(json.dumps(rec) + "\n" for rec in self.records))
 
     @staticmethod
@@ -319,8 +319,6 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
     response length (model tokens per trajectory), tokens per trajectory, turns, format-penalty
     rate and the engine's own rates (valid / effective actions, truncation). The figures of one
     batch (the evaluation's, gathered on rank 0); a training iteration's are `rollout_sums`'."""
-    from fastpo.algorithms.filtering import group_reward_std
-
     scores = batch.scores.float()
     out = {
         f"{prefix}/success_rate": float(batch.success.float().mean()),

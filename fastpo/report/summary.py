@@ -166,7 +166,7 @@ def _paired_z(oa: dict, ob: dict, key: str) -> Optional[float]:
 def result_line(records: list[dict], run_dir: Optional[str] = None) -> Optional[str]:
     """One plain line on what a run's last evaluation shows (None without one at iteration >= 1):
     its success against the random policy's on the same seeds (an expectation per seed, taken as
-    known: `fastpo.evaluate.success_bounds`; so z = (success - random) / SE(success), "above" or
+    known: `fastpo.evaluation.policy.success_bounds`; so z = (success - random) / SE(success), "above" or
     "below" beyond 2, "within 2 SE" otherwise), the optimal policy's beside it, and which
     before/after rows (`before_after`) changed by more than 2 standard errors since the
     evaluation before training (paired where the per-seed outcomes are in `run_dir`; a change

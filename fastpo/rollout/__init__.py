@@ -8,7 +8,7 @@ group prefix sharing), the optional SGLang engine, and the token-in-token-out lo
 """
 from fastpo.config.schema import RolloutConfig
 
-from .batch import TrajectoryBatch
+from .trajectory_batch import TrajectoryBatch
 from .engine import NativeEngine, TurnOutput
 from .multiturn import MultiTurnRollout
 from .parsing import ParsedResponse, parse_response

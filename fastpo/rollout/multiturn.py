@@ -11,15 +11,8 @@ template text between turns (end-of-turn token unless the model sampled it, sepa
 the next user message, the assistant header and the prime; loss mask False). Model tokens
 are decoded only to read the answer, never re-encoded.
 
-Format penalty: a turn whose answer is missing or holds an invalid action gets
-`format_penalty` added to its reward and still counts as a turn. What counts as an answer
-is `cfg.format_rule` (parsing.py): "ragen" (default) is RAGEN's rule: the first
-think/answer pattern anywhere in the response; without it no action runs; with it the
-answer's valid actions run (invalid ones are dropped and penalised). "strict" also
-penalises a response that is not exactly the pattern (extra text, a stray tag, a second
-block); its valid actions still run when `run_valid_actions_on_format_error` (default True)
-and a complete answer block is found. With run_valid_actions_on_format_error=False a
-penalised turn executes nothing under either rule. The text parsed is cut after the first
+Each turn's answers are parsed, run and scored by `fastpo.rollout.turns.env_turn` (the format
+penalty and `cfg.format_rule` are described there). The text parsed is cut after the first
 stop string (e.g. "</answer>" when the token completing it was ">."); the sampled ids are
 kept as they are.
 
@@ -39,168 +32,17 @@ import torch
 
 import fastpo.rollout.window as ctxwin
 from fastpo.config.schema import RolloutConfig, context_window_turns
-
+from fastpo.config.members import env_members, member_rollout_config
+from fastpo.envs import assign_members, make_env, resolve_env
 from fastpo.envs.mixture import EnvMember
+from fastpo.seeds import group_sampling_seed
 
-from .batch import TrajectoryBatch
 from .engine import STOP_CONTEXT
-from .parsing import cut_at_stop, parse_response
-from .prompts import ChatFormat, first_user_message, move_question, next_user_message
+from .parsing import cut_at_stop
+from .prompts import ChatFormat, first_user_message, next_user_message
 from .sampling import SamplingParams
-
-
-@dataclasses.dataclass
-class TurnCounters:
-    """Action and format tallies over a rollout (for the rate metrics)."""
-
-    pieces: int = 0  # answer pieces (recognised + unrecognised)
-    valid: int = 0  # recognised action names
-    executed: int = 0
-    effective: int = 0  # executed actions that changed the state
-    penalised: int = 0  # turns with a format penalty
-    turns: int = 0
-
-    def add(self, pieces: int, valid: int, executed: int, effective: int, penalised: bool) -> None:
-        """Count one trajectory's turn."""
-        self.pieces += int(pieces)
-        self.valid += int(valid)
-        self.executed += int(executed)
-        self.effective += int(effective)
-        self.penalised += int(penalised)
-        self.turns += 1
-
-    def rates(self) -> dict:
-        return {
-            "valid_action_rate": self.valid / max(1, self.pieces),
-            "effective_action_rate": self.effective / max(1, self.executed),
-            "format_penalty_rate": self.penalised / max(1, self.turns),
-        }
-
-
-@dataclasses.dataclass
-class EnvTurn:
-    """What one turn did to the B trajectories (zeros for those not stepped).
-
-    reward: float32 [B], env reward + format penalty. penalty: float32 [B]. ok: bool [B],
-    the answer was well formed with only valid actions. done: bool [B], the env ended.
-    executed: int64 [B]. notes: B feedback strings for the next user message.
-    valid / invalid: int64 [B], recognised action names / unrecognised answer pieces.
-    effective: int64 [B], executed actions that changed the state.
-    """
-
-    reward: np.ndarray
-    penalty: np.ndarray
-    ok: np.ndarray
-    done: np.ndarray
-    executed: np.ndarray
-    notes: list
-    valid: np.ndarray = None
-    invalid: np.ndarray = None
-    effective: np.ndarray = None
-
-
-def env_turn(env, cfg: RolloutConfig, texts: list, actions_left: np.ndarray, counters: TurnCounters | None = None) -> EnvTurn:
-    """Parse B response texts, run their actions in `env` and score the turn.
-
-    texts: B response texts including the generation prime, or None for trajectories that
-    take no turn now. actions_left: int64 [B] action budget, decreased in place by the
-    executed actions. A turn whose answer is missing or malformed under cfg.format_rule, or
-    holds an invalid action (or none), gets cfg.format_penalty; the valid actions of an
-    answer that was found still run when cfg.run_valid_actions_on_format_error (under
-    "ragen" a response without the pattern has no answer, so nothing runs). Only the first
-    max_actions_per_turn answer pieces are read, and actions past actions_left are not run
-    (neither is penalised), as RAGEN. Never raises on any text.
-    """
-    B = len(texts)
-    answers = [""] * B
-    fmt_ok = np.zeros(B, dtype=bool)
-    has_answer = np.zeros(B, dtype=bool)
-    stepped = np.array([t is not None for t in texts], dtype=bool)
-    for b, text in enumerate(texts):
-        if text is None:
-            continue
-        parsed = parse_response(text, think=cfg.think, rule=cfg.format_rule)
-        answers[b] = parsed.answer or ""
-        has_answer[b] = parsed.answer is not None
-        fmt_ok[b] = parsed.format_ok
-    if getattr(env, "free_text", False):
-        return _free_text_turn(env, cfg, answers, fmt_ok, has_answer, stepped, actions_left, counters)
-    k_turn = cfg.max_actions_per_turn
-    pa = env.parse_actions(answers, k_turn)
-    acts = pa.actions.copy()
-    limit = np.minimum(k_turn, actions_left)
-    acts[np.arange(k_turn)[None, :] >= limit[:, None]] = -1
-    ok = fmt_ok & pa.all_valid & has_answer & stepped
-    run_actions = ok | (has_answer & bool(cfg.run_valid_actions_on_format_error))
-    acts[~run_actions] = -1
-    res = env.step(acts, active=stepped)
-    penalty = np.where(stepped & ~ok, np.float32(cfg.format_penalty), np.float32(0)).astype(np.float32)
-    reward = np.where(stepped, res.reward + penalty, 0).astype(np.float32)
-    executed = res.num_executed.astype(np.int64)
-    actions_left -= executed
-    notes = [""] * B
-    valid = np.zeros(B, dtype=np.int64)
-    invalid = np.zeros(B, dtype=np.int64)
-    effective = np.zeros(B, dtype=np.int64)
-    for b in np.flatnonzero(stepped):
-        valid[b] = int(pa.num_actions[b])
-        invalid[b] = len(pa.invalid[b])
-        effective[b] = int(res.effective[b].sum())
-        if cfg.feedback_invalid and not ok[b]:
-            notes[b] = ("Invalid actions: " + ", ".join(pa.invalid[b]) + ".") if pa.invalid[b] else \
-                "Your answer was not in the required format."
-        if counters is not None:
-            counters.add(valid[b] + invalid[b], valid[b], executed[b], effective[b], not ok[b])
-    return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
-
-
-def _free_text_turn(env, cfg: RolloutConfig, answers: list, fmt_ok, has_answer, stepped, actions_left,
-                    counters: TurnCounters | None) -> EnvTurn:
-    """`env_turn` for a free-text game (`env.free_text`, fastpo.envs.batched): each found
-    answer goes whole to `env.step_text` (under "strict" a malformed response's answer only
-    with cfg.run_valid_actions_on_format_error) and costs one action of the budget. The turn
-    is penalised unless the answer was well formed and the game accepted it (its
-    info["valid"]). Counts: one answer piece per found answer, valid = accepted."""
-    B = len(answers)
-    run = stepped & has_answer & (fmt_ok | bool(cfg.run_valid_actions_on_format_error))
-    res = env.step_text([answers[b] if run[b] else None for b in range(B)], active=stepped)
-    accepted = res.valid[:, 0] & run
-    ok = fmt_ok & has_answer & stepped & accepted
-    penalty = np.where(stepped & ~ok, np.float32(cfg.format_penalty), np.float32(0)).astype(np.float32)
-    reward = np.where(stepped, res.reward + penalty, 0).astype(np.float32)
-    executed = res.num_executed.astype(np.int64)
-    actions_left -= executed
-    valid = accepted.astype(np.int64)
-    invalid = (has_answer & stepped & ~accepted).astype(np.int64)
-    effective = res.effective[:, 0].astype(np.int64)
-    notes = [""] * B
-    for b in np.flatnonzero(stepped):
-        if cfg.feedback_invalid and not ok[b]:
-            notes[b] = "The game did not accept your answer." if has_answer[b] and run[b] else \
-                "Your answer was not in the required format."
-        if counters is not None:
-            counters.add(has_answer[b], valid[b], executed[b], effective[b], not ok[b])
-    return EnvTurn(reward, penalty, ok, res.done.copy() & stepped, executed, notes, valid, invalid, effective)
-
-
-def end_reason(turn_result: EnvTurn, b: int, actions_left: np.ndarray, turn: int, max_turns: int) -> str:
-    """Why trajectory b stops after this turn ("env_done", "action_budget", "max_turns"), or ""."""
-    if turn_result.done[b]:
-        return "env_done"
-    if actions_left[b] <= 0:
-        return "action_budget"
-    if turn == max_turns - 1:
-        return "max_turns"
-    return ""
-
-
-def closing_question(cfg: RolloutConfig, action_names) -> str:
-    """The closing question of a trajectory's user messages (`prompts.move_question` for its
-    action names); "" without rollout.prompt_examples, in think mode or for a free-text game
-    (no action names)."""
-    if not cfg.prompt_examples or cfg.think or not action_names:
-        return ""
-    return move_question(action_names, cfg.max_actions_per_turn)
+from .trajectory_batch import TrajectoryBatch
+from .turns import EnvTurn, TurnCounters, closing_question, end_reason, env_turn, merged_turn
 
 
 @dataclasses.dataclass
@@ -327,8 +169,6 @@ class MultiTurnRollout:
 
     def __init__(self, engine, tokenizer, env_name: str, env_config: dict | None = None, cfg: RolloutConfig | None = None,
                  env_workers: int = 0, members: list | None = None):
-        from fastpo.envs import resolve_env
-
         self.engine = engine
         self.tokenizer = tokenizer
         self.env_name = env_name
@@ -358,8 +198,6 @@ class MultiTurnRollout:
     def from_config(cls, cfg, engine, tokenizer) -> "MultiTurnRollout":
         """The rollout of TrainConfig `cfg` (its env or env.mixture, its rollout settings) over
         `engine` (None: prompts only, e.g. `prompt_lengths`)."""
-        from fastpo.config.members import env_members, member_rollout_config
-
         shared = cfg.rollout.rollout_config()
         if not cfg.env.mixture:
             return cls(engine, tokenizer, cfg.env.name, dict(cfg.env.options), shared, env_workers=cfg.env.workers)
@@ -384,16 +222,12 @@ class MultiTurnRollout:
 
     def make_env(self, batch_size: int, member: EnvMember | None = None):
         """B instances of this rollout's env, or of `member`'s (`fastpo.envs.make_env`)."""
-        from fastpo.envs import make_env
-
         m = member if member is not None else self.members[0][0]
         return make_env(m.name, batch_size, m.options, workers=self.env_workers)
 
     def _parts(self, seeds: list, N: int) -> list:
         """The games of env groups `seeds` x N trajectories (each group's member drawn from its
         seed), each with its instances built: [_Part], the members in their order."""
-        from fastpo.envs import assign_members
-
         which = assign_members(seeds, [m for m, _ in self.members]) if self.mixed else [0] * len(seeds)
         parts = []
         try:
@@ -552,7 +386,6 @@ class MultiTurnRollout:
             gen = torch.Generator(device=device)
             gen.manual_seed(int(seed))
             return gen, torch.arange(P)
-        from fastpo.seeds import group_sampling_seed
 
         group_ids = [int(g) for g in group_ids]
         if len(group_ids) != P or len(set(group_ids)) != P or min(group_ids) < 0:
@@ -634,7 +467,8 @@ class MultiTurnRollout:
             part = st.parts[0]
             res = env_turn(part.env, part.cfg, texts, st.actions_left, st.counters)
         else:
-            res = _merged_turn(st, texts)
+            res = merged_turn([(part.env, part.cfg, part.idx) for part in st.parts], texts, st.actions_left,
+                              st.counters)
         st.turn_rewards[:, turn] += res.reward
         st.penalties[:, turn] += res.penalty
         st.valid_n += res.valid
@@ -728,26 +562,6 @@ class MultiTurnRollout:
             penalised_turns=torch.from_numpy(st.penalised_n),
             env_labels=[st.part(b).member.label for b in range(st.B)], final_observations=st.final_obs, **window,
         )
-
-
-def _merged_turn(st: _Rollout, texts: list) -> EnvTurn:
-    """`env_turn` of each game on its own trajectories (its settings: action limits, format
-    penalty), scattered back into one EnvTurn of the B trajectories."""
-    B = st.B
-    out = EnvTurn(np.zeros(B, np.float32), np.zeros(B, np.float32), np.zeros(B, bool), np.zeros(B, bool),
-                  np.zeros(B, np.int64), [""] * B, np.zeros(B, np.int64), np.zeros(B, np.int64), np.zeros(B, np.int64))
-    for part in st.parts:
-        sub = [texts[b] for b in part.idx]
-        if all(t is None for t in sub):
-            continue
-        left = st.actions_left[part.idx]
-        res = env_turn(part.env, part.cfg, sub, left, st.counters)
-        st.actions_left[part.idx] = left
-        for f in ("reward", "penalty", "ok", "done", "executed", "valid", "invalid", "effective"):
-            getattr(out, f)[part.idx] = getattr(res, f)
-        for b, note in zip(part.idx, res.notes):
-            out.notes[b] = note
-    return out
 
 
 def _close(env) -> None:

@@ -56,6 +56,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fastpo.config.files import flatten, parse_config_yaml
 # The manifest (fastpo.run.manifest), the run folder (fastpo.run.folder) and the weights'
 # origin (fastpo.run.origin) live in their own modules: import their names from there.
 from fastpo.run.manifest import (MANIFEST, checkpoint_names, files_under, checkpoint_iteration,
@@ -289,9 +290,6 @@ class ResumePlan:
 
         Raises ConfigError (one line naming the file, the checkpoint and the first keys).
         """
-        from fastpo.config.fields import ConfigError
-        from fastpo.config.files import flatten, parse_config_yaml
-
         ran_path, run_path = os.path.join(self.checkpoint, "config.yaml"), os.path.join(out_dir, "config.yaml")
         if not os.path.isfile(ran_path):
             return

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 from typing import Optional
+
+from fastpo.config.fields import ConfigError
+
 
 def fsync_dir(path: str) -> None:
     """fsync a folder, so a rename or a new file in it survives a power loss (no-op where the
@@ -50,6 +54,14 @@ def atomic_write_text(path: str, text: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def write_json(path: str, record: dict) -> str:
+    """Write `record` as indented JSON to `path` (parent folders created; replaced atomically,
+    `atomic_write_text`; values JSON cannot hold are written as their str). Returns `path`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1, default=str) + "\n")
+    return path
+
+
 #: What marks a folder as holding a fastpo run.
 RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 #: The lock file in a run folder (see RunLock).
@@ -75,8 +87,6 @@ def unsaved_iterations(out_dir: str) -> Optional[list]:
     """The iterations >= 1 that `out_dir`'s metrics.jsonl records ([] when none or no file;
     None when it cannot be read). In a folder without a checkpoint these were trained but
     never saved."""
-    import json
-
     path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.lexists(path):
         return []
@@ -210,8 +220,6 @@ class RunLock:
         except OSError as e:  # e.g. under /proc, or a file in the path: bad input, not a bug
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            from fastpo.config.fields import ConfigError
-
             raise ConfigError(f"output folder {self.out_dir}: cannot create it ({e.strerror or e})") from None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -8,6 +8,8 @@ import json
 import os
 from typing import Callable, Optional
 
+from fastpo.config.fields import ConfigError
+from fastpo.config.files import parse_config_yaml
 from fastpo.run.manifest import MANIFEST, iteration_of, search_checkpoints
 
 #: File in a checkpoint's model/ folder recording the weights' origin (see the module docstring).
@@ -83,9 +85,6 @@ def find_checkpoint(path: str, warn: Optional[Callable[[str], None]] = None) -> 
 
 def _model_name(config_yaml: str) -> Optional[str]:
     """`model.name` in a run's config.yaml text, or None when it names none."""
-    from fastpo.config.fields import ConfigError
-    from fastpo.config.files import parse_config_yaml
-
     try:
         name = parse_config_yaml(config_yaml, "config.yaml")["model"]["name"]
     except (ConfigError, KeyError, TypeError):

@@ -56,6 +56,7 @@ from fastpo.config.fields import ConfigError
 from fastpo.config.files import dump_yaml, parse_config_yaml
 from fastpo.config.loading import load_run_config
 from fastpo.memory import release_free_memory
+from fastpo.model_loading import load_model_checked, resolve_device
 from fastpo.run.checkpoint import plan_resume
 from fastpo.run.folder import DAGGER_FILE, RunLock, atomic_write_text
 from fastpo.run.manifest import search_checkpoints
@@ -277,8 +278,6 @@ class DaggerRun:
     def roll_out(self, k: int) -> None:
         """Round k's rollout of its parent on its levels, labelled, chunk by chunk (a chunk
         already on disk is kept), then data/round-k.jsonl and its summary (written last)."""
-        from fastpo.models import load_model_checked, resolve_device  # (transformers: heavy, loaded when used)
-
         cfg, dag = self.cfg, self.dag
         levels = dag.round_levels(k)
         chunks = [levels[i:i + dag.chunk] for i in range(0, len(levels), dag.chunk)]
@@ -339,8 +338,6 @@ class DaggerRun:
 
     def write_round(self, k: int, chunks: list, part_dir: str, seconds: float) -> None:
         """data/round-k.jsonl from its chunks (and the expert's trajectories), then its summary."""
-        from fastpo.models import load_model_checked
-
         dag, text, s = self.dag, [], {"trajectories": 0, "successes": 0, "turns": 0, "labelled": 0, "agreed": 0,
                                       "conversations": 0}
         for i in range(len(chunks)):

@@ -19,6 +19,7 @@ import torch
 from fastpo.config.fields import ConfigError
 from fastpo.config.schema import TrainConfig
 from fastpo.config.validation import check_batch_size
+from fastpo.model_loading import load_model_checked
 from fastpo.sft.experts import expert_rollout
 from fastpo.trainer.batch import TrainBatch
 
@@ -247,8 +248,6 @@ def load_sft_data(cfg: TrainConfig, tokenizer=None) -> SFTData:
     an expert answer too long for rollout.max_new_tokens), EnvError (the user's game or its
     expert() failing, naming the call and the seed), ModelLoadError (a model name whose
     tokenizer cannot load)."""
-    from fastpo.models import load_model_checked
-
     t0 = time.perf_counter()
     sft = cfg.sft
     tok = tokenizer if tokenizer is not None else load_model_checked(cfg.model.name, tokenizer_only=True)

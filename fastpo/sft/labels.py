@@ -5,7 +5,7 @@ fine-tuning format).
 
 The labels come from replaying each trajectory: a fresh copy of the game is reset from the
 trajectory's seed and stepped with the model's own answers through the rollout's own turn
-function (`fastpo.rollout.multiturn.env_turn`), and the game's expert (the batched env's
+function (`fastpo.rollout.turns.env_turn`), and the game's expert (the batched env's
 `expert_answers`, as for the SFT data) is asked before each step. A game whose `reset(seed)`
 and `step` are deterministic (the built-in games' slips and a user game's random draws
 included: both are seeded by the seed) reaches the states the rollout reached; a replay that
@@ -25,7 +25,7 @@ import numpy as np
 
 from fastpo.config.fields import ConfigError
 from fastpo.envs import EnvError
-from fastpo.rollout.multiturn import env_turn
+from fastpo.rollout.turns import env_turn
 from fastpo.sft.experts import expert_answer_text
 
 

@@ -106,7 +106,7 @@ class SFTTrainer(RunTrainer):
             self.sft.data_sha256 = check_chat_file(self.sft.data, self.sft.data_sha256)
         open_run(self, SUPERVISED)
         if self.sft.common_prefix:
-            self.parts.scorer.min_common_prefix = MIN_COMMON_PREFIX
+            self.parts.logprobs.min_common_prefix = MIN_COMMON_PREFIX
         if data is None:
             data = load_sft_data(self.cfg, self.tokenizer)
             for line in data.describe():

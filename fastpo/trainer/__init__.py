@@ -7,7 +7,7 @@ One iteration (`Trainer.iteration` in `step`, read top to bottom):
    transfer); reward.fn and the LLM judge rescore them; DAPO's extra draws and overlong shaping;
 2. filter: StarPO-S keeps the env groups with the highest in-group reward std;
 3. batch: the kept trajectories as one record (`TrainBatch`);
-4. old log-probs (and values, reference log-probs; `Scorer.old_logprobs`) recomputed by the
+4. old log-probs (and values, reference log-probs; `LogProbComputer.old_logprobs`) recomputed by the
    trainer on packed micro-batches, the gap to the sampling log-probs logged
    (`train/logprob_gap_*`); or, where they are the same quantity (`algorithm.old_logprob`,
    fastpo.trainer.old_logprob), the sampler's own log-probs and entropies, with a shared
@@ -51,7 +51,7 @@ period).
 The package's files are the trainer's parts: `batch` (`TrainBatch`, the one record of the
 trajectories in training), `plan` (`RunPlan`: the settings decided once at set-up), `models`
 (policy, reference, critic; autocast), `sampler` (engine and rollout: an iteration's batch, the
-evaluation), `scoring` (`Scorer`: packed micro-batches, old log-probs, values), `advantages`
+evaluation), `logprobs` (`LogProbComputer`: packed micro-batches, old log-probs, values), `batch_advantages`
 (`Advantages`), `replay` (reuse, replay, the importance-sampling correction), `update`
 (`PolicyUpdater`: optimizers, the optimizer step on an accumulated micro-batch loss, PPO's
 epochs), `lifecycle` (`StopControl`, `StopPaths`: signals and stops; `Checkpointer`), `setup`

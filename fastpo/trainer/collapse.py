@@ -51,6 +51,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from fastpo.kernels import linear_logprob_entropy
+from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.packing import pack_micro_batch, packing_attention, packing_mask_dtype, plan_micro_batches
 
 #: Stability constant of the MI z-score (RAGEN's std_eps).
@@ -146,8 +148,6 @@ def first_turn_pairs(batch, tokenizer, think: bool = True) -> ReasoningPairs:
 
 
 def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.Tensor]:
-    from fastpo.kernels.hf import decoder_body, lm_head_weight
-
     return decoder_body(model), lm_head_weight(model)
 
 
@@ -207,8 +207,6 @@ def cross_logprobs(model: torch.nn.Module, prompts: Sequence[torch.Tensor], resp
     forwards (the trainer's bf16 autocast on CUDA). Returns CrossLogprobs. Raises ValueError
     for no prompts, no responses or an empty one.
     """
-    from fastpo.kernels import linear_logprob_entropy
-
     t0 = time.perf_counter()
     body, head = _body_and_head(model)
     device = device if device is not None else head.device

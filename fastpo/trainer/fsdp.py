@@ -13,6 +13,7 @@ import torch
 from fastpo.distributed.context import DistContext, DistributedError
 
 from fastpo.distributed.sharding import shard_for_data_parallel
+from fastpo.kernels.hf import decoder_body
 
 
 class ShardedRoot(torch.nn.Module):
@@ -42,8 +43,6 @@ def shard_trainer_modules(ctx: DistContext, policy: torch.nn.Module, critic_body
     the ranks along dim 0, in place (the modules keep their names; an optimizer built after
     this steps the shards). Gradients are summed over ranks. Returns the root; requires an
     initialised process group (raises DistributedError otherwise)."""
-    from fastpo.kernels.hf import decoder_body
-
     if not ctx.initialized:
         raise DistributedError("trainer.data_parallel=fsdp needs a process group (torchrun)")
     root = ShardedRoot(policy, critic_body, value_head)

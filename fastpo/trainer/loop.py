@@ -14,7 +14,7 @@ from typing import Any, Optional
 from fastpo.config.schema import TrainConfig
 from fastpo.distributed.context import DistContext, SINGLE
 from fastpo.memory import fix_mmap_threshold, mapped_allocations, release_free_memory
-from fastpo.models import resolve_device
+from fastpo.model_loading import resolve_device
 from fastpo.report.metrics import warn_user
 from fastpo.report.plots import plot_curves
 from fastpo.report.summary import (before_after_note, before_after_table, game_result_lines, print_table,

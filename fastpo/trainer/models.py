@@ -12,11 +12,12 @@ from typing import Any, Optional
 
 import torch
 
+from fastpo.judge import judge_from_config
 from fastpo.run.checkpoint import load_checkpoint
 from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
 from fastpo.kernels.hf import decoder_body, lm_head_weight
-from fastpo.models import ModelLoadError, check_lora_targets, load_model_checked
+from fastpo.model_loading import ModelLoadError, check_lora_targets, load_model_checked
 from fastpo.packing import packing_attention, use_segment_attention
 from fastpo.trainer.plan import RunPlan
 
@@ -44,7 +45,7 @@ def hidden_states(body: torch.nn.Module, micro) -> torch.Tensor:
 @dataclasses.dataclass
 class Models:
     """The run's modules. policy: the causal LM trained (a peft model with LoRA); tokenizer;
-    info: `fastpo.models.ModelInfo` of the loaded policy; reference: the frozen starting model
+    info: `fastpo.model_loading.ModelInfo` of the loaded policy; reference: the frozen starting model
     (None without a KL term); value_head / critic_body: the critic (None without one;
     critic_body None: on the policy's trunk); fsdp_root: the FSDP2 root sharding them (None
     outside `trainer.data_parallel=fsdp`); autocast_bf16: the math runs under CUDA bf16
@@ -146,8 +147,6 @@ def load_judge(cfg: TrainConfig, model, tok, ref, device: torch.device, dtype) -
     before a checkpoint's weights load, so a resumed run's judge is still the starting model.
     Raises ModelLoadError (one line naming reward.judge_model) for a judge the native engine or
     the judge's prompt cannot take (sliding-window attention, no chat template)."""
-    from fastpo.judge import judge_from_config
-
     r = cfg.reward
     if r.judge_rubric is None and r.judge_rubric_file is None:
         return None, None

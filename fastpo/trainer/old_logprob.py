@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from fastpo.rollout.engine import NativeEngine
+
 MODES = ("recompute", "sampler", "auto")
 
 
@@ -39,8 +41,6 @@ def same_quantity(engine, model: torch.nn.Module, temperature: float, autocast: 
     LoRA adapters are part of the shared module, so neither is a reason. Returns a short
     human-readable reason string.
     """
-    from fastpo.rollout.engine import NativeEngine
-
     if not isinstance(engine, NativeEngine):
         return f"the {type(engine).__name__} samples from its own copy of the weights"
     if engine.model is not model:

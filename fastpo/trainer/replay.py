@@ -213,7 +213,7 @@ def _pad(rows: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return out
 
 
-def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, sums: MetricSums, batch: TrainBatch,
+def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], logprobs, it: int, sums: MetricSums, batch: TrainBatch,
                      fresh: bool = False) -> TrainBatch:
     """The batch iteration `it` trains on: `batch` with this iteration's replayed trajectories
     from `schedule` (None: no reuse or replay) appended, and the importance-sampling correction
@@ -224,7 +224,7 @@ def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, 
 
     Replayed trajectories keep their sampler log-probs, advantages and returns; their old
     log-probs (the ratio's anchor), values and reference log-probs are the current models'
-    (`scorer.compute_old`), so the weights pi_old / pi_sampler correct the policy lag
+    (`logprobs.compute_old`), so the weights pi_old / pi_sampler correct the policy lag
     (decoupled PPO)."""
     a = cfg.algorithm
     rep = schedule.replayed(it, len(batch), fresh) if schedule is not None else []
@@ -236,7 +236,7 @@ def off_policy_batch(cfg, schedule: Optional[RolloutSchedule], scorer, it: int, 
             sums.value("replay/age_mean", float(np.mean([it - x["iteration"] for x in rep])))
     if rep:
         old = TrainBatch.from_rows(rep)
-        old.old_logprobs, _, r_vals, r_ref = scorer.compute_old(old)
+        old.old_logprobs, _, r_vals, r_ref = logprobs.compute_old(old)
         old.values = None if batch.values is None else r_vals
         old.ref_logprobs = None if batch.ref_logprobs is None else r_ref
         old.returns = None if batch.returns is None else old.returns

@@ -14,17 +14,21 @@ from typing import Callable, Optional
 import torch
 
 from fastpo import algorithms as alg
+from fastpo import rollout as ro
 from fastpo.algorithms.filtering import group_reward_std, varying_groups
 from fastpo.config.fields import ConfigError
 from fastpo.config.schema import TrainConfig
 from fastpo.distributed.collectives import all_reduce, gather_to_main, on_main
 from fastpo.distributed.context import DistContext
 from fastpo.distributed.data_parallel import gather_group_stds, rank_seeds, split_groups
-from fastpo.evaluate import config_success_bounds, evaluate_config, write_json
+from fastpo.evaluation.policy import config_success_bounds, evaluate_config
 from fastpo.memory import release_free_memory
 from fastpo.report.metrics import rollout_sums, write_samples
-from fastpo.rollout.batch import TrajectoryBatch
+from fastpo.rollout.sglang_engine import SGLangEngine
+from fastpo.rollout.trajectory_batch import TrajectoryBatch
+from fastpo.run.folder import write_json
 from fastpo.seeds import dynamic_draw_seeds, rollout_sampling_seed
+from fastpo.trainer.collapse import batch_collapse_metrics
 from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.models import Models
 from fastpo.trainer.plan import RunPlan
@@ -37,14 +41,10 @@ class NothingToTrain(ConfigError):
 def make_engine(cfg: TrainConfig, models: Models):
     """The generation engine of `rollout.engine`: the native one samples from the policy module
     itself; SGLang's holds a copy, refreshed by `Sampler.awake` after each update."""
-    from fastpo import rollout as ro
-
     model, tok = models.policy, models.tokenizer
     if cfg.rollout.engine == "native":
         return ro.NativeEngine(model, tok)
     import tempfile
-
-    from fastpo.rollout.sglang_engine import SGLangEngine
 
     # SGLang loads the weights from an HF folder once; later updates go as tensors, so the
     # folder (a full copy of the model) lives only until the engine has started
@@ -304,8 +304,6 @@ class Sampler:
     def collapse_metrics(self, batch) -> dict:
         """`collapse/*` (fastpo/trainer/collapse.py) of a rollout batch's first turns, scored by the
         current policy at the rollout temperature with the trainer's packing and kernels."""
-        from fastpo.trainer.collapse import batch_collapse_metrics
-
         r = self.cfg.rollout
         return batch_collapse_metrics(self.models.policy, self.models.tokenizer, batch, think=r.think,
                                       temperature=r.temperature, token_budget=self.cfg.optim.micro_token_budget,
@@ -318,7 +316,7 @@ def overlong_shaping(cfg: TrainConfig, full, sums: MetricSums) -> None:
     place, after the rollout metrics (which stay the game's): each turn's penalty
     (`fastpo.algorithms.overlong_penalty`) added to its turn reward and the trajectory's score.
     The filtering half (algorithm.overlong_filter: the turns cut at rollout.max_new_tokens out
-    of the loss) is `fastpo.trainer.advantages.overlong_filtered`, after the advantages, so
+    of the loss) is `fastpo.trainer.batch_advantages.overlong_filtered`, after the advantages, so
     that a cut turn's reward, its penalty included, still reaches the earlier turns' credit.
     Records train/overlong_penalty_mean (per trajectory) and train/overlong_filtered_turns (a
     count) into `sums`."""

@@ -1,5 +1,5 @@
 """Set-up of a run: the run folder (locked, cleared or tidied), the prompts checked against the
-context window before any model loads, the parts built (models, scorer, updater, sampler,
+context window before any model loads, the parts built (models, log-prob computer, updater, sampler,
 checkpointer; `build_parts`), a checkpoint restored, the metrics logger started (`open_run`).
 """
 from __future__ import annotations
@@ -13,9 +13,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from fastpo import rollout as ro
 from fastpo.distributed.collectives import broadcast_modules, on_main
 
 from fastpo.distributed.context import DistContext
+from fastpo.envs import EnvError
+from fastpo.rollout import sglang_engine
 import fastpo.trainer.fsdp as ffsdp
 from fastpo.run.checkpoint import load_checkpoint, load_state, plan_resume, tidy_run_folder
 from fastpo.run.folder import (LOCK_FILE, RunLock, atomic_write_text, clear_run_folder, reuse_untrained_start,
@@ -24,14 +27,15 @@ from fastpo.config.schema import TrainConfig
 from fastpo.config.fields import ConfigError
 from fastpo.config.files import dump_yaml, run_settings
 from fastpo.report.metrics import EchoTrapDetector, MetricsLogger
-from fastpo.models import ModelLoadError, load_model_checked
+from fastpo.model_loading import ModelLoadError, load_model_checked
 from fastpo.seeds import iteration_seeds
 from fastpo.trainer.lifecycle import Checkpointer
 from fastpo.trainer.models import Models, load_models
+from fastpo.trainer.old_logprob import resolve_old_logprob
 from fastpo.trainer.plan import RunPlan
 from fastpo.trainer.replay import RolloutSchedule
 from fastpo.trainer.sampler import NothingToTrain, Sampler, make_engine
-from fastpo.trainer.scoring import Scorer
+from fastpo.trainer.logprobs import LogProbComputer
 from fastpo.trainer.update import PolicyUpdater
 
 
@@ -65,14 +69,14 @@ class RankRecords:
 
 @dataclasses.dataclass
 class Parts:
-    """What a trainer is made of (`build_parts`, `open_run`): the plan, the models, the scorer,
+    """What a trainer is made of (`build_parts`, `open_run`): the plan, the models, the log-prob computer,
     the updater, the sampler, the checkpointer, the Echo-Trap detector, the reuse/replay
     schedule (None: a fresh batch each iteration), and, once the run is open, its metrics
     logger and where it starts (the loop's state restored from a checkpoint)."""
 
     plan: RunPlan
     models: Models
-    scorer: Scorer
+    logprobs: LogProbComputer
     updater: PolicyUpdater
     sampler: Sampler
     checkpointer: Checkpointer
@@ -96,9 +100,6 @@ def check_prompts_fit(cfg: TrainConfig, tokenizer: Any = None) -> Any:
     must fit in rollout.max_context. Returns the tokenizer; raises NothingToTrain (a
     ConfigError) naming both numbers, SetupEnvError (a ConfigError) when the game fails
     resetting those seeds."""
-    from fastpo import rollout as ro
-    from fastpo.envs import EnvError
-
     r = cfg.rollout
     tok = load_model_checked(cfg.model.name, tokenizer_only=True) if tokenizer is None else tokenizer
     try:
@@ -158,11 +159,8 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
     """The parts of `trainer` (a Trainer or SFTTrainer: its cfg, dist, device, out, console,
     warn, trust_checkpoint) for `plan`, from tokenizer `tok` and checkpoint `ckpt` (None: a new
     run): models loaded, data-parallel replicas made equal (FSDP2: sharded), the optimizers,
-    the engine, the old-log-prob source (into the plan), the rollout, scorer, sampler and
+    the engine, the old-log-prob source (into the plan), the rollout, log-prob computer, sampler and
     checkpointer, the Echo-Trap detector and the reuse/replay schedule."""
-    from fastpo import rollout as ro
-    from fastpo.trainer.old_logprob import resolve_old_logprob
-
     cfg, dist, trust = trainer.cfg, trainer.dist, trainer.trust_checkpoint
     models = load_models(cfg, trainer.device, tok, ckpt, trust, trainer.console, plan)
     # data parallel: every replica starts from rank 0's weights (and stays equal: summed gradients)
@@ -190,8 +188,8 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
         if hasattr(engine, "shutdown"):  # a started SGLang server must not outlive the failed start
             engine.shutdown()
         raise
-    scorer = Scorer(cfg, models, plan)
-    updater = PolicyUpdater(cfg, dist, models, scorer, plan, trainer.warn)
+    logprobs = LogProbComputer(cfg, models, plan)
+    updater = PolicyUpdater(cfg, dist, models, logprobs, plan, trainer.warn)
     sampler = Sampler(cfg, dist, models, engine, rollout, plan, trainer.out, trainer.warn, trainer.stop.dropping)
     checkpointer = Checkpointer(cfg, dist, models, updater.optimizers(), trainer.out, trainer.console)
     schedule = None  # rollout reuse (Online-K) and replay (fastpo.trainer.replay)
@@ -199,7 +197,7 @@ def build_parts(trainer, tok, ckpt: Optional[str], plan: RunPlan) -> Parts:
         schedule = RolloutSchedule(cfg.rollout.reuse, cfg.rollout.replay, cfg.rollout.replay_fraction,
                                    cfg.train_batch_size, cfg.trainer.seed)
     echo = EchoTrapDetector(cfg.trainer.echo_trap_drop, cfg.trainer.echo_trap_window)
-    return Parts(plan, models, scorer, updater, sampler, checkpointer, echo, schedule)
+    return Parts(plan, models, logprobs, updater, sampler, checkpointer, echo, schedule)
 
 
 def restore(parts: Parts, ckpt: str, dist: DistContext, trust: bool, console) -> None:
@@ -260,9 +258,7 @@ def open_run(trainer, plan: RunPlan) -> Parts:
     parts = None
     try:
         if cfg.rollout.engine == "sglang":
-            from fastpo.rollout.sglang_engine import sglang_available
-
-            if not sglang_available():  # before anything loads or is written
+            if not sglang_engine.sglang_available():  # before anything loads or is written
                 raise ConfigError("config key 'rollout.engine' = 'sglang': needs CUDA and sglang "
                                   "(pip install 'fastpo[sglang]'); use rollout.engine=native on this machine")
         tok = trainer.check_prompts_fit()

@@ -16,22 +16,22 @@ from fastpo.judge import judge_from_config
 from fastpo.memory import held_state_mib, peak_memory_mib
 from fastpo.rewards import RewardFunction
 import fastpo.trainer.fsdp as ffsdp
-from fastpo.trainer.advantages import Advantages
+from fastpo.trainer.batch_advantages import Advantages
 from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.lifecycle import Stopped
 from fastpo.trainer.loop import RunLoop, RunTrainer
 from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.plan import rl_plan
 from fastpo.trainer.replay import off_policy_batch
-from fastpo.trainer.scoring import token_sums
+from fastpo.trainer.logprobs import token_sums
 from fastpo.trainer.setup import open_run
 
 
 class Trainer(RunTrainer):
     """Runs StarPO / StarPO-S for `cfg.trainer.iterations` iterations into `cfg.trainer.output_dir`
     (arguments: `fastpo.trainer.loop.RunTrainer`). After `setup()` its parts are `parts`
-    (fastpo.trainer.setup.Parts: models, sampler, scorer, updater, ...) and `advantages`
-    (`fastpo.trainer.advantages.Advantages`); `iteration(it)` runs one StarPO iteration."""
+    (fastpo.trainer.setup.Parts: models, sampler, logprobs, updater, ...) and `advantages`
+    (`fastpo.trainer.batch_advantages.Advantages`); `iteration(it)` runs one StarPO iteration."""
 
     progress_fields = (("success", "train/success_rate", ".2f"), ("score", "train/score_mean", ".3f"),
                        ("entropy", "train/rollout_entropy", ".2f"))
@@ -80,7 +80,7 @@ class Trainer(RunTrainer):
                 t1 = time.perf_counter()
                 batch = TrainBatch.from_rollout(rollout, it)
                 # 4. old log-probs (and values, reference log-probs): the sampler's or recomputed
-                recomputed = p.scorer.old_logprobs(rollout, batch)
+                recomputed = p.logprobs.old_logprobs(rollout, batch)
                 tm["time/old_logprob_s"] = time.perf_counter() - t1
                 token_sums(batch, recomputed, sums)
                 if not filt.kept_groups:
@@ -93,7 +93,7 @@ class Trainer(RunTrainer):
                     if p.schedule is not None:  # what the iterations reusing this batch train on and log
                         reuse = (it, batch.rows(), sums.copy())
                     if p.schedule is not None or self.cfg.algorithm.is_correction != "none":
-                        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, sums, batch, fresh=True)
+                        batch = off_policy_batch(self.cfg, p.schedule, p.logprobs, it, sums, batch, fresh=True)
         if stop.drop_before_update():
             return None
         if skip is not None:
@@ -153,7 +153,7 @@ class Trainer(RunTrainer):
         t1 = time.perf_counter()
         for k, v in p.schedule.metrics.items():  # (the figures its rollout iteration logged)
             sums.value(k, v)
-        batch = off_policy_batch(self.cfg, p.schedule, p.scorer, it, sums, TrainBatch.from_rows(p.schedule.current))
+        batch = off_policy_batch(self.cfg, p.schedule, p.logprobs, it, sums, TrainBatch.from_rows(p.schedule.current))
         tm["time/old_logprob_s"] = time.perf_counter() - t1
         return batch, tm
 

@@ -27,7 +27,7 @@ from fastpo.trainer.batch import TrainBatch
 from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.models import Models, hidden_states
 from fastpo.trainer.plan import RunPlan
-from fastpo.trainer.scoring import Scorer
+from fastpo.trainer.logprobs import LogProbComputer
 
 
 def policy_loss_settings(cfg: TrainConfig) -> PolicyLossSettings:
@@ -94,9 +94,9 @@ class PolicyUpdater:
     `warn(text)`: the run's user warnings. Data parallel: gradients summed over the ranks
     before clipping (FSDP2: reduce-scattered in the backward)."""
 
-    def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, scorer: Scorer, plan: RunPlan,
+    def __init__(self, cfg: TrainConfig, dist: DistContext, models: Models, logprobs: LogProbComputer, plan: RunPlan,
                  warn: Callable[[str], None]):
-        self.cfg, self.dist, self.models, self.scorer, self.plan, self.warn = cfg, dist, models, scorer, plan, warn
+        self.cfg, self.dist, self.models, self.logprobs, self.plan, self.warn = cfg, dist, models, logprobs, plan, warn
         o = cfg.optim
         head, body = models.value_head, models.critic_body
         actor_params = [p for p in models.policy.parameters() if p.requires_grad]
@@ -152,7 +152,7 @@ class PolicyUpdater:
         """The gradient of `loss_fn` over the micro-batches of `indices`, stopping at the first
         non-finite loss; (finite, trained tokens)."""
         tokens = 0
-        for micro in self.scorer.micro_batches(batch, indices):
+        for micro in self.logprobs.micro_batches(batch, indices):
             scored = micro.scored(batch.loss_mask)
             if scored.count == 0:
                 continue
@@ -173,7 +173,7 @@ class PolicyUpdater:
         is still backpropagated (the same collectives on every rank); the step is then skipped
         on every rank. Returns (finite, trained tokens)."""
         root = self.models.fsdp_root
-        real = [(m, sc) for m in self.scorer.micro_batches(batch, indices) for sc in (m.scored(batch.loss_mask),)
+        real = [(m, sc) for m in self.logprobs.micro_batches(batch, indices) for sc in (m.scored(batch.loss_mask),)
                 if sc.count]
         finite, tokens = True, 0
         for k in range(micro_batch_count(self.dist, len(real))):

@@ -139,13 +139,13 @@ def test_plain_python_env_matches_batched_env():
     """The baseline's plain-Python env loop plays exactly the games of the Numba-batched envs."""
     import numpy as np
 
-    from fastpo.envs_native import make_env
+    from fastpo.envs_native import make_native_env
 
     plain = _load("reference_iteration").PlainPythonEnv
     rng = np.random.default_rng(0)
     for name in ("frozenlake", "sokoban", "bandit"):
         B = 6
-        a, p = make_env(name, B), plain(name, B)
+        a, p = make_native_env(name, B), plain(name, B)
         seeds = [3 * i + 1 for i in range(B)]
         assert a.reset(seeds) == p.reset(seeds) and a.instructions() == p.instructions()
         for _turn in range(4):

@@ -8,7 +8,7 @@ CHECK = """
 import sys
 from fastpo.cli import main
 rc = main(sys.argv[1:])
-assert 'fastpo.models' not in sys.modules and 'fastpo.rollout' not in sys.modules, 'a model module was imported'
+assert 'fastpo.model_loading' not in sys.modules and 'fastpo.rollout' not in sys.modules, 'a model module was imported'
 sys.exit(rc)
 """
 

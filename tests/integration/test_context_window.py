@@ -11,7 +11,7 @@ from rich.console import Console
 import fastpo.rollout.window as ctxwin
 from fastpo.config import RolloutConfig, load_config
 from fastpo.config.fields import ConfigError
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.packing import pack_micro_batch
 from fastpo.rollout import MultiTurnRollout, NativeEngine
 from fastpo.trainer import Trainer
@@ -39,7 +39,7 @@ def _scored(tr, batch, labels=True):
     if not labels:
         record.context_turns = record.visible_from = None
     masks = record.loss_mask
-    old, *_ = tr.parts.scorer.compute_old(record)
+    old, *_ = tr.parts.logprobs.compute_old(record)
     allm = torch.cat(masks)
     samp = torch.cat([torch.as_tensor(x) for x in batch.sample_logprobs])
     return float((torch.cat(old) - samp)[allm].abs().max()), record, masks
@@ -181,7 +181,7 @@ def test_trainer_scores_what_the_sampler_saw(tmp_path, env, K, share):
     assert gap < 1e-4, gap
     # the control: scored with plain causal attention the gap is far above the bound
     record.visible_from = [torch.zeros_like(vf) for vf in record.visible_from]
-    old, *_ = tr.parts.scorer.compute_old(record)
+    old, *_ = tr.parts.logprobs.compute_old(record)
     allm = torch.cat(masks)
     samp = torch.cat([torch.as_tensor(x) for x in batch.sample_logprobs])
     assert float((torch.cat(old) - samp)[allm].abs().max()) > 1e-3

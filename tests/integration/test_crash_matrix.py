@@ -159,7 +159,7 @@ def _is_latest(path, *a, **k):
 # moment -> how the child is set to die there
 KILL_AT = {
     "iteration: rollout": lambda: _before(fastpo.rollout.MultiTurnRollout, "generate", _kill_self),
-    "iteration: advantages (old log-probs done)": lambda: _before(fastpo.trainer.advantages.Advantages,
+    "iteration: advantages (old log-probs done)": lambda: _before(fastpo.trainer.batch_advantages.Advantages,
                                                                   "compute", _kill_self),
     "iteration: update, after one optimizer step": lambda: _after(torch.optim.AdamW, "step", _kill_self),
     "iteration: eval, after its samples are written": lambda: _after(fastpo.trainer.sampler, "write_samples", _kill_self),

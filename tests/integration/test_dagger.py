@@ -162,7 +162,7 @@ def test_the_expert_s_own_trajectories_are_labelled_with_its_answers(env, option
     """Labelled by replay, the expert's own trajectories get its answers back (Sokoban: a
     shortest solution's first moves from each state, which may take another of equally short
     routes), and the conversations render to the tokens the rollout fed."""
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
     from fastpo.sft import chat_ids_and_mask, expert_rollout
 
     tok = load_tokenizer(MODEL)

@@ -223,7 +223,7 @@ def test_bad_nproc_is_refused(n, capsys, monkeypatch):
 def test_nproc_refuses_what_data_parallel_does_not_support(extra, says, capsys, monkeypatch, no_model):
     """Said in one line, exit status 2, before torchrun starts anything."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(fastpo.cli.launch, "launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    monkeypatch.setattr(fastpo.cli.processes, "launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
     assert main(["train", "--env", "bandit", "--device", "cpu", "--nproc", "2", *extra]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1, err
@@ -241,7 +241,7 @@ def test_nproc_refuses_a_missing_run_or_model_before_torchrun(argv, says, tmp_pa
     """A --resume folder that is no run, or a --model that names no model: one line, exit
     status 2, before torchrun starts its processes (each of which would say it again)."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.setattr(fastpo.cli.launch, "launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
+    monkeypatch.setattr(fastpo.cli.processes, "launch_processes", lambda *a: pytest.fail(f"torchrun started: {a}"))
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     out, err = capsys.readouterr()
     assert says.format(tmp=tmp_path) in err and len(err.strip().splitlines()) == 1, err
@@ -266,9 +266,9 @@ def test_the_launcher_shares_out_the_cores(monkeypatch):
     monkeypatch.setattr(trun, "run", lambda targs: seen.append(os.environ["OMP_NUM_THREADS"]))
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("OMP_NUM_THREADS", "")
-    assert fastpo.cli.launch.launch_processes(2, ["train", "--env", "bandit"]) == 0
+    assert fastpo.cli.processes.launch_processes(2, ["train", "--env", "bandit"]) == 0
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert fastpo.cli.launch.launch_processes(2, ["train", "--env", "bandit"]) == 0
+    assert fastpo.cli.processes.launch_processes(2, ["train", "--env", "bandit"]) == 0
     assert seen == [str(max(1, cores // 2)), "3"]
 
 
@@ -312,7 +312,7 @@ def test_eval_nproc_becomes_torchrun(monkeypatch, no_model):
         seen.append((nproc, argv))
         return 0
 
-    monkeypatch.setattr(fastpo.cli.launch, "launch_processes", launch)
+    monkeypatch.setattr(fastpo.cli.processes, "launch_processes", launch)
     assert main(["eval", "--env", "bandit", "--device", "cpu", "--nproc", "2", "--seeds", "3"]) == 0
     assert seen == [(2, ["eval", "--env", "bandit", "--device", "cpu", "--seeds", "3"])]
     assert main(["eval", "--env", "bandit", "--nproc", "0"]) == 2
@@ -397,7 +397,7 @@ def test_group_streams_sample_a_group_alike_in_any_batch():
     """With per-group sampling streams (group_ids), an env group's trajectories are the same
     whether it is rolled out alone (its rank's share) or with other groups (one process)."""
     from fastpo.config import RolloutConfig
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
     model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
@@ -433,8 +433,8 @@ def test_eval_seed_samples_alike_in_any_chunk():
     from dist_train import token_scores
 
     from fastpo.config import RolloutConfig
-    from fastpo.evaluate import evaluate_policy
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.evaluation.policy import evaluate_policy
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
     class TokenScored:
@@ -465,9 +465,9 @@ def test_eval_seed_samples_alike_in_any_chunk():
 
 def test_trajectory_batches_concatenate_in_order():
     from fastpo.config import RolloutConfig
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
-    from fastpo.rollout.batch import TrajectoryBatch, combine_metrics
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch, combine_metrics
 
     model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)
     cfg = RolloutConfig(max_turns=1, max_new_tokens=4, max_context=2048)
@@ -592,7 +592,7 @@ def test_torchrun_ranks_end_without_interpreter_teardown(dp_runs):
 
 def test_only_rank_0_shows_progress_bars(dp_runs):
     """Both ranks of the resume load the checkpoint's weights; transformers' loading bar is
-    rank 0's alone (fastpo.cli.launch.quiet_progress_bars on the others)."""
+    rank 0's alone (fastpo.cli.processes.quiet_progress_bars on the others)."""
     assert dp_runs["out_two"].count("Loading weights: 100%") == 1, dp_runs["out_two"][-3000:]
 
 

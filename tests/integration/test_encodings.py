@@ -123,7 +123,7 @@ def test_a_frozenlake_run_and_its_eval_under_an_ascii_locale(tmp_path):
 
 
 def test_the_cli_console_writes_escapes_where_the_locale_cannot_encode():
-    code = ("import sys; from fastpo.cli.launch import degrade_console; degrade_console(); "
+    code = ("import sys; from fastpo.cli.processes import degrade_console; degrade_console(); "
             "from rich.console import Console; Console().print('P \\u221a _'); print('grid: \\u221a', file=sys.stderr)")
     p = subprocess.run([sys.executable, "-c", code], env=ASCII_LOCALE, capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr.decode("utf-8", "replace")

@@ -1,5 +1,5 @@
 """What every environment shares: determinism across batch sizes, positions and
-PYTHONHASHSEED, the step API's shapes and masks, make_env errors, the gymnasium wrapper,
+PYTHONHASHSEED, the step API's shapes and masks, make_native_env errors, the gymnasium wrapper,
 and a cheap import."""
 import json
 import os
@@ -9,14 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from fastpo.envs_native import ENV_NAMES, make_env
+from fastpo.envs_native import ENV_NAMES, make_native_env
 
 CONFIGS = {"bandit": {}, "sokoban": {"size": 7, "num_boxes": 2}, "frozenlake": {"size": 5}}
 
 
 def _trajectory(name, seeds, turns=4):
     """Observations and rewards of a fixed action schedule, per instance."""
-    env = make_env(name, len(seeds), **CONFIGS[name])
+    env = make_native_env(name, len(seeds), **CONFIGS[name])
     obs = [env.reset(seeds)]
     rewards = []
     B = len(seeds)
@@ -45,7 +45,7 @@ def test_streams_of_nearby_seeds_are_disjoint_and_match_the_reference():
     """A state derived as seed * GOLDEN + salt made seed s+1's stream seed s's stream shifted
     by one draw; every draw of 2000 nearby seeds' streams must be distinct instead."""
     from fastpo.envs_native._core import rng_next, rng_seed_all
-    from fastpo.envs_native.reference import SplitMix64
+    from fastpo.envs_native.python_reference import SplitMix64
 
     seeds = np.concatenate([np.arange(1000), 2**40 + np.arange(1000)]).astype(np.uint64)
     for salt in (0xF20, 0x50C0BA, 0xBA4D17):
@@ -61,7 +61,7 @@ def test_streams_of_nearby_seeds_are_disjoint_and_match_the_reference():
 def test_frozenlake_maps_of_neighbouring_seeds_are_not_shifted_copies():
     # with shifted streams, 329 of 399 consecutive 4x4 maps were map s shifted by one cell
     N = 400
-    env = make_env("frozenlake", N, size=4, p=0.8)
+    env = make_native_env("frozenlake", N, size=4, p=0.8)
     env.reset(np.arange(N))
     cells = np.array([list("".join(env.tiles(i))) for i in range(N)])
 
@@ -78,7 +78,7 @@ def test_frozenlake_maps_of_neighbouring_seeds_are_not_shifted_copies():
 def test_bandit_draws_of_neighbouring_seeds_are_independent():
     # with shifted streams, pair(s + 1) % 2 equalled swapped(s) for every seed
     B = 2000
-    env = make_env("bandit", B)
+    env = make_native_env("bandit", B)
     env.reset(np.arange(B))
     pair, swapped = env._pair, env._swapped
     agree = np.mean(pair[1:] % 2 == swapped[:-1])
@@ -90,10 +90,10 @@ def test_bandit_draws_of_neighbouring_seeds_are_independent():
 
 _SCRIPT = """
 import json, sys
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 out = {}
 for name, cfg in json.loads(sys.argv[1]).items():
-    env = make_env(name, 6, **cfg)
+    env = make_native_env(name, 6, **cfg)
     out[name] = env.reset([0, 1, 2, 3, 4, 5])
 print(json.dumps(out))
 """
@@ -109,16 +109,16 @@ def test_same_instances_whatever_pythonhashseed():
         outs.append(json.loads(r.stdout))
     assert outs[0] == outs[1]
     for name in ENV_NAMES:
-        env = make_env(name, 6, **CONFIGS[name])
+        env = make_native_env(name, 6, **CONFIGS[name])
         assert env.reset(range(6)) == outs[0][name]
 
 
 _CACHE_SCRIPT = """
 import json
 from numba.core.dispatcher import Dispatcher
-from fastpo.envs_native import make_env, _core, bandit, frozenlake, sokoban
+from fastpo.envs_native import make_native_env, _core, bandit, frozenlake, sokoban
 for name in ("bandit", "frozenlake", "sokoban"):
-    env = make_env(name, 2)
+    env = make_native_env(name, 2)
     env.reset([0, 1])
     env.step(env.parse_actions(["Up || Left", "x"], 2).actions)
     env.render()
@@ -152,7 +152,7 @@ def test_import_is_cheap():
 
 @pytest.mark.parametrize("name", ENV_NAMES)
 def test_step_api_shapes_and_masks(name):
-    env = make_env(name, 3, **CONFIGS[name])
+    env = make_native_env(name, 3, **CONFIGS[name])
     with pytest.raises(RuntimeError, match="reset"):
         env.step(np.zeros((3, 1), dtype=np.int64))
     env.reset([1, 2, 3])
@@ -185,11 +185,11 @@ def test_step_api_shapes_and_masks(name):
 
 def test_make_env_errors():
     with pytest.raises(ValueError, match="'chess'"):
-        make_env("chess", 2)
+        make_native_env("chess", 2)
     with pytest.raises(ValueError, match="'sizee'"):
-        make_env("sokoban", 2, sizee=6)
+        make_native_env("sokoban", 2, sizee=6)
     with pytest.raises(ValueError, match="batch_size"):
-        make_env("bandit", 0)
+        make_native_env("bandit", 0)
 
 
 @pytest.mark.parametrize("name", ENV_NAMES)
@@ -197,12 +197,12 @@ def test_gymnasium_wrapper(name):
     gym = pytest.importorskip("gymnasium")
     from gymnasium.utils.env_checker import check_env
 
-    from fastpo.envs_native.gym_env import GYM_IDS
+    from fastpo.envs_native.gym_registration import GYM_IDS
 
     env = gym.make(GYM_IDS[name], **CONFIGS[name])
     check_env(env.unwrapped, skip_render_check=True)
     obs, info = env.reset(seed=4)
-    batched = make_env(name, 5, **CONFIGS[name])
+    batched = make_native_env(name, 5, **CONFIGS[name])
     assert batched.reset([0, 1, 2, 3, 4])[4] == obs
     assert info["action_names"] == batched.action_names(4)
     assert env.observation_space.contains(obs)
@@ -223,10 +223,10 @@ def test_the_built_in_games_declare_an_expert_as_user_games_do():
     from fastpo.envs import has_expert
 
     for name in ENV_NAMES:
-        assert has_expert(name) and callable(getattr(make_env(name, 1, **CONFIGS[name]), "expert", None)), name
+        assert has_expert(name) and callable(getattr(make_native_env(name, 1, **CONFIGS[name]), "expert", None)), name
     assert has_expert("examples.guess_number:GuessNumber") and has_expert("probe:choice")
     seeds = list(range(6))
-    env = make_env("sokoban", 6)
+    env = make_native_env("sokoban", 6)
     env.reset(seeds)
     left = np.full(6, 10)
     plans = env.expert_answers(range(6), left)
@@ -239,16 +239,16 @@ def test_the_built_in_games_declare_an_expert_as_user_games_do():
             acts[b, 0] = env.action_names(b).index(move)
             env.step(acts)
     assert env.success.all()
-    fl = make_env("frozenlake", 6)
+    fl = make_native_env("frozenlake", 6)
     fl.reset(seeds)
     table = fl.optimal_policy(10)
     for k in (10, 3, 1):
         want = [[fl.action_names(b)[int(table[b, k, fl.positions()[b]])]] for b in range(6)]
         assert fl.expert_answers(range(6), np.full(6, k)) == want
     assert fl.expert_moves_per_turn == 1 and env.expert_moves_per_turn is None
-    bandit = make_env("bandit", 6, low_reward=0.5)  # the low-risk arm is the better one here
+    bandit = make_native_env("bandit", 6, low_reward=0.5)  # the low-risk arm is the better one here
     bandit.reset(seeds)
     assert bandit.expert_answers(range(6), np.ones(6)) == [[bandit.action_names(b)[1 - int(h)]]
                                                            for b, h in enumerate(bandit.high_risk_action())]
     with pytest.raises(RuntimeError):
-        make_env("frozenlake", 1).expert_answers([0], [3])  # before the first reset
+        make_native_env("frozenlake", 1).expert_answers([0], [3])  # before the first reset

@@ -25,8 +25,8 @@ from fastpo.run.checkpoint import save_checkpoint
 from fastpo.run.origin import MODEL_META, checkpoint_origin, find_checkpoint, model_origin
 from fastpo.config import load_config
 from fastpo.config.fields import ConfigError
-from fastpo.evaluate import eval_config
-from fastpo.models import load_model_and_tokenizer
+from fastpo.evaluation.settings import eval_config
+from fastpo.model_loading import load_model_and_tokenizer
 from run_helpers import ModelLoadReached
 
 ORIGIN = "trained from random:tiny-llama, random init"

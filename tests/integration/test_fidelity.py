@@ -8,7 +8,7 @@ from rich.console import Console
 
 from fastpo.config import load_config
 from fastpo.config.presets import PRESETS
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.kernels import linear_policy_loss
 from fastpo.distributed.context import SINGLE
 from fastpo.trainer import Trainer
@@ -25,7 +25,7 @@ def test_trainer_eval_reports_the_ceiling_and_floor_on_its_seeds_and_horizon(tmp
     tr.setup()
     res = tr.evaluate(0)
     seeds = list(range(300, 306))
-    env = make_env("frozenlake", 1)
+    env = make_native_env("frozenlake", 1)
     assert res["eval/optimal_success"] == pytest.approx(env.optimal_success(seeds, 5).mean(), abs=1e-12)
     assert res["eval/random_success"] == pytest.approx(env.random_success(seeds, 5).mean(), abs=1e-12)
     assert res["eval/optimal_success"] != pytest.approx(env.optimal_success(seeds, 6).mean())  # not 6 actions
@@ -111,7 +111,7 @@ def test_no_preset_sets_another_loss_aggregation():
 # -- answer parsing and the format penalty ----------------------------------------------------
 @pytest.fixture(scope="module")
 def smol_tok():
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 
@@ -120,9 +120,9 @@ def _turn(rule, responses, run_valid=True):
     """One FrozenLake turn (3x3 map, no slip, start top-left) for each response text (the
     "<think>" prime included): (penalties, executed actions, player cells)."""
     from fastpo.config import RolloutConfig
-    from fastpo.rollout.multiturn import env_turn
+    from fastpo.rollout.turns import env_turn
 
-    env = make_env("frozenlake", len(responses), desc="SFF/FFF/FFG", is_slippery=False)
+    env = make_native_env("frozenlake", len(responses), desc="SFF/FFF/FFG", is_slippery=False)
     env.reset(range(len(responses)))
     cfg = RolloutConfig(format_rule=rule, run_valid_actions_on_format_error=run_valid, format_penalty=-0.1)
     res = env_turn(env, cfg, ["<think>" + r for r in responses], np.full(len(responses), 10, dtype=np.int64))
@@ -235,7 +235,7 @@ def _batch(scores, group_ids):
 
 def _advantages(cfg):
     """The trainer's advantage step for `cfg`, one process (no model needed)."""
-    from fastpo.trainer.advantages import Advantages
+    from fastpo.trainer.batch_advantages import Advantages
     from fastpo.trainer.plan import rl_plan
 
     return Advantages(cfg, SINGLE, rl_plan(cfg, False))

@@ -19,7 +19,7 @@ def test_one_step_curve(tmp_path):
     res = json.loads(out.read_text(encoding="utf-8"))
     from fastpo.config.loading import load_config
     from fastpo.config.schema import eval_seeds
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
     from fastpo.sft import expert_rollout
 
     cfg = load_config(env="sokoban", preset="cpu", overrides=["rollout.max_turns=10", "rollout.max_actions_per_traj=10",

@@ -15,7 +15,7 @@ from fastpo.config import load_config
 from fastpo.config.fields import ConfigError
 from fastpo.judge import Judge
 from fastpo.rubric import check_rubric, parse_verdict, read_rubric, render_rubric
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.rewards import RewardFunction, Trajectory
 
 YES_NO = "Is the following answer polite? Answer yes or no.\n\nAnswer: {answer}"

@@ -67,7 +67,7 @@ def test_trainer_refuses_a_scaled_head_before_training(tmp_path):
     refused at set-up with an error naming model.name and the setting; nothing is left behind."""
     from transformers import AutoTokenizer
 
-    from fastpo.models import embedded_tokenizer_dir
+    from fastpo.model_loading import embedded_tokenizer_dir
     from fastpo.trainer import Trainer
 
     tok = AutoTokenizer.from_pretrained(embedded_tokenizer_dir())

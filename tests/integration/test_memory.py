@@ -120,7 +120,7 @@ def test_gradient_checkpointing_update_is_bit_identical(tmp_path):
     tr.setup()
     rollout = tr.parts.sampler.generate([3], 2, 1.0, seed=0)
     record = TrainBatch.from_rollout(rollout, 1)
-    old_lp, _, vals, _ = tr.parts.scorer.compute_old(record)
+    old_lp, _, vals, _ = tr.parts.logprobs.compute_old(record)
     adv, returns, _ = tr.advantages.compute(rollout, record.loss_mask, vals)
     record = dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns)
     start = {k: v.clone() for k, v in tr.model.state_dict().items()}

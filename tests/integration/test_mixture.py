@@ -19,7 +19,7 @@ from fastpo.seeds import eval_sampling_seed
 from fastpo.config.members import env_members, member_rollout_config
 from fastpo.envs import EnvError, EnvMember, MIXTURE, assign_members, parse_mixture
 from fastpo.envs.mixture import member_index, shares
-from fastpo.rollout.batch import TrajectoryBatch
+from fastpo.rollout.trajectory_batch import TrajectoryBatch
 from run_helpers import records as _records, stable as _stable, train_one_and_two_processes
 
 

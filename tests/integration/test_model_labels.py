@@ -48,7 +48,7 @@ def test_sample_files_start_with_the_model_label(tmp_path):
 
 
 def test_eval_of_a_random_model_is_labelled(tmp_path):
-    from fastpo.evaluate import run_eval
+    from fastpo.evaluation.policy import run_eval
 
     cfg = load_config(env="bandit", preset="tiny", overrides=[
         f"trainer.output_dir={tmp_path / 'run'}", "model.name=random:tiny-llama", "trainer.eval_seeds=2",

@@ -299,7 +299,7 @@ def test_sequence_ratio_without_correction_or_with_sequence_level_is_fine():
 
 def test_cli_refuses_bad_off_policy_keys_before_loading():
     check = ("import sys\nfrom fastpo.cli import main\nrc = main(sys.argv[1:])\n"
-             "assert 'fastpo.models' not in sys.modules and 'fastpo.rollout' not in sys.modules\nsys.exit(rc)\n")
+             "assert 'fastpo.model_loading' not in sys.modules and 'fastpo.rollout' not in sys.modules\nsys.exit(rc)\n")
     p = subprocess.run([sys.executable, "-c", check, "train", "--env", "bandit", "algorithm.is_cap=1",
                         "algorithm.is_correction=tis"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr

@@ -16,7 +16,7 @@ from rich.console import Console
 import fastpo.rollout.sglang_engine as sg
 from fastpo.config import load_config
 from fastpo.config.fields import ConfigError
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.trainer.old_logprob import resolve_old_logprob
 from fastpo.rollout import NativeEngine, SamplingParams
 from fastpo.rollout.sampling import sample_tokens
@@ -65,7 +65,7 @@ CASES = {
 def test_auto_picks_the_sampler_only_where_the_gap_is_below_1e_4(tmp_path, case):
     tr = _trainer(tmp_path, "algorithm.old_logprob=auto", *CASES[case])
     batch, record, masks = _rollout(tr)
-    old_lp, _, _, _ = tr.parts.scorer.compute_old(record)
+    old_lp, _, _, _ = tr.parts.logprobs.compute_old(record)
     gap = _gap(old_lp, [torch.as_tensor(x) for x in batch.sample_logprobs], masks)
     if tr.parts.plan.old_logprob_source == "sampler":
         assert gap < 1e-4, (case, gap)
@@ -127,11 +127,11 @@ def test_sampler_gives_the_trainers_entropies_and_values(tmp_path, critic):
     assert batch.sample_entropies and (bool(batch.sample_values) == (critic == "shared"))
     samp = ids.sample_logprobs  # (the batch record's: the sampler's log-probs as fp32 tensors)
     policy_calls, h1 = _count_forwards(tr.model)
-    old_lp, ent, vals, ref, recomputed = tr.parts.scorer.old_from_sampler(batch, ids)
+    old_lp, ent, vals, ref, recomputed = tr.parts.logprobs.old_from_sampler(batch, ids)
     h1.remove()
     assert old_lp is samp and recomputed is None and ref is None
     assert policy_calls == []  # the policy's forward pass over the batch is gone
-    r_lp, r_ent, r_vals, _ = tr.parts.scorer.compute_old(ids)
+    r_lp, r_ent, r_vals, _ = tr.parts.logprobs.compute_old(ids)
     assert _gap(r_lp, samp, masks) < 1e-4
     # entropies of a random model are ~log V = 10.8 nats: fp32 sums over V terms differ by ~1e-5 of that
     assert _gap(r_ent, ent, masks) < 2e-5 * float(torch.cat(r_ent).max())

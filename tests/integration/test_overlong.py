@@ -73,7 +73,7 @@ def _two_turn_group():
     """Two trajectories of one env group, two turns each (one observation token between):
     trajectory 0's second turn stopped at the length limit (rollout.max_new_tokens = 2) with env
     reward 2.0; every other turn ended normally, shorter, with reward 0."""
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
 
     ids = torch.tensor([7, 1, 2, 3, 4, 5])
     mask = torch.tensor([False, True, True, False, True, True])
@@ -94,7 +94,7 @@ def _two_turn_group():
 def _advantages_after_overlong(tmp_path, estimator, overlong_filter):
     """The trainer's overlong step, then its advantage step, on `_two_turn_group` (no model)."""
     from fastpo.distributed.context import SINGLE
-    from fastpo.trainer.advantages import Advantages
+    from fastpo.trainer.batch_advantages import Advantages
     from fastpo.trainer.batch import TrainBatch
     from fastpo.trainer.metric_sums import MetricSums
     from fastpo.trainer.plan import rl_plan

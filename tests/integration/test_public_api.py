@@ -15,7 +15,7 @@ def _run(code: str) -> str:
 def test_import_fastpo_is_light_and_kernels_load_torch_alone():
     code = (
         "import sys, fastpo\n"
-        "heavy = ('torch', 'transformers', 'numba', 'fastpo.trainer', 'fastpo.evaluate', 'fastpo.config')\n"
+        "heavy = ('torch', 'transformers', 'numba', 'fastpo.trainer', 'fastpo.evaluation', 'fastpo.config')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
         "fastpo.TrainConfig\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"
@@ -26,32 +26,42 @@ def test_import_fastpo_is_light_and_kernels_load_torch_alone():
 
 
 def test_public_names_are_the_implementations():
+    import inspect
+
     import fastpo
     import fastpo.config as config
-    import fastpo.evaluate as evaluate_module
+    import fastpo.evaluation.policy as evaluation
     import fastpo.trainer as trainer
 
     assert fastpo.train is trainer.train and fastpo.load_config is config.load_config
     for name in ("TrainConfig", "ModelConfig", "EnvConfig", "RolloutSection", "AlgorithmConfig", "OptimConfig",
                  "TrainerSection", "ConfigError"):
         assert getattr(fastpo, name) is getattr(config, name), name
-    # `fastpo.evaluate` is the evaluation module, and calling it is `fastpo eval`
-    assert fastpo.evaluate is evaluate_module and callable(fastpo.evaluate)
+    # `fastpo.evaluate` is `fastpo eval` as a function; it was a module whose class was swapped to
+    # make it callable (issue 57)
+    assert fastpo.evaluate is evaluation.run_eval and inspect.isfunction(fastpo.evaluate)
     from fastpo import evaluate
-    assert evaluate is evaluate_module and evaluate.run_eval is evaluate_module.run_eval
+    assert evaluate is evaluation.run_eval
+    with pytest.raises(ModuleNotFoundError):
+        import fastpo.evaluate  # noqa: F401
     assert set(fastpo.__all__) <= set(dir(fastpo))
     with pytest.raises(AttributeError, match="no attribute 'trian'"):
         fastpo.trian  # noqa: B018
 
 
-def test_evaluate_called_runs_fastpo_eval(monkeypatch):
+def test_evaluate_runs_fastpo_eval(tmp_path):
+    """`fastpo.evaluate(cfg)` evaluates cfg.model.name as `fastpo eval` does (here a random model
+    on 2 Bandit seeds, the samples file written where asked)."""
     import fastpo
-    import fastpo.evaluate as ev
 
-    seen = {}
-    monkeypatch.setattr(ev, "run_eval", lambda cfg, console=None, samples_dir=None: seen.setdefault("cfg", cfg))
-    cfg = fastpo.load_config(env="bandit", preset="tiny")
-    assert fastpo.evaluate(cfg) is cfg and seen["cfg"] is cfg
+    cfg = fastpo.load_config(env="bandit", preset="tiny", overrides=[
+        "model.name=random:tiny-llama", "trainer.eval_seeds=2", "trainer.eval_group_size=2",
+        "rollout.max_new_tokens=8"])
+    res = fastpo.evaluate(cfg, samples_dir=str(tmp_path))
+    assert res["model"].startswith("random:tiny-llama") and res["model_random_weights"]
+    assert res["eval/num_seeds"] == 2 and 0.0 <= res["eval/success_rate"] <= 1.0
+    assert res["eval/optimal_success"] == 1.0 and "eval/pass@2" in res
+    assert (tmp_path / "iter_000000.txt").read_text().startswith("model: random:tiny-llama (random weights)\neval of")
 
 
 def test_bad_config_is_a_config_error():

@@ -241,14 +241,14 @@ def test_resume_refuses_a_damaged_run_config(tmp_path, no_model, monkeypatch, da
 
 @pytest.mark.parametrize("out, model", [("runs/exp #1", "./my model #2"), ("2024", "a: b"), ("[x]", "null")])
 def test_out_and_model_are_literal_strings(tmp_path, monkeypatch, out, model):
-    import fastpo.models
+    import fastpo.model_loading
     import fastpo.trainer
 
     monkeypatch.chdir(tmp_path)
     seen = {}
     monkeypatch.setattr(fastpo.trainer, "train", lambda cfg, **k: seen.update(cfg=cfg))
     # names no model: the check before the run's banner would refuse it (the point here is the string)
-    monkeypatch.setattr(fastpo.models, "check_model_name", lambda name: None)
+    monkeypatch.setattr(fastpo.model_loading, "check_model_name", lambda name: None)
     assert main(["train", "--env", "bandit", "--preset", "cpu", "--out", out, "--model", model]) == 0
     assert seen["cfg"].trainer.output_dir == out and seen["cfg"].model.name == model
 

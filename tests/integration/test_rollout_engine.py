@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.rollout import NativeEngine, SamplingParams
 from fastpo.rollout.kv_cache import shared_prefix_length
 

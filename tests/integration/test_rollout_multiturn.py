@@ -329,7 +329,7 @@ def test_rewards_penalties_budget_with_scripted_responses(tiny, run_valid):
     v, inv = batch.valid_actions.sum(), batch.invalid_actions.sum()
     assert batch.metrics["valid_action_rate"] == pytest.approx(float(v / (v + inv)))
     # the same rates from the per-trajectory counts (what a concatenation of batches reports)
-    from fastpo.rollout.batch import count_rates
+    from fastpo.rollout.trajectory_batch import count_rates
 
     rates = count_rates(batch)
     del rates["response_length"]  # tokens per turn: this scripted engine counts no generated tokens

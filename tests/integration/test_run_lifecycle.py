@@ -11,7 +11,7 @@ import yaml
 from rich.console import Console
 
 import fastpo.report.metrics
-import fastpo.models
+import fastpo.model_loading
 import fastpo.rollout.sglang_engine as sg
 import fastpo.trainer
 from fastpo.run.manifest import latest_checkpoint
@@ -71,12 +71,12 @@ def test_resume_of_a_finished_run_trains_nothing_and_keeps_its_config(tmp_path, 
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = f.read()
     capsys.readouterr()
-    load = fastpo.models.load_model_and_tokenizer
-    fastpo.models.load_model_and_tokenizer = None  # the CLI says so without loading the model
+    load = fastpo.model_loading.load_model_and_tokenizer
+    fastpo.model_loading.load_model_and_tokenizer = None  # the CLI says so without loading the model
     try:
         assert main(["train", "--resume", out, "optim.actor_lr=3e-4"]) == 0
     finally:
-        fastpo.models.load_model_and_tokenizer = load
+        fastpo.model_loading.load_model_and_tokenizer = load
     said = capsys.readouterr().out
     assert "nothing to train" in said and "--iterations" in said
     assert _lr(out) == 1e-5  # the settings it ran with

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fastpo.run.checkpoint as ck
-import fastpo.models
+import fastpo.model_loading
 import fastpo.trainer
 from fastpo.run.checkpoint import prune_checkpoints
 from fastpo.run.manifest import latest_checkpoint, verify_checkpoint
@@ -399,7 +399,7 @@ def test_a_rollout_with_no_room_for_a_response_is_an_error_not_an_empty_iteratio
     """Where the check before the model loads cannot know (here: switched off), the first
     rollout that gives no trajectory a turn stops the run with one line."""
     monkeypatch.setattr(fastpo.trainer.Trainer, "check_prompts_fit",
-                        lambda self: fastpo.models.load_tokenizer(self.cfg.model.name))
+                        lambda self: fastpo.model_loading.load_tokenizer(self.cfg.model.name))
     out = str(tmp_path / "run")
     rc = main(["train", "--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-llama", "--out", out,
                "rollout.max_context=64", *QUIET[:2]])

@@ -15,15 +15,16 @@ import torch
 import yaml
 from rich.console import Console
 
+import fastpo.cli.sft
 import fastpo.config
 import fastpo.sft
 import fastpo.sft.data
 from fastpo.run.manifest import latest_checkpoint
 from fastpo.cli import main
 from fastpo.config import load_config
-from fastpo.envs_native import make_env
-from fastpo.models import load_tokenizer
-from fastpo.rollout.multiturn import closing_question
+from fastpo.envs_native import make_native_env
+from fastpo.model_loading import load_tokenizer
+from fastpo.rollout.turns import closing_question
 from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
 from fastpo.sft import SFTTrainer, batch_indices, expert_rollout
 from run_helpers import ModelLoadReached, WritesAFile, plant_in_checkpoint
@@ -48,7 +49,7 @@ def _by_hand(tok, env_name, options, r, seed, responses):
     lists, one per turn) on env seed `seed` holds, assembled from the prompt functions: the
     reference the expert data must equal."""
     chat = ChatFormat(tok, think=r.think, system_prompt=r.system_prompt)
-    env = make_env(env_name, 1, **options)
+    env = make_native_env(env_name, 1, **options)
     obs = env.reset([seed])
     names = env.action_names(0)
     q = closing_question(r, names)
@@ -98,13 +99,13 @@ def test_experts_solve_sokoban_and_pick_the_better_arm(tok):
     cfg, r = _rollout_cfg("sokoban")
     seeds = list(range(16))
     batch = expert_rollout(tok, "sokoban", {}, r, seeds)
-    env = make_env("sokoban", 1)
+    env = make_native_env("sokoban", 1)
     solvable = env.optimal_success(seeds, 10)
     assert batch.success.numpy().tolist() == [bool(s) for s in solvable]  # solves what 10 moves can
     cfg, r = _rollout_cfg("bandit")
     for opts, high in (({}, True), ({"low_reward": 0.5}, False)):
         batch = expert_rollout(tok, "bandit", opts, r, list(range(8)))
-        env = make_env("bandit", 8, **opts)
+        env = make_native_env("bandit", 8, **opts)
         env.reset(list(range(8)))
         want = env.high_risk_action() if high else 1 - env.high_risk_action()
         picked = [env.action_names(i).index(tok.decode(batch.responses[i][0]).split("<")[0].strip()) for i in range(8)]
@@ -116,7 +117,7 @@ def test_frozenlake_policy_is_the_closed_loop_optimum():
     optimal_success says (Monte Carlo over slip streams on one fixed map, within 4 SE), far
     more often than the random policy."""
     n, h = 4000, 30
-    env = make_env("frozenlake", n, desc=["SFFF", "FHFH", "FFFH", "HFFG"])
+    env = make_native_env("frozenlake", n, desc=["SFFF", "FHFH", "FFFH", "HFFG"])
     env.reset(np.arange(n))
     table = env.optimal_policy(h)
     assert table.shape == (n, h + 1, 16) and table.dtype == np.int8
@@ -158,7 +159,7 @@ def _nll(trainer):
 
     total = n = 0.0
     with torch.no_grad():
-        for micro in trainer.parts.scorer.micro_batches(trainer.batch, list(range(len(trainer.ids)))):
+        for micro in trainer.parts.logprobs.micro_batches(trainer.batch, list(range(len(trainer.ids)))):
             sc = micro.scored(trainer.masks)
             h = hidden_states(decoder_body(trainer.model), micro)
             lp, _ = linear_logprob_entropy(h[sc.rows], lm_head_weight(trainer.model), sc.targets)
@@ -173,7 +174,7 @@ def test_one_sft_step_trains_the_answer_tokens_only(tmp_path):
     try:
         # the packed micro-batches score exactly the answer tokens, in order
         idx = list(range(4))
-        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr.parts.scorer.micro_batches(tr.batch, idx)])
+        targets = torch.cat([micro.scored(tr.masks).targets for micro in tr.parts.logprobs.micro_batches(tr.batch, idx)])
         answers = torch.cat([torch.cat(tr.data.responses[i]) for i in idx])
         assert sorted(targets.tolist()) == sorted(answers.tolist()) and targets.numel() == answers.numel()
         before = _nll(tr)
@@ -217,7 +218,7 @@ def test_the_shared_instructions_are_computed_once_per_micro_batch(tmp_path):
                         console=Console(quiet=True))
         tr.setup()
         try:
-            micro = list(tr.parts.scorer.micro_batches(tr.batch, list(range(4))))
+            micro = list(tr.parts.logprobs.micro_batches(tr.batch, list(range(4))))
             shared = [m.prefix for pb in micro for m in pb.members]
             computed = sum(pb.num_tokens for pb in micro)
             m = tr.iteration(1)
@@ -637,6 +638,7 @@ def test_sokoban_sft_default_is_the_named_cpu_recipe(capsys, no_model, tmp_path,
 
     monkeypatch.setattr(fastpo.sft.data, "load_sft_data", no_data)
     monkeypatch.setattr(fastpo.config.presets, "default_preset", lambda: "cpu")
+    monkeypatch.setattr(fastpo.cli.sft, "default_preset", lambda: "cpu")
     empty = tmp_path / "empty.yaml"
     empty.write_text("{}\n")
     for argv, said in (([], "preset=cpu,sokoban-sft 1536 expert trajectories, 8 per step, 192 steps, lr 0.0002"),

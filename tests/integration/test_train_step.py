@@ -50,7 +50,7 @@ def test_the_iteration_is_one_function_calling_each_step_in_order():
     """rollout -> filter -> batch -> old log-probs -> advantages -> update, each a call into its
     part, in one function that fits on a screen."""
     fn = _function(ROOT / "fastpo" / "trainer" / "step.py", "Trainer", "iteration")
-    steps = ["p.sampler.roll_out", "self.filter", "TrainBatch.from_rollout", "p.scorer.old_logprobs",
+    steps = ["p.sampler.roll_out", "self.filter", "TrainBatch.from_rollout", "p.logprobs.old_logprobs",
              "self.advantages.estimate", "p.updater.update"]
     calls = _calls(fn)
     assert [c for c in calls if c in steps] == steps, calls

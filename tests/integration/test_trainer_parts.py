@@ -124,8 +124,8 @@ def test_shared_prompt_packing_changes_nothing_but_cost(tmp_path):
         tr.model.load_state_dict(start[0])
         tr.parts.models.value_head.load_state_dict(start[1])
         tr.parts.updater.actor_opt.state.clear()
-        computed = [pb.num_tokens for pb in tr.parts.scorer.micro_batches(record, list(range(len(ids))))]
-        old_lp, ent, vals, _ = tr.parts.scorer.compute_old(record)
+        computed = [pb.num_tokens for pb in tr.parts.logprobs.micro_batches(record, list(range(len(ids))))]
+        old_lp, ent, vals, _ = tr.parts.logprobs.compute_old(record)
         adv, returns, _ = tr.advantages.compute(batch, masks, vals)
         tr.parts.updater.update(1, dataclasses.replace(record, old_logprobs=old_lp, values=vals, advantages=adv, returns=returns))
         # the last mini-batch's gradients (before clipping)

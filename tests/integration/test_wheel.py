@@ -38,6 +38,15 @@ def _source_packages() -> set[str]:
     return names
 
 
+def _source_modules() -> set[str]:
+    """The wheel paths of every module of the checkout's fastpo/ and envs_native/."""
+    out = set()
+    for prefix, folder in (("fastpo", "fastpo"), ("fastpo/envs_native", "envs_native")):
+        base = pathlib.Path(ROOT, folder)
+        out |= {f"{prefix}/{p.relative_to(base).as_posix()}" for p in base.rglob("*.py") if "__pycache__" not in p.parts}
+    return out
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
     src = tmp_path_factory.mktemp("src") / "fastpo"
@@ -57,6 +66,11 @@ def test_wheel_holds_every_package(wheel):
     # the C routines' sources, compiled on first use (without them the slower PyTorch paths run)
     sources = {f"fastpo/kernels/{n}" for n in os.listdir(os.path.join(ROOT, "fastpo", "kernels")) if n.endswith(".c")}
     assert len(sources) == 2 and sources <= set(names)
+    # the benchmarks' baseline rollout loop (bench/reference_rollout.py) is theirs, not the package's
+    # (issue 57: it shipped as fastpo/rollout/reference.py)
+    py = {n for n in names if n.endswith(".py")}
+    assert py == _source_modules()
+    assert not any(n.endswith(("/reference_rollout.py", "rollout/reference.py")) for n in py)
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import torch
 from fastpo.trainer.collapse import (batch_collapse_metrics, cross_logprobs, cross_logprobs_naive, first_turn_pairs,
                              mutual_information_metrics, reasoning_tokens)
 from fastpo.report.metrics import EchoTrapDetector
-from fastpo.models import load_model_and_tokenizer
+from fastpo.model_loading import load_model_and_tokenizer
 from fastpo.packing import use_segment_attention
 
 

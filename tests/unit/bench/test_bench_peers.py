@@ -51,7 +51,7 @@ def test_equal_work_tolerance_is_only_for_the_keys_given():
 
 
 def test_work_counts_of_both_sides():
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
 
     # two trajectories: prompts of 5 and 4 tokens, 3 model tokens each (the second one in two
     # turns with 2 observation tokens between)
@@ -125,7 +125,7 @@ def test_trl_prompt_is_fastpos_first_prompt_at_the_cpu_preset():
     closing question (rollout.prompt_examples) included: else the equal-work check fails on
     prompt tokens."""
     from fastpo.config import load_config
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, NativeEngine
 
     model, tok, _ = load_model_and_tokenizer("random:tiny-llama", seed=0)

@@ -12,7 +12,7 @@ import pytest
 from fastpo.cli import main as cli_main
 from fastpo.config import RolloutConfig
 from fastpo.envs import EnvError, make_env
-from fastpo.rollout.multiturn import env_turn
+from fastpo.rollout.turns import env_turn
 
 MAP = ["SFFF", "FHFH", "FFFH", "HFFG"]
 

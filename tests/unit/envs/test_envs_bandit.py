@@ -2,15 +2,15 @@
 import numpy as np
 import pytest
 
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.envs_native.bandit import TEST_PAIRS, TRAIN_PAIRS
-from fastpo.envs_native.reference import reference_envs, reference_turn
+from fastpo.envs_native.python_reference import reference_envs, reference_turn
 
 
 @pytest.mark.parametrize("split,pairs", [("train", TRAIN_PAIRS), ("test", TEST_PAIRS)])
 def test_names_come_from_the_split_and_positions_are_randomised(split, pairs):
     B = 400
-    env = make_env("bandit", B, split=split)
+    env = make_native_env("bandit", B, split=split)
     obs = env.reset(np.arange(B))
     allowed = {frozenset(p) for p in pairs}
     first_is_low = 0
@@ -28,7 +28,7 @@ def test_names_come_from_the_split_and_positions_are_randomised(split, pairs):
 
 def test_payouts_and_success():
     B = 20000
-    env = make_env("bandit", B)
+    env = make_native_env("bandit", B)
     env.reset(np.arange(B))
     high = env.high_risk_action()
     choose_high = np.arange(B) % 2 == 0
@@ -47,14 +47,14 @@ def test_payouts_and_success():
 
 
 def test_configurable_payouts_flip_the_better_arm():
-    env = make_env("bandit", 64, low_reward=0.5, high_reward=1.0, high_prob=0.25)
+    env = make_native_env("bandit", 64, low_reward=0.5, high_reward=1.0, high_prob=0.25)
     env.reset(np.arange(64))
     res = env.step((1 - env.high_risk_action())[:, None])
     assert res.success.all() and np.all(res.reward == 0.5)
 
 
 def test_parse_uses_this_instances_arm_names():
-    env = make_env("bandit", 3)
+    env = make_native_env("bandit", 3)
     env.reset([5, 6, 7])
     names = [env.action_names(i) for i in range(3)]
     other = next(n for p in TRAIN_PAIRS for n in p if n not in names[2])
@@ -65,7 +65,7 @@ def test_parse_uses_this_instances_arm_names():
 
 def test_matches_reference():
     B = 256
-    env = make_env("bandit", B, split="test")
+    env = make_native_env("bandit", B, split="test")
     env.reset(np.arange(B) + 77)
     refs = reference_envs(env)
     answers = [env.action_names(i)[(i // 3) % 2] if i % 5 else "pass" for i in range(B)]
@@ -83,12 +83,12 @@ def test_matches_reference():
 ])
 def test_bad_config_is_a_value_error_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        make_env("bandit", 2, **kwargs)
+        make_native_env("bandit", 2, **kwargs)
 
 
 def test_instructions_and_action_names_need_a_reset():
     # the arm names are drawn at reset, so unlike FrozenLake and Sokoban these raise before it
-    env = make_env("bandit", 2)
+    env = make_native_env("bandit", 2)
     for call in (env.instructions, lambda: env.action_names(0), env.render, lambda: env.parse_actions(["a", "b"], 1)):
         with pytest.raises(RuntimeError, match="reset"):
             call()
@@ -97,10 +97,10 @@ def test_instructions_and_action_names_need_a_reset():
 def test_success_bounds_by_hand():
     # success = pulling the arm of higher expected reward: the best policy always does, a
     # uniformly random pull half the time; checked by pulling each arm of every seed
-    env = make_env("bandit", 1, low_reward=0.3, high_reward=1.0, high_prob=0.25)  # low arm better here
+    env = make_native_env("bandit", 1, low_reward=0.3, high_reward=1.0, high_prob=0.25)  # low arm better here
     assert env.optimal_success(range(6), 1).tolist() == [1.0] * 6
     assert env.random_success([3, 4], 5).tolist() == [0.5, 0.5]
-    pulls = make_env("bandit", 12, low_reward=0.3, high_reward=1.0, high_prob=0.25)
+    pulls = make_native_env("bandit", 12, low_reward=0.3, high_reward=1.0, high_prob=0.25)
     pulls.reset(np.repeat(np.arange(6), 2))
     pulls.step(np.tile([0, 1], 6))
     assert pulls.success.reshape(6, 2).sum(axis=1).tolist() == [1] * 6  # one arm of two succeeds

@@ -3,7 +3,7 @@ that names the bad value (never a bare TypeError from deep inside, never silentl
 import numpy as np
 import pytest
 
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.envs_native._core import symbol_table
 from fastpo.envs_native.frozenlake import DEFAULT_SYMBOLS as FL_SYMBOLS
 
@@ -19,13 +19,13 @@ def test_symbol_tables_refuse_control_characters_and_duplicates(symbols, match):
     with pytest.raises(ValueError, match=match):
         symbol_table(FL_SYMBOLS, symbols)
     with pytest.raises(ValueError, match=match):
-        make_env("frozenlake", 2, symbols=symbols)
+        make_native_env("frozenlake", 2, symbols=symbols)
 
 
 def test_symbol_tables_accept_distinct_printable_overrides():
     sym = symbol_table(FL_SYMBOLS, {"hole": "#", "player_on_goal": "*"})
     assert sym["hole"] == "#" and sym["player_on_goal"] == "*" and sym["frozen"] == "_"
-    env = make_env("sokoban", 1, levels="#####\n#@$.#\n#####", symbols={"wall": "W", "floor": " "})
+    env = make_native_env("sokoban", 1, levels="#####\n#@$.#\n#####", symbols={"wall": "W", "floor": " "})
     assert env.reset([0]) == ["WWWWW\nWPXOW\nWWWWW"]
     with pytest.raises(ValueError, match="dict"):
         symbol_table(FL_SYMBOLS, [("hole", "#")])
@@ -33,7 +33,7 @@ def test_symbol_tables_accept_distinct_printable_overrides():
 
 @pytest.mark.parametrize("name", ["frozenlake", "sokoban", "bandit"])
 def test_bad_seeds_are_named(name):
-    env = make_env(name, 2)
+    env = make_native_env(name, 2)
     for bad, exc, match in [([0, 2**64], ValueError, "below 2\\*\\*64, got 18446744073709551616"),
                             ([0, -3], ValueError, "non-negative.*got -3"),
                             ([0, 2**70 + 1], ValueError, "got 1180591620717411303425"),
@@ -53,18 +53,18 @@ def test_bad_seeds_are_named(name):
 ])
 def test_frozenlake_config_types_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        make_env("frozenlake", 2, **kwargs)
+        make_native_env("frozenlake", 2, **kwargs)
 
 
 def test_frozenlake_map_names_ignore_case_and_rows_may_be_lists():
-    a = make_env("frozenlake", 1, desc="8X8").reset([0])
-    b = make_env("frozenlake", 1, desc="8x8").reset([0])
-    c = make_env("frozenlake", 1, desc=[list("SF"), list("FG")], is_slippery=np.bool_(False)).reset([0])
+    a = make_native_env("frozenlake", 1, desc="8X8").reset([0])
+    b = make_native_env("frozenlake", 1, desc="8x8").reset([0])
+    c = make_native_env("frozenlake", 1, desc=[list("SF"), list("FG")], is_slippery=np.bool_(False)).reset([0])
     assert a == b and c == ["P_\n_G"]
 
 
 def test_sokoban_from_levels_has_num_boxes():
-    env = make_env("sokoban", 2, levels="#####\n#@$.#\n#####\n\n#######\n#@$.$.#\n#######")
+    env = make_native_env("sokoban", 2, levels="#####\n#@$.#\n#####\n\n#######\n#@$.$.#\n#######")
     assert env.num_boxes == 2  # the most boxes any level has
     env.reset([0, 1])
     assert env.level(0).num_boxes == 1 and env.level(1).num_boxes == 2

@@ -6,9 +6,9 @@ from collections import deque
 import numpy as np
 import pytest
 
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.envs_native.frozenlake import MAPS, parse_map
-from fastpo.envs_native.reference import RefFrozenLake, reference_envs, reference_turn
+from fastpo.envs_native.python_reference import RefFrozenLake, reference_envs, reference_turn
 
 gym = pytest.importorskip("gymnasium")
 
@@ -66,7 +66,7 @@ def test_transition_probabilities_match_gymnasium(map_name, slippery, success_pr
     n = len(MAPS[map_name])
     cells = [s for s in range(n * n) if desc.flat[s] not in (b"H", b"G")]  # gym's table is absorbing there
     B = len(cells) * 4 * K
-    env = make_env("frozenlake", B, desc=map_name, is_slippery=slippery, success_prob=success_prob, max_steps=0)
+    env = make_native_env("frozenlake", B, desc=map_name, is_slippery=slippery, success_prob=success_prob, max_steps=0)
     env.reset(np.arange(B))
     cell = np.repeat(cells, 4 * K)
     action = np.tile(np.repeat(np.arange(4), K), len(cells))
@@ -103,7 +103,7 @@ def test_slip_thresholds_are_exact(success_prob):
     draws = [0, m1 - 1, m1, m2 - 1, m2, 2**53 - 1]
     turned = [0, 0, -1, -1, 1, 1]  # direction offset (mod 4) each draw gives
     B = 4 * len(draws)
-    env = make_env("frozenlake", B, desc="FFF/FSF/FFG", is_slippery=True, success_prob=success_prob)
+    env = make_native_env("frozenlake", B, desc="FFF/FSF/FFG", is_slippery=True, success_prob=success_prob)
     env.reset(np.arange(B))
     env._rng[:] = [_state_giving_uniform(m) for m in draws] * 4
     env.step(np.repeat(np.arange(4), len(draws))[:, None])
@@ -116,7 +116,7 @@ def test_slip_frequencies_with_real_draws():
     # the draws themselves: from state 5 of an open 3x3 map, action Down (1), 30000 instances;
     # each outcome's share has standard deviation <= 0.0029, the tolerance is 4.5 of those
     N = 30000
-    env = make_env("frozenlake", N, desc="FFF/FSF/FFG", is_slippery=True, success_prob=0.6)
+    env = make_native_env("frozenlake", N, desc="FFF/FSF/FFG", is_slippery=True, success_prob=0.6)
     env.reset(np.arange(N))
     env.step(np.ones((N, 1), dtype=np.int64))
     shares = {p: np.mean(env._pos == p) for p in (7, 3, 5)}  # down, left (Down - 1), right (Down + 1)
@@ -147,7 +147,7 @@ def _solvable(rows):
 @pytest.mark.parametrize("size,p,count", [(4, 0.8, 2000), (8, 0.8, 500), (6, 0.5, 500)])
 def test_generated_maps_are_solvable_with_start_and_goal_anywhere(size, p, count):
     # RAGEN's rule (the default layout): a start and a goal on random distinct cells, a path between them
-    env = make_env("frozenlake", count, size=size, p=p)
+    env = make_native_env("frozenlake", count, size=size, p=p)
     obs = env.reset(np.arange(count))
     holes, starts, goals = 0, set(), set()
     for i in range(count):
@@ -166,7 +166,7 @@ def test_generated_maps_are_solvable_with_start_and_goal_anywhere(size, p, count
 
 @pytest.mark.parametrize("size,p,count", [(4, 0.8, 2000), (6, 0.5, 500)])
 def test_gymnasium_layout_keeps_the_corners(size, p, count):
-    env = make_env("frozenlake", count, size=size, p=p, layout="gymnasium")
+    env = make_native_env("frozenlake", count, size=size, p=p, layout="gymnasium")
     obs = env.reset(np.arange(count))
     for i in range(count):
         rows = env.tiles(i)
@@ -202,7 +202,7 @@ def test_default_maps_have_the_distribution_of_ragens_rule():
     # the env's maps against an independent simulation of RAGEN's rule: the mean hole count,
     # start-goal distance and share of corner starts agree within about 4 standard errors
     n = 4000
-    env = make_env("frozenlake", n, size=4, p=0.8)
+    env = make_native_env("frozenlake", n, size=4, p=0.8)
     env.reset(np.arange(n))
     ours = _map_stats([env.tiles(i) for i in range(n)])
     ref = _map_stats(_ragen_rule_maps(n, 4, 0.8, np.random.default_rng(0)))
@@ -215,7 +215,7 @@ def test_default_maps_have_the_distribution_of_ragens_rule():
 @pytest.mark.parametrize("layout", ["ragen", "gymnasium"])
 def test_generation_and_dynamics_match_reference(layout):
     B = 48
-    env = make_env("frozenlake", B, size=5, p=0.7, layout=layout)
+    env = make_native_env("frozenlake", B, size=5, p=0.7, layout=layout)
     obs = env.reset(np.arange(B) * 7 + 1)
     for i in range(B):
         assert RefFrozenLake.generate(i * 7 + 1, size=5, p=0.7, layout=layout).render() == obs[i]
@@ -252,10 +252,10 @@ def _value_iteration(rows, horizon, slippery, success_prob, best=True):
 def test_optimal_and_random_success_match_an_independent_value_iteration(layout, slippery, success_prob, horizon):
     seeds = list(range(100, 124))
     kw = dict(layout=layout, is_slippery=slippery, success_prob=success_prob)
-    env = make_env("frozenlake", len(seeds), **kw)
+    env = make_native_env("frozenlake", len(seeds), **kw)
     env.reset(seeds)
-    best = make_env("frozenlake", 1, **kw).optimal_success(seeds, horizon)  # another env: any count of seeds
-    rand = make_env("frozenlake", 1, **kw).random_success(np.array(seeds), horizon)
+    best = make_native_env("frozenlake", 1, **kw).optimal_success(seeds, horizon)  # another env: any count of seeds
+    rand = make_native_env("frozenlake", 1, **kw).random_success(np.array(seeds), horizon)
     assert best.shape == rand.shape == (len(seeds),)
     for i in range(len(seeds)):
         rows = env.tiles(i)
@@ -271,7 +271,7 @@ def test_policy_success_evaluates_a_given_stochastic_policy():
     optimal_success; a fixed stochastic policy on a 3x3 map
     (slippery) matches 20,000 played episodes within 4 SE; bad tables are refused by name."""
     seeds, h = list(range(100, 124)), 10
-    env = make_env("frozenlake", len(seeds))
+    env = make_native_env("frozenlake", len(seeds))
     env.reset(seeds)
     n = env.size[0] * env.size[1]
     np.testing.assert_allclose(env.policy_success(np.full((len(seeds), h + 1, n, 4), 0.25)),
@@ -282,7 +282,7 @@ def test_policy_success_evaluates_a_given_stochastic_policy():
     np.testing.assert_allclose(env.policy_success(onehot), env.optimal_success(seeds, h), rtol=0, atol=1e-12)
 
     N, probs = 20000, np.array([0.1, 0.4, 0.4, 0.1])  # Left, Down, Right, Up in every cell
-    played = make_env("frozenlake", N, desc="SFF/FHF/FFG")
+    played = make_native_env("frozenlake", N, desc="SFF/FHF/FFG")
     played.reset(np.arange(N))  # one map, each instance its own slips
     exact = played.policy_success(np.broadcast_to(probs, (N, h + 1, 9, 4)))
     assert np.ptp(exact) == 0 and 0.05 < exact[0] < 0.95
@@ -306,7 +306,7 @@ def test_policy_success_evaluates_a_given_stochastic_policy():
     with pytest.raises(ValueError, match=r"pi\[3, 2, 5, 0\] = nan"):
         env.policy_success(bad)
     with pytest.raises(RuntimeError):
-        make_env("frozenlake", 1).policy_success(np.full((1, 2, 16, 4), 0.25))
+        make_native_env("frozenlake", 1).policy_success(np.full((1, 2, 16, 4), 0.25))
 
 
 def _shortest_path(rows) -> int:
@@ -332,7 +332,7 @@ def test_expert_without_slip_walks_a_shortest_path():
     bumped into walls until the last moment: 8.96 turns a level on seeds 0..767, where the
     shortest routes average 2.70)."""
     n, h = 300, 10
-    env = make_env("frozenlake", n, is_slippery=False)
+    env = make_native_env("frozenlake", n, is_slippery=False)
     env.reset(np.arange(n))
     want = np.array([_shortest_path(env.tiles(i)) for i in range(n)])
     table = env.optimal_policy(h)
@@ -348,12 +348,12 @@ def test_expert_without_slip_walks_a_shortest_path():
 
 def test_success_bounds_on_a_hand_map_and_the_step_cap():
     # S G on one row, no slip: Right reaches the goal in one action
-    env = make_env("frozenlake", 1, desc="SG", is_slippery=False)
+    env = make_native_env("frozenlake", 1, desc="SG", is_slippery=False)
     assert env.optimal_success([0], 1).tolist() == [1.0]
     assert env.random_success([0], 1).tolist() == [0.25]
     assert env.random_success([0], 2).tolist() == [1 - 0.75**2]  # Left/Down/Up stay put
     # 1x3 S F G, slippery 1/3: the goal is two cells away; max_steps=1 caps any horizon at 1
-    capped = make_env("frozenlake", 1, desc="SFG", max_steps=1)
+    capped = make_native_env("frozenlake", 1, desc="SFG", max_steps=1)
     assert capped.optimal_success([0], 10).tolist() == [0.0]
 
 
@@ -361,8 +361,8 @@ def test_paper_frozenlake_ceiling_ragen_maps_versus_the_corners():
     # the issue's figures: 10 actions, slip 1/3, the 256 eval seeds; an optimal policy succeeds
     # on about half of RAGEN-style maps and about a tenth with gymnasium's corners
     seeds = range(1_000_000, 1_000_256)
-    ragen = make_env("frozenlake", 1).optimal_success(seeds, 10).mean()
-    corners = make_env("frozenlake", 1, layout="gymnasium").optimal_success(seeds, 10).mean()
+    ragen = make_native_env("frozenlake", 1).optimal_success(seeds, 10).mean()
+    corners = make_native_env("frozenlake", 1, layout="gymnasium").optimal_success(seeds, 10).mean()
     assert 0.4 < ragen < 0.6 and 0.05 < corners < 0.15, (ragen, corners)
 
 
@@ -373,14 +373,14 @@ def test_paper_frozenlake_ceiling_ragen_maps_versus_the_corners():
 ])
 @pytest.mark.parametrize("name", ["frozenlake", "sokoban", "bandit"])
 def test_success_bounds_refuse_bad_arguments(name, seeds, horizon, exc, word):
-    env = make_env(name, 1)
+    env = make_native_env(name, 1)
     for fn in (env.optimal_success, env.random_success):
         with pytest.raises(exc, match=word):
             fn(seeds, horizon)
 
 
 def test_fixed_map_in_gymnasium_notation():
-    env = make_env("frozenlake", 3, desc="SFFF/FHFH/FFFH/HFFG", is_slippery=False)
+    env = make_native_env("frozenlake", 3, desc="SFFF/FHFH/FFFH/HFFG", is_slippery=False)
     obs = env.reset([0, 1, 2])
     assert obs[0] == obs[2] == "P___\n_O_O\n___O\nO__G"
     assert env.tiles(1) == MAPS["4x4"]
@@ -389,7 +389,7 @@ def test_fixed_map_in_gymnasium_notation():
 
 
 def test_goal_hole_rewards_and_symbols():
-    env = make_env("frozenlake", 2, desc=["SH", "FG"], is_slippery=False, symbols={"player_on_goal": "*"})
+    env = make_native_env("frozenlake", 2, desc=["SH", "FG"], is_slippery=False, symbols={"player_on_goal": "*"})
     env.reset([0, 1])
     res = env.step(np.array([[2, -1], [1, 2]]))  # Right into the hole; Down then Right to the goal
     assert res.reward.tolist() == [0.0, 1.0]
@@ -401,7 +401,7 @@ def test_goal_hole_rewards_and_symbols():
 
 
 def test_max_steps_truncates_and_moves_off_grid_are_not_effective():
-    env = make_env("frozenlake", 1, desc="SFF/FFF/FFG", is_slippery=False, max_steps=3)
+    env = make_native_env("frozenlake", 1, desc="SFF/FFF/FFG", is_slippery=False, max_steps=3)
     env.reset([0])
     res = env.step(np.array([[0, 3, 2, 2]]))  # Left, Up hit the edge; Right moves; the cap ends it
     assert res.valid.tolist() == [[True, True, True, False]]
@@ -410,7 +410,7 @@ def test_max_steps_truncates_and_moves_off_grid_are_not_effective():
 
 
 def test_active_mask():
-    env = make_env("frozenlake", 2, desc="SFF/FFF/FFG", is_slippery=False)
+    env = make_native_env("frozenlake", 2, desc="SFF/FFF/FFG", is_slippery=False)
     env.reset([0, 0])
     res = env.step(np.array([[2], [2]]), active=np.array([True, False]))
     assert res.num_executed.tolist() == [1, 0]
@@ -425,4 +425,4 @@ def test_active_mask():
 ])
 def test_bad_config_is_a_value_error_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        make_env("frozenlake", 2, **kwargs)
+        make_native_env("frozenlake", 2, **kwargs)

@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.envs_native._core import OBSERVATIONS
 from fastpo.envs_native.sokoban import TARGET, WALL
 
@@ -16,7 +16,7 @@ COORD = re.compile(r"\((\d+), (\d+)\)")
 
 def _played(name, observation, seeds=SEEDS, turns=3, **config):
     """The env after a fixed schedule of random moves, and its observation texts after each turn."""
-    env = make_env(name, len(seeds), observation=observation, **config)
+    env = make_native_env(name, len(seeds), observation=observation, **config)
     texts = [env.reset(seeds)]
     rng = np.random.default_rng(0)
     for _ in range(turns):
@@ -94,7 +94,7 @@ def _tokens_per_row(tok, text):
 def test_the_per_cell_format_is_one_embedded_token_per_cell(name):
     """Each cell one token of SmolLM2's tokenizer, rows and whole grids alike; the paper's
     run-together grid merges runs of cells (this check fails on it)."""
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
 
     tok = load_tokenizer()
     for observation in ("cells", "cells+coords"):
@@ -113,36 +113,36 @@ def test_the_per_cell_format_is_one_embedded_token_per_cell(name):
 
 @pytest.mark.parametrize("name", ["sokoban", "frozenlake"])
 def test_the_legend_follows_the_format(name):
-    grid = make_env(name, 1).instructions()[0]
-    cells = make_env(name, 1, observation="cells").instructions()[0]
-    both = make_env(name, 1, observation="cells+coords").instructions()[0]
+    grid = make_native_env(name, 1).instructions()[0]
+    cells = make_native_env(name, 1, observation="cells").instructions()[0]
+    both = make_native_env(name, 1, observation="cells+coords").instructions()[0]
     assert "√" in grid and "√" not in cells and "* " in cells
     assert "separated by spaces" in cells and "(row, column)" not in cells
     assert "separated by spaces" in both and "(row, column)" in both
     assert "separated by spaces" not in grid and "(row, column)" not in grid
     # a symbol the user chose stays, in every format
-    own = make_env(name, 1, observation="cells", symbols={"box_on_target" if name == "sokoban" else
+    own = make_native_env(name, 1, observation="cells", symbols={"box_on_target" if name == "sokoban" else
                                                           "player_on_goal": "√"})
     assert "√" in own.instructions()[0]
 
 
 def test_symbols_you_set_in_the_per_cell_formats():
-    env = make_env("sokoban", 1, observation="cells", symbols={"wall": "*"})  # '*' taken: '√' becomes '+'
+    env = make_native_env("sokoban", 1, observation="cells", symbols={"wall": "*"})  # '*' taken: '√' becomes '+'
     assert env.symbols["wall"] == "*" and env.symbols["box_on_target"] == "+"
     with pytest.raises(ValueError, match=r"symbol for 'frozen' is ' ': a blank symbol cannot be told"):
-        make_env("frozenlake", 1, observation="cells", symbols={"frozen": " "})
-    assert make_env("frozenlake", 1, symbols={"frozen": " "}).symbols["frozen"] == " "  # the paper's grid: fine
+        make_native_env("frozenlake", 1, observation="cells", symbols={"frozen": " "})
+    assert make_native_env("frozenlake", 1, symbols={"frozen": " "}).symbols["frozen"] == " "  # the paper's grid: fine
 
 
 @pytest.mark.parametrize("bad", ["Cells", "ascii", "", None, 3])
 def test_a_bad_format_is_refused_in_one_line(bad):
     for name in ("sokoban", "frozenlake"):
         with pytest.raises(ValueError, match=r"observation must be one of .*got"):
-            make_env(name, 1, observation=bad)
+            make_native_env(name, 1, observation=bad)
 
 
 def test_frozenlake_without_slip_is_gymnasiums_deterministic_game():
-    env = make_env("frozenlake", 1, desc="4x4", is_slippery=False)
+    env = make_native_env("frozenlake", 1, desc="4x4", is_slippery=False)
     env.reset([0])
     for a in (1, 1, 2, 2, 1, 2):  # Down Down Right Right Down Right: gymnasium's 4x4 solution
         env.step(np.array([[a]]))

@@ -5,16 +5,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastpo.envs_native import make_env
+from fastpo.envs_native import make_native_env
 from fastpo.envs_native._core import WHITESPACE
-from fastpo.envs_native.reference import parse_answer
+from fastpo.envs_native.python_reference import parse_answer
 
 ENVS = {}
 
 
 def _env(name):
     if name not in ENVS:
-        env = make_env(name, 4)
+        env = make_native_env(name, 4)
         env.reset([0, 1, 2, 3])
         ENVS[name] = env
     return ENVS[name]

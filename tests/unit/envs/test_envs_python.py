@@ -177,7 +177,7 @@ def test_random_state_of_the_caller_is_left_alone():
 
 def test_free_text_path_and_format_penalty():
     from fastpo.config import RolloutConfig
-    from fastpo.rollout.multiturn import env_turn
+    from fastpo.rollout.turns import env_turn
 
     env = make_env("test_envs_python:Echo", 3)
     env.reset([0, 1, 2])

@@ -7,8 +7,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from fastpo.envs_native import make_env
-from fastpo.envs_native.reference import RefSokoban, reference_envs, reference_turn, reverse_search
+from fastpo.envs_native import make_native_env
+from fastpo.envs_native.python_reference import RefSokoban, reference_envs, reference_turn, reverse_search
 from fastpo.envs_native.sokoban import (ACTIONS, FLOOR, GENERATORS, TARGET, WALL, SokobanLevel, _reverse_search,
                                         _table_size, parse_xsb, solve_level, to_xsb)
 
@@ -16,7 +16,7 @@ UP, DOWN, LEFT, RIGHT = range(4)
 
 
 def _env(xsb, **kw):
-    env = make_env("sokoban", 1, levels=xsb, **kw)
+    env = make_native_env("sokoban", 1, levels=xsb, **kw)
     env.reset([0])
     return env
 
@@ -98,7 +98,7 @@ def _python_bfs(level):
 
 @pytest.mark.parametrize("size,num_boxes,count", [(6, 1, 300), (8, 2, 60), (6, 3, 20)])
 def test_generated_levels_are_solvable_within_max_steps(size, num_boxes, count):
-    env = make_env("sokoban", count, size=size, num_boxes=num_boxes)
+    env = make_native_env("sokoban", count, size=size, num_boxes=num_boxes)
     obs = env.reset(np.arange(count) + 1000)
     lengths = []
     for i in range(count):
@@ -227,11 +227,11 @@ def test_search_depth_bounds_the_search():
     # the state cap bounds it too: one explored state (the solved one) scores 0
     assert _numba_search(FIXED_ROOMS[0], 300, "gym", max_states=1)[0] == 0
     with pytest.raises(RuntimeError, match="no 6x6 level"):
-        make_env("sokoban", 2, max_states=1, max_tries=20).reset([0, 1])
+        make_native_env("sokoban", 2, max_states=1, max_tries=20).reset([0, 1])
     # generated levels: with search_depth d every box is at most d - 2 cells from its target
     for gen in GENERATORS:
         for depth in (3, 4, 6):
-            env = make_env("sokoban", 200, search_depth=depth, generator=gen)
+            env = make_native_env("sokoban", 200, search_depth=depth, generator=gen)
             env.reset(np.arange(200))
             disp = []
             for i in range(200):
@@ -249,7 +249,7 @@ def test_ragen_generator_walks_the_player_away_from_the_box():
     # leaves the player where the best state has it, nearly always next to the pulled box
     adjacent = {}
     for gen in GENERATORS:
-        env = make_env("sokoban", 400, generator=gen)
+        env = make_native_env("sokoban", 400, generator=gen)
         env.reset(np.arange(400))
         near = 0
         for i in range(400):
@@ -261,7 +261,7 @@ def test_ragen_generator_walks_the_player_away_from_the_box():
 
 
 def test_bfs_solver_is_shortest():
-    env = make_env("sokoban", 16, size=7, num_boxes=2)
+    env = make_native_env("sokoban", 16, size=7, num_boxes=2)
     env.reset(np.arange(16))
     for i in range(16):
         lv = env.level(i)
@@ -297,7 +297,7 @@ def test_xsb_round_trip_and_env_import_export():
         SokobanLevel.from_xsb(XSB)
     assert [lv.to_xsb() for lv in levels] == originals
     # the env picks level seed % 3 and exports it unchanged
-    env = make_env("sokoban", 4, levels=XSB)
+    env = make_native_env("sokoban", 4, levels=XSB)
     obs = env.reset([0, 1, 2, 4])
     assert [env.to_xsb(i) for i in range(4)] == [originals[0], originals[1], originals[2], originals[1]]
     assert obs[1].splitlines() == ["#######", "###__##", "#__X_##", "#_#O_##", "#P_√__#", "#######"]  # outside: wall
@@ -308,7 +308,7 @@ def test_xsb_round_trip_and_env_import_export():
 def test_levels_file(tmp_path):
     path = tmp_path / "levels.xsb"
     path.write_text(XSB)
-    env = make_env("sokoban", 1, levels_file=str(path))
+    env = make_native_env("sokoban", 1, levels_file=str(path))
     env.reset([2])
     assert env.solve(0) is not None
 
@@ -327,7 +327,7 @@ def test_malformed_xsb_names_line_and_character(text, match):
     with pytest.raises(ValueError, match=match):
         parse_xsb(text)
     with pytest.raises(ValueError):
-        make_env("sokoban", 1, levels=text)
+        make_native_env("sokoban", 1, levels=text)
 
 
 def test_header_lines_separate_levels_even_with_a_hash():
@@ -339,7 +339,7 @@ def test_header_lines_separate_levels_even_with_a_hash():
 
 def test_dynamics_match_reference():
     B = 32
-    env = make_env("sokoban", B, size=7, num_boxes=2, max_steps=20)
+    env = make_native_env("sokoban", B, size=7, num_boxes=2, max_steps=20)
     obs = env.reset(np.arange(B))
     refs = reference_envs(env)
     assert [r.render() for r in refs] == obs
@@ -364,7 +364,7 @@ def test_dynamics_match_reference():
 ])
 def test_bad_config_is_a_value_error_naming_it(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        make_env("sokoban", 2, **kwargs)
+        make_native_env("sokoban", 2, **kwargs)
 
 
 @pytest.mark.parametrize("size,num_boxes,horizon", [(6, 1, 10), (7, 2, 12), (6, 1, 3)])
@@ -372,9 +372,9 @@ def test_optimal_success_is_solvable_within_the_horizon(size, num_boxes, horizon
     # against the independent breadth-first search above: 1.0 iff the shortest solution has
     # at most `horizon` moves
     seeds = list(range(500, 540))
-    env = make_env("sokoban", len(seeds), size=size, num_boxes=num_boxes)
+    env = make_native_env("sokoban", len(seeds), size=size, num_boxes=num_boxes)
     env.reset(seeds)
-    best = make_env("sokoban", 1, size=size, num_boxes=num_boxes).optimal_success(seeds, horizon)
+    best = make_native_env("sokoban", 1, size=size, num_boxes=num_boxes).optimal_success(seeds, horizon)
     expected = [float(_python_bfs(env.level(i)) <= horizon) for i in range(len(seeds))]
     assert best.tolist() == expected
     assert 0 < sum(expected)  # the case is not all zeros
@@ -382,15 +382,15 @@ def test_optimal_success_is_solvable_within_the_horizon(size, num_boxes, horizon
 
 def test_optimal_success_respects_max_steps():
     level = "#######\n#@  $.#\n#######"  # Right x3: two steps, then the push onto the target
-    assert make_env("sokoban", 1, levels=level, max_steps=2).optimal_success([0], 10).tolist() == [0.0]
-    assert make_env("sokoban", 1, levels=level).optimal_success([0], 2).tolist() == [0.0]
-    assert make_env("sokoban", 1, levels=level).optimal_success([0], 3).tolist() == [1.0]
+    assert make_native_env("sokoban", 1, levels=level, max_steps=2).optimal_success([0], 10).tolist() == [0.0]
+    assert make_native_env("sokoban", 1, levels=level).optimal_success([0], 2).tolist() == [0.0]
+    assert make_native_env("sokoban", 1, levels=level).optimal_success([0], 3).tolist() == [1.0]
 
 
 def test_random_success_on_a_corridor_by_hand():
     # "#@$.#": only Right moves (Up, Down, Left hit walls), and one Right solves it, so the
     # random policy succeeds within h moves with probability 1 - (3/4)**h
-    env = make_env("sokoban", 1, levels="#####\n#@$.#\n#####")
+    env = make_native_env("sokoban", 1, levels="#####\n#@$.#\n#####")
     for h, samples in ((1, 4000), (3, 4000)):
         est = env.random_success([0, 1], h, samples=samples, seed=h)
         assert est.shape == (2,)

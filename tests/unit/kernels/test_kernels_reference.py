@@ -701,7 +701,7 @@ def test_cispo_as_published_has_no_lower_bound_on_its_is_weight(tmp_path):
     (The settings check refused clip_low >= 1 for every loss: CISPO as published could not be set.)"""
     from fastpo.config import load_config
     from fastpo.config.fields import ConfigError
-    from fastpo.kernels.reference import policy_loss_terms
+    from fastpo.kernels.torch_reference import policy_loss_terms
 
     s = PolicyLossSettings(loss="cispo", clip_low=1.0, clip_high=0.28)
     lp = torch.log(torch.tensor([0.05, 0.5, 3.0]))  # ratios 0.05, 0.5, 3.0 against old log-probs 0

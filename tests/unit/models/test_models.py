@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 import torch
 
-from fastpo import models
-from fastpo.models import RANDOM_SHAPES, load_model_and_tokenizer
+from fastpo import model_loading as models
+from fastpo.model_loading import RANDOM_SHAPES, load_model_and_tokenizer
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def test_missing_embedded_package(monkeypatch, tmp_path):
 def test_random_model_needs_only_the_cached_tokenizer(monkeypatch, tmp_path):
     import os
 
-    from fastpo.models import cache_root, embedded_model_dir
+    from fastpo.model_loading import cache_root, embedded_model_dir
 
     full = embedded_model_dir()  # the machine's real cache (dequantized once)
     monkeypatch.setenv("FASTPO_CACHE", str(tmp_path))

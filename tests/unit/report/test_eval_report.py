@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from fastpo.config import load_config
-from fastpo.evaluate import format_valid_per_trajectory, standard_error
+from fastpo.evaluation.policy import format_valid_per_trajectory
 from fastpo.report.plots import plot_curves
+from fastpo.report.stats import standard_error
 from fastpo.report.summary import before_after, before_after_table, result_line
 from fastpo.rollout.parsing import parse_response
 from fastpo.rollout.prompts import first_user_message, move_question, next_user_message
@@ -22,7 +23,7 @@ def test_standard_error_is_sample_std_over_root_n():
 
 def _penalised(penalty: float, penalised):
     """Three trajectories of 3, 2 and 0 turns, `penalised` turns each got `penalty`."""
-    from fastpo.rollout.batch import TrajectoryBatch
+    from fastpo.rollout.trajectory_batch import TrajectoryBatch
 
     b = len(penalised)
     fp = torch.zeros(b, 3)

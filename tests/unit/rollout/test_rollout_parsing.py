@@ -97,7 +97,7 @@ def test_parse_response_never_raises(text, think, rule):
 # -- prompts ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tokenizer():
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
 
     return load_tokenizer("smollm2-135m-instruct")
 
@@ -198,7 +198,7 @@ def test_first_message_example_one_action_per_turn_shows_each_choice_last():
 
 
 def test_answer_only_mode_does_not_ask_for_thinking():
-    from fastpo.models import load_tokenizer
+    from fastpo.model_loading import load_tokenizer
     from fastpo.rollout.prompts import SYSTEM_PROMPT, SYSTEM_PROMPT_NO_THINK, ChatFormat
 
     tok = load_tokenizer("smollm2-135m-instruct")

@@ -73,7 +73,7 @@ def test_sglang_engine_warns_when_its_logprob_convention_differs(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not sglang_available(), reason="needs sglang and CUDA")
 def test_sglang_rollout_token_in_token_out(tmp_path):
-    from fastpo.models import load_model_and_tokenizer
+    from fastpo.model_loading import load_model_and_tokenizer
     from fastpo.rollout import MultiTurnRollout, RolloutConfig
 
     model, tok, _ = load_model_and_tokenizer("random:smollm2-135m", device="cuda", dtype=torch.bfloat16)

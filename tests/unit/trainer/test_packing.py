@@ -248,7 +248,7 @@ def test_shared_prefix_logprobs_and_gradients_equal_one_at_a_time(kind, device, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("attn", ["eager", "sdpa", "segments"])
 def test_trainer_micro_batches_carry_the_mask_the_attention_takes(attn, dtype):
-    """The trainer's packed micro-batches (`Scorer.micro_batches`, which the old log-probs and
+    """The trainer's packed micro-batches (`LogProbComputer.micro_batches`, which the old log-probs and
     the update read) give each attention the mask it takes: eager adds an additive mask to its
     scores, built as transformers builds its own eager masks (0 / finfo.min in the dtype of the
     model's hidden states: a float32 mask would turn a bf16 model's [N, N] scores into float32);
@@ -258,7 +258,7 @@ def test_trainer_micro_batches_carry_the_mask_the_attention_takes(attn, dtype):
     from fastpo.trainer.batch import TrainBatch
     from fastpo.trainer.models import Models
     from fastpo.trainer.plan import SUPERVISED
-    from fastpo.trainer.scoring import Scorer
+    from fastpo.trainer.logprobs import LogProbComputer
 
     model = _tiny("llama", attn).to(dtype)
     g = torch.Generator().manual_seed(2)
@@ -266,8 +266,8 @@ def test_trainer_micro_batches_carry_the_mask_the_attention_takes(attn, dtype):
     masks = [torch.arange(len(s)) >= 2 for s in seqs]
     batch = TrainBatch(seqs, masks, [torch.zeros(len(s)) for s in seqs], [1] * len(seqs))
     cfg = load_config(env="bandit", preset="tiny", overrides=["optim.micro_token_budget=24"])
-    scorer = Scorer(cfg, Models(model, None, None, torch.device("cpu")), SUPERVISED)
-    micro = list(scorer.micro_batches(batch, list(range(len(seqs)))))
+    logprobs = LogProbComputer(cfg, Models(model, None, None, torch.device("cpu")), SUPERVISED)
+    micro = list(logprobs.micro_batches(batch, list(range(len(seqs)))))
     assert len(micro) >= 2 and any(len(pb.members) > 1 for pb in micro)
     want = {"eager": dtype, "sdpa": torch.bool, "segments": None}[attn]
     with torch.no_grad():

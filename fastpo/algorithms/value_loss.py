@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from fastpo.kernels.reference import aggregate
+from fastpo.kernels.torch_reference import aggregate
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",

@@ -6,15 +6,16 @@ import os
 import sys
 
 from fastpo.cli.common import build_config, resumed_run_config
+from fastpo.config.fields import ConfigError
 
 
 def check_processes(args, argv: list[str]) -> int | None:
     """`--nproc` and torchrun: None to go on in this process, else the exit status (2 for bad
     input). --nproc N > 1 runs torchrun's launcher in this process (`launch_processes`) and
     gives the job's exit status."""
+    # torch: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.context import DistributedError, torchrun_env
     from fastpo.distributed.launch import check_nproc, check_trainer_support, strip_nproc
-    from fastpo.config.fields import ConfigError
 
     nproc = getattr(args, "nproc", None)
     try:
@@ -30,8 +31,9 @@ def check_processes(args, argv: list[str]) -> int | None:
                 else:
                     cfg = resumed_run_config(args)  # a folder that is no run, a setting a resume cannot change
                 name = cfg.model.name
-            if name is not None:  # (fastpo.models imported only once the settings are valid)
-                from fastpo.models import check_model_name
+            if name is not None:  # (fastpo.model_loading is imported once the settings are valid)
+                # torch: imported when the command runs, so `fastpo --help` loads none
+                from fastpo.model_loading import check_model_name
 
                 check_model_name(name)
     except (DistributedError, ConfigError, FileNotFoundError) as e:
@@ -58,6 +60,7 @@ def launch_processes(nproc: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    # torch: imported when the command runs, so `fastpo --help` loads none
     from fastpo.distributed.launch import torchrun_command
 
     cmd = torchrun_command(nproc, argv)

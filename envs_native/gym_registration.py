@@ -2,9 +2,9 @@
 RL frameworks: text observations (`spaces.Text`), `spaces.Discrete` actions.
 
     import gymnasium as gym
-    import fastpo.envs_native.gym_env  # registers the ids below
+    import fastpo.envs_native.gym_registration  # registers the ids below
     env = gym.make("fastpo/Sokoban-v0", size=6, num_boxes=1)
-    obs, info = env.reset(seed=3)      # same level as make_env("sokoban", B).reset([..., 3, ...])
+    obs, info = env.reset(seed=3)      # same level as make_native_env("sokoban", B).reset([..., 3, ...])
     obs, reward, terminated, truncated, info = env.step(0)
 
 Registered ids: fastpo/Bandit-v0, fastpo/Sokoban-v0, fastpo/FrozenLake-v0. Needs gymnasium
@@ -18,13 +18,13 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-from . import ENV_NAMES, make_env
+from . import ENV_NAMES, make_native_env
 
 GYM_IDS = {"bandit": "fastpo/Bandit-v0", "sokoban": "fastpo/Sokoban-v0", "frozenlake": "fastpo/FrozenLake-v0"}
 
 
 class TextGameEnv(gym.Env):
-    """One instance of `make_env(env_name, 1, **config)` as a gymnasium environment.
+    """One instance of `make_native_env(env_name, 1, **config)` as a gymnasium environment.
 
     reset(seed=s) gives the instance that seed s gives in the batched env. info carries
     "instructions" and "action_names" (reset) and "success", "effective" (step).
@@ -41,7 +41,7 @@ class TextGameEnv(gym.Env):
             raise ValueError(f"render_mode must be None or 'ansi', got {render_mode!r}")
         self.render_mode = render_mode
         self.env_name = env_name
-        self._env = make_env(env_name, 1, **config)
+        self._env = make_native_env(env_name, 1, **config)
         self._env.reset([0])
         self.action_space = spaces.Discrete(len(self._env.action_names(0)))
         symbols = "".join(getattr(self._env, "symbols", {}).values())
@@ -77,7 +77,7 @@ def register_gymnasium() -> None:
     """Register the ids in GYM_IDS with gymnasium (idempotent)."""
     for name, gid in GYM_IDS.items():
         if gid not in gym.registry:
-            gym.register(id=gid, entry_point="fastpo.envs_native.gym_env:TextGameEnv", kwargs={"env_name": name})
+            gym.register(id=gid, entry_point="fastpo.envs_native.gym_registration:TextGameEnv", kwargs={"env_name": name})
 
 
 register_gymnasium()

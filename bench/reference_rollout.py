@@ -10,7 +10,8 @@ is fastpo's own, shared with `MultiTurnRollout`, so the two loops differ only in
 handle tokens and KV caches.
 
 It exists for side-by-side benchmarks (``bench/part_rollout.py``, the end-to-end
-benchmark); fastpo's trainer uses `MultiTurnRollout`. It is kept apart from that loop on
+benchmark's ``bench/reference_iteration.py``), and lives with them, out of the package;
+fastpo's trainer uses `MultiTurnRollout`. It is kept apart from that loop on
 purpose, as a plain rendition of the reference's token handling (what the benchmarks measure
 fastpo against), and shares the game logic rather than repeating it.
 """
@@ -22,11 +23,11 @@ import numpy as np
 import torch
 
 from fastpo.config.schema import RolloutConfig
-
-from .batch import TrajectoryBatch
-from .multiturn import TurnCounters, closing_question, end_reason, env_turn
-from .parsing import cut_at_stop
-from .prompts import ChatFormat, first_user_message, next_user_message
+import fastpo.envs_native as native_envs
+from fastpo.rollout.trajectory_batch import TrajectoryBatch
+from fastpo.rollout.turns import TurnCounters, closing_question, end_reason, env_turn
+from fastpo.rollout.parsing import cut_at_stop
+from fastpo.rollout.prompts import ChatFormat, first_user_message, next_user_message
 
 
 class ReferenceRollout:
@@ -52,15 +53,13 @@ class ReferenceRollout:
 
     def generate(self, seeds, group_size: int, temperature: float | None = None, seed: int = 0) -> TrajectoryBatch:
         """Roll out len(seeds) groups x group_size trajectories the reference way (see module doc)."""
-        from fastpo.envs_native import make_env
-
         cfg, tok, model = self.cfg, self.tokenizer, self.model
         t0 = time.perf_counter()
         seeds = [int(s) for s in seeds]
         P, N = len(seeds), int(group_size)
         B = P * N
         temp = cfg.temperature if temperature is None else temperature
-        env = make_env(self.env_name, B, **self.env_config)
+        env = native_envs.make_native_env(self.env_name, B, **self.env_config)  # looked up now: bench swaps it
         traj_seeds = np.repeat(np.asarray(seeds, dtype=np.int64), N)
         obs = env.reset(traj_seeds)
         instr = env.instructions()

