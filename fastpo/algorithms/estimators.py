@@ -5,7 +5,7 @@ returns an `AdvantageOutputs`. Batch statistics (GAE's whitening, REINFORCE++'s
 normalisation) go through the record's `batch_whiten`, which the trainer binds to its process
 group (fastpo.distributed: over every process's tokens; one process: `masked_whiten`), so an
 estimator is written once for one process and N. The trainer logs the figures of what an
-estimator returns (fastpo.trainer.advantages).
+estimator returns (fastpo.trainer.batch_advantages).
 
 A new estimator: declare its facts in fastpo.registry, then decorate its function here with
 `@register_estimator("name")`; importing this module fails when the two lists differ.

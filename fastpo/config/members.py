@@ -33,7 +33,7 @@ def member_rollout_config(cfg: TrainConfig, member) -> RolloutConfig:
 
 
 def env_preset(name: str) -> dict:
-    """The settings env `name` fixes (its spec's: `fastpo.envs.registry.BUILTIN_SETTINGS` for a
+    """The settings env `name` fixes (its spec's: `fastpo.envs.names.BUILTIN_SETTINGS` for a
     built-in game, a plain-Python game's `settings`); ConfigError naming `env.name` when the name does not resolve."""
     from fastpo.envs import EnvError, env_preset as preset
 

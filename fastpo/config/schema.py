@@ -54,7 +54,7 @@ class ModelConfig:
         "smollm2-135m-instruct", bool, "must not be empty",
         doc='the model: "smollm2-135m-instruct" (embedded, the default), an HF hub id, a local model folder, a '
             'fastpo checkpoint or run folder, or "random:<shape>" (a known architecture with random weights: '
-            "tiny-llama, smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b; fastpo.models).")
+            "tiny-llama, smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b; fastpo.model_loading).")
     dtype: Literal["auto", "float32", "bfloat16"] = key(
         "auto",
         doc='"auto" (fp32 on the CPU, bf16 on CUDA), "float32" or "bfloat16".')

@@ -354,7 +354,7 @@ def rollout_metrics(batch, prefix: str = "train") -> dict:
 
 
 #: The engine's batch metrics that `rollout_sums` recomputes from the per-trajectory counts
-#: (`fastpo.rollout.batch.count_rates`) where the batch holds them.
+#: (`fastpo.rollout.trajectory_batch.count_rates`) where the batch holds them.
 COUNTED_RATES = ("valid_action_rate", "effective_action_rate", "response_length", "num_actions")
 
 
@@ -371,7 +371,7 @@ def rollout_sums(batch, sums, prefix: str = "train") -> None:
     processes' rates added, any other figure of it weighted by trajectories. Every process
     records the same keys (a game absent from every share is left out)."""
     from fastpo.algorithms.filtering import group_reward_std
-    from fastpo.rollout.batch import MAX_METRICS, SUMMED_METRICS
+    from fastpo.rollout.trajectory_batch import MAX_METRICS, SUMMED_METRICS
 
     p, n = prefix, len(batch)
     scores = batch.scores.float()

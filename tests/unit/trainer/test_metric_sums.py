@@ -11,7 +11,7 @@ import torch
 import fastpo.trainer.metric_sums as metric_sums
 from fastpo.distributed.context import SINGLE, DistContext, DistributedError
 from fastpo.report.metrics import rollout_metrics, rollout_sums
-from fastpo.rollout.batch import TrajectoryBatch, count_rates
+from fastpo.rollout.trajectory_batch import TrajectoryBatch, count_rates
 from fastpo.trainer.metric_sums import MetricSums
 
 
