@@ -55,8 +55,9 @@ LAZY_IMPORTS = {
     "fastpo/envs/batched.py": 4, "fastpo/envs/names.py": 2,
     # triton is optional
     "fastpo/kernels/api.py": 1,
-    # the configuration loads no torch (`import fastpo.config`); its modules are another change of issue 57
-    "fastpo/config/": 12,
+    # the configuration loads no torch and no game (`import fastpo.config`): fastpo.envs, fastpo.rewards and
+    # fastpo.rubric load when a configuration names a game, a reward function or a rubric
+    "fastpo/config/": 13,
 }
 #: What a comment on a lazy import (its line, or the line above its group of imports) names.
 _LAZY_REASON = re.compile(r"#.*\b(torch|transformers|numpy|numba|triton|sglang|textarena|gymnasium|peft|cycle)\b")
