@@ -22,7 +22,6 @@ from fastpo.algorithms.filtering import group_reward_std
 # The plots (fastpo.report.plots), the end-of-run tables (fastpo.report.summary) and the numeric helpers
 # (fastpo.report.stats) live in their own modules: import their names from there.
 from fastpo.report.stats import finite_number
-from fastpo.rollout.trajectory_batch import MAX_METRICS, SUMMED_METRICS
 from fastpo.run.folder import atomic_write_text
 
 #: fastpo's warnings to the user (a run's conditions, skipped updates, missing bounds): a library
@@ -371,6 +370,9 @@ def rollout_sums(batch, sums, prefix: str = "train") -> None:
     summed, its seconds and peak KV bytes the largest process's, its tokens per second the
     processes' rates added, any other figure of it weighted by trajectories. Every process
     records the same keys (a game absent from every share is left out)."""
+
+    # torch: fastpo.rollout loads it, and the commands import this module before any model
+    from fastpo.rollout.trajectory_batch import MAX_METRICS, SUMMED_METRICS
 
     p, n = prefix, len(batch)
     scores = batch.scores.float()

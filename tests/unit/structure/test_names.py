@@ -53,6 +53,8 @@ LAZY_IMPORTS = {
     "fastpo/cli/processes.py": 4, "fastpo/cli/sft.py": 9, "fastpo/cli/train.py": 9,
     # `import fastpo.envs` loads neither Numba nor torch
     "fastpo/envs/batched.py": 4, "fastpo/envs/names.py": 2,
+    # fastpo.rollout (torch) only when the rollout figures are summed: the commands import report.metrics first
+    "fastpo/report/metrics.py": 1,
     # triton is optional
     "fastpo/kernels/api.py": 1,
     # the configuration loads no torch and no game (`import fastpo.config`): fastpo.envs, fastpo.rewards and
