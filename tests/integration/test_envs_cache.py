@@ -70,8 +70,8 @@ def test_helper_edit_recompiles_caller_in_another_file(tmp_path, where):
 
 _FL_SCRIPT = """
 import json
-from {package} import make_env, frozenlake
-obs = make_env("frozenlake", 4, size=4, p=0.8, layout="gymnasium").reset([0, 1, 2, 3])
+from {package} import make_native_env, frozenlake
+obs = make_native_env("frozenlake", 4, size=4, p=0.8, layout="gymnasium").reset([0, 1, 2, 3])
 f = frozenlake._fl_reset
 print(json.dumps([obs, sum(f.stats.cache_hits.values()), sum(f.stats.cache_misses.values())]))
 """
