@@ -14,13 +14,7 @@ from fastpo.kernels import (POLICY_LOSSES, LossSetting, PolicyGradient, PolicyLo
                             reference_logprob_entropy, register_policy_loss)
 from fastpo.kernels import losses as registry
 
-
-
-def _data(n, h, v, seed):
-    """Hidden states (n, h), an LM-head weight (v, h) and targets (n,): float32, seeded."""
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) / math.sqrt(h),
-            torch.randint(0, v, (n,), generator=g))
+from kernel_data import lm_head_data
 
 TOY_SCALE = LossSetting("toy_scale", 1.0, lambda v: v > 0, "must be > 0", "the toy loss's scale of -A r.")
 calls = []
@@ -97,7 +91,7 @@ def test_a_bad_setting_of_a_registered_loss_is_refused_in_one_line(toy_loss, no_
 def test_a_registered_loss_runs_fused_with_the_lm_head(toy_loss):
     """The chunked path against the reference, and both against the loss written out by hand on
     materialized logits: the fused paths take a new loss with no change of their own."""
-    hidden, weight, targets = _data(40, 8, 50, seed=3)
+    hidden, weight, targets = lm_head_data(40, 8, 50, seed=3)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         lp, _ = reference_logprob_entropy(hidden, weight, targets)

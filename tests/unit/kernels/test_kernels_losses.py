@@ -15,7 +15,7 @@ from fastpo.kernels import (POLICY_LOSSES, PolicyLossSettings, linear_policy_los
                             reference_logprob_entropy)
 from fastpo.kernels.losses import LOSS_AGGS, clip_cov_selection, kl_cov_selection
 
-from test_kernels_reference import _data
+from kernel_data import lm_head_data as _data
 
 LOG_HALF = math.log(0.5)
 

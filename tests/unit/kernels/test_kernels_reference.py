@@ -12,13 +12,9 @@ import torch
 from fastpo.kernels import (PolicyLossSettings, aggregation_weights, linear_logprob_entropy, linear_policy_loss,
                             policy_loss_terms, reference_logprob_entropy)
 
+from kernel_data import lm_head_data as _data
 
-def _data(n, h, v, dtype=torch.float32, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = (torch.randn(n, h, generator=g, dtype=torch.float64) * scale).to(dtype)
-    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / math.sqrt(h)).to(dtype)
-    targets = torch.randint(0, v, (n,), generator=g)
-    return hidden, weight, targets
+
 
 
 # ---- the per-token loss formula against hand-computed numbers ----
