@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Optional
 
 import numpy as np
@@ -37,6 +38,7 @@ from fastpo.kernels.hf import decoder_body, lm_head_weight
 from fastpo.registry import loss_aggregation
 from fastpo.seeds import mini_batch_generator_seed
 from fastpo.trainer import Trainer
+from fastpo.trainer.metric_sums import MetricSums
 from fastpo.trainer.sampler import Sampler
 from fastpo.trainer.logprobs import LogProbComputer
 from fastpo.trainer.update import PolicyUpdater
@@ -288,8 +290,10 @@ class ReferenceUpdater(PolicyUpdater):
         super().__init__(cfg, dist, models, logprobs, plan, warn)
         self.padded = padded
 
-    def update(self, it, batch) -> tuple[dict, int]:
-        """`PolicyUpdater.update` on the batch record, the reference way; (metrics, trained tokens)."""
+    def update(self, it, batch) -> MetricSums:
+        """`PolicyUpdater.update` on the batch record, the reference way; its figures (actor/pg_loss,
+        grad_norm, updates, skipped_updates; perf/train_tokens_per_s counts the padded tokens)."""
+        t0 = time.perf_counter()
         from fastpo.kernels.torch_reference import aggregation_weights, policy_loss_terms
 
         if batch.is_weights is not None:
@@ -371,6 +375,10 @@ class ReferenceUpdater(PolicyUpdater):
                 grad_norms.append(float(gn))
                 steps += 1
         m.policy.eval()
-        return {"actor/pg_loss": float(np.mean(losses)) if losses else 0.0,
-                "actor/grad_norm": float(np.mean(grad_norms)) if grad_norms else 0.0,
-                "actor/updates": steps, "actor/skipped_updates": skipped}, train_tokens
+        sums = MetricSums()
+        sums.value("actor/pg_loss", float(np.mean(losses)) if losses else 0.0)
+        sums.value("actor/grad_norm", float(np.mean(grad_norms)) if grad_norms else 0.0)
+        sums.value("actor/updates", steps)
+        sums.value("actor/skipped_updates", skipped)
+        sums.total("perf/train_tokens_per_s", train_tokens / max(time.perf_counter() - t0, 1e-9))
+        return sums
