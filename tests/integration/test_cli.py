@@ -95,6 +95,10 @@ def test_help_says_what_each_command_reads(capsys):
 
 _CTRL_C_AT_SET_UP = """
 import signal, sys, time
+# a terminal's Ctrl-C: SIGINT deliverable with Python's own handler (a test worker's process may
+# pass a blocked or ignored SIGINT on to its children; the state it passed is in the message below)
+started = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}))
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import fastpo.sft.data
 def interrupted(*a, **k):  # a Ctrl-C while the expert's data is made (before any model loads)
     signal.raise_signal(signal.SIGINT)
@@ -102,7 +106,8 @@ def interrupted(*a, **k):  # a Ctrl-C while the expert's data is made (before an
     # thread and the main thread's handler only later: under load the set-up ran on without data)
     for _ in range(300):
         time.sleep(0.1)
-    raise AssertionError("the SIGINT handler did not end the command within 30 s")
+    raise AssertionError(f"the SIGINT handler did not end the command within 30 s (SIGINT now "
+                         f"{signal.getsignal(signal.SIGINT)}; at start: handler, blocked {started})")
 fastpo.sft.data.load_sft_data = interrupted
 from fastpo.cli import main
 sys.exit(main(sys.argv[1:]))
