@@ -176,9 +176,7 @@ def embedded_model_dir() -> str:
     gguf = embedded_gguf_path()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=cache_root())
-    try:
+    def write(tmp: str) -> None:
         gdir, gname = os.path.split(gguf)
         tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
         model = AutoModelForCausalLM.from_pretrained(gdir, gguf_file=gname, dtype=torch.float32)
@@ -189,12 +187,25 @@ def embedded_model_dir() -> str:
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+
+    return _publish(final, "config.json", ".tmp-smollm2-", write)
+
+
+def _publish(final: str, marker: str, prefix: str, write) -> str:
+    """Make cache folder `final` atomically: `write(tmp)` fills a temporary folder beside it
+    (under cache_root(), named `prefix`...), which is then renamed into place. When another
+    process renamed its copy first (the same content), that one is kept, provided it holds
+    `marker`; otherwise the rename's OSError is raised. The temporary folder never stays."""
+    os.makedirs(cache_root(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=cache_root())
+    try:
+        write(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, final)
         except OSError:
             # Another process finished first; its copy is identical.
-            if not os.path.isfile(os.path.join(final, "config.json")):
+            if not os.path.isfile(os.path.join(final, marker)):
                 raise
     finally:
         if os.path.isdir(tmp):
@@ -224,20 +235,7 @@ def cache_tokenizer_only() -> str:
     else:
         gdir, gname = os.path.split(embedded_gguf_path())
         tok = AutoTokenizer.from_pretrained(gdir, gguf_file=gname)
-    os.makedirs(cache_root(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-smollm2-tok-", dir=cache_root())
-    try:
-        tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "tokenizer_config.json")):
-                raise
-    finally:
-        if os.path.isdir(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return _publish(final, "tokenizer_config.json", ".tmp-smollm2-tok-", tok.save_pretrained)
 
 
 def embedded_tokenizer_dir() -> str:
