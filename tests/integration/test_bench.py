@@ -224,7 +224,9 @@ def test_limits_of_a_tiny_iteration(tmp_path):
     assert sh["kv_bytes_per_token"] == 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 4
     # the group's 2 trajectories share their prompt: computed once, counted twice by the effective rate
     assert 0 < spy.computed < spy.trajectory and spy.micro >= 1 and 0 < spy.scored < spy.computed
-    assert spy.trajectory == round(m["perf/train_tokens_per_s"] * m["time/update_s"])
+    # the rate's clock runs inside the update, time/update_s's around it: the same tokens, a few ms apart
+    assert m["perf/train_tokens_per_s"] * m["time/update_s"] == pytest.approx(spy.trajectory, rel=0.05)
+    assert m["perf/train_tokens_per_s"] * m["time/update_s"] >= spy.trajectory * (1 - 1e-12)
     assert spy.computed <= spy.pairs <= spy.computed * (spy.computed + 1) // 2
     update_s = m["time/update_s"]
     by_name = {r.name: r for r in limits.limit_records(tr, spy, update_s, "cpu", "tiny")}
