@@ -63,15 +63,50 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
     return out
 
 
+#: Vocabulary block of the two-level inverse-CDF draw (`categorical`): the cumulative sums run
+#: over the block masses, then within one block, in float64.
+CDF_BLOCK = 256
+
+
+def categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of the categorical distribution `probs` by its inverse CDF, given one
+    uniform number per row: token = the first index whose cumulative probability exceeds
+    u * (the row's total). Two levels (block masses of `CDF_BLOCK` tokens, then one block) in
+    float64, so that every token's interval has its probability's width to about 1e-16 and a
+    token of probability 0 (filtered or underflowed) is never drawn.
+
+    probs: float [R, V], >= 0, each row with a positive sum (normalised or not).
+    uniforms: float64 [R] in [0, 1), on probs' device. Returns int64 [R].
+    The same distribution as torch.multinomial(probs, 1), which draws V exponentials per row
+    (the "exponential race"); this draws one number per row and reads probs twice.
+    """
+    R, V = probs.shape
+    nb = -(-V // CDF_BLOCK)
+    if nb * CDF_BLOCK != V:
+        probs = torch.nn.functional.pad(probs, (0, nb * CDF_BLOCK - V))
+    blocks = probs.reshape(R, nb, CDF_BLOCK)
+    zero = torch.zeros((), dtype=torch.float64, device=probs.device)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [R, nb]
+    total = block_cdf[:, -1:]
+    # strictly below the total, so that the search stops at a token of positive probability
+    target = torch.minimum(uniforms.to(torch.float64)[:, None] * total, torch.nextafter(total, zero))
+    b = torch.searchsorted(block_cdf, target, right=True)  # [R, 1]: the block holding the target
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_min(0)), zero)
+    inner = blocks.gather(1, b[:, :, None].expand(R, 1, CDF_BLOCK))[:, 0].cumsum(-1, dtype=torch.float64)
+    rest = torch.minimum(target - before, torch.nextafter(inner[:, -1:], zero))
+    return (b * CDF_BLOCK + torch.searchsorted(inner, rest, right=True))[:, 0]
+
+
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-                  entropy: bool = False):
+                  entropy: bool = False, uniforms: torch.Tensor | None = None):
     """Draw one token per row and return its fp32 log-prob at the sampling temperature.
 
     logits: [R, V] any float dtype. Returns (tokens int64 [R], logprobs float32 [R]), both on
     logits' device; with `entropy=True` also the fp32 entropy [R] (nats) of the full
     distribution softmax(logits / T) the log-prob is taken from (T = 1 when greedy), the
-    quantity the trainer's `linear_logprob_entropy` computes. Deterministic for a given
-    generator state (CPU and CUDA).
+    quantity the trainer's `linear_logprob_entropy` computes. A row's draw is `categorical`
+    with one uniform number from `generator` (rows in order), or from `uniforms` (float64
+    [R]) when given. Deterministic for a given generator state (CPU and CUDA).
     """
     x = logits.float()
     if params.temperature == 0:
@@ -85,7 +120,9 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, generator: torch
             probs = torch.softmax(filter_logits(x, params.top_k, params.top_p), dim=-1)
         else:
             probs = logp.exp()
-        tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        if uniforms is None:
+            uniforms = torch.rand(x.shape[0], generator=generator, dtype=torch.float64, device=x.device)
+        tok = categorical(probs, uniforms)
     lp = logp.gather(1, tok[:, None])[:, 0]
     if not entropy:
         return tok, lp
@@ -108,13 +145,11 @@ def sample_tokens_by_stream(logits: torch.Tensor, params: SamplingParams, stream
     rows_of: dict = {}
     for r in sorted(range(R), key=lambda r: keys[r]):
         rows_of.setdefault(id(streams[r]), []).append(r)
-    tok = torch.empty(R, dtype=torch.long, device=logits.device)
-    lp = torch.empty(R, dtype=torch.float32, device=logits.device)
-    ent = torch.empty(R, dtype=torch.float32, device=logits.device) if entropy else None
-    for rows in rows_of.values():
-        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        out = sample_tokens(logits[idx], params, streams[rows[0]], entropy=entropy)
-        tok[idx], lp[idx] = out[0], out[1].float()
-        if entropy:
-            ent[idx] = out[2].float()
-    return (tok, lp, ent) if entropy else (tok, lp)
+    uniforms = None
+    if params.temperature != 0:
+        uniforms = torch.empty(R, dtype=torch.float64, device=logits.device)
+        for rows in rows_of.values():
+            g = streams[rows[0]]
+            uniforms[rows] = torch.rand(len(rows), generator=g, dtype=torch.float64,
+                                        device=g.device if g is not None else logits.device).to(logits.device)
+    return sample_tokens(logits, params, entropy=entropy, uniforms=uniforms)

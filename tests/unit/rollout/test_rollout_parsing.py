@@ -206,3 +206,53 @@ def test_answer_only_mode_does_not_ask_for_thinking():
     assert ChatFormat(tok, think=False).system_prompt == SYSTEM_PROMPT_NO_THINK
     assert "think" not in SYSTEM_PROMPT_NO_THINK.lower()
     assert ChatFormat(tok, think=False, system_prompt="custom").system_prompt == "custom"
+
+
+def test_categorical_draws_each_token_with_its_probability():
+    """The inverse-CDF draw over blocks: a vocabulary that is not a multiple of the block, the
+    mass spread over several blocks, zero-probability tokens (also at both ends) never drawn,
+    and the frequencies those of the probabilities (chi-square, 200k draws)."""
+    from fastpo.rollout.sampling import CDF_BLOCK, categorical
+
+    V = 3 * CDF_BLOCK + 17
+    p = torch.zeros(V, dtype=torch.float64)
+    nz = torch.tensor([1, 5, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 3, V - 2])
+    p[nz] = torch.tensor([0.05, 0.25, 0.1, 0.3, 0.2, 0.1], dtype=torch.float64)
+    n = 200_000
+    probs = (p / p.sum()).float().expand(n, V)
+    u = torch.rand(n, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    tok = categorical(probs, u)
+    counts = torch.bincount(tok, minlength=V).double()
+    assert counts[p == 0].sum() == 0
+    expected = n * p[nz] / p.sum()
+    chi2 = float(((counts[nz] - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5, chi2  # 5 degrees of freedom: p = 0.001
+
+
+def test_categorical_ends_of_the_unit_interval():
+    """u = 0 draws the first token of positive probability, u just below 1 the last one."""
+    from fastpo.rollout.sampling import categorical
+
+    probs = torch.tensor([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0]]).expand(2, 6)
+    u = torch.tensor([0.0, 1.0 - 2 ** -53], dtype=torch.float64)
+    assert categorical(probs, u).tolist() == [2, 4]
+    # a token whose probability underflowed to 0 at the end of the vocabulary is not drawn either
+    tiny = torch.tensor([[1e-30, 1.0, 0.0]])
+    assert categorical(tiny, torch.tensor([1.0 - 2 ** -53], dtype=torch.float64)).tolist() == [1]
+
+
+def test_stream_draws_do_not_depend_on_the_other_rows():
+    """sample_tokens_by_stream: an env group's tokens are the same alone or beside other groups."""
+    from fastpo.rollout.sampling import sample_tokens_by_stream
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
+    p = SamplingParams(temperature=1.0)
+
+    def streams(seeds):
+        return {k: torch.Generator().manual_seed(s) for k, s in seeds.items()}
+
+    g = streams({"a": 1, "b": 2})
+    both, _ = sample_tokens_by_stream(logits[:4], p, [g["a"], g["b"], g["a"], g["b"]], [0, 1, 2, 3])
+    g = streams({"a": 1})
+    alone, _ = sample_tokens_by_stream(logits[[0, 2]], p, [g["a"], g["a"]], [0, 2])
+    assert both[[0, 2]].tolist() == alone.tolist()
