@@ -9,7 +9,7 @@ with `tests/data/engine_recorded.json`, which this module wrote from an earlier 
     python tests/engine_scenarios.py record tests/data/engine_recorded.json
 
 (`--only tiny` records the tiny-model scenarios alone.) The file says which commit's engine
-recorded it.
+recorded it (and, where the sampler was newer than that engine, which commit's sampling module).
 """
 from __future__ import annotations
 

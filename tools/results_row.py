@@ -35,7 +35,8 @@ README = os.path.join(ROOT, "README.md")
 PAGE = os.path.join(ROOT, "docs", "results.md")  # the full rows
 # what decides an evaluation's figures besides the configuration: the episodes' seeds and
 # sampling streams, the evaluation loop (the game's own module is added per record)
-EVAL_SOURCES = ("fastpo/evaluation/policy.py", "fastpo/evaluation/settings.py", "fastpo/seeds.py")
+EVAL_SOURCES = ("fastpo/evaluation/policy.py", "fastpo/evaluation/settings.py", "fastpo/seeds.py",
+                "fastpo/rollout/sampling.py")
 GAME_SOURCES = {"frozenlake": "envs_native/frozenlake.py", "sokoban": "envs_native/sokoban.py",
                 "bandit": "envs_native/bandit.py"}
 
