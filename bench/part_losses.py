@@ -3,7 +3,7 @@
 `linear_policy_loss` with each registered loss (fastpo.kernels.POLICY_LOSSES: cispo, sapo,
 clip_cov, kl_cov, and any registered beside them) against loss = ppo, on the
 kernel part's inputs and shape (CPU: the chunked path, H=576, V=49152, N=2048 fp32, --quick
-N=512 with 128-token chunks; CUDA: the Triton path, H=896, V=151936, N=4096 bf16), timed in
+N=128 with 64-token chunks; CUDA: the Triton path, H=896, V=151936, N=4096 bf16), timed in
 one alternation (A B C ... A B C) so that machine load hits every loss alike, plus each
 call's peak memory beyond its inputs and returned gradients. Target: at most 1.05x PPO's
 time, and the same peak memory (no extra [N x V] tensor: at most 1.05x PPO's, which keeps one
@@ -60,8 +60,8 @@ def run(ctx: BenchContext) -> list[Record]:
         n, h, v, dtype, impl, chunk = 4096, 896, 151936, torch.bfloat16, "triton", None
         sync = torch.cuda.synchronize
     else:
-        n, h, v, dtype, impl = (512 if ctx.quick else 2048), 576, 49152, torch.float32, "chunked"
-        chunk = 128 if ctx.quick else None
+        n, h, v, dtype, impl = (128 if ctx.quick else 2048), 576, 49152, torch.float32, "chunked"
+        chunk = 64 if ctx.quick else None
         sync = None
     data = _inputs(n, h, v, dtype, ctx.device, ctx.seed)
     fns = _fns(data, impl, chunk)

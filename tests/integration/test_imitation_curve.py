@@ -1,5 +1,6 @@
-"""experiments/imitation_curve.py: the cheap imitation learning curve (issue 33) runs on the embedded
-model, scores every expert turn it builds, and refuses bad sizes in one line."""
+"""experiments/imitation_curve.py: the cheap imitation learning curve (issue 33) runs (on the random
+tiny model, which has the embedded model's tokenizer, so the expert's turns are the same), scores
+every expert turn it builds, and refuses bad sizes in one line."""
 import pathlib
 import json
 import os
@@ -13,7 +14,7 @@ TOOL = os.path.join(ROOT, "experiments", "imitation_curve.py")
 def test_one_step_curve(tmp_path):
     out = tmp_path / "curve.json"
     r = subprocess.run([sys.executable, TOOL, "--levels", "4", "--held-out", "2", "--steps", "1", "--batch", "2",
-                        "--every", "1", "--lr", "1e-4", "--json", str(out)],
+                        "--every", "1", "--lr", "1e-4", "--model", "random:tiny-llama", "--json", str(out)],
                        capture_output=True, text=True, encoding="utf-8", timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     res = json.loads(out.read_text(encoding="utf-8"))
