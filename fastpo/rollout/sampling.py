@@ -77,6 +77,7 @@ def categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
     probs: float [R, V], >= 0, each row with a positive sum (normalised or not).
     uniforms: float64 [R] in [0, 1), on probs' device. Returns int64 [R].
+    Raises ValueError naming the rows whose sum is not finite and positive (NaN or inf).
     The same distribution as torch.multinomial(probs, 1), which draws V exponentials per row
     (the "exponential race"); this draws one number per row and reads probs twice.
     """
@@ -88,6 +89,11 @@ def categorical(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     zero = torch.zeros((), dtype=torch.float64, device=probs.device)
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [R, nb]
     total = block_cdf[:, -1:]
+    bad = ~(torch.isfinite(total) & (total > 0))[:, 0]
+    if bool(bad.any()):  # (torch.multinomial refused these too; the search would index past the end)
+        rows = bad.nonzero()[:, 0].tolist()
+        raise ValueError(f"sampling: row(s) {rows[:8]} of {R} have no finite positive probability mass "
+                         "(non-finite logits, e.g. a diverged model)")
     # strictly below the total, so that the search stops at a token of positive probability
     target = torch.minimum(uniforms.to(torch.float64)[:, None] * total, torch.nextafter(total, zero))
     b = torch.searchsorted(block_cdf, target, right=True)  # [R, 1]: the block holding the target

@@ -256,3 +256,17 @@ def test_stream_draws_do_not_depend_on_the_other_rows():
     g = streams({"a": 1})
     alone, _ = sample_tokens_by_stream(logits[[0, 2]], p, [g["a"], g["a"]], [0, 2])
     assert both[[0, 2]].tolist() == alone.tolist()
+
+
+def test_non_finite_logits_are_refused_naming_the_rows():
+    """A row of NaN or infinite logits (a diverged model) is a ValueError naming the row, as
+    torch.multinomial refused it before, not an index error from the search."""
+    from fastpo.rollout.sampling import sample_tokens
+
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(0))
+    logits[1, 7] = float("inf")
+    logits[2] = float("nan")
+    with pytest.raises(ValueError, match=r"row\(s\) \[1, 2\] of 3 have no finite positive probability mass"):
+        sample_tokens(logits, SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    tok, _ = sample_tokens(logits[:1], SamplingParams(temperature=1.0), torch.Generator().manual_seed(0))
+    assert 0 <= int(tok) < 300
