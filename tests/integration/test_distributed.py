@@ -818,9 +818,9 @@ def test_other_estimators_in_two_processes_equal_one(tmp_path, case):
     advantages whitened over the global batch, the critic's value loss over global
     denominators and its own optimizer's summed gradients; both ranks holding trajectories:
     the next test) where rank 1's groups have no reward spread, so the filter keeps only rank
-    0's and rank 1 joins the update with nothing. "reinforce_pp_baseline": its normalisation over every rank's tokens, with the
-    soft advantage reweighting (the largest group std of the global batch) and a KL term to
-    the reference model in the loss."""
+    0's and rank 1 joins the update with nothing. "reinforce_pp_baseline": its normalisation
+    over every rank's tokens, with the soft advantage reweighting (the largest group std of
+    the global batch) and a KL term to the reference model in the loss."""
     if case == "reinforce_pp_baseline":
         gae = [*TRAIN, "algorithm.adv_estimator=reinforce_pp_baseline", "algorithm.soft_advantage_reweight=true",
                "algorithm.kl_coef=0.05", "trainer.collapse_every=0", "--iterations", "1"]
@@ -886,8 +886,8 @@ UNEVEN = ["--env", "frozenlake", "--preset", "tiny", "--model", "random:tiny-lla
 
 def test_update_and_rollout_metrics_do_not_depend_on_the_number_of_processes(tmp_path):
     """The same data in one process and in two log the same figures, and end with the same
-    weights of the policy and of its separate critic: the update's per-token
-    ones are means over all the iteration's tokens (not means of each micro-batch's mean, which
+    weights of the policy and of its separate critic: the update's per-token ones are means
+    over all the iteration's tokens (not means of each micro-batch's mean, which
     depend on how the processes split a mini-batch), its extremes (ratio_max / _min) over all
     of them, pg_loss the mean over the optimizer steps of each step's whole loss term, and the
     rollout's figures are those of the whole batch."""

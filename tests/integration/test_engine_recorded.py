@@ -4,9 +4,9 @@
 D] buffer per layer, every row padded to the longest) produced in the scenarios of
 `tests/engine_scenarios.py`, fp32 on the CPU, drawing its tokens with the inverse-CDF sampler
 (`fastpo/rollout/sampling.py` of the commit the file names as `sampling_module_of`, copied into
-a checkout of 0986306, whose own sampling module was the one before it). The paged cache must give the same tokens, stop
-reasons, session lengths and contexts exactly, and the same log-probs, entropies and readout
-values to fp32 rounding (its attention sums in another order).
+a checkout of 0986306, whose own sampling module was the one before it). The paged cache must
+give the same tokens, stop reasons, session lengths and contexts exactly, and the same
+log-probs, entropies and readout values to fp32 rounding (its attention sums in another order).
 """
 from __future__ import annotations
 
